@@ -1,0 +1,12 @@
+"""shardwise: train one PyTorch model on many devices as if they were one.
+
+Public API re-exports only; see DESIGN.md section 5 for the contract.
+"""
+
+from . import comm
+from .mesh import Mesh, MeshLayout
+from .runtime.launch import World, init, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "__version__"]

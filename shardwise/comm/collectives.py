@@ -1,0 +1,315 @@
+"""Typed collectives over one axis of a ``Mesh``.
+
+Every function here is **collective over the axis group**: every rank of ``mesh.ranks(axis)`` must call it
+with matching arguments (same length, dtype, op, algorithm), in the same order. With ``mesh.debug`` set, a
+small native all-gather of each call's signature runs first and a mismatch raises ``ValueError`` on every
+rank instead of hanging or returning garbage.
+
+``algorithm`` picks the implementation: ``"native"`` (the backend's own: gloo or NCCL), ``"ring"``
+(bandwidth-optimal, ``ring.py``) or ``"tree"`` (latency-optimal, ``tree.py``). Uneven sizes follow
+``shard_sizes``: the first ``L % n`` ranks hold one extra row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Mesh
+from .counter import record_collective
+from .handles import Handle, worker_for
+from .ops import ALGORITHMS, check_algorithm, check_dtype, check_op, shard_offsets, shard_sizes
+from .p2p import AxisLink
+from .ring import DEFAULT_PIECE_BYTES, ring_all_gather, ring_all_reduce, ring_broadcast, ring_reduce_scatter
+from .signature import check_agreement
+from .tree import tree_all_gather, tree_all_reduce, tree_broadcast, tree_reduce_scatter
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
+           "isend", "irecv", "barrier", "link_for"]
+
+_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def link_for(mesh: Mesh, axis: str) -> AxisLink:
+    """This rank's point-to-point view of ``axis``."""
+    return AxisLink(mesh.p2p_group(axis), tuple(mesh.ranks(axis)), mesh.coord(axis))
+
+
+def _run(mesh: Mesh, axis: str, job: Callable[[], torch.Tensor], async_op: bool) -> torch.Tensor | Handle:
+    """Run a point-to-point algorithm: on the axis' worker thread when asynchronous or when earlier
+    asynchronous calls are still queued there (to keep one order on every rank), else inline."""
+    last = mesh.__dict__.get("_comm_last", {}).get(axis)
+    if not async_op and (last is None or last.done()):
+        return job()
+    future = worker_for(mesh, axis).submit(job)
+    mesh.__dict__.setdefault("_comm_last", {})[axis] = future
+    return Handle(future=future) if async_op else future.result()
+
+
+def _native_op(op: str) -> dist.ReduceOp:
+    return _NATIVE_OPS["sum" if op == "avg" else op]
+
+
+def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", algorithm: str = "native",
+               async_op: bool = False, piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
+    """Reduce ``t`` across ``axis`` **in place** and return it (or a ``Handle`` whose ``wait()`` returns it).
+    ``op``: ``sum | avg | max | min`` (``avg`` needs a floating dtype). Collective."""
+    check_algorithm(algorithm, ALGORITHMS, "all_reduce")
+    check_op(op, t.dtype)
+    check_dtype(t.dtype, algorithm)
+    n = mesh.size(axis)
+    record_collective("all_reduce", algorithm, axis, t.numel() * t.element_size(), n)
+    if mesh.debug:
+        check_agreement(mesh, axis, "all_reduce", t, op=op, algorithm=algorithm)
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+    def finish() -> torch.Tensor:
+        if op == "avg" and algorithm == "native":
+            flat.div_(n)
+        if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
+        return t
+
+    if algorithm == "native":
+        work = dist.all_reduce(flat, op=_native_op(op), group=mesh.group(axis), async_op=async_op)
+        if async_op:
+            return Handle(work=work, finish=finish)
+        return finish()
+    link = link_for(mesh, axis)
+    algo = ring_all_reduce if algorithm == "ring" else tree_all_reduce
+
+    def job() -> torch.Tensor:
+        algo(flat, link, op, piece_bytes)
+        return finish()
+    return _run(mesh, axis, job, async_op)
+
+
+def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with ``dim`` moved to the front, contiguous: rows are then contiguous runs of elements."""
+    if not -t.dim() <= dim < max(t.dim(), 1):
+        raise ValueError(f"dim {dim} is out of range for a tensor of shape {tuple(t.shape)}")
+    return t.movedim(dim, 0).contiguous() if t.dim() > 0 else t.reshape(1)
+
+
+def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: Sequence[int] | None = None,
+               algorithm: str = "native", async_op: bool = False,
+               piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
+    """Concatenate every rank's ``t`` along ``dim`` (a new tensor). ``sizes[j]`` is rank ``j``'s size along
+    ``dim`` when they differ (default: all equal to this rank's). Conjugate of ``reduce_scatter``. Collective."""
+    check_algorithm(algorithm, ALGORITHMS, "all_gather")
+    check_dtype(t.dtype, algorithm)
+    n, i = mesh.size(axis), mesh.coord(axis)
+    x = _rows_first(t, dim)
+    rows = list(sizes) if sizes is not None else [x.shape[0]] * n
+    if len(rows) != n or rows[i] != x.shape[0]:
+        raise ValueError(f"all_gather sizes {rows} must have one entry per rank of axis {axis!r} ({n}) and "
+                         f"entry {i} must equal this rank's size {x.shape[0]} along dim {dim}")
+    record_collective("all_gather", algorithm, axis, x.numel() * x.element_size(), n)
+    if mesh.debug:
+        check_agreement(mesh, axis, "all_gather", x, algorithm=algorithm, sizes=rows)
+    inner = math.prod(x.shape[1:])
+    out = torch.empty((sum(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    flat = out.reshape(-1)
+    offsets = [r * inner for r in _cumsum(rows)]
+    flat[offsets[i]:offsets[i + 1]].copy_(x.reshape(-1))
+
+    def finish() -> torch.Tensor:
+        return out.movedim(0, dim) if t.dim() > 0 else out
+
+    if algorithm == "native":
+        return _native_all_gather(flat, x, rows, inner, mesh.group(axis), async_op, finish)
+    link = link_for(mesh, axis)
+
+    def job() -> torch.Tensor:
+        if algorithm == "ring":
+            ring_all_gather(flat, link, offsets, piece_bytes)
+        else:
+            tree_all_gather(flat, link, offsets)
+        return finish()
+    return _run(mesh, axis, job, async_op)
+
+
+def _native_all_gather(flat: torch.Tensor, x: torch.Tensor, rows: list[int], inner: int,
+                       group: dist.ProcessGroup, async_op: bool,
+                       finish: Callable[[], torch.Tensor]) -> torch.Tensor | Handle:
+    if len(set(rows)) == 1:
+        work = dist.all_gather_into_tensor(flat, x.reshape(-1), group=group, async_op=async_op)
+        return Handle(work=work, finish=finish) if async_op else finish()
+    # Uneven: gather rows padded to the largest share, then drop the padding.
+    pad = max(rows) * inner
+    mine = torch.zeros(pad, dtype=x.dtype, device=x.device)
+    mine[:x.numel()].copy_(x.reshape(-1))
+    gathered = torch.empty(pad * len(rows), dtype=x.dtype, device=x.device)
+    work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=async_op)
+
+    def compact() -> torch.Tensor:
+        pos = 0
+        for j, r in enumerate(rows):
+            flat[pos:pos + r * inner].copy_(gathered[j * pad:j * pad + r * inner])
+            pos += r * inner
+        return finish()
+    return Handle(work=work, finish=compact) if async_op else compact()
+
+
+def _cumsum(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", dim: int = 0,
+                   algorithm: str = "native", async_op: bool = False,
+                   piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
+    """Reduce ``t`` across ``axis`` and return this rank's shard along ``dim`` (rows per ``shard_sizes``).
+    ``t`` is not modified. Conjugate of ``all_gather``. Collective."""
+    check_algorithm(algorithm, ALGORITHMS, "reduce_scatter")
+    check_op(op, t.dtype)
+    check_dtype(t.dtype, algorithm)
+    n, i = mesh.size(axis), mesh.coord(axis)
+    x = _rows_first(t, dim)
+    record_collective("reduce_scatter", algorithm, axis, x.numel() * x.element_size(), n)
+    if mesh.debug:
+        check_agreement(mesh, axis, "reduce_scatter", x, op=op, algorithm=algorithm)
+    rows = shard_sizes(x.shape[0], n)
+    inner = math.prod(x.shape[1:])
+    offsets = [r * inner for r in _cumsum(rows)]
+    buf = x.reshape(-1).clone()
+
+    def shaped(flat_shard: torch.Tensor) -> torch.Tensor:
+        out = flat_shard.reshape((rows[i], *x.shape[1:]))
+        return out.movedim(0, dim) if t.dim() > 0 else out
+
+    if algorithm == "native":
+        return _native_reduce_scatter(buf, rows, inner, i, op, mesh.group(axis), async_op, shaped)
+    link = link_for(mesh, axis)
+
+    def job() -> torch.Tensor:
+        algo = ring_reduce_scatter if algorithm == "ring" else tree_reduce_scatter
+        shard = algo(buf, link, op, offsets, piece_bytes) if algorithm == "ring" else algo(buf, link, op, offsets)
+        return shaped(shard)
+    return _run(mesh, axis, job, async_op)
+
+
+def _native_reduce_scatter(buf: torch.Tensor, rows: list[int], inner: int, i: int, op: str,
+                           group: dist.ProcessGroup, async_op: bool,
+                           shaped: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | Handle:
+    n, pad = len(rows), max(rows) * inner
+    if len(set(rows)) != 1:  # uneven: lay every rank's chunk out padded to the largest share
+        padded = torch.zeros(n * pad, dtype=buf.dtype, device=buf.device)
+        for j, off in enumerate(_cumsum([r * inner for r in rows])[:-1]):
+            padded[j * pad:j * pad + rows[j] * inner].copy_(buf[off:off + rows[j] * inner])
+        buf = padded
+    out = torch.empty(pad, dtype=buf.dtype, device=buf.device)
+    work = dist.reduce_scatter_tensor(out, buf, op=_native_op(op), group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        shard = out[:rows[i] * inner]
+        if op == "avg":
+            shard.div_(n)
+        return shaped(shard)
+    return Handle(work=work, finish=finish) if async_op else finish()
+
+
+def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, *, src: int = 0, algorithm: str = "native",
+              async_op: bool = False, piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
+    """Copy the tensor of the rank at coordinate ``src`` along ``axis`` into every rank's ``t`` (in place)."""
+    check_algorithm(algorithm, ALGORITHMS, "broadcast")
+    check_dtype(t.dtype, algorithm)
+    n = mesh.size(axis)
+    if not 0 <= src < n:
+        raise ValueError(f"broadcast src {src} is not a coordinate of axis {axis!r} (size {n}); use 0..{n - 1}")
+    record_collective("broadcast", algorithm, axis, t.numel() * t.element_size(), n)
+    if mesh.debug:
+        check_agreement(mesh, axis, "broadcast", t, algorithm=algorithm, sizes=[src])
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+    def finish() -> torch.Tensor:
+        if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
+        return t
+
+    if algorithm == "native":
+        work = dist.broadcast(flat, src=mesh.global_rank(axis, src), group=mesh.group(axis), async_op=async_op)
+        return Handle(work=work, finish=finish) if async_op else finish()
+    link = link_for(mesh, axis)
+
+    def job() -> torch.Tensor:
+        (ring_broadcast if algorithm == "ring" else tree_broadcast)(flat, link, src, piece_bytes)
+        return finish()
+    return _run(mesh, axis, job, async_op)
+
+
+def all_to_all(t: torch.Tensor, mesh: Mesh, axis: str, *, split_dim: int, concat_dim: int,
+               concat_sizes: Sequence[int] | None = None, algorithm: str = "native") -> torch.Tensor:
+    """Cut ``t`` along ``split_dim`` into one piece per rank (``shard_sizes``), send piece ``j`` to rank
+    ``j``, and concatenate the received pieces along ``concat_dim``. ``concat_sizes[j]`` is rank ``j``'s
+    size along ``concat_dim`` when they differ. This is the S(concat_dim) → S(split_dim) boxing. Collective."""
+    check_algorithm(algorithm, ("native",), "all_to_all")
+    n, i = mesh.size(axis), mesh.coord(axis)
+    d = t.dim()
+    split_dim, concat_dim = split_dim % d, concat_dim % d
+    csz = list(concat_sizes) if concat_sizes is not None else [t.shape[concat_dim]] * n
+    record_collective("all_to_all", algorithm, axis, t.numel() * t.element_size(), n)
+    if mesh.debug:
+        check_agreement(mesh, axis, "all_to_all", t, algorithm=algorithm, sizes=csz)
+    pieces = [p.contiguous() for p in torch.split(t, shard_sizes(t.shape[split_dim], n), dim=split_dim)]
+    in_flat = torch.cat([p.reshape(-1) for p in pieces])
+    recv_shapes = []
+    for j in range(n):
+        shape = list(pieces[i].shape)
+        shape[concat_dim] = csz[j] if concat_dim != split_dim else shape[concat_dim]
+        recv_shapes.append(shape)
+    out_flat = torch.empty(sum(math.prod(s) for s in recv_shapes), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(out_flat, in_flat, output_split_sizes=[math.prod(s) for s in recv_shapes],
+                           input_split_sizes=[p.numel() for p in pieces], group=mesh.group(axis))
+    parts = torch.split(out_flat, [math.prod(s) for s in recv_shapes])
+    return torch.cat([p.view(s) for p, s in zip(parts, recv_shapes)], dim=concat_dim)
+
+
+def send(t: torch.Tensor, mesh: Mesh, axis: str, *, dst: int, tag: int = 0) -> None:
+    """Send ``t`` to the rank at coordinate ``dst`` along ``axis`` (blocking). Pairs with ``recv``."""
+    h = isend(t, mesh, axis, dst=dst, tag=tag)
+    h.wait()
+
+
+def recv(t: torch.Tensor, mesh: Mesh, axis: str, *, src: int, tag: int = 0) -> torch.Tensor:
+    """Receive into ``t`` from the rank at coordinate ``src`` along ``axis`` (blocking); returns ``t``."""
+    return irecv(t, mesh, axis, src=src, tag=tag).wait()
+
+
+def isend(t: torch.Tensor, mesh: Mesh, axis: str, *, dst: int, tag: int = 0) -> Handle:
+    """Start sending ``t`` (kept alive until ``wait``) to coordinate ``dst`` along ``axis``."""
+    n = mesh.size(axis)
+    if not 0 <= dst < n or dst == mesh.coord(axis):
+        raise ValueError(f"send dst {dst} must be another coordinate of axis {axis!r} (size {n}, this rank "
+                         f"is {mesh.coord(axis)})")
+    record_collective("send", "native", axis, t.numel() * t.element_size(), n)
+    x = t.contiguous()
+    work = link_for(mesh, axis).isend(x, dst, tag)
+    return Handle(work=work, finish=lambda: x) if work is not None else Handle(finish=lambda: x)
+
+
+def irecv(t: torch.Tensor, mesh: Mesh, axis: str, *, src: int, tag: int = 0) -> Handle:
+    """Start receiving into ``t`` from coordinate ``src`` along ``axis``; ``wait()`` returns ``t``."""
+    n = mesh.size(axis)
+    if not 0 <= src < n or src == mesh.coord(axis):
+        raise ValueError(f"recv src {src} must be another coordinate of axis {axis!r} (size {n}, this rank "
+                         f"is {mesh.coord(axis)})")
+    record_collective("recv", "native", axis, t.numel() * t.element_size(), n)
+    x = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def finish() -> torch.Tensor:
+        if x is not t:
+            t.copy_(x)
+        return t
+    work = link_for(mesh, axis).irecv(x, src, tag)
+    return Handle(work=work, finish=finish) if work is not None else Handle(finish=finish)
+
+
+def barrier(mesh: Mesh, axis: str) -> None:
+    """Wait until every rank of the axis group arrives. Collective."""
+    dist.barrier(group=mesh.group(axis))

@@ -1,0 +1,122 @@
+"""Process start-up: the only module that reads environment variables.
+
+``init()`` joins the job torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), or — with no torchrun environment — makes a world of size 1 so the same script runs on
+one process unchanged. ``run_local`` starts local ranks through torch's own elastic launcher, so a
+multi-node job is a plain torchrun job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["World", "init", "shutdown", "run_local", "env_flag"]
+
+Backend = Literal["gloo", "nccl"]
+
+
+@dataclass(frozen=True)
+class World:
+    """What ``init`` joined."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def env_flag(name: str, default: str = "") -> str:
+    """Read one ``SHARDWISE_*`` setting (kept here so no other module touches ``os.environ``)."""
+    return os.environ.get(name, default)
+
+
+def init(*, backend: Backend | None = None, timeout_s: float = 60.0, init_method: str | None = None,
+         rank: int | None = None, world_size: int | None = None) -> World:
+    """Initialise ``torch.distributed`` for this process and return what was joined.
+
+    Under torchrun the rank and world size come from its environment. ``init_method``/``rank``/``world_size``
+    may be given explicitly (the test harness does, with a ``file://`` rendezvous). With neither, this is a
+    world of size 1 (an in-memory store; nothing listens on the network). ``backend`` defaults to NCCL when
+    CUDA is available and gloo otherwise; with NCCL the device is ``cuda:LOCAL_RANK``. ``timeout_s`` bounds
+    every collective, so a dead peer turns into an error instead of a hang.
+    Calling ``init`` again in an initialised process returns the existing world.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    if rank is None and "RANK" in os.environ:
+        rank = int(os.environ["RANK"])
+    if world_size is None and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank or 0))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which this machine does not have; use backend='gloo'")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        _init_process_group(backend, datetime.timedelta(seconds=timeout_s), init_method, rank, world_size)
+    return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                 backend=dist.get_backend(), device=device)
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta, init_method: str | None,
+                        rank: int | None, world_size: int | None) -> None:
+    if init_method is None and rank is None and "MASTER_ADDR" not in os.environ:
+        # No launcher: a private world of one process.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    if init_method is None:
+        init_method = "env://"
+    dist.init_process_group(backend, init_method=init_method, rank=rank if rank is not None else -1,
+                            world_size=world_size if world_size is not None else -1, timeout=timeout)
+
+
+def shutdown() -> None:
+    """Destroy the process group (safe to call when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_local(nproc: int, target: Sequence[str], *, module: bool = False, nnodes: str | None = None,
+              node_rank: int | None = None, rdzv_endpoint: str | None = None,
+              extra: Sequence[str] = ()) -> int:
+    """Launch ``target`` (a script and its arguments, or ``-m module ...``) on ``nproc`` local ranks via
+    ``torch.distributed.run``; multi-node options pass straight through. Returns the launcher's exit code."""
+    if nproc < 1:
+        raise ValueError(f"-n/--nproc must be >= 1, got {nproc}")
+    from torch.distributed import run as torchrun
+
+    args = [f"--nproc-per-node={nproc}"]
+    if nnodes is not None:
+        args.append(f"--nnodes={nnodes}")
+    if node_rank is not None:
+        args.append(f"--node-rank={node_rank}")
+    if rdzv_endpoint is not None:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    elif nnodes in (None, "1", "1:1"):
+        args.append("--standalone")  # picks a free port on this machine
+    args += list(extra)
+    if module:
+        args.append("-m")
+    args += list(target)
+    try:
+        torchrun.main(args)
+    except SystemExit as exc:  # torchrun exits through SystemExit
+        return int(exc.code or 0)
+    except Exception as exc:  # ChildFailedError: the launcher already printed each rank's failure
+        print(f"shardwise run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
