@@ -1,0 +1,1 @@
+"""Parallel strategies built on the mesh and the collectives: data, ZeRO, tensor, pipeline, checkpointing."""
