@@ -3,10 +3,10 @@
 Public API re-exports only; see DESIGN.md section 5 for the contract.
 """
 
-from . import comm
+from . import comm, models
 from .mesh import Mesh, MeshLayout
 from .runtime.launch import World, init, shutdown
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "__version__"]
+__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "__version__"]

@@ -1,0 +1,203 @@
+"""Reference GPT (decoder-only transformer, GPT-2 layout) with no parallel code inside.
+
+Every parallel strategy is checked against this model on one device: same seed → same weights → same
+numbers. Parameter names are part of the contract (plans address modules by name, e.g.
+``blocks.*.mlp.fc``), so the module tree is fixed:
+
+    wte, wpe, drop, blocks[i].{ln_1, attn.{qkv, proj}, ln_2, mlp.{fc, proj}}, ln_f, lm_head
+
+``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights`` is set (one Parameter, two uses), as in GPT-2.
+Shapes below: ``b`` batch, ``t`` sequence length, ``h`` = ``n_embd``, ``nh`` heads, ``hd`` = h / nh,
+``v`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "synthetic_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a GPT. Frozen and validated at construction; presets via ``GPTConfig.preset(name)``."""
+
+    vocab_size: int = 256
+    """Number of token ids (256 = raw bytes, the default tokeniser of ``shardwise.runtime.data``)."""
+    block_size: int = 64
+    """Longest sequence the model accepts (rows of the position embedding ``wpe``)."""
+    n_layer: int = 2
+    """Number of transformer blocks."""
+    n_head: int = 2
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int = 64
+    """Hidden width ``h``; the MLP is ``h → 4h → h``."""
+    dropout: float = 0.0
+    """Dropout probability after embeddings, in attention and on residual branches (training mode only)."""
+    bias: bool = True
+    """Whether Linear and LayerNorm layers carry a bias (``lm_head`` never does)."""
+    tie_weights: bool = True
+    """Share one Parameter between the token embedding ``wte`` and the output projection ``lm_head``."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                f"choose n_embd as a multiple of n_head, e.g. n_embd={self.n_head * max(1, self.n_embd // self.n_head)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @staticmethod
+    def preset(name: str) -> "GPTConfig":
+        """A named configuration: ``gpt-tiny`` (the defaults, ~0.1M params), ``gpt-small`` (~3.3M),
+        ``gpt2-124m`` (the GPT-2 small shape, 124M with tied weights)."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(_PRESETS)}")
+        return GPTConfig(**_PRESETS[name])
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form (for plans, checkpoints and JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_PRESETS: dict[str, dict[str, object]] = {
+    "gpt-tiny": {},
+    "gpt-small": {"block_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 256},
+    "gpt2-124m": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768},
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused ``qkv`` projection ``h → 3h`` and an output ``proj``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, h = x.shape
+        # (b, t, h) @ (h, 3h) -> three (b, t, h) -> (b, nh, t, hd) each
+        q, k, v = self.qkv(x).split(h, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, h // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        # (b, nh, t, hd) -> (b, t, h)
+        y = y.transpose(1, 2).contiguous().view(b, t, h)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward ``fc`` (h → 4h), GELU, ``proj`` (4h → h)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, linear head to vocabulary logits.
+
+    Initialisation is deterministic given ``torch.manual_seed``: every Linear/Embedding weight is
+    N(0, 0.02), biases zero, LayerNorms identity; the projections that write into the residual stream
+    (``attn.proj``, ``mlp.proj``) use std 0.02 / sqrt(2 · n_layer) so the residual's variance does not
+    grow with depth (GPT-2 paper, section 2.3).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}; use GPTConfig(...) or GPTConfig.preset(name)")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_weights:
+            # One Parameter used twice: its gradient is the sum of the embedding and the head contributions.
+            self.lm_head.weight = self.wte.weight
+
+    def _init_weights(self) -> None:
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """``idx`` (b, t) int64 token ids → logits (b, t, v). Raises ``ValueError`` if t > block_size."""
+        if idx.dim() != 2:
+            raise ValueError(f"GPT input must be (batch, seq) token ids, got shape {tuple(idx.shape)}")
+        b, t = idx.shape
+        if t > self.config.block_size:
+            raise ValueError(
+                f"sequence length {t} exceeds block_size {self.config.block_size}; "
+                f"crop the input to at most {self.config.block_size} tokens or build the model with a larger block_size")
+        pos = torch.arange(t, device=idx.device)
+        # (b, t, h) + (t, h) broadcast over the batch
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def num_params(self) -> int:
+        """Number of unique parameter elements (a tied weight counts once)."""
+        return sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over all (b, t) positions. ``logits`` (b, t, v), ``targets`` (b, t)."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree; "
+                         "logits must be targets.shape + (vocab,)")
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """A reproducible random token batch: ``idx`` (batch, seq) and ``targets`` = ``idx`` shifted left by one.
+
+    Drawn as one (batch, seq + 1) stream so targets are the true next tokens (the model can learn them
+    only through memorisation — enough for parity tests and benchmarks, with no downloads).
+    """
+    if batch < 1 or seq < 1 or vocab < 1:
+        raise ValueError(f"synthetic_batch needs positive sizes, got batch={batch}, seq={seq}, vocab={vocab}")
+    stream = torch.randint(0, vocab, (batch, seq + 1), generator=generator, dtype=torch.int64)
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
