@@ -1,0 +1,149 @@
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, as plain per-rank action lists.
+
+All generators are pure functions of ``(p, m, chunks)``; ``get_schedule`` checks the input first. The
+bubble and memory of each (equal per-stage costs, no communication time, ``F``/``B``/``W`` the costs of one
+stage's forward, input-gradient and weight-gradient work for one micro-batch):
+
+============  ====================================  ==============================  =========================
+schedule      idle time per rank                    activations held on rank r      constraint
+============  ====================================  ==============================  =========================
+gpipe         (p-1)(F+B+W)                          m                               m >= 1
+1f1b          (p-1)(F+B+W)                          min(p-r, m)                     m >= 1
+interleaved   (p-1)(F+B+W)/chunks (chunk costs       about p + (p-r-1) chunks        chunks >= 2, m % p == 0
+              are the rank's costs / chunks)
+zb-h1         (p-1)(F+B-W)                          min(p, m) (max over ranks, as  m >= 1
+                                                    1F1B's rank 0)
+============  ====================================  ==============================  =========================
+
+GPipe (Huang et al. 2019) runs every forward then every backward. 1F1B (PipeDream-flush, Narayanan et al.
+2021) starts backward as soon as the last stage can, so rank r holds at most p - r micro-batches.
+Interleaved 1F1B (Narayanan et al. 2021, the Megatron-LM variant) gives each rank ``chunks`` thinner
+stages, shrinking the warm-up/cool-down by ``chunks``; its micro-batch order (groups of p micro-batches per
+chunk) needs ``m % p == 0``. ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") splits backward into
+B (needed upstream, on the critical path) and W (needed by nobody) and lets rank r postpone r of its W's,
+which fills the cool-down bubble while no rank holds more than p micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .actions import Action, Schedule
+
+__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "get_schedule"]
+
+
+def _f(stage: int, mb: int) -> Action:
+    return Action(stage, "F", mb)
+
+
+def _b(stage: int, mb: int) -> Action:
+    return Action(stage, "B", mb)
+
+
+def _w(stage: int, mb: int) -> Action:
+    return Action(stage, "W", mb)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards (full backward, in micro-batch order). Holds m micro-batches."""
+    ranks = tuple(tuple([_f(r, i) for i in range(m)] + [_b(r, i) for i in range(m)]) for r in range(p))
+    return Schedule(name="gpipe", p=p, m=m, chunks=1, split_backward=False, ranks=ranks)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B: p-r-1 warm-up forwards on rank r, then alternate forward/backward, then drain the backwards."""
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [_f(r, i) for i in range(warmup)]
+        for j in range(m - warmup):
+            acts += [_f(r, warmup + j), _b(r, j)]
+        acts += [_b(r, j) for j in range(m - warmup, m)]
+        ranks.append(tuple(acts))
+    return Schedule(name="1f1b", p=p, m=m, chunks=1, split_backward=False, ranks=tuple(ranks))
+
+
+def interleaved(p: int, m: int, chunks: int) -> Schedule:
+    """Interleaved 1F1B (Megatron order): rank r runs stages r, p + r, ..., (chunks-1)p + r.
+
+    The k-th forward of a rank is chunk ``(k // p) % chunks`` on micro-batch ``(k // (p*chunks)) * p + k % p``
+    (groups of p micro-batches go through one chunk, then the next); backwards use the same order with the
+    chunks reversed. Warm-up is ``2(p-r-1) + (chunks-1)p`` forwards (all of them when m == p).
+    """
+    total = m * chunks
+
+    def order(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % chunks
+        mb = (k // (p * chunks)) * p + k % p
+        return (chunks - 1 - chunk if backward else chunk), mb
+
+    ranks = []
+    for r in range(p):
+        warmup = total if m == p else min(2 * (p - r - 1) + (chunks - 1) * p, total)
+        fwd = [_f(c * p + r, mb) for c, mb in (order(k, False) for k in range(total))]
+        bwd = [_b(c * p + r, mb) for c, mb in (order(k, True) for k in range(total))]
+        acts = fwd[:warmup]
+        for j in range(total - warmup):
+            acts += [fwd[warmup + j], bwd[j]]
+        acts += bwd[total - warmup:]
+        ranks.append(tuple(acts))
+    return Schedule(name="interleaved", p=p, m=m, chunks=chunks, split_backward=False, ranks=tuple(ranks))
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """Zero-bubble H1: 1F1B's warm-up, then ``B_j`` / postponed ``W_{j-r}`` / next ``F`` on rank r.
+
+    Rank r runs min(p - r, m) forwards, then for each micro-batch j: B_j, then W_{j-r} (if j >= r), then the
+    next forward; the last r weight gradients run at the end. So rank r holds at most (p - r) + r = p
+    micro-batches (the activations a W still needs), the peak of 1F1B's rank 0.
+    """
+    ranks = []
+    for r in range(p):
+        warmup = min(p - r, m)
+        acts = [_f(r, i) for i in range(warmup)]
+        next_f = warmup
+        for j in range(m):
+            acts.append(_b(r, j))
+            if j >= r:
+                acts.append(_w(r, j - r))
+            if next_f < m:
+                acts.append(_f(r, next_f))
+                next_f += 1
+        acts += [_w(r, j) for j in range(max(m - r, 0), m)]
+        ranks.append(tuple(acts))
+    return Schedule(name="zb-h1", p=p, m=m, chunks=1, split_backward=True, ranks=tuple(ranks))
+
+
+# name -> (generator taking (p, m, chunks), needs chunks > 1)
+SCHEDULES: dict[str, tuple[Callable[[int, int, int], Schedule], bool]] = {
+    "gpipe": (lambda p, m, c: gpipe(p, m), False),
+    "1f1b": (lambda p, m, c: one_f_one_b(p, m), False),
+    "interleaved": (interleaved, True),
+    "zb-h1": (lambda p, m, c: zb_h1(p, m), False),
+}
+
+
+def get_schedule(name: str, *, p: int, m: int, chunks: int = 1) -> Schedule:
+    """Build schedule ``name`` for ``p`` ranks and ``m`` micro-batches; bad input raises ``ValueError``."""
+    key = name.lower()
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
+    for label, value in (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+    generator, multi_chunk = SCHEDULES[key]
+    if multi_chunk and chunks < 2:
+        raise ValueError(f"schedule {key!r} needs chunks >= 2 model chunks per rank, got chunks={chunks}; "
+                         f"use schedule='1f1b' for one chunk per rank")
+    if not multi_chunk and chunks != 1:
+        raise ValueError(f"schedule {key!r} runs one model chunk per rank, got chunks={chunks}; use "
+                         f"schedule='interleaved' for several chunks per rank, or chunks=1")
+    if multi_chunk and m % p != 0:
+        options = sorted({max(p, (m // p) * p), (m // p + 1) * p})
+        raise ValueError(f"schedule {key!r} needs the micro-batch count to be a multiple of p (Megatron order: "
+                         f"groups of p micro-batches per chunk), got m={m}, p={p}; use m="
+                         + " or m=".join(str(o) for o in options))
+    schedule = generator(p, m, chunks)
+    schedule.validate()
+    return schedule

@@ -1,0 +1,175 @@
+"""Simulator: closed-form bubbles and memory of each schedule, timelines that honour dependencies, deadlocks.
+
+Every expected number below is a closed form from the papers (or a hand derivation written next to it),
+never a value produced by the code under test.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from shardwise.parallel.pipeline.actions import Action, Schedule, parse_schedule
+from shardwise.parallel.pipeline.communication import lower_communication
+from shardwise.parallel.pipeline.schedules import get_schedule
+from shardwise.parallel.pipeline.simulate import Costs, ScheduleDeadlock, dependencies, simulate
+
+PS = (1, 2, 3, 4, 8)
+MS = (1, 2, 3, 5, 8, 12)
+EQUAL_COSTS = (Costs(F=1, B=1, W=1), Costs(F=1, B=2, W=1.5), Costs(F=0.5, B=1, W=0))
+
+
+@pytest.mark.parametrize("costs", EQUAL_COSTS)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble_closed_form(name, costs):
+    # GPipe paper: bubble fraction (p-1)/(m+p-1) for equal stage costs; 1F1B has the same bubble.
+    for p in PS:
+        for m in MS:
+            res = simulate(get_schedule(name, p=p, m=m), costs)
+            assert res.bubble_ratio == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
+            per_mb = costs.F + costs.B + costs.W
+            assert res.makespan == pytest.approx((m + p - 1) * per_mb)
+
+
+def test_activations_in_flight_gpipe_vs_1f1b():
+    for p in PS:
+        for m in MS:
+            gp = simulate(get_schedule("gpipe", p=p, m=m))
+            one = simulate(get_schedule("1f1b", p=p, m=m))
+            assert gp.peak_in_flight == (m,) * p
+            # 1F1B: rank r holds at most p - r micro-batches (its warm-up p-r-1 plus one)
+            assert one.peak_in_flight == tuple(min(p - r, m) for r in range(p))
+
+
+@pytest.mark.parametrize("p", (2, 3, 4, 8))
+def test_zb_h1_bubble_a_third_of_1f1b_at_equal_costs(p):
+    # ZB paper: 1F1B idles (p-1)(F+B+W) per rank, ZB-H1 (p-1)(F+B-W): a third when F = B = W, once
+    # m >= p (the steady state exists). The bubble *ratio* also divides by the step time, which is shorter
+    # for ZB-H1: ratio_zb / ratio_1f1b = (m+p-1) / (3m+p-1) -> 1/3 as m grows; at m = 8p it is within
+    # 0.04 of 1/3 for every p here ((8p+p-1)/(24p+p-1) - 1/3 = (2p-2)/(3(25p-1)) < 2/75).
+    for m in (p, 2 * p, 3 * p + 1, 8 * p):
+        zb = simulate(get_schedule("zb-h1", p=p, m=m))
+        one = simulate(get_schedule("1f1b", p=p, m=m))
+        assert zb.idle == pytest.approx([(p - 1) * 1.0] * p)
+        assert one.idle == pytest.approx([(p - 1) * 3.0] * p)
+        assert zb.bubble_ratio / one.bubble_ratio == pytest.approx((m + p - 1) / (3 * m + p - 1))
+        # same peak memory as 1F1B: no rank holds more than p micro-batches (1F1B's rank 0)
+        assert max(zb.peak_in_flight) == max(one.peak_in_flight) == p
+    m = 8 * p
+    ratio = simulate(get_schedule("zb-h1", p=p, m=m)).bubble_ratio / simulate(get_schedule("1f1b", p=p, m=m)).bubble_ratio
+    assert abs(ratio - 1 / 3) < 0.04
+
+
+@pytest.mark.parametrize("F,B,W", [(2, 2, 1), (1, 2, 1), (1, 1, 0.5), (2, 1, 1)])
+def test_zb_h1_bubble_unequal_costs(F, B, W):
+    # (p-1)(F+B-W), the paper's ZB-H1 bubble, for W <= F (W fits in the gap a forward would leave)
+    for p in (2, 3, 4):
+        for m in (p, 3 * p + 1):
+            zb = simulate(get_schedule("zb-h1", p=p, m=m), Costs(F=F, B=B, W=W))
+            assert zb.idle == pytest.approx([(p - 1) * (F + B - W)] * p)
+
+
+@pytest.mark.parametrize("chunks", (2, 3, 4))
+def test_interleaved_divides_the_bubble_by_chunks(chunks):
+    # Megatron-LM (Narayanan et al. 2021): with v chunks per rank the bubble time is (p-1)(F+B)/v, F and B
+    # being a rank's full-model costs (each chunk costs F/v). The busy time m(F+B) is unchanged.
+    full = Costs(F=1, B=1, W=1)
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            inter = simulate(get_schedule("interleaved", p=p, m=m, chunks=chunks), full.per_chunk(chunks))
+            one = simulate(get_schedule("1f1b", p=p, m=m), full)
+            assert inter.idle == pytest.approx([(p - 1) * 3.0 / chunks] * p)
+            assert inter.makespan == pytest.approx(3.0 * m + (p - 1) * 3.0 / chunks)
+            assert inter.bubble_ratio < one.bubble_ratio
+
+
+def test_communication_time_on_every_boundary():
+    # GPipe, hand derivation: rank p-1 ends its forwards at mF + (p-1)(F+c); backwards drain there in
+    # m*Bf, then the last gradient climbs p-1 boundaries: + (p-1)(Bf + c). Bf = B + W (full backward).
+    F, B, W, c = 1.0, 1.5, 0.5, 0.25
+    for p in (2, 3, 4):
+        for m in (1, 4, 7):
+            res = simulate(get_schedule("gpipe", p=p, m=m), Costs(F=F, B=B, W=W, comm=c))
+            assert res.makespan == pytest.approx(m * (F + B + W) + (p - 1) * (F + B + W + 2 * c))
+
+
+def test_per_stage_costs_slowest_stage_paces_gpipe():
+    # p=2, F=(1,3), B=W=1 (full backward 2). Rank 1's forwards run back to back from t=1 (paced by its
+    # F=3): end 1+3m; its backwards end 1+5m; rank 0's last backward waits for that: 1+5m+2.
+    for m in (1, 3, 6):
+        res = simulate(get_schedule("gpipe", p=2, m=m), Costs(F=(1, 3), B=1, W=1))
+        assert res.makespan == pytest.approx(5 * m + 3)
+        assert res.busy == pytest.approx((3 * m, 5 * m))
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_timeline_honours_dependencies(name, chunks):
+    costs = Costs(F=(1, 2, 1, 3) * chunks, B=(2, 1, 1, 1) * chunks, W=0.5, comm=0.1)
+    s = get_schedule(name, p=4, m=8, chunks=chunks)
+    res = simulate(s, costs)
+    end = {e.action: e.end for e in res.timeline}
+    assert len(res.timeline) == sum(len(a) for a in s.ranks)
+    for e in res.timeline:
+        for dep in dependencies(e.action, s):
+            gap = 0.1 if s.rank_of(dep.stage) != e.rank else 0.0
+            assert e.start >= end[dep] + gap - 1e-12, (e, dep)
+    for r in range(4):  # in list order, never two at once on a rank
+        mine = [e for e in res.timeline if e.rank == r]
+        assert [e.action for e in mine] == list(s.ranks[r])
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(mine, mine[1:]))
+
+
+def test_lowered_schedule_simulates_identically():
+    s = get_schedule("zb-h1", p=4, m=6)
+    assert simulate(lower_communication(s)).makespan == simulate(s).makespan
+
+
+def test_deadlock_reported_not_hung():
+    # Rank 0 waits for B0 before its second forward; rank 1 wants F1 before its first backward.
+    broken = parse_schedule("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1", name="broken")
+    result: list[BaseException] = []
+    t = threading.Thread(target=lambda: _capture(result, broken), daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive(), "simulate hung on a deadlocked schedule"
+    err = result[0]
+    assert isinstance(err, ScheduleDeadlock)
+    msg = str(err)
+    assert "deadlocks" in msg
+    assert "rank 0 step 1: 0B0 waits for 1B0, which rank 1 runs at its step 2 but rank 1 is stuck at step 1 (1F1)" in msg
+    assert "rank 1 step 1: 1F1 waits for 0F1, which rank 0 runs at its step 2 but rank 0 is stuck at step 1 (0B0)" in msg
+    assert "0B0 <blocked" in msg and "1F1 <blocked" in msg
+    assert err.blocked == {0: 1, 1: 1}
+
+
+def test_swapped_actions_in_generated_schedule_deadlock():
+    # take a valid 1F1B and swap rank 0's first backward with its second forward: rank 0 then waits for
+    # 1B0, which rank 1 only runs after 1F1, which needs rank 0's 0F1, now behind 0B0.
+    s = get_schedule("1f1b", p=3, m=4)
+    r0 = list(s.ranks[0])
+    assert [str(a) for a in r0[:4]] == ["0F0", "0F1", "0F2", "0B0"]
+    r0[1], r0[3] = r0[3], r0[1]
+    text = "\n".join(" ".join(str(a) for a in acts) for acts in [r0, *s.ranks[1:]])
+    with pytest.raises(ScheduleDeadlock, match=r"rank 1 step 1: 1F1 waits for 0F1, which rank 0 runs at its step 3 "
+                                               r"but rank 0 is stuck at step 1 \(0B0\)") as info:
+        simulate(parse_schedule(text))
+    assert "rank 0 step 1: 0B0 waits for 1B0" in str(info.value)
+
+
+def _capture(out: list[BaseException], schedule) -> None:
+    try:
+        simulate(schedule)
+    except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        out.append(exc)
+
+
+def test_bad_costs():
+    s = get_schedule("1f1b", p=2, m=2)
+    with pytest.raises(ValueError, match=r"cost F needs one value per stage \(2 for 2 stages\), got 3"):
+        simulate(s, Costs(F=(1, 1, 1)))
+    with pytest.raises(ValueError, match="cost comm must be >= 0"):
+        simulate(s, Costs(comm=-1))
+    with pytest.raises(ValueError, match="missing: 1B1"):
+        simulate(Schedule(name="x", p=2, m=2, chunks=1, split_backward=False,
+                          ranks=(s.ranks[0], tuple(a for a in s.ranks[1] if a != Action(1, "B", 1)))))
