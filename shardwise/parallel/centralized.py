@@ -51,6 +51,7 @@ class CentralizedDataParallel(nn.Module):
         # Only the root holds optimizer state: that is the point (and the memory cost) of the design.
         self.optimizer = optimizer(self.params) if self.is_root else None
         module._shardwise_data_parallel = True  # type: ignore[assignment]
+        self._shardwise_data_parallel = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers:

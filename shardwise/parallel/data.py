@@ -88,7 +88,9 @@ class DataParallel(nn.Module):
                 overlap=overlap, algorithm=algorithm, find_unused=find_unused_parameters, grad_views=grad_views)
         else:
             self._averager = ParameterAverager([p for _, p in params], mesh, axis, period=period, algorithm=algorithm)
-        module._shardwise_data_parallel = True  # type: ignore[assignment]  # refuse a second wrap
+        # Refuse a second wrap, of the model or of this wrapper.
+        module._shardwise_data_parallel = True  # type: ignore[assignment]
+        self._shardwise_data_parallel = True
         self._register_load_state_dict_pre_hook(_add_module_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -33,7 +33,7 @@ def check_module(module: object, mesh: Mesh, axis: str) -> None:
     trainable parameters. Raises ``TypeError``/``ValueError`` naming the offending tensor."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected an nn.Module to wrap, got {type(module).__name__}")
-    if getattr(module, "_shardwise_data_parallel", False) or hasattr(module, "_shardwise_reducer"):
+    if getattr(module, "_shardwise_data_parallel", False):
         raise ValueError(f"{type(module).__name__} is already wrapped for data parallelism (or is a wrapper); "
                          f"wrap the plain model once")
     if isinstance(module, nn.parallel.DistributedDataParallel):
