@@ -5,8 +5,9 @@ Public API re-exports only; see DESIGN.md section 5 for the contract.
 
 from . import comm, models
 from .mesh import Mesh, MeshLayout
+from .parallel.data import DataParallel
 from .runtime.launch import World, init, shutdown
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "__version__"]
+__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "DataParallel", "__version__"]
