@@ -6,8 +6,10 @@ Public API re-exports only; see DESIGN.md section 5 for the contract.
 from . import comm, models
 from .mesh import Mesh, MeshLayout
 from .parallel.data import DataParallel
+from .sbp import Broadcast, GlobalTensor, Partial, Split, distribute, parse_sbp, to_global
 from .runtime.launch import World, init, shutdown
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "DataParallel", "__version__"]
+__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "DataParallel", "Split", "Broadcast", "Partial", "parse_sbp",
+           "GlobalTensor", "distribute", "to_global", "__version__"]
