@@ -1,0 +1,47 @@
+"""``full_state_dict``: the whole model's tensors under the unwrapped model's keys, whatever the layout.
+
+Wrappers (``DataParallel``, and later ZeRO and pipeline wrappers) are peeled off through ``.module``; a wrapper
+that owns sharded storage itself exposes ``full_state_dict()`` and is asked directly. Annotated tensors (see
+``sbp/params.py``: tensor-parallel shards) are gathered to their full value by boxing to B on every axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..sbp.params import as_global
+
+__all__ = ["full_state_dict", "unwrap"]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside any number of shardwise wrappers (each keeps it as ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """Full, unsharded, detached tensors with the same keys as the unwrapped model's ``state_dict()``.
+
+    Collective: every rank of every mesh the model is sharded over must call it (each rank gets the full
+    dict). Tied parameters appear under every key that the plain model's state_dict has for them.
+    """
+    probe = model
+    while True:
+        custom = getattr(probe, "full_state_dict", None)
+        if callable(custom):
+            return custom()
+        if hasattr(probe, "module") and isinstance(probe.module, nn.Module):
+            probe = probe.module
+            continue
+        break
+    plain = unwrap(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in plain.state_dict(keep_vars=True).items():
+        g = as_global(value) if isinstance(value, torch.Tensor) else None
+        out[key] = g.full().detach() if g is not None else value.detach()
+    return out
