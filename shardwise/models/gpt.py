@@ -140,7 +140,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if not isinstance(config, GPTConfig):
-            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}; use GPTConfig(...) or GPTConfig.preset(name)")
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}; "
+                            "use GPTConfig(...) or GPTConfig.preset(name)")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)

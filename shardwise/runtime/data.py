@@ -202,7 +202,8 @@ class TokenWindows(torch.utils.data.Dataset):
         self.stride = block_size if stride is None else _positive_int("stride", stride)
         if tokens.numel() < block_size + 1:
             raise ValueError(f"a token stream of {tokens.numel()} tokens is too short for one window of "
-                             f"block_size={block_size} (needs block_size + 1 = {block_size + 1}); use more text or a smaller block_size")
+                             f"block_size={block_size} (needs block_size + 1 = {block_size + 1}); "
+                             "use more text or a smaller block_size")
         self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
