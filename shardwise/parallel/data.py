@@ -84,7 +84,8 @@ class DataParallel(nn.Module):
         self._averager: ParameterAverager | None = None
         if average == "gradients":
             self._reducer = GradientReducer(
-                params, mesh, axis, cap_bytes=int(bucket_cap_mb * 2**20), first_cap_bytes=int(first_bucket_mb * 2**20),
+                params, mesh, axis, cap_bytes=max(1, int(bucket_cap_mb * 2**20)),
+                first_cap_bytes=max(1, int(first_bucket_mb * 2**20)),
                 overlap=overlap, algorithm=algorithm, find_unused=find_unused_parameters, grad_views=grad_views)
         else:
             self._averager = ParameterAverager([p for _, p in params], mesh, axis, period=period, algorithm=algorithm)
