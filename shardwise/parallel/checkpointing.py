@@ -8,6 +8,8 @@ backward pass, each parameter's gradient is accumulated — and its gradient hoo
 backward (data parallelism's bucketed all-reduce relies on that). The reentrant form would run a nested
 backward per block instead. Cost: one extra forward of each checkpointed block; saving: the block's
 internal activations (for n blocks checkpointing every √n-th block bounds memory at ~√n blocks' worth).
+Forward hooks on a checkpointed module fire once per forward; hooks on its *submodules* fire again during
+the recomputation in backward.
 
 ``activation_memory(model, fn)`` measures the bytes a forward pass keeps alive for backward, and
 ``checkpoint_report(model, fn)`` compares that with and without the checkpointing applied. Nothing here

@@ -64,11 +64,13 @@ class BatchPlan:
             _positive_int(name, value)
         per_pass = micro_batch * dp
         if global_batch % per_pass != 0:
-            lower = max(per_pass, global_batch // per_pass * per_pass)
+            lower, upper = global_batch // per_pass * per_pass, (global_batch // per_pass + 1) * per_pass
+            nearest = f"{lower} or {upper}" if lower else f"{upper}"
+            other = (f"or a micro_batch that divides global_batch / dp = {global_batch // dp}"
+                     if global_batch % dp == 0 else f"(dp={dp} must divide global_batch)")
             raise ValueError(
                 f"global_batch={global_batch} is not a multiple of micro_batch × dp = {micro_batch} × {dp} = {per_pass}, "
-                f"so no whole number of accumulation steps fits; use global_batch={lower} or {lower + per_pass}, "
-                f"or a micro_batch that divides global_batch / dp")
+                f"so no whole number of accumulation steps fits; use global_batch={nearest} {other}")
         return BatchPlan(global_batch=global_batch, micro_batch=micro_batch, grad_accum=global_batch // per_pass, dp=dp)
 
     @property

@@ -22,8 +22,10 @@ def test_batch_plan_rejects_inconsistent_sizes_with_values_and_fix() -> None:
         BatchPlan(global_batch=10, micro_batch=2, grad_accum=3, dp=2)
     with pytest.raises(ValueError, match=r"global_batch=10 is not a multiple of .* = 4.*global_batch=8 or 12"):
         BatchPlan.from_sizes(global_batch=10, micro_batch=2, dp=2)
-    with pytest.raises(ValueError, match=r"global_batch=4 or 8"):
+    with pytest.raises(ValueError, match=r"use global_batch=4 \(dp=2 must divide global_batch\)"):
         BatchPlan.from_sizes(global_batch=3, micro_batch=2, dp=2)
+    with pytest.raises(ValueError, match=r"divides global_batch / dp = 6"):
+        BatchPlan.from_sizes(global_batch=12, micro_batch=4, dp=2)
 
 
 @pytest.mark.parametrize("kw", [{"global_batch": 0, "micro_batch": 1}, {"global_batch": 4, "micro_batch": -1},
