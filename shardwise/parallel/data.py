@@ -27,12 +27,13 @@ import torch.nn as nn
 from ..comm.ops import ALGORITHMS
 from ..mesh import Mesh
 from .comm_hooks import CommHook
+from .centralized import CentralizedDataParallel
 from .comm_stats import CommStats
 from .local_sgd import ParameterAverager
 from .reducer import GradientReducer
 from .replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "CentralizedDataParallel"]
 
 AVERAGES = ("gradients", "parameters")
 

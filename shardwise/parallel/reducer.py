@@ -102,6 +102,10 @@ class GradientReducer:
         coordinate 0's observed ready order (one broadcast, once) and rebuilds its buckets in that order.
         Collective when the rebuild is due."""
         self.sync = sync
+        if self.callback_queued:
+            # The previous backward raised before it ended: drop its half-done state so that this
+            # iteration's callback is queued again (the failed step's gradients are not reduced).
+            self._reset_iteration()
         if self._rebuild_due:
             order = torch.tensor(observed_order(self._order_seen or [], len(self.params)), dtype=torch.int64)
             comm.broadcast(order.to(self.mesh.device), self.mesh, self.axis, src=0)

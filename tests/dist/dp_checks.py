@@ -397,6 +397,7 @@ def check_bad_inputs() -> dict[str, str]:
     wrapped = DataParallel(build("mlp"), m)
     out["wrapper_twice"] = _error(lambda: DataParallel(wrapped, m))
     out["model_twice"] = _error(lambda: DataParallel(wrapped.module, m))
+    out["hook_type"] = _error(lambda: wrapped.register_comm_hook(5))  # type: ignore[arg-type]
     out["hook_param_avg"] = _error(lambda: DataParallel(build("mlp"), m, average="parameters").register_comm_hook(print))
     shape = build("mlp")
     if r == 1:

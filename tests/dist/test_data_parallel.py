@@ -154,7 +154,7 @@ def test_bad_inputs_raise_before_training(worlds):
                     "{'average': 'both'}", "{'algorithm': 'bogus'}", "{'period': 2}"):
             assert res[key].startswith("ValueError"), (key, res[key])
         assert "already wrapped" in res["wrapper_twice"] and "already wrapped" in res["model_twice"]
-        assert res["hook_param_avg"].startswith("ValueError")
+        assert res["hook_param_avg"].startswith("ValueError") and res["hook_type"].startswith("TypeError")
         assert res["shape"].startswith("ValueError") and "fc2.weight" in res["shape"] and "17" in res["shape"]
         assert res["order"].startswith("ValueError") and "a.weight" in res["order"]
 
