@@ -14,6 +14,7 @@ import torch
 
 from ..mesh import Mesh
 from .boxing import BoxingPlan, CostFn, plan_boxing
+from .dispatch import dispatch
 from .execute import run_plan
 from .placement import Broadcast, Partial, Placement, Split, format_sbp, normalize_sbp
 from .spec import TensorSpec
@@ -85,6 +86,47 @@ class GlobalTensor:
     def full(self) -> torch.Tensor:
         """The whole logical tensor on every rank (differentiable). Collective."""
         return self.to_sbp([Broadcast()] * len(self.mesh.axes)).to_local()
+
+    # -- ops (rules in rules.py, dispatch in dispatch.py) ------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return dispatch(func, tuple(args), kwargs)
+
+    def __add__(self, other): return torch.add(self, other)  # noqa: E704
+    def __radd__(self, other): return torch.add(self, other)  # noqa: E704
+    def __sub__(self, other): return torch.sub(self, other)  # noqa: E704
+    def __mul__(self, other): return torch.mul(self, other)  # noqa: E704
+    def __rmul__(self, other): return torch.mul(self, other)  # noqa: E704
+    def __truediv__(self, other): return torch.div(self, other)  # noqa: E704
+    def __neg__(self): return torch.neg(self)  # noqa: E704
+    def __matmul__(self, other): return torch.matmul(self, other)  # noqa: E704
+
+    def reshape(self, *shape: int) -> "GlobalTensor":
+        return torch.reshape(self, tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+
+    view = reshape
+
+    def transpose(self, dim0: int, dim1: int) -> "GlobalTensor":
+        return torch.transpose(self, dim0, dim1)
+
+    def permute(self, *dims: int) -> "GlobalTensor":
+        return torch.permute(self, tuple(dims[0]) if len(dims) == 1 and not isinstance(dims[0], int) else dims)
+
+    def sum(self, dim=None, keepdim: bool = False) -> "GlobalTensor":  # type: ignore[no-untyped-def]
+        return torch.sum(self) if dim is None else torch.sum(self, dim=dim, keepdim=keepdim)
+
+    def mean(self, dim=None, keepdim: bool = False) -> "GlobalTensor":  # type: ignore[no-untyped-def]
+        return torch.mean(self) if dim is None else torch.mean(self, dim=dim, keepdim=keepdim)
+
+    def softmax(self, dim: int) -> "GlobalTensor":
+        return torch.softmax(self, dim)
+
+    def backward(self, gradient: torch.Tensor | None = None) -> None:
+        """Back-propagate from a B (replicated) scalar loss: every rank seeds gradient 1 (see execute.py)."""
+        if any(not isinstance(p, Broadcast) for p in self.sbp):
+            raise ValueError(f"backward needs a replicated (all-B) tensor, this one is [{format_sbp(self.sbp)}]; "
+                             f"call .to_sbp('B'...) first (a P loss reduced with to_sbp is the usual case)")
+        self._local.backward(gradient)
 
     def detach(self) -> "GlobalTensor":
         return GlobalTensor(self._local.detach(), self.spec, self.mesh)
