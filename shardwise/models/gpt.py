@@ -89,9 +89,12 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, h = x.shape
+        qkv = self.qkv(x)
+        # Sizes come from qkv's output so a tensor-parallel qkv (whole heads per rank, ``n_head`` lowered to
+        # the local count) runs this code unchanged: there h is this rank's width, not n_embd.
+        b, t, h = qkv.size(0), qkv.size(1), qkv.size(2) // 3
         # (b, t, h) @ (h, 3h) -> three (b, t, h) -> (b, nh, t, hd) each
-        q, k, v = self.qkv(x).split(h, dim=2)
+        q, k, v = qkv.split(h, dim=2)
         q, k, v = (z.view(b, t, self.n_head, h // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
