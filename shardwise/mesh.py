@@ -126,6 +126,7 @@ class Mesh:
         self._p2p_groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
         self._sub_coords: dict[str, int] | None = None
+        self._coords = dict(zip(self._layout.axes, self._layout.coords(self._rank)))
         for axis in self._layout.axes:
             for ranks in self._layout.group_ranks(axis):
                 # new_group is collective over the world: every rank creates every group, keeps its own.
@@ -162,10 +163,10 @@ class Mesh:
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis`` (a sub-mesh keeps its parent's coordinates)."""
-        i = self._layout.index(axis)
-        if self._sub_coords is not None:
-            return self._sub_coords[axis]
-        return self._layout.coords(self._rank)[i]
+        coords = self._sub_coords if self._sub_coords is not None else self._coords
+        if axis not in coords:
+            self._layout.index(axis)  # raises the error naming the axes
+        return coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
         self._layout.index(axis)  # validates the name
@@ -197,6 +198,7 @@ class Mesh:
         sub._p2p_groups = {a: self._p2p_groups[a] for a in axes}
         sub._ranks = {a: self._ranks[a] for a in axes}
         sub._sub_coords = {a: self.coord(a) for a in axes}
+        sub._coords = sub._sub_coords
         return sub
 
     def __getitem__(self, axis: str) -> "Mesh":

@@ -135,22 +135,76 @@ def _decide(name: str, func: Callable[..., Any], specs: list[TensorSpec], params
     return _Decision(inputs, out, out.local_shape(coords), post, divisor, grad_axes)
 
 
+def _params_key(params: dict[str, Any]) -> Any:
+    try:
+        key = tuple(params.items())
+        hash(key)
+        return key
+    except TypeError:  # lists and the like
+        return repr(sorted((k, repr(v)) for k, v in params.items()))
+
+
 def _boxed(x: Any, sbp: tuple[Placement, ...], grad_axes: tuple[str, ...]) -> torch.Tensor:
-    local = x.to_sbp(sbp).to_local()
-    if local.requires_grad:
+    local = x._local if x.spec.sbp == sbp else x.to_sbp(sbp).to_local()
+    if grad_axes and local.requires_grad:
         for axis in grad_axes:
             local = identity_allreduce(local, x.mesh, axis)
     return local
 
 
+def _fast_key(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) -> Any:
+    """A cheap cache key when every tensor argument is a global tensor and the rest are hashable; else None."""
+    parts: list[Any] = [func]
+    for a in args:
+        if type(a) is gt:
+            parts.append(a.spec)
+        elif isinstance(a, torch.Tensor):
+            return None
+        else:
+            parts.append(a)
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                return None
+            parts.append((k, v.spec if type(v) is gt else v))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+_FAST: dict[Any, tuple[_Decision, str]] = {}
+_GT: Any = None
+
+
 def dispatch(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     """Run ``func`` on global tensors (see module docstring). Collective when inputs need boxing."""
-    from .global_tensor import GlobalTensor, to_global  # circular at import time
-
+    global _GT
+    if _GT is None:
+        from .global_tensor import GlobalTensor as _GT  # circular at import time: resolved once
+    GlobalTensor = _GT
     kwargs = kwargs or {}
+    fast = _fast_key(func, args, kwargs, GlobalTensor)
+    hit = _FAST.get(fast) if fast is not None else None
+    if hit is not None:
+        decision, name = hit
+        flat = list(args) + list(kwargs.values()) if kwargs else list(args)
+        mesh = next(x for x in flat if type(x) is GlobalTensor).mesh
+    else:
+        decision, name, flat, mesh = _slow_decide(func, args, kwargs, GlobalTensor)
+        if fast is not None:
+            _FAST[fast] = (decision, name)
+    return _execute(func, name, decision, flat, len(args), list(kwargs), mesh, GlobalTensor)
+
+
+def _slow_decide(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) -> tuple[_Decision, str, list, Any]:
+    from .global_tensor import to_global
+
     entry = OP_NAMES.get(func)
     flat = list(args) + list(kwargs.values())
-    globals_ = [x for x in flat if isinstance(x, GlobalTensor)]
+    globals_ = [x for x in flat if isinstance(x, gt)]
     if entry is None:
         sbps = ", ".join(f"[{format_sbp(g.sbp)}]" for g in globals_)
         raise NotImplementedError(
@@ -163,31 +217,42 @@ def dispatch(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
             raise ValueError(f"{name}: inputs live on different meshes ({g.mesh} and {mesh}); move them to one "
                              f"mesh first")
     replicated = [Broadcast()] * len(mesh.axes)
-    wrapped = [x if isinstance(x, GlobalTensor) else to_global(x, mesh, replicated) if isinstance(x, torch.Tensor)
-               else x for x in flat]
-    tensors = [x for x in wrapped if isinstance(x, GlobalTensor)]
+    flat = [x if isinstance(x, gt) else to_global(x, mesh, replicated) if isinstance(x, torch.Tensor)
+            else x for x in flat]
+    tensors = [x for x in flat if isinstance(x, gt)]
     scalar = any(isinstance(x, (int, float)) and not isinstance(x, bool) for x in args[1:2])
     params = _params(names, args, kwargs)
-    key = (func, tuple(t.spec for t in tensors), repr(sorted((k, repr(v)) for k, v in params.items())))
+    key = (func, tuple(t.spec for t in tensors), _params_key(params))
     decision = _CACHE.get(key)
-    coords = tuple(mesh.coord(a) for a in mesh.axes)
     if decision is None:
+        coords = tuple(mesh.coord(a) for a in mesh.axes)
+
         def meta_call() -> torch.Tensor:
-            metas = [torch.empty(x.spec.shape, dtype=x.dtype, device="meta") if isinstance(x, GlobalTensor) else x
-                     for x in wrapped]
+            metas = [torch.empty(x.spec.shape, dtype=x.dtype, device="meta") if isinstance(x, gt) else x
+                     for x in flat]
             return func(*metas[:len(args)], **dict(zip(kwargs, metas[len(args):])))
         decision = _decide(name, func, [t.spec for t in tensors], params, meta_call, coords, scalar)
         _CACHE[key] = decision
-    it = iter(zip(decision.inputs, decision.grad_axes))
-    locals_ = [_boxed(x, *next(it)) if isinstance(x, GlobalTensor) else x for x in wrapped]
-    call_kwargs = dict(zip(kwargs, locals_[len(args):]))
+    return decision, name, flat, mesh
+
+
+def _execute(func: Callable[..., Any], name: str, decision: _Decision, flat: list, n_args: int,
+             kw_names: list[str], mesh: Any, gt: type) -> Any:
+    locals_ = []
+    k = 0
+    for x in flat:
+        if type(x) is gt:
+            x = _boxed(x, decision.inputs[k], decision.grad_axes[k])
+            k += 1
+        locals_.append(x)
+    call_kwargs = dict(zip(kw_names, locals_[n_args:]))
     if decision.post == "divide" and name == "cross_entropy":
         call_kwargs["reduction"] = "sum"
-    out = (torch.sum if name == "mean" and decision.post else func)(*locals_[:len(args)], **call_kwargs)
+    out = (torch.sum if name == "mean" and decision.post else func)(*locals_[:n_args], **call_kwargs)
     if decision.post == "divide":
         out = out / decision.divisor
-    if tuple(out.shape) != decision.local_shape:
+    if out.shape != decision.local_shape:
         raise ValueError(f"{name} produced a local piece of shape {tuple(out.shape)} where {decision.out} expects "
                          f"{decision.local_shape} (uneven splits through this op are not supported); box the inputs "
                          f"to B first with x.to_sbp(...)")
-    return GlobalTensor(out, decision.out, mesh)
+    return gt(out, decision.out, mesh)

@@ -77,6 +77,8 @@ class GlobalTensor:
     def to_sbp(self, sbp: Sequence[Placement] | str, *, cost_fn: CostFn | None = None) -> "GlobalTensor":
         """Re-distribute to ``sbp`` with the cheapest sequence of collectives (differentiable). Collective
         over every axis whose placement changes."""
+        if sbp == self.spec.sbp and cost_fn is None:  # hot path of op dispatch: already in place
+            return self
         plan = self.plan_to(sbp, cost_fn)
         if not plan.steps:
             return self

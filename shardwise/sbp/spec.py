@@ -46,7 +46,7 @@ def axis_piece_sizes(global_shape: Sequence[int], sbp: Sequence[Placement], mesh
     return shard_sizes(parent, mesh_shape[axis_index])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=True)
 class TensorSpec:
     """The global description of a tensor spread over a mesh."""
 
@@ -58,6 +58,14 @@ class TensorSpec:
     axes: tuple[str, ...]
     """Mesh axis names, outermost first."""
     mesh_shape: tuple[int, ...]
+
+    def __hash__(self) -> int:
+        # Specs key the op-dispatch cache: hash once, not on every op.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype, self.sbp, self.axes, self.mesh_shape))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def local_shape(self, coords: Sequence[int]) -> tuple[int, ...]:
         return local_shape(self.shape, self.sbp, self.mesh_shape, coords)
