@@ -14,9 +14,11 @@ and the same variants of it:
     centralized        reduce to rank 0, optimizer there, broadcast parameters
     sw-cap=X           the bucket-size sweep (``--sweep``)
 
-Variants run in interleaved rounds (``--repeats``), so a load spike on the machine hits all of them alike.
-A step is zero_grad, forward, backward, AdamW step; its time is the median over steps, then the maximum
-over ranks. Rank 0 prints the table (ratios against torch-ddp) and writes ``--json``.
+Variants run in interleaved rounds (``--repeats`` rounds of ``--steps`` steps each), so load from other
+processes hits all of them alike. A step is zero_grad, forward, backward, AdamW step. ``step ms`` is the
+median over all timed steps (maximum over ranks); ``vs ddp`` is the median over rounds of the paired ratio
+(this round's median step of the variant / of torch-ddp), which cancels slow drifts in machine load.
+Rank 0 prints the table and writes ``--json``.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="gpt-small", help="GPT preset (default gpt-small, ~3.3M params)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant per round (default 8)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--repeats", type=int, default=12, help="interleaved rounds (default 12)")
     parser.add_argument("--variants", default=",".join(BASE), help="comma list of: " + ", ".join(BASE))
     parser.add_argument("--sweep", default="0.25,1,4", help="more bucket_cap_mb values for sw (the sw row is 25; empty: none)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
@@ -158,14 +160,14 @@ def _run_worker(args: argparse.Namespace) -> int:
     for name in names:
         torch.manual_seed(0)
         runs[name] = _variant(name, GPT(cfg).to(mesh.device), mesh)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[list[float]]] = {name: [] for name in names}  # [round][step]
     for name in names:
         _time_steps(runs[name][1], batches, args.warmup)
         _reset_stats(runs[name][0])
     for _ in range(args.repeats):
         for name in names:
             sw.comm.barrier(mesh, AXIS)
-            times[name] += _time_steps(runs[name][1], batches, args.steps)
+            times[name].append(_time_steps(runs[name][1], batches, args.steps))
     rows = _gather_rows(names, times, runs, mesh)
     if mesh.rank == 0:
         _report(rows, args, world.world_size, sum(p.numel() for p in GPT(cfg).parameters()))
@@ -178,11 +180,19 @@ def _reset_stats(model: nn.Module) -> None:
         model.comm_stats(reset=True)
 
 
-def _gather_rows(names: list[str], times: dict[str, list[float]], runs: dict, mesh) -> list[dict[str, object]]:
-    """Median step time per variant, then the maximum over ranks; overlap stats from each sw variant."""
+def _paired_ratio(rounds: list[list[float]], ref: list[list[float]] | None) -> float:
+    if ref is None:
+        return 0.0
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, ref))
+
+
+def _gather_rows(names: list[str], times: dict[str, list[list[float]]], runs: dict, mesh) -> list[dict[str, object]]:
+    """Median step time per variant (maximum over ranks), paired ratio to torch-ddp (mean over ranks), and
+    the overlap stats of each sw variant (mean over ranks)."""
     import shardwise as sw
 
-    med = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
+    med = torch.tensor([statistics.median(t for r in times[n] for t in r) for n in names], dtype=torch.float64)
+    ratio = torch.tensor([_paired_ratio(times[n], times.get("torch-ddp")) for n in names], dtype=torch.float64)
     hidden = torch.zeros(len(names), 3, dtype=torch.float64)  # comm_ms, exposed_ms, hidden_share
     for k, name in enumerate(names):
         model = runs[name][0]
@@ -191,20 +201,20 @@ def _gather_rows(names: list[str], times: dict[str, list[float]], runs: dict, me
             hidden[k] = torch.tensor([s["comm_ms"], s["exposed_ms"], s["hidden_share"]])
     sw.comm.all_reduce(med, mesh, AXIS, op="max")
     sw.comm.all_reduce(hidden, mesh, AXIS, op="avg")
+    sw.comm.all_reduce(ratio, mesh, AXIS, op="avg")
     buckets = [len(runs[n][0].bucket_plan) if hasattr(runs[n][0], "bucket_plan") else None for n in names]
-    return [{"variant": n, "step_ms": 1e3 * float(med[k]), "buckets": buckets[k],
+    return [{"variant": n, "step_ms": 1e3 * float(med[k]), "vs_ddp": float(ratio[k]) or None, "buckets": buckets[k],
              "comm_ms": float(hidden[k, 0]), "exposed_ms": float(hidden[k, 1]), "hidden_share": float(hidden[k, 2])}
             for k, n in enumerate(names)]
 
 
 def _report(rows: list[dict[str, object]], args: argparse.Namespace, n: int, params: int) -> None:
-    ref = next((r["step_ms"] for r in rows if r["variant"] == "torch-ddp"), None)
     print(f"\nshardwise bench dp: {n} ranks, {args.preset} ({params / 1e6:.2f}M params, "
           f"{4 * params / 2**20:.1f} MiB of fp32 gradients), batch {args.batch}x{args.seq} per rank, "
-          f"{args.repeats}x{args.steps} timed steps per variant, {platform.node()}")
+          f"{args.repeats} rounds x {args.steps} timed steps per variant, {platform.node()}")
     print(f"{'variant':<18}{'step ms':>9}{'vs ddp':>8}{'buckets':>9}{'comm ms':>9}{'exposed':>9}{'hidden':>8}")
     for r in rows:
-        ratio = f"{r['step_ms'] / ref:.3f}" if ref else "-"  # type: ignore[operator]
+        ratio = f"{r['vs_ddp']:.3f}" if r["vs_ddp"] else "-"
         sw_row = r["buckets"] is not None
         print(f"{r['variant']:<18}{r['step_ms']:>9.1f}{ratio:>8}{(r['buckets'] if sw_row else '-')!s:>9}"
               + (f"{r['comm_ms']:>9.1f}{r['exposed_ms']:>9.1f}{100 * r['hidden_share']:>7.0f}%" if sw_row else ""))
