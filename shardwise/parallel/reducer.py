@@ -187,12 +187,8 @@ class GradientReducer:
             return
         self.stats.enter_end()
         for i in range(len(self.params)):
-            if not self.ready[i]:  # no gradient this backward: contributes zero (or an error, below)
-                if self.grad_views and self.params[i].grad is None:
-                    self.views[i].zero_()
-                    self.had_grad[i] = False
-                elif self.grad_views:
-                    self._adopt_grad(i)
+            if not self.ready[i]:  # no gradient this backward: contributes what .grad holds (zero if None)
+                self._adopt_grad(i)
                 self.ready[i] = True
                 self.pending[self.where[i]] -= 1
         self._launch_ready()
