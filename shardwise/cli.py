@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("shardwise.comm.bench", "collective bus bandwidth: native vs ring vs tree, alpha-beta fit"),
     "dp": ("shardwise.parallel.data_bench", "DataParallel step time vs torch DDP, overlap, buckets"),
+    "sbp": ("shardwise.sbp.bench", "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
 }
 
 
