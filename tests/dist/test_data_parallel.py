@@ -173,3 +173,19 @@ def test_gpt_with_and_without_activation_checkpointing(worlds, checkpointing):
         assert res["err"] < RTOL, res
         assert res["tied"] and res["buckets"] == [res["plan"]] * dc.STEPS
     assert results[0]["hash"] == results[1]["hash"]
+
+
+def test_bench_dp_runs_end_to_end(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "dp.json"
+    cmd = [sys.executable, "-m", "shardwise.cli", "bench", "dp", "-n", "2", "--preset", "gpt-tiny", "--steps", "1",
+           "--warmup", "1", "--repeats", "1", "--variants", "torch-ddp,sw,centralized", "--sweep", "1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"torch-ddp", "sw", "centralized", "sw-cap=1"}
+    assert rows["sw"]["buckets"] >= 1 and rows["torch-ddp"]["vs_ddp"] == 1.0
