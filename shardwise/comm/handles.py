@@ -57,5 +57,9 @@ def worker_for(owner: object, axis: str) -> ThreadPoolExecutor:
     with _LOCK:
         workers: dict[str, ThreadPoolExecutor] = owner.__dict__.setdefault("_comm_workers", {})
         if axis not in workers:
-            workers[axis] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardwise-comm-{axis}")
+            device = getattr(owner, "device", torch.device("cpu"))
+            # The current CUDA device is per thread: the worker must use the rank's device, not cuda:0.
+            init, args = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+            workers[axis] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardwise-comm-{axis}",
+                                               initializer=init, initargs=args)
         return workers[axis]
