@@ -17,6 +17,10 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("shardwise.runtime.run_cmd", "launch a script on N local ranks (torchrun underneath)"),
     "schedule": ("shardwise.parallel.pipeline.schedule_cmd", "print, simulate and plot a pipeline schedule"),
+    "train": ("shardwise.runtime.train_cmd", "train the reference GPT on local ranks (config, checkpoints, resume)"),
+    "verify": ("shardwise.runtime.verify_cmd", "check a layout trains to the same losses as one process"),
+    "export": ("shardwise.runtime.export_cmd", "consolidate a sharded checkpoint into one safetensors file"),
+    "plot": ("shardwise.runtime.plot_cmd", "draw loss and throughput PNGs of a run"),
 }
 # bench kind -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {

@@ -1,0 +1,414 @@
+"""The training configuration: one typed tree of frozen dataclasses, from presets, TOML and dotted flags.
+
+Precedence, lowest first: field defaults ← named preset (``--preset``, or ``preset = "..."`` at the top of the
+TOML file) ← the TOML file ← dotted flags (``--parallel.tp 2``). ``validate`` checks everything that can be
+checked before any process starts (batch arithmetic, divisibility by tp, world size, strategy availability);
+every error names the field, the value and the fix. Pure: nothing here starts processes or communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+__all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "DebugConfig",
+           "Config", "PRESETS", "load_config", "parse_overrides", "apply_overrides", "config_from_dict",
+           "validate", "default_nproc"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the reference GPT (``shardwise.models.GPTConfig``)."""
+
+    vocab_size: int = 256
+    """Token ids; 256 for the byte-level tokeniser, at least max token + 1 for a ``.bin`` file."""
+    block_size: int = 64
+    """Sequence length of every training window (and rows of the position embedding)."""
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 2
+    """Attention heads per block; must divide ``n_embd`` and be divisible by ``parallel.tp``."""
+    n_embd: int = 64
+    """Hidden width."""
+    dropout: float = 0.0
+    """Dropout probability (0 keeps every layout bit-comparable)."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers."""
+    tie_weights: bool = True
+    """Share the token embedding with the output head (GPT-2 style)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from and how many make a step."""
+
+    path: str = ""
+    """Text file (byte-level tokens) or pre-tokenized uint16 ``.bin``; empty = the built-in generated corpus."""
+    format: Literal["auto", "text", "bin"] = "auto"
+    """``auto``: ``.bin`` files are uint16 tokens, anything else is text."""
+    global_batch: int = 32
+    """Sequences per optimizer step over all ranks (= micro_batch × grad_accum × dp)."""
+    shuffle: bool = True
+    """Reshuffle the windows every epoch (seeded by ``train.seed`` + epoch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (linear warmup, then cosine decay to ``min_lr``)."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer; weight decay applies to matrices (dim ≥ 2) only."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-4
+    """Learning rate at the last step of the cosine decay."""
+    warmup_steps: int = 50
+    """Steps of linear warmup from ~0 to ``lr``."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """After warmup: cosine decay to ``min_lr`` over the remaining steps, or constant ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW) / L2 (SGD) on matrices."""
+    beta1: float = 0.9
+    """AdamW first-moment decay (SGD: momentum)."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the job is laid out over ranks: mesh ``(dp, tp)`` of ``nproc`` processes."""
+
+    nproc: int = 0
+    """Processes on this node; 0 = one per GPU when CUDA is present, else 2 CPU processes."""
+    dp: int = 0
+    """Data-parallel ranks; 0 = nproc / (tp × pp)."""
+    tp: int = 1
+    """Tensor-parallel ranks (Megatron GPT plan); must divide ``model.n_head``."""
+    pp: int = 1
+    """Pipeline stages (not wired into ``shardwise train`` yet: must be 1)."""
+    zero_stage: int = 0
+    """ZeRO stage 0-3 over the dp axis (0 = plain data parallelism)."""
+    micro_batch: int = 16
+    """Sequences per forward/backward on one rank."""
+    grad_accum: int = 0
+    """Forward/backward passes per step; 0 = global_batch / (micro_batch × dp)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    algorithm: Literal["native", "ring", "tree"] = "native"
+    """Collective algorithm of the gradient all-reduce."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size of data parallelism (MB)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop: length, intervals, seed, where results go."""
+
+    name: str = "gpt-tiny"
+    """Run name; the run directory defaults to ``./runs/NAME``."""
+    out_dir: str = ""
+    """Run directory (metrics, checkpoints, config); empty = ``./runs/NAME``."""
+    steps: int = 1000
+    """Optimizer steps in total (a resumed run continues up to this number)."""
+    log_every: int = 50
+    """Steps between progress updates of the summary line (metrics are written every step)."""
+    ckpt_every: int = 250
+    """Steps between periodic checkpoints (0 = only the final one)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones are deleted after a successful save)."""
+    seed: int = 1337
+    """Seed of the weights, the data order and per-step RNG."""
+    timeout_s: float = 60.0
+    """Collective timeout: a dead or hung peer becomes an error after this many seconds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DebugConfig:
+    """Fault injection for tests of the framework itself (not for users)."""
+
+    bug: Literal["none", "sum_grads"] = "none"
+    """``sum_grads``: multiply the averaged gradients by dp (the classic sum-instead-of-mean bug)."""
+    crash_in_save: int = 0
+    """Raise inside the checkpoint save of this step, after the shards are written, before the rename."""
+    kill_rank: int = -1
+    """This rank exits abruptly (os._exit) at step ``kill_step``."""
+    kill_step: int = 0
+    """Step at which ``kill_rank`` dies."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything ``shardwise train`` needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data source and global batch."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and LR schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Layout over ranks."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop, intervals, output."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Fault injection (tests only)."""
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def run_dir(self) -> Path:
+        """``train.out_dir``, or ``./runs/NAME`` under the working directory."""
+        return Path(self.train.out_dir) if self.train.out_dir else Path("runs") / self.train.name
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt-tiny": {"train.name": "gpt-tiny"},
+    "gpt-small": {"model.block_size": 256, "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 256,
+                  "parallel.micro_batch": 4, "data.global_batch": 16, "train.name": "gpt-small", "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4},
+}
+"""Named bundles of dotted overrides (``--preset NAME``)."""
+
+_SECTIONS = {f.name: f for f in fields(Config)}
+
+
+def _section_type(name: str) -> type:
+    return typing.get_type_hints(Config)[name]
+
+
+def _field_types(section: str) -> dict[str, Any]:
+    return typing.get_type_hints(_section_type(section))
+
+
+def _unknown(kind: str, name: str, choices: Sequence[str]) -> ValueError:
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ValueError(f"unknown {kind} {name!r}; {hint}valid: {', '.join(sorted(choices))}")
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check/convert one value (from TOML or a string flag) to the field's type."""
+    if typing.get_origin(typ) is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ValueError(f"{key} = {value!r} is not allowed; choose one of {list(choices)}")
+        return value
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        try:
+            if isinstance(value, str):
+                return int(value)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        except ValueError:
+            pass
+    elif typ is float:
+        try:
+            if isinstance(value, str):
+                return float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        except ValueError:
+            pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    name = getattr(typ, "__name__", str(typ))
+    raise ValueError(f"{key} must be a {name}, got {value!r}; e.g. --{key} {_example(typ)}")
+
+
+def _example(typ: Any) -> str:
+    return {bool: "true", int: "2", float: "0.001", str: "NAME"}.get(typ, "VALUE")
+
+
+def config_from_dict(tree: Mapping[str, Any], base: Config | None = None) -> Config:
+    """``base`` (default: all defaults) with the sections of a nested dict applied, types checked."""
+    flat: dict[str, Any] = {}
+    for section, values in tree.items():
+        if section not in _SECTIONS:
+            raise _unknown("config section", section, list(_SECTIONS))
+        if not isinstance(values, Mapping):
+            raise ValueError(f"config section [{section}] must be a table of fields, got {values!r}")
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value
+    return apply_overrides(base or Config(), flat)
+
+
+def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
+    """``config`` with dotted ``section.field`` values replaced (strings are converted to the field type)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if section not in _SECTIONS or not name:
+            raise _unknown("config key", key, [f"{s}.{f}" for s in _SECTIONS for f in _field_types(s)])
+        types_ = _field_types(section)
+        if name not in types_:
+            raise _unknown(f"field of [{section}]", name, list(types_))
+        changes.setdefault(section, {})[name] = _coerce(key, value, types_[name])
+    parts = {s: dataclasses.replace(getattr(config, s), **changes.get(s, {})) for s in _SECTIONS}
+    return Config(**parts)
+
+
+def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
+    """``["--parallel.tp", "2", "--train.steps=5"]`` → ``{"parallel.tp": "2", "train.steps": "5"}``."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--") or "." not in tok:
+            raise ValueError(f"unexpected argument {tok!r}; config overrides look like --section.field VALUE, "
+                             f"e.g. --parallel.tp 2")
+        key, eq, value = tok[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(tokens):
+                raise ValueError(f"--{key} needs a value, e.g. --{key} VALUE")
+            value, i = tokens[i + 1], i + 1
+        out[key] = value
+        i += 1
+    return out
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ValueError("reading TOML on Python 3.10 needs the 'tomli' package: pip install tomli") from None
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist; pass the path of a TOML file")
+    with path.open("rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+
+
+def load_config(*, path: str | Path | None = None, preset: str | None = None,
+                overrides: Mapping[str, Any] | None = None, base: Config | None = None) -> Config:
+    """Defaults (or ``base``) ← preset ← TOML file (``.json``: a saved run config) ← dotted overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        tree = json.loads(p.read_text()) if p.suffix == ".json" else _read_toml(p)
+        tree = dict(tree)
+        preset = preset or tree.pop("preset", None)
+        tree.pop("preset", None)
+    config = base or Config()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise _unknown("preset", preset, list(PRESETS))
+        config = apply_overrides(config, PRESETS[preset])
+    config = config_from_dict(tree, config)
+    return apply_overrides(config, overrides or {})
+
+
+def default_nproc() -> int:
+    """Ranks to start when ``parallel.nproc`` is 0: every local GPU, else 2 CPU processes."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _optional_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def validate(config: Config) -> Config:
+    """Check the whole tree before anything starts; returns it with ``nproc``, ``dp`` and ``grad_accum``
+    resolved. Raises ``ValueError`` naming the field, the value and the fix."""
+    from ..models.gpt import GPTConfig
+    from .data import BatchPlan
+
+    m, p, t, o = config.model, config.parallel, config.train, config.optimizer
+    try:
+        GPTConfig(**dataclasses.asdict(m))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
+    _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.micro_batch", p.micro_batch),
+              ("data.global_batch", config.data.global_batch), ("train.steps", t.steps),
+              ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints))
+    for key, value in (("parallel.nproc", p.nproc), ("parallel.dp", p.dp), ("parallel.grad_accum", p.grad_accum),
+                       ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps)):
+        if value < 0:
+            raise ValueError(f"{key} = {value} must be >= 0 (0 means: {'infer it' if key.startswith('parallel') else 'off'})")
+    if not 0 < t.timeout_s <= 3600:
+        raise ValueError(f"train.timeout_s = {t.timeout_s} must be in (0, 3600] seconds; e.g. --train.timeout_s 60")
+    if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
+        raise ValueError(f"optimizer.lr = {o.lr}, optimizer.min_lr = {o.min_lr}: need lr > 0 and 0 <= min_lr <= lr")
+    _check_strategies(config)
+    nproc = p.nproc or default_nproc()
+    dp = p.dp or nproc // (p.tp * p.pp)
+    if dp * p.tp * p.pp != nproc:
+        raise ValueError(f"parallel.dp × parallel.tp × parallel.pp = {dp} × {p.tp} × {p.pp} = {dp * p.tp * p.pp} "
+                         f"must equal the number of processes parallel.nproc = {nproc}; set --parallel.nproc "
+                         f"{dp * p.tp * p.pp} or pick dp/tp whose product is {nproc}")
+    try:
+        plan = (BatchPlan(global_batch=config.data.global_batch, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp)
+                if p.grad_accum else BatchPlan.from_sizes(global_batch=config.data.global_batch, micro_batch=p.micro_batch, dp=dp))
+    except ValueError as exc:
+        raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
+                         f"{exc}") from None
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=plan.grad_accum))
+
+
+def _positive(*pairs: tuple[str, int]) -> None:
+    for key, value in pairs:
+        if value < 1:
+            raise ValueError(f"{key} = {value} must be >= 1")
+
+
+def _check_strategies(config: Config) -> None:
+    m, p = config.model, config.parallel
+    if p.tp > 1:
+        if not _optional_module("shardwise.parallel.tensor"):
+            raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; use --parallel.tp 1")
+        if m.n_head % p.tp:
+            raise ValueError(f"parallel.tp = {p.tp} must divide model.n_head = {m.n_head} (whole heads per rank); "
+                             f"use a tp from {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
+    if p.zero_stage and not _optional_module("shardwise.parallel.zero"):
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero), which this "
+                         f"build lacks; use --parallel.zero_stage 0")
+    if p.zero_stage and p.tp > 1:
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.tp = {p.tp} is not supported by "
+                         f"shardwise train yet; use one of them")
+    if p.pp != 1:
+        raise ValueError(f"parallel.pp = {p.pp}: pipeline parallelism is not wired into shardwise train yet; "
+                         f"use --parallel.pp 1")
+
+
+def describe_fields() -> list[tuple[str, str, str]]:
+    """``(dotted key, default, docstring)`` of every field, for ``--help`` listings."""
+    import ast
+    import inspect
+
+    out: list[tuple[str, str, str]] = []
+    for section in _SECTIONS:
+        cls = _section_type(section)
+        docs: dict[str, str] = {}
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+        for f in fields(cls):
+            out.append((f"{section}.{f.name}", repr(f.default), docs.get(f.name, "")))
+    return out
+

@@ -1,0 +1,186 @@
+"""Training metrics: one JSON line per step, TensorBoard when installed, a live progress bar, and the numbers
+of the final summary (model FLOPs, FLOPs utilisation against the device's peak, peak memory per rank).
+
+Nothing here communicates; rank 0 writes the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["MetricsWriter", "ProgressReporter", "flops_per_token", "peak_flops", "peak_memory_bytes",
+           "read_metrics", "format_bytes"]
+
+# Dense FP32 (no tensor cores) peak FLOP/s: ``shardwise train`` computes in float32 with TF32 off (torch's
+# default for matmuls). First matching substring of torch.cuda.get_device_name() wins (most specific first).
+_PEAK_FP32: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 51.2e12), ("H100", 66.9e12), ("H200", 66.9e12), ("H800", 66.9e12), ("GH200", 66.9e12),
+    ("A100", 19.5e12), ("A800", 19.5e12), ("A10G", 31.2e12), ("A10", 31.2e12), ("L40S", 91.6e12), ("L40", 90.5e12),
+    ("L4", 30.3e12), ("V100", 15.7e12), ("T4", 8.1e12), ("RTX 4090", 82.6e12), ("RTX 3090", 35.6e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense FP32 peak in FLOP/s, or None when unknown (every CPU, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _PEAK_FP32 if key in name), None)
+
+
+def flops_per_token(*, n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls with the parameters (forward 2N, backward 4N) plus
+    6·2·L·h·T for attention scores and values (PaLM appendix B, causal mask not discounted)."""
+    return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl`` (flushed, so a crash keeps every finished step)
+    and mirrors scalars to TensorBoard when ``torch.utils.tensorboard`` can be imported."""
+
+    def __init__(self, run_dir: Path, *, truncate_after: int | None = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        if truncate_after is not None and self.path.is_file():
+            # Resuming from step k: steps after k were trained by the crashed run and are trained again.
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= truncate_after]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file: TextIO = self.path.open("a")
+        self._tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:  # optional: pip install tensorboard
+            pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
+    out: list[dict[str, Any]] = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class ProgressReporter:
+    """A live rich progress bar (step, loss, tokens/s, ETA) on a terminal; a plain line every
+    ``log_every`` steps otherwise (logs, CI, pipes)."""
+
+    def __init__(self, *, total: int, start: int, log_every: int) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=False)
+        self.total, self.log_every = total, log_every
+        self._t0, self._start = time.perf_counter(), start
+        self._bar: Any = None
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+            self._task = self._bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+            self._bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
+        elif step % self.log_every == 0 or step == self.total:
+            done = step - self._start
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / max(done, 1) * (self.total - step)
+            print(f"step {step:>6}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {eta:4.0f}s", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _rank_summaries(run_dir: Path) -> list[dict[str, Any]]:
+    files = sorted((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").is_dir() else []
+    return [json.loads(f.read_text()) for f in files]
+
+
+def print_summary(cfg: Any, run_dir: Path) -> None:
+    """The end-of-run table, from the ranks' summary files (``RUN/ranks/``) and the config."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..models.gpt import GPT, GPTConfig
+
+    ranks = _rank_summaries(run_dir)
+    if not ranks:
+        print(f"shardwise train: finished, but no rank summaries in {run_dir / 'ranks'}")
+        return
+    head = ranks[0]
+    with torch.device("meta"):
+        n_params = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).num_params()
+    flops = flops_per_token(n_params=n_params, n_layer=cfg.model.n_layer, n_embd=cfg.model.n_embd,
+                            block_size=cfg.model.block_size)
+    peak = peak_flops(torch.device(head["device"])) if head["device"].startswith("cuda") else None
+    mfu = f"{head['tokens_per_s'] * flops / (peak * len(ranks)):.1%}" if peak else "n/a (peak FLOP/s unknown for this device)"
+    table = Table(title="shardwise train: summary", show_header=False)
+    for k, v in (("final loss", f"{head['final_loss']:.4f}"), ("steps this run", str(head["steps"])),
+                 ("parameters", f"{n_params / 1e6:.2f} M"),
+                 ("tokens/s", f"{head['tokens_per_s']:,.0f} (steady state, all ranks together)"),
+                 ("model FLOPs utilisation", mfu),
+                 ("framework overhead", f"{head['overhead_s'] / max(head['step_s'], 1e-12):.1%} of a step"),
+                 ("peak memory per rank", ", ".join(f"r{r['rank']} {format_bytes(r['peak_memory'])}" for r in ranks)),
+                 ("checkpoint", str(head["checkpoint"])), ("metrics", str(run_dir / "metrics.jsonl"))):
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
+    """What to tell the user after a failed job: the exit code, the ranks that did not finish, and where the
+    last complete checkpoint is (saves are atomic, so it is intact)."""
+    from ..checkpoint.sharded import latest_checkpoint
+
+    finished = {r["rank"] for r in _rank_summaries(run_dir)}
+    unfinished = [r for r in range(cfg.parallel.nproc) if r not in finished]
+    last = latest_checkpoint(run_dir)
+    resume = f"; continue with: shardwise train --resume {run_dir}" if last else ""
+    return (f"shardwise train: the job failed (exit code {rc}); ranks that did not finish: {unfinished}. The first rank "
+            f"that failed is named in the launcher's report above ('Root Cause ... rank: N'); the others were stopped "
+            f"by it or by the collective timeout (train.timeout_s={cfg.train.timeout_s:g}s). Last complete checkpoint: "
+            f"{last or 'none'}{resume}")

@@ -1,0 +1,258 @@
+"""The per-rank side of ``shardwise train``: ``python -m shardwise.runtime.trainer --run-dir DIR [--resume CKPT]``.
+
+The launcher (``train_cmd``) validated the config and wrote it to ``DIR/config.json``; every rank reads it,
+joins the job (``sw.init``), builds the mesh ``(dp, tp)``, the reference GPT with the requested strategies, the
+optimizer and its data shard, then runs the loop: per step ``grad_accum`` forward/backward passes (gradient
+sync on the last only), one optimizer step, the mean loss over dp (one all-reduce), metrics, and periodic
+atomic sharded checkpoints. Collective throughout: every rank runs the same steps.
+
+RNG: reseeded at every step from ``(train.seed, step, dp coordinate)``, so restoring the step restores it, and
+dropout differs between data-parallel replicas as it must.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..checkpoint.layout import load_model, load_optimizer, model_pieces, optimizer_pieces, tied_aliases
+from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
+from ..comm.collectives import all_reduce
+from ..mesh import Mesh
+from ..models.gpt import GPT, GPTConfig, lm_loss
+from .config import Config, OptimizerConfig, load_config
+from .corpus import StepBatches, load_corpus
+from .data import ShardedSampler, TokenWindows
+from .launch import World, init, shutdown
+from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
+
+__all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup to ``lr``, then cosine to ``min_lr``."""
+    if o.warmup_steps and step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    if o.schedule == "constant" or total <= o.warmup_steps:
+        return o.lr
+    progress = min(1.0, (step - o.warmup_steps) / (total - o.warmup_steps))
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(params: Sequence[tuple[str, nn.Parameter]], o: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD; weight decay on matrices (dim ≥ 2) only, not on biases, norms or scalars."""
+    decay = [p for _, p in params if p.requires_grad and p.dim() >= 2]
+    other = [p for _, p in params if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def _build_model(cfg: Config, mesh: Mesh) -> tuple[nn.Module, nn.Module, LossFn]:
+    """(the model to call, the plain model inside, the loss). Same seed on every rank → same weights."""
+    torch.manual_seed(cfg.train.seed)
+    plain = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).to(mesh.device)
+    p = cfg.parallel
+    loss_fn: LossFn = lm_loss
+    if p.tp > 1:
+        from ..parallel.tensor import gpt_plan, parallelize, vocab_parallel_cross_entropy
+
+        plain = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
+        loss_fn = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
+    if p.activation_checkpointing:
+        from ..parallel.checkpointing import checkpoint_layers
+
+        checkpoint_layers(plain)
+    model: nn.Module = plain
+    if p.dp > 1:
+        from ..parallel.data import DataParallel
+
+        model = DataParallel(plain, mesh, axis="dp", algorithm=p.algorithm, bucket_cap_mb=p.bucket_cap_mb)
+    return model, plain, loss_fn
+
+
+class Trainer:
+    """One rank's training state and loop (see module docstring)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
+        self.cfg, self.run_dir, self.world = cfg, run_dir, world
+        p = cfg.parallel
+        self.mesh = Mesh(dp=p.dp, tp=p.tp)
+        self.model, self.plain, self.loss_fn = _build_model(cfg, self.mesh)
+        self.optimizer = build_optimizer(list(self.plain.named_parameters()), cfg.optimizer)
+        tokens = load_corpus(cfg.data.path, cfg.data.format)
+        dataset = TokenWindows(tokens, cfg.model.block_size)
+        sampler = ShardedSampler.for_mesh(len(dataset), mesh=self.mesh, axis="dp", shuffle=cfg.data.shuffle,
+                                          seed=cfg.train.seed)
+        self.data = StepBatches(dataset, sampler, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
+                                device=self.mesh.device)
+        self.step = 0
+        self.last_ckpt: Path | None = None
+        self.tokens_per_step = cfg.data.global_batch * cfg.model.block_size
+
+    def resume(self, path: str | Path) -> None:
+        """Load model, optimizer state and data position from a checkpoint of any layout. Local (file reads)."""
+        ckpt = Checkpoint(path)
+        saved = ckpt.state["config"]["model"]
+        if saved != dataclasses.asdict(self.cfg.model):
+            raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not {dataclasses.asdict(self.cfg.model)}; "
+                             f"resume with the saved model config (drop the model.* overrides)")
+        load_model(ckpt, self.plain, self.mesh)
+        load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
+        self.data.load_state_dict(ckpt.state["data"])
+        self.step, self.last_ckpt = ckpt.step, ckpt.path
+
+    def train_step(self) -> tuple[float, dict[str, float]]:
+        """One optimizer step; returns the mean loss over dp and the phase times. Collective."""
+        cfg, sync = self.cfg, _synchronizer(self.mesh.device)
+        self.step += 1
+        torch.manual_seed(cfg.train.seed * 1_000_003 + self.step * 1_009 + self.mesh.coord("dp"))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, cfg.optimizer, cfg.train.steps)
+        t: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+        start = time.perf_counter()
+        batches = self.data.next()
+        t["data"] = time.perf_counter() - start
+        loss_sum = torch.zeros((), device=self.mesh.device)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else nullcontext():
+                t0 = time.perf_counter()
+                loss = self.loss_fn(self.model(x), y) / len(batches)
+                sync()
+                t1 = time.perf_counter()
+                loss.backward()
+                sync()
+                t["fwd"] += t1 - t0
+                t["bwd"] += time.perf_counter() - t1
+            loss_sum += loss.detach()
+        t0 = time.perf_counter()
+        if cfg.debug.bug == "sum_grads":
+            for param in self.plain.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync()
+        t1 = time.perf_counter()
+        all_reduce(loss_sum, self.mesh, "dp", op="avg")
+        value = float(loss_sum)
+        t2 = time.perf_counter()
+        t.update(opt=t1 - t0, comm=t2 - t1, step=t2 - start)
+        return value, t
+
+    def save(self) -> Path:
+        """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
+        pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
+        state = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
+                 "aliases": tied_aliases(self.plain)}
+        self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,
+                                         rank_state={"rank": self.world.rank}, keep=self.cfg.train.keep_checkpoints,
+                                         crash_before_rename=self.cfg.debug.crash_in_save == self.step)
+        return self.last_ckpt
+
+    def run(self, *, save: bool = True) -> dict[str, Any]:
+        """Train from ``self.step`` to ``train.steps``; checkpoints every ``ckpt_every`` and at the end."""
+        cfg, rank0 = self.cfg, self.world.rank == 0
+        writer = MetricsWriter(self.run_dir, truncate_after=self.step) if rank0 else None
+        progress = ProgressReporter(total=cfg.train.steps, start=self.step, log_every=cfg.train.log_every) if rank0 else None
+        loss, timings, start_step, t_begin = float("nan"), [], self.step, time.perf_counter()
+        try:
+            while self.step < cfg.train.steps:
+                if cfg.debug.kill_rank == self.world.rank and cfg.debug.kill_step == self.step + 1:
+                    os._exit(13)  # injected death: no cleanup, no message, like a segfault or an OOM kill
+                loss, t = self.train_step()
+                timings.append(t)
+                if writer is not None and progress is not None:
+                    writer.write(self._record(loss, t))
+                    progress.update(self.step, loss, self.tokens_per_step / t["step"])
+                if save and cfg.train.ckpt_every and self.step % cfg.train.ckpt_every == 0 and self.step < cfg.train.steps:
+                    self.save()
+        finally:
+            if progress is not None:
+                progress.close()
+            if writer is not None:
+                writer.close()
+        if save and (self.last_ckpt is None or Checkpoint(self.last_ckpt).step != self.step):
+            self.save()
+        return self._summary(loss, timings, self.step - start_step, time.perf_counter() - t_begin)
+
+    def _record(self, loss: float, t: dict[str, float]) -> dict[str, Any]:
+        overhead = t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"]
+        return {"step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
+                "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
+                "step_s": t["step"], "fwd_s": t["fwd"], "bwd_s": t["bwd"], "opt_s": t["opt"], "comm_s": t["comm"],
+                "data_s": t["data"], "overhead_s": overhead, "time": time.time()}
+
+    def _summary(self, loss: float, timings: list[dict[str, float]], steps: int, wall: float) -> dict[str, Any]:
+        # Skip the first steps (allocator warm-up, bucket rebuild) when there are enough.
+        steady = timings[min(2, max(len(timings) - 1, 0)):] if timings else []
+        step_s = sum(t["step"] for t in steady) / max(len(steady), 1)
+        overhead = sum(t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"] for t in steady) / max(len(steady), 1)
+        return {"rank": self.world.rank, "final_loss": loss, "steps": steps, "wall_s": wall,
+                "tokens_per_s": self.tokens_per_step / step_s if steady else 0.0,
+                "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
+                "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None}
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """Waits for queued GPU work so host timestamps measure it (no-op on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise.runtime.trainer", description=__doc__)
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.json")
+    parser.add_argument("--resume", default=None, help="checkpoint to continue from")
+    parser.add_argument("--no-save", action="store_true", help="write no checkpoints (shardwise verify)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    cfg = load_config(path=run_dir / "config.json")
+    world = init(timeout_s=cfg.train.timeout_s)
+    trainer = Trainer(cfg, run_dir, world)
+    try:
+        if args.resume:
+            trainer.resume(args.resume)
+        summary = trainer.run(save=not args.no_save)
+    except KeyboardInterrupt:
+        last = trainer.last_ckpt or "none"
+        print(f"shardwise train: rank {world.rank} interrupted at step {trainer.step}; last complete checkpoint: "
+              f"{last}", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:
+        print(f"shardwise train: rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
+              f"{_peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
+        raise
+    (run_dir / "ranks").mkdir(exist_ok=True)
+    (run_dir / "ranks" / f"rank{world.rank:05d}.json").write_text(json.dumps(summary))
+    shutdown()
+    return 0
+
+
+def _peer_hint(exc: BaseException, timeout_s: float) -> str:
+    text = str(exc).lower()
+    if any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")):
+        return (f"\n  (a collective failed: another rank died or stopped responding within train.timeout_s="
+                f"{timeout_s:g}s; the launcher's report names the first rank that failed)")
+    return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
