@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("shardwise.comm.bench", "collective bus bandwidth: native vs ring vs tree, alpha-beta fit"),
     "dp": ("shardwise.parallel.data_bench", "DataParallel step time vs torch DDP, overlap, buckets"),
     "sbp": ("shardwise.sbp.bench", "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
+    "tp": ("shardwise.parallel.tensor_bench", "tensor-parallel step time vs torch parallelize_module; boxing"),
 }
 
 
