@@ -171,16 +171,42 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
     Console().print(table)
 
 
+_PEER_ERRORS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
 def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
-    """What to tell the user after a failed job: the exit code, the ranks that did not finish, and where the
-    last complete checkpoint is (saves are atomic, so it is intact)."""
+    """What to tell the user after a failed job: which rank failed first, what it said, and the last complete
+    checkpoint (saves are atomic, so it is intact). The culprit is the rank that fell behind (its step file,
+    ``RUN/ranks/rankN.step``, shows the lowest step: it died or hung there while the others waited in a
+    collective), else the ranks that raised."""
     from ..checkpoint.sharded import latest_checkpoint
 
+    ranks_dir = run_dir / "ranks"
+    steps: dict[int, int] = {}
+    errors: dict[int, str] = {}
+    for r in range(cfg.parallel.nproc):
+        step_file, error_file = ranks_dir / f"rank{r:05d}.step", ranks_dir / f"rank{r:05d}.error"
+        if step_file.is_file() and step_file.read_text().strip():
+            steps[r] = int(step_file.read_text().split()[0])
+        if error_file.is_file():
+            errors[r] = error_file.read_text().strip()
     finished = {r["rank"] for r in _rank_summaries(run_dir)}
-    unfinished = [r for r in range(cfg.parallel.nproc) if r not in finished]
+    victims = {r for r, e in errors.items() if any(k in e.lower() for k in _PEER_ERRORS)}
+    raised = [r for r in errors if r not in victims]
+    behind = [r for r, s in steps.items() if s == min(steps.values())] if steps else []
+    silent = [r for r in range(cfg.parallel.nproc) if r not in errors and r not in finished]
+    if raised:
+        head = "; ".join(errors[r] for r in raised)
+    elif silent or len(behind) < len(steps):
+        culprits = silent if silent else behind
+        head = (f"{', '.join(f'rank {r}' for r in culprits)} failed first"
+                f"{f' (last step it started: {steps[culprits[0]]})' if culprits[0] in steps else ''} without a Python error "
+                f"(killed, crashed or out of memory); the other ranks stopped when their collectives with it failed")
+    elif errors:
+        head = "; ".join(errors.values())
+    else:
+        head = "see the launcher's report above ('Root Cause ... rank: N')"
     last = latest_checkpoint(run_dir)
     resume = f"; continue with: shardwise train --resume {run_dir}" if last else ""
-    return (f"shardwise train: the job failed (exit code {rc}); ranks that did not finish: {unfinished}. The first rank "
-            f"that failed is named in the launcher's report above ('Root Cause ... rank: N'); the others were stopped "
-            f"by it or by the collective timeout (train.timeout_s={cfg.train.timeout_s:g}s). Last complete checkpoint: "
-            f"{last or 'none'}{resume}")
+    return (f"shardwise train: the job failed (exit code {rc}): {head}. Collective timeout train.timeout_s="
+            f"{cfg.train.timeout_s:g}s. Last complete checkpoint: {last or 'none'}{resume}")

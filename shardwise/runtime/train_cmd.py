@@ -24,20 +24,25 @@ from ..checkpoint.sharded import CHECKPOINTS, latest_checkpoint
 from .config import PRESETS, Config, describe_fields, load_config, validate
 from .launch import run_local
 
-__all__ = ["add_arguments", "main", "prepare", "launch"]
+__all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "add_config_arguments", "config_overrides"]
 
 _HIDDEN = ("debug.",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, metavar="TOML", help="config file ([model], [data], [optimizer], "
-                        "[parallel], [train] tables; optional top-level preset = NAME)")
-    parser.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named config bundle")
-    parser.add_argument("--data", default=None, metavar="PATH", help="text file or uint16 .bin (= --data.path)")
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR|CKPT",
                         help="continue from the latest checkpoint of RUN_DIR (default: the configured run dir), "
                              "in whatever layout the flags now ask for")
     parser.add_argument("--overwrite", action="store_true", help="start afresh in a run dir that holds checkpoints")
+    add_config_arguments(parser)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--preset``, ``--data`` and one ``--section.field`` flag per config field."""
+    parser.add_argument("--config", default=None, metavar="TOML", help="config file ([model], [data], [optimizer], "
+                        "[parallel], [train] tables; optional top-level preset = NAME)")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named config bundle")
+    parser.add_argument("--data", default=None, metavar="PATH", help="text file or uint16 .bin (= --data.path)")
     group = parser.add_argument_group("config fields (dotted overrides, e.g. --parallel.tp 2)")
     for key, default, doc in describe_fields():
         hidden = key.startswith(_HIDDEN)
@@ -45,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help=argparse.SUPPRESS if hidden else f"{doc} [{default}]".replace("%", "%%"))
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     out = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg.")}
     if getattr(args, "data", None):
         out["data.path"] = args.data
@@ -55,7 +60,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     """(validated config, run directory, checkpoint to resume or None); writes ``RUN/config.json``.
     Raises ``ValueError`` for every user mistake, before anything is started."""
-    overrides = _overrides(args)
+    overrides = config_overrides(args)
     resume: Path | None = None
     if args.resume is not None:
         cfg, run_dir, resume = _resume_config(args, overrides)
@@ -71,12 +76,17 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
         for sub in (CHECKPOINTS, "ranks", "tensorboard"):
             shutil.rmtree(run_dir / sub, ignore_errors=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    write_config(cfg, run_dir)
+    return cfg, run_dir, resume
+
+
+def write_config(cfg: Config, run_dir: Path) -> None:
+    """Create ``run_dir`` and (atomically) its ``config.json``, which every rank reads; clear rank files."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / ".config.json.tmp"
     tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
     os.replace(tmp, run_dir / "config.json")
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
-    return cfg, run_dir, resume
 
 
 def _resume_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Config, Path, Path]:

@@ -104,6 +104,7 @@ class Trainer:
         self.step = 0
         self.last_ckpt: Path | None = None
         self.tokens_per_step = cfg.data.global_batch * cfg.model.block_size
+        self._beat_fd: int | None = None
 
     def resume(self, path: str | Path) -> None:
         """Load model, optimizer state and data position from a checkpoint of any layout. Local (file reads)."""
@@ -176,6 +177,7 @@ class Trainer:
             while self.step < cfg.train.steps:
                 if cfg.debug.kill_rank == self.world.rank and cfg.debug.kill_step == self.step + 1:
                     os._exit(13)  # injected death: no cleanup, no message, like a segfault or an OOM kill
+                self._beat()
                 loss, t = self.train_step()
                 timings.append(t)
                 if writer is not None and progress is not None:
@@ -191,6 +193,14 @@ class Trainer:
         if save and (self.last_ckpt is None or Checkpoint(self.last_ckpt).step != self.step):
             self.save()
         return self._summary(loss, timings, self.step - start_step, time.perf_counter() - t_begin)
+
+    def _beat(self) -> None:
+        """Record the step this rank is starting in ``RUN/ranks/rankN.step`` (one pwrite, ~µs): after a failure
+        the launcher names the rank that fell behind — the one that died or hung."""
+        if self._beat_fd is None:
+            (self.run_dir / "ranks").mkdir(exist_ok=True)
+            self._beat_fd = os.open(self.run_dir / "ranks" / f"rank{self.world.rank:05d}.step", os.O_WRONLY | os.O_CREAT)
+        os.pwrite(self._beat_fd, f"{self.step + 1:<12d}".encode(), 0)
 
     def _record(self, loss: float, t: dict[str, float]) -> dict[str, Any]:
         overhead = t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"]
@@ -237,8 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{last}", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
-        print(f"shardwise train: rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
-              f"{_peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
+        message = f"rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
+        (run_dir / "ranks").mkdir(exist_ok=True)
+        (run_dir / "ranks" / f"rank{world.rank:05d}.error").write_text(message)
+        print(f"shardwise train: {message}{_peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
         raise
     (run_dir / "ranks").mkdir(exist_ok=True)
     (run_dir / "ranks" / f"rank{world.rank:05d}.json").write_text(json.dumps(summary))
