@@ -64,9 +64,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
 
     ``sequence_parallel``: activations outside column→row pairs are split on the sequence dim (dim 1);
     every trainable parameter outside the sharded layers must then be covered by ``SequenceParallel()``
-    (its gradient is a partial sum, all-reduced over ``axis`` by a gradient hook). ``seed``: seed of the
-    per-rank dropout stream for split activations, combined with the tp coord (default:
-    ``torch.initial_seed()``). Local (no communication); raises before changing anything.
+    (its gradient is a partial sum, all-reduced over ``axis`` by a gradient hook). ``seed``: mixed with a
+    draw from the shared stream and the tp coord to seed each split region's dropout (``tensor_rng.py``;
+    default ``torch.initial_seed()``). Local (no communication); raises before changing anything.
     """
     _check_call(model, mesh, axis)
     names = [n for n, _ in model.named_modules()]

@@ -99,7 +99,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
         y = F.linear(ctx.gather_input(x), self.weight, self.bias)  # (b, t, i) @ (i, o_r) -> (b, t, o_r)
-        ctx.rng.enter_split()
+        if not ctx.sequence_parallel:  # with SP the whole forward is one split region (entered at the root)
+            ctx.rng.enter_split()
         return y
 
     def extra_repr(self) -> str:

@@ -67,6 +67,11 @@ def test_rng_streams(worlds, sp):
         assert a["embed_drop"] == b["embed_drop"] and a["resid_drop"] == b["resid_drop"]
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_checkpointing_replays_split_dropout(worlds, sp):
+    worlds.get(2).run(tc.check_checkpoint_dropout, sp)
+
+
 def test_bad_input(worlds):
     msgs = worlds.get(2).run(tc.check_bad_input)[0]
     assert "matches no module" in msgs[0] and "blocks.0" in msgs[0]

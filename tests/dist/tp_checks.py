@@ -141,6 +141,30 @@ def check_rng_streams(sp: bool) -> dict[str, int]:
     return seen
 
 
+def check_checkpoint_dropout(sp: bool) -> float:
+    """With dropout > 0, activation checkpointing replays the same split-region masks: gradients equal the
+    un-checkpointed model's. Returns the loss."""
+    from shardwise.parallel.checkpointing import checkpoint_layers
+
+    m = mesh(tp=2)
+    cfg = GPTConfig(**{**TINY, "dropout": 0.2})
+    x, y = _batches(cfg, 2, 16, 1)[0]
+    grads, losses = [], []
+    for ckpt in (False, True):
+        model = _parallel(cfg, m, sp)
+        if ckpt:
+            checkpoint_layers(model)
+        torch.manual_seed(7)
+        loss = vocab_parallel_cross_entropy(model(x), y, mesh=m, axis="tp")
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert losses[0] == losses[1], losses
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    return losses[0]
+
+
 def check_bad_input() -> list[str]:
     """Each bad call raises before any collective and leaves the model usable. Returns the messages."""
     m = mesh(tp=2)

@@ -60,20 +60,22 @@ def test_check_style():
         check_style("e", nn.Embedding(8, 4, max_norm=1.0), None, sw.VocabParallel(), 2, False)
 
 
-def test_rng_streams_leave_the_shared_stream_in_place():
-    torch.manual_seed(5)
-    expected = torch.rand(6)
-    torch.manual_seed(5)
-    streams = [RNGStreams(torch.device("cpu"), seed=5, coord=c) for c in range(2)]
-    draws = []
-    for s in streams:
-        s.enter_split()
-        draws.append(torch.rand(4))
-        s.leave_split()
-    assert not torch.equal(draws[0], draws[1])  # independent split streams per tp coord
-    assert torch.equal(torch.rand(6), expected)  # the shared stream never moved
-    streams[0].enter_split()
-    again = torch.rand(4)
-    streams[0].leave_split()
-    assert not torch.equal(again, draws[0])  # the split stream continues where it left off
-    assert len({split_seed(5, c) for c in range(8)} | {5}) == 9
+def _region(coord: int, shared_seed: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(draws before, inside a split region, after it) on a fresh shared stream."""
+    torch.manual_seed(shared_seed)
+    streams = RNGStreams(torch.device("cpu"), seed=0, coord=coord)
+    before = torch.rand(3)
+    streams.enter_split()
+    inside = torch.rand(4)
+    streams.leave_split()
+    return before, inside, torch.rand(6)
+
+
+def test_rng_split_regions():
+    b0, in0, after0 = _region(0)
+    b1, in1, after1 = _region(1)
+    assert torch.equal(b0, b1) and torch.equal(after0, after1)  # the shared stream stays in step across coords
+    assert not torch.equal(in0, in1)  # independent split masks per tp coord
+    assert torch.equal(_region(0)[1], in0)  # a function of the shared state at entry: replayable
+    assert not torch.equal(_region(0, shared_seed=6)[1], in0)
+    assert len({split_seed(1, 5, c) for c in range(8)}) == 8
