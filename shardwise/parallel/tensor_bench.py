@@ -162,7 +162,7 @@ def _make_step(model: nn.Module, x: torch.Tensor, sp: bool, mesh) -> Step:
         loss = out.pow(2).sum() / x.numel()  # with SP a partial sum of the mean; the gradient is the same
         loss.backward()
         opt.step()
-        return float(loss)
+        return loss.detach().item()
     return step
 
 
