@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per round (default 10)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round (default 5)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--repeats", type=int, default=8, help="interleaved rounds (default 8)")
     parser.add_argument("--iters", type=int, default=500, help="timed calls per boxing measurement (default 500)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
@@ -193,16 +193,26 @@ def _step_rows(args: argparse.Namespace, mesh, names: list[str]) -> tuple[list[d
         steps[name] = _make_step(model, x, name.endswith("sp"), mesh)
     first = {name: steps[name]() for name in names}  # also a warm-up step
     check = abs(first["sw"] - first["torch"]) if {"sw", "torch"} <= set(names) else float("nan")
-    times: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
         _time_steps(steps[name], args.warmup, x.is_cuda)
-    for _ in range(args.repeats):
-        for name in names:
+    # per round and variant: the median step; then the maximum over ranks (the slowest rank sets the pace)
+    rounds = torch.zeros(args.repeats, len(names), dtype=torch.float64)
+    for r in range(args.repeats):
+        for k, name in enumerate(names):
             sw.comm.barrier(mesh, "tp")
-            times[name] += _time_steps(steps[name], args.steps, x.is_cuda)
-    med = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
-    sw.comm.all_reduce(med, mesh, "tp", op="max")
-    return [{"variant": n, "step_ms": 1e3 * float(med[k])} for k, n in enumerate(names)], check
+            rounds[r, k] = statistics.median(_time_steps(steps[name], args.steps, x.is_cuda))
+    sw.comm.all_reduce(rounds, mesh, "tp", op="max")
+    return [_row(n, k, names, rounds) for k, n in enumerate(names)], check
+
+
+def _row(name: str, k: int, names: list[str], rounds: torch.Tensor) -> dict[str, object]:
+    """Median step over rounds, and the median over rounds of the paired ratio against torch's variant of
+    the same mode in the same round (cancels slow load drift on a shared machine)."""
+    base = "torch-sp" if name.endswith("sp") else "torch"
+    ratios = (rounds[:, k] / rounds[:, names.index(base)]).tolist() if base in names else []
+    return {"variant": name, "step_ms": 1e3 * statistics.median(rounds[:, k].tolist()),
+            "vs_torch": statistics.median(ratios) if ratios else float("nan"),
+            "vs_torch_range": [min(ratios), max(ratios)] if ratios else []}
 
 
 # -- (b) boxing overhead ---------------------------------------------------------------------------
@@ -337,14 +347,13 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _report(args, n: int, rows, check: float, boxing, bytes_rows) -> None:
-    ref = {r["variant"]: r["step_ms"] for r in rows}
     print(f"\nshardwise bench tp: tp={n}, {args.layers} blocks h={args.embd} heads={args.heads}, batch "
           f"{args.batch}x{args.seq}, {args.repeats}x{args.steps} timed steps, torch {torch.__version__}, "
           f"{platform.node()}; |loss(sw) - loss(torch)| at step 1 = {check:.2e}")
-    print(f"{'variant':<10}{'step ms':>9}{'vs torch':>10}")
+    print(f"{'variant':<10}{'step ms':>9}{'vs torch':>10}  paired ratio per round: min-max")
     for r in rows:
-        base = ref.get("torch-sp" if r["variant"].endswith("sp") else "torch")
-        print(f"{r['variant']:<10}{r['step_ms']:>9.2f}{(r['step_ms'] / base if base else float('nan')):>10.3f}")
+        span = "-".join(f"{x:.3f}" for x in r["vs_torch_range"])
+        print(f"{r['variant']:<10}{r['step_ms']:>9.2f}{r['vs_torch']:>10.3f}  {span}")
     print(f"\n{'boxing (64x64 fp32 per rank)':<28}{'raw us':>9}{'sw us':>9}{'DTensor us':>11}{'sw extra':>10}"
           f"{'DT extra':>10}")
     for name, raw, ours, theirs in boxing:
