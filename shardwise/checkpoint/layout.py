@@ -103,19 +103,23 @@ def load_model(ckpt: Checkpoint, model: nn.Module, mesh: Mesh) -> None:
 
 @torch.no_grad()
 def load_optimizer(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> None:
-    """Fill ``optimizer.state`` for this rank's parameters from the checkpoint (any saved layout). Local."""
+    """Fill ``optimizer.state`` for this rank's parameters from the checkpoint — saved in any layout,
+    ZeRO's flat shards included. Local (file reads)."""
+    from .zero_layout import param_state
+
     names = _param_names(model)
-    saved = ckpt.keys("optim/")
+    saved, fetch = param_state(ckpt)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            prefix = f"optim/{names[id(p)]}/"
             state: dict[str, torch.Tensor] = {}
-            for key in (k for k in saved if k.startswith(prefix)):
-                target = describe(key, p, mesh, torch.empty_like(p))
-                full_shape = tuple(ckpt.index["tensors"][key]["full_shape"])
-                if full_shape and full_shape == target.full_shape:  # shaped like its parameter: same layout
-                    state[key[len(prefix):]] = ckpt.load_piece(target).to(p.device)
+            for name in saved.get(names[id(p)], []):
+                full = fetch(names[id(p)], name)
+                target = describe(f"optim/{names[id(p)]}/{name}", p, mesh, torch.empty_like(p))
+                if full.dim() > 0 and tuple(full.shape) == target.full_shape:  # shaped like its parameter
+                    view = full.reshape(target.view_shape)
+                    index = tuple(slice(s, s + n) for s, n in target.extent())
+                    state[name] = view[index].reshape(p.shape).to(p.device).clone()
                 else:  # scalars (Adam's step) stay on the CPU, as torch keeps them
-                    state[key[len(prefix):]] = ckpt.full(key)
+                    state[name] = full.clone()
             if state:
                 optimizer.state[p] = state

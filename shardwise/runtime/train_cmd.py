@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.sharded import CHECKPOINTS, latest_checkpoint
-from .config import PRESETS, Config, describe_fields, load_config, validate
+from .config import PRESETS, Config, DebugConfig, describe_fields, load_config, validate
 from .launch import run_local
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "add_config_arguments", "config_overrides"]
@@ -101,7 +101,8 @@ def _resume_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple
         raise ValueError(f"--resume: no checkpoint in {str(run_dir)!r} (looked for {CHECKPOINTS}/latest and "
                          f"config.json); start a fresh run without --resume")
     # The saved run's config, with this command's dotted overrides (e.g. a new layout or more steps).
-    cfg = load_config(path=saved, overrides=overrides)
+    # Fault injection (debug.*) belongs to one invocation: it is not inherited from the saved run.
+    cfg = load_config(base=dataclasses.replace(load_config(path=saved), debug=DebugConfig()), overrides=overrides)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(run_dir)),
                               parallel=dataclasses.replace(cfg.parallel, dp=int(overrides.get("parallel.dp", 0)),
                                                            grad_accum=int(overrides.get("parallel.grad_accum", 0)),

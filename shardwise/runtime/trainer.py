@@ -29,6 +29,7 @@ from torch import nn
 
 from ..checkpoint.layout import load_model, load_optimizer, model_pieces, optimizer_pieces, tied_aliases
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
+from ..checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
 from ..comm.collectives import all_reduce
 from ..mesh import Mesh
 from ..models.gpt import GPT, GPTConfig, lm_loss
@@ -53,18 +54,16 @@ def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Sequence[tuple[str, nn.Parameter]], o: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay on matrices (dim ≥ 2) only, not on biases, norms or scalars."""
-    decay = [p for _, p in params if p.requires_grad and p.dim() >= 2]
-    other = [p for _, p in params if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
+def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over ``params``. Weight decay applies to every parameter alike, so that ZeRO's flat
+    shards (which mix matrices, biases and norms) optimise the same objective as every other layout."""
     if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def _build_model(cfg: Config, mesh: Mesh) -> tuple[nn.Module, nn.Module, LossFn]:
-    """(the model to call, the plain model inside, the loss). Same seed on every rank → same weights."""
+def _build_model(cfg: Config, mesh: Mesh) -> tuple[nn.Module, nn.Module, LossFn, Any]:
+    """(the model to call, the plain model inside, the loss, the optimizer). Same seed → same weights."""
     torch.manual_seed(cfg.train.seed)
     plain = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).to(mesh.device)
     p = cfg.parallel
@@ -78,12 +77,18 @@ def _build_model(cfg: Config, mesh: Mesh) -> tuple[nn.Module, nn.Module, LossFn]
         from ..parallel.checkpointing import checkpoint_layers
 
         checkpoint_layers(plain)
+    if p.zero_stage:
+        from ..parallel.zero import zero
+
+        model, opt = zero(plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
+                          optimizer=partial(build_optimizer, o=cfg.optimizer))
+        return model, plain, loss_fn, opt
     model: nn.Module = plain
     if p.dp > 1:
         from ..parallel.data import DataParallel
 
         model = DataParallel(plain, mesh, axis="dp", algorithm=p.algorithm, bucket_cap_mb=p.bucket_cap_mb)
-    return model, plain, loss_fn
+    return model, plain, loss_fn, build_optimizer(list(plain.parameters()), cfg.optimizer)
 
 
 class Trainer:
@@ -93,8 +98,8 @@ class Trainer:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         p = cfg.parallel
         self.mesh = Mesh(dp=p.dp, tp=p.tp)
-        self.model, self.plain, self.loss_fn = _build_model(cfg, self.mesh)
-        self.optimizer = build_optimizer(list(self.plain.named_parameters()), cfg.optimizer)
+        self.model, self.plain, self.loss_fn, self.optimizer = _build_model(cfg, self.mesh)
+        self.zero = cfg.parallel.zero_stage > 0
         tokens = load_corpus(cfg.data.path, cfg.data.format)
         dataset = TokenWindows(tokens, cfg.model.block_size)
         sampler = ShardedSampler.for_mesh(len(dataset), mesh=self.mesh, axis="dp", shuffle=cfg.data.shuffle,
@@ -113,8 +118,11 @@ class Trainer:
         if saved != dataclasses.asdict(self.cfg.model):
             raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not {dataclasses.asdict(self.cfg.model)}; "
                              f"resume with the saved model config (drop the model.* overrides)")
-        load_model(ckpt, self.plain, self.mesh)
-        load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
+        if self.zero:
+            load_zero(ckpt, self.model, self.optimizer)
+        else:
+            load_model(ckpt, self.plain, self.mesh)
+            load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
         self.data.load_state_dict(ckpt.state["data"])
         self.step, self.last_ckpt = ckpt.step, ckpt.path
 
@@ -143,7 +151,7 @@ class Trainer:
                 t["bwd"] += time.perf_counter() - t1
             loss_sum += loss.detach()
         t0 = time.perf_counter()
-        if cfg.debug.bug == "sum_grads":
+        if cfg.debug.bug == "sum_grads" and not self.zero:
             for param in self.plain.parameters():
                 if param.grad is not None:
                     param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
@@ -159,9 +167,13 @@ class Trainer:
 
     def save(self) -> Path:
         """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
-        pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
-        state = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
-                 "aliases": tied_aliases(self.plain)}
+        state: dict[str, Any] = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
+                                 "aliases": tied_aliases(self.plain)}
+        if self.zero:
+            pieces = zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.optimizer, self.mesh)
+            state["zero_groups"] = zero_groups_state(self.model)
+        else:
+            pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
         self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,
                                          rank_state={"rank": self.world.rank}, keep=self.cfg.train.keep_checkpoints,
                                          crash_before_rename=self.cfg.debug.crash_in_save == self.step)
