@@ -1,0 +1,134 @@
+"""The config tree: defaults, presets, TOML, dotted overrides, validation messages; LR schedule; loss comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import pytest
+
+from shardwise.runtime.config import (Config, DataConfig, ModelConfig, ParallelConfig, apply_overrides, describe_fields,
+                                      load_config, parse_overrides, validate)
+
+
+def test_every_field_is_documented_and_frozen_keyword_only():
+    for key, _default, doc in describe_fields():
+        assert doc, f"{key} has no docstring"
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        params = cls.__dataclass_params__
+        assert params.frozen and cls.__dataclass_fields__  # frozen
+        with pytest.raises(TypeError):
+            cls(1)  # keyword-only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().train.steps = 3  # type: ignore[misc]
+
+
+def test_precedence_defaults_preset_toml_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "gpt-small"\n[model]\nn_layer = 3\n[train]\nsteps = 50\nname = "mine"\n')
+    cfg = load_config(path=toml, overrides={"train.steps": "7", "parallel.algorithm": "ring"})
+    assert cfg.model.n_embd == 256  # from the preset
+    assert cfg.model.n_layer == 3  # TOML beats the preset
+    assert cfg.train.steps == 7  # flags beat TOML
+    assert cfg.parallel.algorithm == "ring"
+    assert cfg.run_dir().as_posix() == "runs/mine"
+    assert load_config().run_dir().as_posix() == "runs/gpt-tiny"
+
+
+def test_parse_overrides_both_spellings():
+    assert parse_overrides(["--parallel.tp", "2", "--train.steps=5"]) == {"parallel.tp": "2", "train.steps": "5"}
+    with pytest.raises(ValueError, match="--parallel.tp needs a value"):
+        parse_overrides(["--parallel.tp"])
+    with pytest.raises(ValueError, match="overrides look like --section.field VALUE"):
+        parse_overrides(["tp=2"])
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("parallel.tp", "x", "parallel.tp must be a int, got 'x'"),
+    ("model.bias", "maybe", "model.bias must be a bool"),
+    ("optimizer.lr", "fast", "optimizer.lr must be a float"),
+    ("parallel.algorithm", "butterfly", "choose one of ['native', 'ring', 'tree']"),
+    ("parallel.tpp", "2", "did you mean 'tp'"),
+    ("paralel.tp", "2", "unknown config key 'paralel.tp'"),
+])
+def test_override_errors_name_the_field_and_the_fix(key, value, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        apply_overrides(Config(), {key: value})
+
+
+def test_overrides_convert_types():
+    cfg = apply_overrides(Config(), {"model.bias": "false", "optimizer.lr": "1e-2", "parallel.tp": "2"})
+    assert cfg.model.bias is False and cfg.optimizer.lr == 0.01 and cfg.parallel.tp == 2
+
+
+def _cfg(**parallel) -> Config:
+    return Config(parallel=ParallelConfig(**{"nproc": 4, **parallel}), data=DataConfig(global_batch=16),
+                  model=ModelConfig(n_head=4))
+
+
+def test_validate_resolves_dp_and_grad_accum():
+    p = validate(_cfg(micro_batch=2, tp=2)).parallel
+    assert (p.nproc, p.dp, p.tp, p.grad_accum) == (4, 2, 2, 4)  # 16 = 2 × 4 × 2
+    p = validate(_cfg(micro_batch=4)).parallel
+    assert (p.dp, p.grad_accum) == (4, 1)
+
+
+@pytest.mark.parametrize("parallel,message", [
+    ({"tp": 3}, "parallel.tp = 3 must divide model.n_head = 4"),
+    ({"dp": 3}, "parallel.dp × parallel.tp × parallel.pp = 3 × 1 × 1 = 3 must equal the number of processes"),
+    ({"micro_batch": 3}, "global_batch=16 is not a multiple of micro_batch × dp = 3 × 4 = 12"),
+    ({"micro_batch": 2, "grad_accum": 3}, "2 × 3 × 4 = 24 ≠ global_batch=16"),
+    ({"zero_stage": 5}, "parallel.zero_stage = 5 must be 0, 1, 2 or 3"),
+    ({"zero_stage": 1, "tp": 2}, "not supported by shardwise train yet"),
+    ({"pp": 2}, "pipeline parallelism is not wired"),
+])
+def test_validation_messages(parallel, message):
+    with pytest.raises(ValueError) as info:
+        validate(_cfg(**parallel))
+    assert message in str(info.value)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from shardwise.runtime.config import OptimizerConfig
+    from shardwise.runtime.trainer import lr_at
+
+    o = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(5, o, 110) == pytest.approx(0.5)
+    assert lr_at(10, o, 110) == pytest.approx(1.0)
+    assert lr_at(60, o, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, o, 110) == pytest.approx(0.1)
+    assert lr_at(50, dataclasses.replace(o, schedule="constant"), 110) == 1.0
+
+
+def test_compare_losses_tolerance():
+    from shardwise.runtime.verify_cmd import compare_losses
+
+    assert compare_losses([5.0, 4.0], [5.0 + 4e-4, 4.1], rtol=1e-4, atol=1e-5) == [True, False]
+
+
+def test_step_batches_see_the_same_samples_under_any_dp_and_resume_position():
+    """Step k of every layout covers the same windows; the saved position is layout-free."""
+    import torch
+
+    from shardwise.runtime.corpus import StepBatches
+    from shardwise.runtime.data import ShardedSampler, TokenWindows
+
+    tokens = torch.arange(4 * 101 + 1, dtype=torch.int64) % 256
+    ds = TokenWindows(tokens, 4)  # 101 windows; global batch 8 → 12 steps per epoch for every dp
+
+    def streams(dp: int, accum: int) -> list[StepBatches]:
+        return [StepBatches(ds, ShardedSampler(len(ds), dp_size=dp, dp_rank=r, seed=3), micro_batch=8 // dp // accum,
+                            grad_accum=accum, device=torch.device("cpu")) for r in range(dp)]
+
+    one, two = streams(1, 2), streams(2, 1)
+    for _ in range(15):  # crosses an epoch boundary
+        a = sorted(map(tuple, torch.cat([x for x, _ in one[0].next()]).tolist()))
+        b = sorted(map(tuple, torch.cat([x for s in two for x, _ in s.next()]).tolist()))
+        assert a == b
+    assert one[0].state_dict() == two[0].state_dict() == {"epoch": 1, "global_offset": 24}
+    resumed = streams(2, 1)
+    for s in resumed:
+        s.load_state_dict(one[0].state_dict())
+    assert torch.equal(resumed[1].next()[0][0], two[1].next()[0][0])
