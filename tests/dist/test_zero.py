@@ -14,20 +14,23 @@ from tests.dist import zero_checks as zc
 RTOL = 1e-5
 
 
-def _matrix() -> list[tuple]:
+def _matrix(n: int) -> list[tuple]:
+    """Every stage x optimizer x model on both world sizes; clipping and accumulation (no_sync) on the GPT
+    on both; accumulation on the odd-sized model and activation checkpointing on 2 ranks only (time)."""
     cfgs = [(kind, opt, stage, "plain") for kind in ("uneven", "gpt") for opt in ("sgd", "adamw")
             for stage in (1, 2, 3)]
     cfgs += [("gpt", opt, stage, variant) for opt, variant in (("adamw", "clip"), ("sgd", "accum"))
              for stage in (1, 2, 3)]
-    cfgs += [("uneven", "sgd", stage, "accum") for stage in (1, 2, 3)]
-    cfgs += [("gpt-ckpt", "adamw", stage, "ckpt") for stage in (1, 2, 3)]
+    if n == 2:
+        cfgs += [("uneven", "sgd", stage, "accum") for stage in (1, 2, 3)]
+        cfgs += [("gpt-ckpt", "adamw", stage, "ckpt") for stage in (1, 2, 3)]
     return cfgs
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_stages_match_one_process(worlds, n):
-    per_rank = worlds.get(n).run(zc.check_parity, _matrix(), timeout=300)
-    for k, cfg in enumerate(_matrix()):
+    per_rank = worlds.get(n).run(zc.check_parity, _matrix(n), timeout=300)
+    for k, cfg in enumerate(_matrix(n)):
         results = [ranks[k] for ranks in per_rank]
         assert results[0]["cfg"] == cfg
         for res in results:

@@ -69,6 +69,22 @@ def _local(t: torch.Tensor, m: sw.Mesh) -> torch.Tensor:
     return t[i * per:(i + 1) * per]
 
 
+_REFERENCES: dict[tuple, tuple[dict[str, torch.Tensor], list[float]]] = {}
+
+
+def cached_reference(kind: str, opt: str, steps: int, *, clip: float | None = None,
+                     micro: int = 1) -> tuple[nn.Module, list[float]]:
+    """``reference`` computed once per rank process per configuration (every stage compares with it)."""
+    key = (kind, opt, steps, clip, micro)
+    if key not in _REFERENCES:
+        model, norms = reference(kind, opt, steps, clip=clip, micro=micro)
+        _REFERENCES[key] = ({k: v.clone() for k, v in model.state_dict().items()}, norms)
+    state, norms = _REFERENCES[key]
+    model = build(kind)
+    model.load_state_dict(state)
+    return model, norms
+
+
 def reference(kind: str, opt: str, steps: int, *, clip: float | None = None, micro: int = 1) -> tuple[nn.Module, list[float]]:
     """One process, whole batch, plain torch."""
     model = build(kind)
@@ -145,7 +161,7 @@ def check_parity(configs: list[tuple]) -> list[dict[str, Any]]:
     for kind, opt, stage, variant in configs:
         clip = 0.05 if variant == "clip" else None
         micro = 2 if variant == "accum" else 1
-        ref, ref_norms = reference(kind, opt, STEPS, clip=clip, micro=micro)
+        ref, ref_norms = cached_reference(kind.replace("-ckpt", ""), opt, STEPS, clip=clip, micro=micro)
         model, _, norms, phases = train_zero(kind, opt, stage, STEPS, clip=clip, micro=micro)
         res = compare(sw.full_state_dict(model), ref)
         res["cfg"] = (kind, opt, stage, variant)
