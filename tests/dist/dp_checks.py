@@ -225,6 +225,34 @@ def check_unused_found() -> dict:
             "counts_ok": all(c["all_reduce"] == len(model.bucket_plan) for c in counts)}
 
 
+def check_unused_accumulated() -> dict:
+    """find_unused_parameters + no_sync: ``extra`` is used only in the first (local) micro-step; its
+    accumulated gradient must still be averaged by the synchronised backward."""
+    m = mesh(dp=-1)
+    n, r = m.size("dp"), m.coord("dp")
+    X, Y = data(2 * n)
+    X = X.view(STEPS, n, 2, B, DIN).clone()  # [step, rank, micro-step, row, feature]
+    X[:, :, 0, :, 0] = X[:, :, 0, :, 0].abs()  # micro-step 0 of every rank takes the branch ...
+    X[:, :, 1, :, 0] = -X[:, :, 1, :, 0].abs()  # ... micro-step 1 never does
+    Y = Y.view(STEPS, n, 2, B, DOUT)
+    model = DataParallel(build("branchy"), m, "dp", find_unused_parameters=True, **SMALL)
+    ref = build("branchy")
+    opt, ropt = make_opt("sgd", model.parameters()), make_opt("sgd", ref.parameters())
+    for k in range(STEPS):
+        opt.zero_grad()
+        ropt.zero_grad()
+        with model.no_sync():
+            (loss_fn(model(X[k, r, 0]), Y[k, r, 0]) / 2).backward()
+        (loss_fn(model(X[k, r, 1]), Y[k, r, 1]) / 2).backward()
+        for i in range(n):
+            for j in range(2):
+                (loss_fn(ref(X[k, i, j]), Y[k, i, j]) / (2 * n)).backward()
+        opt.step()
+        ropt.step()
+    return {"err": max_err(model.module, ref), "hash": state_hash(model.module),
+            "extra_moved": bool((model.module.extra.weight - build("branchy").extra.weight).abs().max() > 0)}
+
+
 def check_unused_raises(freeze_never: bool) -> str:
     """Without find_unused_parameters every rank raises a ValueError naming the parameters (no hang)."""
     m = mesh(dp=-1)
