@@ -11,6 +11,7 @@ and the same variants of it:
     sw-per-param       one bucket (one all-reduce) per parameter
     sw-copy-in         grads kept apart from the buckets, copied in and out
     sw-ring, sw-tree   our own collective algorithms instead of the backend's
+    sw-bf16            bf16_compress_hook: gradients cross the wire in bfloat16 (half the bytes)
     centralized        reduce to rank 0, optimizer there, broadcast parameters
     sw-cap=X           the bucket-size sweep (``--sweep``)
 
@@ -35,14 +36,17 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..mesh import Mesh
+
 __all__ = ["add_arguments", "main"]
 
 AXIS = "dp"
 BASE = ["torch-ddp", "torch-ddp-views", "sw", "sw-no-overlap", "sw-per-param", "sw-copy-in", "sw-ring", "sw-tree",
-        "centralized"]
+        "sw-bf16", "centralized"]
 SW_OPTIONS: dict[str, dict[str, object]] = {
     "sw": {}, "sw-no-overlap": {"overlap": False}, "sw-per-param": {"bucket_cap_mb": 1e-9, "first_bucket_mb": 1e-9},
-    "sw-copy-in": {"grad_views": False}, "sw-ring": {"algorithm": "ring"}, "sw-tree": {"algorithm": "tree"}}
+    "sw-copy-in": {"grad_views": False}, "sw-ring": {"algorithm": "ring"}, "sw-tree": {"algorithm": "tree"},
+    "sw-bf16": {}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,10 +105,11 @@ def main(args: argparse.Namespace) -> int:
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def _variant(name: str, net: nn.Module, mesh) -> tuple[nn.Module, Step]:
+def _variant(name: str, net: nn.Module, mesh: Mesh) -> tuple[nn.Module, Step]:
     """Wrap ``net`` as variant ``name``; return the wrapper and one training step on a batch."""
     from ..models.gpt import lm_loss
     from .centralized import CentralizedDataParallel
+    from .comm_hooks import bf16_compress_hook
     from .data import DataParallel
 
     if name == "centralized":
@@ -122,6 +127,8 @@ def _variant(name: str, net: nn.Module, mesh) -> tuple[nn.Module, Step]:
         model = DataParallel(net, mesh, AXIS, bucket_cap_mb=float(name.split("=")[1]))
     else:
         model = DataParallel(net, mesh, AXIS, **SW_OPTIONS[name])  # type: ignore[arg-type]
+        if name == "sw-bf16":
+            model.register_comm_hook(bf16_compress_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -186,7 +193,8 @@ def _paired_ratio(rounds: list[list[float]], ref: list[list[float]] | None) -> f
     return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, ref))
 
 
-def _gather_rows(names: list[str], times: dict[str, list[list[float]]], runs: dict, mesh) -> list[dict[str, object]]:
+def _gather_rows(names: list[str], times: dict[str, list[list[float]]], runs: dict[str, tuple[nn.Module, Step]],
+                 mesh: Mesh) -> list[dict[str, object]]:
     """Median step time per variant (maximum over ranks), paired ratio to torch-ddp (mean over ranks), and
     the overlap stats of each sw variant (mean over ranks)."""
     import shardwise as sw
