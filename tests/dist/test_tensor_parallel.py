@@ -17,6 +17,8 @@ def test_tp2_training_matches_single_device(worlds, sp):
     assert losses[0] == losses[1]  # the loss is replicated over tp
     # an uneven vocabulary (255 = 128 + 127 rows) and uneven sequence pieces (15 = 8 + 7 tokens)
     w.run(tc.check_training_parity, {"tp": 2}, {"vocab_size": 255}, sp, seq=15)
+    # no biases anywhere, and an untied head (its own vocab-sharded weight)
+    w.run(tc.check_training_parity, {"tp": 2}, {"bias": False, "tie_weights": False}, sp)
 
 
 def test_tp3_uneven_vocab_and_sequence(worlds):
