@@ -173,7 +173,8 @@ class Config:
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt-tiny": {"train.name": "gpt-tiny"},
     "gpt-small": {"model.block_size": 256, "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 256,
-                  "parallel.micro_batch": 4, "data.global_batch": 16, "train.name": "gpt-small", "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4},
+                  "parallel.micro_batch": 4, "data.global_batch": 16, "train.name": "gpt-small", "optimizer.lr": 1e-3,
+                  "optimizer.min_lr": 1e-4},
 }
 """Named bundles of dotted overrides (``--preset NAME``)."""
 
@@ -347,7 +348,8 @@ def validate(config: Config) -> Config:
     for key, value in (("parallel.nproc", p.nproc), ("parallel.dp", p.dp), ("parallel.grad_accum", p.grad_accum),
                        ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps)):
         if value < 0:
-            raise ValueError(f"{key} = {value} must be >= 0 (0 means: {'infer it' if key.startswith('parallel') else 'off'})")
+            meaning = "infer it" if key.startswith("parallel") else "off"
+            raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning})")
     if not 0 < t.timeout_s <= 3600:
         raise ValueError(f"train.timeout_s = {t.timeout_s} must be in (0, 3600] seconds; e.g. --train.timeout_s 60")
     if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
@@ -360,8 +362,9 @@ def validate(config: Config) -> Config:
                          f"must equal the number of processes parallel.nproc = {nproc}; set --parallel.nproc "
                          f"{dp * p.tp * p.pp} or pick dp/tp whose product is {nproc}")
     try:
-        plan = (BatchPlan(global_batch=config.data.global_batch, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp)
-                if p.grad_accum else BatchPlan.from_sizes(global_batch=config.data.global_batch, micro_batch=p.micro_batch, dp=dp))
+        gb = config.data.global_batch
+        plan = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp) if p.grad_accum
+                else BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp))
     except ValueError as exc:
         raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
                          f"{exc}") from None
@@ -378,7 +381,8 @@ def _check_strategies(config: Config) -> None:
     m, p = config.model, config.parallel
     if p.tp > 1:
         if not _optional_module("shardwise.parallel.tensor"):
-            raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; use --parallel.tp 1")
+            raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
+                             f"use --parallel.tp 1")
         if m.n_head % p.tp:
             raise ValueError(f"parallel.tp = {p.tp} must divide model.n_head = {m.n_head} (whole heads per rank); "
                              f"use a tp from {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")

@@ -195,7 +195,10 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
     raised = [r for r in errors if r not in victims]
     behind = [r for r, s in steps.items() if s == min(steps.values())] if steps else []
     silent = [r for r in range(cfg.parallel.nproc) if r not in errors and r not in finished]
-    if raised:
+    interrupted = sorted(ranks_dir.glob("rank*.interrupted")) if ranks_dir.is_dir() else []
+    if interrupted:
+        head = f"interrupted (Ctrl-C) at step {interrupted[0].read_text().strip()}; no checkpoint was half-written"
+    elif raised:
         head = "; ".join(errors[r] for r in raised)
     elif silent or len(behind) < len(steps):
         culprits = silent if silent else behind

@@ -96,7 +96,8 @@ def _resume_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple
     else:
         run_dir = load_config(path=args.config, preset=args.preset, overrides=overrides).run_dir()
     saved = run_dir / "config.json"
-    ckpt = Path(args.resume) if args.resume and (Path(args.resume) / "index.json").is_file() else latest_checkpoint(run_dir)
+    given = Path(args.resume) if args.resume else None
+    ckpt = given if given is not None and (given / "index.json").is_file() else latest_checkpoint(run_dir)
     if ckpt is None or not saved.is_file():
         raise ValueError(f"--resume: no checkpoint in {str(run_dir)!r} (looked for {CHECKPOINTS}/latest and "
                          f"config.json); start a fresh run without --resume")
@@ -165,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
         from .metrics import failure_report
 
         print(failure_report(run_dir, rc, cfg), file=sys.stderr, flush=True)
-        return rc
+        return 130 if any((run_dir / "ranks").glob("rank*.interrupted")) else rc
     from .metrics import print_summary
 
     print_summary(cfg, run_dir)

@@ -116,7 +116,8 @@ class Trainer:
         ckpt = Checkpoint(path)
         saved = ckpt.state["config"]["model"]
         if saved != dataclasses.asdict(self.cfg.model):
-            raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not {dataclasses.asdict(self.cfg.model)}; "
+            raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not "
+                             f"{dataclasses.asdict(self.cfg.model)}; "
                              f"resume with the saved model config (drop the model.* overrides)")
         if self.zero:
             load_zero(ckpt, self.model, self.optimizer)
@@ -170,7 +171,8 @@ class Trainer:
         state: dict[str, Any] = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
                                  "aliases": tied_aliases(self.plain)}
         if self.zero:
-            pieces = zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.optimizer, self.mesh)
+            pieces = zero_model_pieces(self.model, self.mesh)  # collective (gathers the parameters)
+            pieces += zero_optimizer_pieces(self.model, self.optimizer, self.mesh)
             state["zero_groups"] = zero_groups_state(self.model)
         else:
             pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
@@ -183,7 +185,8 @@ class Trainer:
         """Train from ``self.step`` to ``train.steps``; checkpoints every ``ckpt_every`` and at the end."""
         cfg, rank0 = self.cfg, self.world.rank == 0
         writer = MetricsWriter(self.run_dir, truncate_after=self.step) if rank0 else None
-        progress = ProgressReporter(total=cfg.train.steps, start=self.step, log_every=cfg.train.log_every) if rank0 else None
+        progress = (ProgressReporter(total=cfg.train.steps, start=self.step, log_every=cfg.train.log_every)
+                    if rank0 else None)
         loss, timings, start_step, t_begin = float("nan"), [], self.step, time.perf_counter()
         try:
             while self.step < cfg.train.steps:
@@ -195,7 +198,8 @@ class Trainer:
                 if writer is not None and progress is not None:
                     writer.write(self._record(loss, t))
                     progress.update(self.step, loss, self.tokens_per_step / t["step"])
-                if save and cfg.train.ckpt_every and self.step % cfg.train.ckpt_every == 0 and self.step < cfg.train.steps:
+                periodic = cfg.train.ckpt_every and self.step % cfg.train.ckpt_every == 0
+                if save and periodic and self.step < cfg.train.steps:
                     self.save()
         finally:
             if progress is not None:
@@ -211,7 +215,8 @@ class Trainer:
         the launcher names the rank that fell behind — the one that died or hung."""
         if self._beat_fd is None:
             (self.run_dir / "ranks").mkdir(exist_ok=True)
-            self._beat_fd = os.open(self.run_dir / "ranks" / f"rank{self.world.rank:05d}.step", os.O_WRONLY | os.O_CREAT)
+            path = self.run_dir / "ranks" / f"rank{self.world.rank:05d}.step"
+            self._beat_fd = os.open(path, os.O_WRONLY | os.O_CREAT)
         os.pwrite(self._beat_fd, f"{self.step + 1:<12d}".encode(), 0)
 
     def _record(self, loss: float, t: dict[str, float]) -> dict[str, Any]:
@@ -254,9 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             trainer.resume(args.resume)
         summary = trainer.run(save=not args.no_save)
     except KeyboardInterrupt:
-        last = trainer.last_ckpt or "none"
+        # Ctrl-C reaches every rank (same process group). Saves are atomic, so whatever the ranks were
+        # doing, the last published checkpoint stays intact; nothing more is written here.
+        (run_dir / "ranks").mkdir(exist_ok=True)
+        (run_dir / "ranks" / f"rank{world.rank:05d}.interrupted").write_text(str(trainer.step))
         print(f"shardwise train: rank {world.rank} interrupted at step {trainer.step}; last complete checkpoint: "
-              f"{last}", file=sys.stderr, flush=True)
+              f"{trainer.last_ckpt or 'none'}", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         message = f"rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
