@@ -68,6 +68,7 @@ def test_load_full_state_dict_into_every_stage(worlds):
     for n in (2, 4):
         for res in worlds.get(n).run(zc.check_load, [1, 2, 3])[0]:
             assert res["loaded"], res
+            assert res["eval_err"] < 1e-5 and res["freed"], res  # no_grad forward: same logits, units freed
             assert res["err"] < RTOL, res
             assert res["missing"].startswith("ValueError") and "wpe.weight" in res["missing"], res
 

@@ -187,6 +187,9 @@ def check_load(stages: list[int]) -> list[dict[str, Any]]:
         model, optim = sw.zero(build("gpt", seed=7), m, stage=stage, optimizer=OPTS["sgd"], **SMALL_BUCKETS)
         model.load_state_dict(state)
         loaded = compare(sw.full_state_dict(model), ref)["err"] == 0.0
+        with torch.no_grad():  # an evaluation forward (stage 3: gathers, then frees everything)
+            x_eval = batch("gpt", 99)[0]
+            eval_err = float((model(x_eval) - ref(x_eval)).abs().max())
         ref_opt = OPTS["sgd"](ref.parameters())
         for s in range(2, 4):
             x, y = batch("gpt", s)
@@ -197,7 +200,8 @@ def check_load(stages: list[int]) -> list[dict[str, Any]]:
             optim.step()
         res = compare(sw.full_state_dict(model), ref)
         missing = _error(lambda: model.load_state_dict({k: v for k, v in state.items() if k != "wpe.weight"}))
-        out.append({"stage": stage, "loaded": loaded, "err": res["err"], "missing": missing})
+        out.append({"stage": stage, "loaded": loaded, "err": res["err"], "missing": missing, "eval_err": eval_err,
+                    "freed": stage != 3 or not any(g.gathered for g in model.groups)})
     return out
 
 
