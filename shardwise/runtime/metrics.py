@@ -162,9 +162,11 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
     table = Table(title="shardwise train: summary", show_header=False)
     for k, v in (("final loss", f"{head['final_loss']:.4f}"), ("steps this run", str(head["steps"])),
                  ("parameters", f"{n_params / 1e6:.2f} M"),
-                 ("tokens/s", f"{head['tokens_per_s']:,.0f} (steady state, all ranks together)"),
+                 ("tokens/s", f"{head['tokens_per_s']:,.0f} (median step, all ranks together); "
+                              f"{head.get('wall_tokens_per_s', 0):,.0f} over the whole run"),
                  ("model FLOPs utilisation", mfu),
-                 ("framework overhead", f"{head['overhead_s'] / max(head['step_s'], 1e-12):.1%} of a step"),
+                 ("framework overhead", f"{head['overhead_s'] / max(head['step_s'], 1e-12):.1%} of a step (time "
+                                        f"outside forward, backward, optimizer, communication)"),
                  ("peak memory per rank", ", ".join(f"r{r['rank']} {format_bytes(r['peak_memory'])}" for r in ranks)),
                  ("checkpoint", str(head["checkpoint"])), ("metrics", str(run_dir / "metrics.jsonl"))):
         table.add_row(k, v)

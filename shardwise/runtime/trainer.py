@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -227,12 +228,15 @@ class Trainer:
                 "data_s": t["data"], "overhead_s": overhead, "time": time.time()}
 
     def _summary(self, loss: float, timings: list[dict[str, float]], steps: int, wall: float) -> dict[str, Any]:
-        # Skip the first steps (allocator warm-up, bucket rebuild) when there are enough.
-        steady = timings[min(2, max(len(timings) - 1, 0)):] if timings else []
-        step_s = sum(t["step"] for t in steady) / max(len(steady), 1)
-        overhead = sum(t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"] for t in steady) / max(len(steady), 1)
+        # Medians over the steps after the first two (allocator warm-up, bucket rebuild): robust to the
+        # pauses of a shared machine, which a mean would charge to the framework.
+        steady = timings[2:] if len(timings) > 2 else timings
+        step_s = statistics.median(t["step"] for t in steady) if steady else 0.0
+        outside = [t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"] for t in steady]
+        overhead = statistics.median(outside) if outside else 0.0
         return {"rank": self.world.rank, "final_loss": loss, "steps": steps, "wall_s": wall,
-                "tokens_per_s": self.tokens_per_step / step_s if steady else 0.0,
+                "tokens_per_s": self.tokens_per_step / step_s if step_s else 0.0,
+                "wall_tokens_per_s": steps * self.tokens_per_step / wall if wall else 0.0,
                 "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None}
 
