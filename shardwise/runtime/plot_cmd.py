@@ -37,7 +37,8 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
     lr = ax.twinx()
     lr.plot(steps, [r["lr"] for r in rows], color="tab:gray", alpha=0.5, label="learning rate")
     lr.set_ylabel("learning rate")
-    fig.legend(loc="upper right"), fig.tight_layout()
+    lines = ax.get_lines() + lr.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right"), fig.tight_layout()
     loss_png = out / "loss.png"
     fig.savefig(loss_png, dpi=110), plt.close(fig)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)

@@ -68,6 +68,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
         cfg = load_config(path=args.config, preset=args.preset, overrides=overrides)
         run_dir = cfg.run_dir()
     cfg = validate(cfg)
+    if cfg.data.path:  # ranks (and a later --resume from another directory) read it by absolute path
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     _check_data(cfg)
     if resume is None and latest_checkpoint(run_dir) is not None:
         if not args.overwrite:
