@@ -85,7 +85,9 @@ class FlatGroup:
     ``full``: the flat buffer in the compute dtype (``L`` elements while gathered). ``master``: this rank's
     shard as an ``nn.Parameter`` in the original dtype (what the optimizer updates); with no mixed
     precision and stages 1-2 it *aliases* ``full[lo:hi]`` (no extra memory). ``shard``: the compute-dtype
-    shard that stage 3 gathers from (aliases ``master`` without mixed precision).
+    shard that is all-gathered into ``full`` — ``full[lo:hi]`` itself in stages 1-2, a persistent buffer in
+    stage 3 (aliasing ``master`` without mixed precision). After a step, ``shard`` is refreshed from
+    ``master`` when they differ in dtype.
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter], mesh: Mesh, axis: str, *,

@@ -57,8 +57,9 @@ def reduce_full_grads(groups: list[FlatGroup], buffers: list[torch.Tensor], mesh
 
 class ShardGradReducer:
     """Stages 2-3 (see module docstring). ``groups`` are in launch order; ``shard_grads[k]`` is group k's
-    persistent shard-gradient buffer. ``on_launched(k)`` runs after group k's gradients are flattened
-    (stage 3 frees the unit's parameters there); ``on_backward_end()`` after the final wait."""
+    persistent shard-gradient buffer. ``on_launched(k)`` runs after group k's gradients are flattened, or
+    under ``no_sync`` once they are all accumulated (stage 3 frees the unit's parameters there);
+    ``on_backward_end()`` after the final wait."""
 
     def __init__(self, groups: list[FlatGroup], shard_grads: list[torch.Tensor], mesh: Mesh, axis: str, *,
                  reduce_dtype: torch.dtype, overlap: bool = True,
@@ -95,10 +96,13 @@ class ShardGradReducer:
             if not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            if not self.sync:
-                self.unreduced = True
-                return
             self.ready[k] += 1
+            if not self.sync:
+                # Nothing to reduce, but the group's backward is over: stage 3 may free its parameters.
+                self.unreduced = True
+                if self.ready[k] == len(self.groups[k].params) and self.on_launched is not None:
+                    self.on_launched(k)
+                return
             if self.overlap:
                 self._launch_ready()
         return hook

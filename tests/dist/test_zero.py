@@ -24,6 +24,7 @@ def _matrix(n: int) -> list[tuple]:
     if n == 2:
         cfgs += [("uneven", "sgd", stage, "accum") for stage in (1, 2, 3)]
         cfgs += [("gpt-ckpt", "adamw", stage, "ckpt") for stage in (1, 2, 3)]
+        cfgs += [("gpt", "adamw", 3, "units")]
     return cfgs
 
 
@@ -41,6 +42,10 @@ def test_stages_match_one_process(worlds, n):
                 assert res["counts_ok"], (cfg, res["phases"])
             if "quiet" in res:
                 assert res["quiet"], cfg  # no reduce-scatter in the no_sync micro-batch's backward
+        if cfg[3] == "units":  # the tie left its two units for the rest; ln_f got a unit of its own
+            names = results[0]["group_names"]
+            assert names[0][:2] == ["wte.weight", "wpe.weight"] and len(names) == 3, names
+            assert names[2] == ["ln_f.weight"], names
         if cfg[3] == "plain" and cfg[2] in (1, 2):
             assert results[0]["groups"] >= 2, "small buckets must give several flat groups"
 

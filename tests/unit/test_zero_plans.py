@@ -84,3 +84,15 @@ def test_storage_bytes_counts_each_storage_once():
     freed.untyped_storage().resize_(0)
     got = storage_bytes({"params": [a, b, freed], "grads": [other, flat], "optimizer": [None]})
     assert got == {"params": 400, "grads": 20, "optimizer": 0}
+
+
+def test_bench_zero_rejects_bad_arguments_before_launching(capsys):
+    import argparse
+
+    from shardwise.parallel import zero_bench
+
+    parser = argparse.ArgumentParser()
+    zero_bench.add_arguments(parser)
+    assert zero_bench.main(parser.parse_args(["--variants", "fsdp2,nope"])) == 2
+    assert "nope" in capsys.readouterr().err
+    assert zero_bench.main(parser.parse_args(["--steps", "0"])) == 2
