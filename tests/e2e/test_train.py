@@ -135,7 +135,7 @@ def test_reshard_on_load(baseline, tmp_path, layout):
     (["--train.steps", "0"], "train.steps = 0 must be >= 1"),
     (["--parallel.tp", "two"], "parallel.tp must be a int, got 'two'"),
     (["--optimizer.name", "lamb"], "optimizer.name = 'lamb' is not allowed"),
-    (["--data", "missing.txt"], "data.path = 'missing.txt' does not exist"),
+    (["--data", "missing.txt"], "missing.txt' does not exist; pass a text file"),
     (["--config", "missing.toml"], "config file 'missing.toml' does not exist"),
 ], ids=["tp-heads", "world", "batch", "pp", "model", "steps", "type", "choice", "data", "toml"])
 def test_bad_configs_are_rejected_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, expected):
