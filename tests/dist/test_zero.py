@@ -112,3 +112,11 @@ def test_accumulation_misuse_raises(worlds, stage):
     else:
         assert out["step-unreduced"].startswith("RuntimeError") and "never reduced" in out["step-unreduced"]
     assert out["backward-after-clip"].startswith("RuntimeError") and "clip_grad_norm_" in out["backward-after-clip"]
+
+
+def test_stage3_keeps_few_units_gathered(worlds):
+    for res in worlds.get(2).run(zc.check_stage3_residency):
+        assert res["groups"] == 5 and res["calls"] == 9, res  # rest + 4 blocks; 1 + 4 forward + 4 backward
+        # the rest unit, the unit in use and the one being prefetched: never the whole model
+        assert res["max_resident"] == 3, res
+        assert res["after_backward"] == 0, res  # everything freed when backward ends

@@ -339,3 +339,33 @@ def check_mixed(kind: str) -> dict[str, Any]:
         ref_opt.zero_grad()
     out.update(took=took, scales=scales, fp16_err=compare(sw.full_state_dict(model), ref)["err"])
     return out
+
+
+def check_stage3_residency() -> dict[str, Any]:
+    """How many units are gathered (or being prefetched) at once during a stage-3 step of a 4-block GPT."""
+    m = mesh(dp=-1)
+    torch.manual_seed(0)
+    model, optim = sw.zero(GPT(GPTConfig(**{**TINY.to_dict(), "n_layer": 4})), m, stage=3, optimizer=OPTS["sgd"])
+    runtime = model._stage3
+    seen: list[int] = []
+    calls = {"ensure": 0}
+    original_ensure, original_start = runtime.ensure, runtime.start
+
+    def resident() -> None:
+        seen.append(sum(g.gathered for g in model.groups) + len(runtime.pending))
+
+    def ensure(k: int) -> None:
+        original_ensure(k)
+        calls["ensure"] += 1
+        resident()
+
+    def start(k: int) -> None:
+        original_start(k)
+        resident()
+    runtime.ensure, runtime.start = ensure, start  # type: ignore[method-assign]
+    x, y = (_local(t, m) for t in batch("gpt", 0))
+    loss_of("gpt", model, x, y).backward()
+    after_backward = sum(g.gathered for g in model.groups)
+    optim.step()
+    return {"max_resident": max(seen), "calls": calls["ensure"], "groups": len(model.groups),
+            "after_backward": after_backward}
