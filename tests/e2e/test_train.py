@@ -124,6 +124,18 @@ def test_reshard_on_load(baseline, tmp_path, layout):
     assert saved.step == 6 and saved.index["mesh"] != {"dp": 2, "tp": 1} or layout[0].endswith("zero_stage")
     torch.testing.assert_close(saved.full("model/blocks.0.attn.qkv.weight"),
                                Checkpoint(baseline).full("model/blocks.0.attn.qkv.weight"), rtol=1e-3, atol=1e-5)
+    if "--parallel.zero_stage" in layout:  # and back: ZeRO's flat optimizer shards → one plain process
+        from shardwise.checkpoint.zero_layout import param_state
+
+        assert "zero/0/exp_avg" in saved.index["tensors"]
+        _, fetch = param_state(saved)  # per-parameter view of the flat shards = the dp=2 run's Adam state
+        for name in ("blocks.1.mlp.fc.weight", "ln_f.bias", "wte.weight"):
+            torch.testing.assert_close(fetch(name, "exp_avg_sq"), Checkpoint(baseline).full(f"optim/{name}/exp_avg_sq"),
+                                       rtol=1e-3, atol=1e-9)
+        proc = cli(tmp_path, "train", "--resume", str(run), "--parallel.zero_stage", "0", "--parallel.nproc", "1",
+                   "--train.steps", "7")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert abs(losses(run)[7] - want[6]) < 0.5 and Checkpoint(run).index["mesh"] == {"dp": 1, "tp": 1}
 
 
 @pytest.mark.parametrize("flags,expected", [
