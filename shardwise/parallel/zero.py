@@ -41,7 +41,7 @@ from .mixed_precision import LossScaler, MixedPrecision
 from .replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
 from .zero_flat import FlatGroup
 from .zero_grads import ShardGradReducer, attach_full_grads
-from .zero_optim import ZeroOptimizer
+from .zero_optim import OptimizerFactory, ZeroOptimizer
 from .zero_stage3 import Stage3Runtime, default_units
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
@@ -49,7 +49,7 @@ __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
 STAGES = (1, 2, 3)
 
 
-def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: Any, axis: str = "dp",
+def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactory, axis: str = "dp",
          mixed_precision: MixedPrecision | None = None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
          units: Sequence[Sequence[str]] | None = None, prefetch: bool = True,
          overlap: bool = True) -> tuple["ZeroModel", ZeroOptimizer]:
@@ -228,6 +228,13 @@ class ZeroModel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as the ZeRO optimizer's ``zero_grad()``: zero the gradient buffers this wrapper keeps."""
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none)
+        else:
+            self._zero_grads()
 
     @torch.no_grad()
     def _zero_grads(self) -> None:

@@ -24,9 +24,10 @@ from .mixed_precision import LossScaler
 from .zero_flat import FlatGroup
 from .zero_grads import reduce_full_grads
 
-__all__ = ["ZeroOptimizer", "make_inner_optimizer"]
+__all__ = ["ZeroOptimizer", "OptimizerFactory", "make_inner_optimizer"]
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
+"""What ``sw.zero(optimizer=...)`` takes: called once with this rank's list of flat shard parameters."""
 
 
 def make_inner_optimizer(factory: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
