@@ -143,6 +143,8 @@ class DebugConfig:
     """This rank exits abruptly (os._exit) at step ``kill_step``."""
     kill_step: int = 0
     """Step at which ``kill_rank`` dies."""
+    hang: bool = False
+    """``kill_rank`` hangs (sleeps) at ``kill_step`` instead of dying: its peers' collectives time out."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -205,8 +205,9 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
     elif silent or len(behind) < len(steps):
         culprits = silent if silent else behind
         head = (f"{', '.join(f'rank {r}' for r in culprits)} failed first"
-                f"{f' (last step it started: {steps[culprits[0]]})' if culprits[0] in steps else ''} without a Python error "
-                f"(killed, crashed or out of memory); the other ranks stopped when their collectives with it failed")
+                f"{f' (last step it started: {steps[culprits[0]]})' if culprits[0] in steps else ''}: it died or hung "
+                f"without a Python error (killed, crashed, out of memory, stuck); the other ranks stopped when their "
+                f"collectives with it failed or timed out")
     elif errors:
         head = "; ".join(errors.values())
     else:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.sharded import CHECKPOINTS, latest_checkpoint
+from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, latest_checkpoint
 from .config import PRESETS, Config, DebugConfig, describe_fields, load_config, validate
 from .launch import run_local
 
@@ -68,6 +68,10 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
         cfg = load_config(path=args.config, preset=args.preset, overrides=overrides)
         run_dir = cfg.run_dir()
     cfg = validate(cfg)
+    if resume is not None and Checkpoint(resume).step >= cfg.train.steps:
+        raise ValueError(f"--resume: {resume} is at step {Checkpoint(resume).step} and train.steps = "
+                         f"{cfg.train.steps}: nothing left to train; pass --train.steps N with N > "
+                         f"{Checkpoint(resume).step} to continue")
     if cfg.data.path:  # ranks (and a later --resume from another directory) read it by absolute path
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     _check_data(cfg)

@@ -192,6 +192,8 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 if cfg.debug.kill_rank == self.world.rank and cfg.debug.kill_step == self.step + 1:
+                    while cfg.debug.hang:  # injected hang: alive, silent, never reaching the collective
+                        time.sleep(1)
                     os._exit(13)  # injected death: no cleanup, no message, like a segfault or an OOM kill
                 self._beat()
                 loss, t = self.train_step()
