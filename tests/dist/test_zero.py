@@ -24,7 +24,7 @@ def _matrix(n: int) -> list[tuple]:
     if n == 2:
         cfgs += [("uneven", "sgd", stage, "accum") for stage in (1, 2, 3)]
         cfgs += [("gpt-ckpt", "adamw", stage, "ckpt") for stage in (1, 2, 3)]
-        cfgs += [("gpt", "adamw", 3, "units")]
+        cfgs += [("gpt", "adamw", 3, "units"), ("gpt", "sgd", 2, "serial"), ("gpt", "sgd", 3, "serial")]
     return cfgs
 
 

@@ -163,12 +163,14 @@ def check_parity(configs: list[tuple]) -> list[dict[str, Any]]:
         micro = 2 if variant == "accum" else 1
         ref, ref_norms = cached_reference(kind.replace("-ckpt", ""), opt, STEPS, clip=clip, micro=micro)
         # "units": the tied wte/lm_head as units of their own -> shared, so they move to the rest unit
-        kw = {"units": [["wte"], ["blocks.0", "blocks.1"], ["ln_f"], ["lm_head"]]} if variant == "units" else {}
+        kw: dict[str, Any] = {"units": [["wte"], ["blocks.0", "blocks.1"], ["ln_f"], ["lm_head"]]} if variant == "units" else {}
+        if variant == "serial":  # no overlap of reductions with backward, no prefetch of units
+            kw = {"overlap": False, "prefetch": False}
         model, _, norms, phases = train_zero(kind, opt, stage, STEPS, clip=clip, micro=micro, **kw)
         res = compare(sw.full_state_dict(model), ref)
         res["cfg"] = (kind, opt, stage, variant)
         res["norms_ok"] = all(abs(a - b) <= 1e-5 * abs(b) + 1e-7 for a, b in zip(norms, ref_norms))
-        if variant in ("plain", "ckpt"):
+        if variant in ("plain", "ckpt", "serial"):
             want = expected_counts(model, stage)
             res["counts_ok"] = all({k: ph[k] for k in want} == want for ph in phases)
             res["phases"] = phases[-1]
