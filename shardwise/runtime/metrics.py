@@ -214,5 +214,6 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
         head = "see the launcher's report above ('Root Cause ... rank: N')"
     last = latest_checkpoint(run_dir)
     resume = f"; continue with: shardwise train --resume {run_dir}" if last else ""
-    return (f"shardwise train: the job failed (exit code {rc}): {head}. Collective timeout train.timeout_s="
+    verdict = "stopped" if interrupted else f"the job failed (exit code {rc})"
+    return (f"shardwise train: {verdict}: {head}. Collective timeout train.timeout_s="
             f"{cfg.train.timeout_s:g}s. Last complete checkpoint: {last or 'none'}{resume}")

@@ -161,7 +161,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sync()
         t1 = time.perf_counter()
-        all_reduce(loss_sum, self.mesh, "dp", op="avg")
+        if self.mesh.size("dp") > 1:
+            all_reduce(loss_sum, self.mesh, "dp", op="avg")
         value = float(loss_sum)
         t2 = time.perf_counter()
         t.update(opt=t1 - t0, comm=t2 - t1, step=t2 - start)
