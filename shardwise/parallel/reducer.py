@@ -33,6 +33,12 @@ from .comm_stats import CommStats, StepTimer
 __all__ = ["GradientReducer"]
 
 
+def _graph_task_id() -> int:
+    """Id of the autograd graph task running this hook (-1 where torch does not expose it)."""
+    probe = getattr(torch._C, "_current_graph_task_id", None)
+    return int(probe()) if probe is not None else -1
+
+
 class GradientReducer:
     """Runs a ``BucketPlan`` for one set of parameters (see module docstring). Collective hooks: every rank
     of the axis must run the same forward/backward sequence (same ``no_sync`` pattern)."""
@@ -96,6 +102,7 @@ class GradientReducer:
         self.next_launch = 0
         self.futures: list[Waitable | None] = [None] * len(self.plan)
         self.callback_queued = False
+        self.task = -1  # autograd graph task of the current backward
 
     def prepare_forward(self, sync: bool) -> None:
         """Called at the start of each forward of the wrapper. After the first backward, every rank adopts
@@ -120,11 +127,19 @@ class GradientReducer:
         return hook
 
     def _on_ready(self, i: int) -> None:
+        task = _graph_task_id()
         if not self.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self.callback_queued = True
+            self.callback_queued, self.task = True, task
             if self.sync:
                 self.stats.start_backward()
+        elif task != self.task:
+            # A nested backward (reentrant checkpointing) would end — and run our callback — before the
+            # outer one has produced the other gradients.
+            raise RuntimeError(f"parameter {self.names[i]!r} received its gradient in a nested backward pass "
+                               f"(reentrant activation checkpointing?); DataParallel needs every gradient of a "
+                               f"step produced by one backward: use non-reentrant checkpointing "
+                               f"(sw.checkpoint_layers, or torch.utils.checkpoint(..., use_reentrant=False))")
         if self._order_seen is not None:
             self._order_seen.append(i)
         self.used[i] = True
@@ -134,9 +149,8 @@ class GradientReducer:
         if self.ready[i]:
             if self.futures[self.where[i]] is not None:
                 raise RuntimeError(f"parameter {self.names[i]!r} received a second gradient in one backward after "
-                                   f"its bucket was already being reduced (reentrant checkpointing, or a "
-                                   f"parameter reused across two backward passes?); use non-reentrant "
-                                   f"checkpointing or one backward per synchronised step")
+                                   f"its bucket was already being reduced; produce each gradient once per "
+                                   f"synchronised backward")
             return
         self.ready[i] = True
         self.pending[self.where[i]] -= 1

@@ -270,6 +270,25 @@ def check_unused_raises(freeze_never: bool) -> str:
     return "no error"
 
 
+class _ReentrantMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(self.fc2, torch.tanh(self.fc1(x)), use_reentrant=True)
+        return self.fc3(torch.tanh(h))
+
+
+def check_reentrant_checkpoint_raises() -> str:
+    m = mesh(dp=-1)
+    torch.manual_seed(0)
+    model = DataParallel(_ReentrantMLP(), m, "dp", **SMALL)
+    X, Y = data(m.size("dp"))
+    try:
+        loss_fn(model(X[0][:B]), Y[0][:B]).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def check_tied(opt_name: str) -> dict:
     m = mesh(dp=-1)
     model = DataParallel(build("tied"), m, "dp", **SMALL)
