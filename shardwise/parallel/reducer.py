@@ -114,8 +114,9 @@ class GradientReducer:
             # iteration's callback is queued again (the failed step's gradients are not reduced).
             self._reset_iteration()
         if self._rebuild_due:
-            order = torch.tensor(observed_order(self._order_seen or [], len(self.params)), dtype=torch.int64)
-            comm.broadcast(order.to(self.mesh.device), self.mesh, self.axis, src=0)
+            order = torch.tensor(observed_order(self._order_seen or [], len(self.params)), dtype=torch.int64,
+                                 device=self.mesh.device)
+            comm.broadcast(order, self.mesh, self.axis, src=0)
             self._rebuild_due, self._order_seen = False, None
             self._install(plan_buckets(self._nbytes(), self._keys(), cap_bytes=self.cap_bytes,
                                        first_cap_bytes=self.first_cap_bytes, order=order.cpu().tolist()))
