@@ -6,6 +6,8 @@ with ``--worker``. Every rank builds the reference GPT and these variants of it 
     fsdp2          torch.distributed.fsdp.fully_shard on every block, then on the root (FSDP2, ZeRO-3 like)
     torch-zero1    DDP + torch.distributed.optim.ZeroRedundancyOptimizer (sharded optimizer state)
     sw-zero1/2/3   sw.zero(stage=1|2|3) with its defaults (25 MB buckets, blocks as stage-3 units)
+    *-bf16         (opt-in) fsdp2 with MixedPrecisionPolicy(param_dtype=bf16) and sw-zero3 with
+                   MixedPrecision(param_dtype=bf16): bf16 compute, fp32 master weights and AdamW state
 
 Two phases. Memory: one variant at a time (built, trained ``--warmup`` steps, measured after the next
 backward, then deleted): ``state MiB`` is this rank's parameter + gradient + optimizer-state storage
@@ -36,6 +38,7 @@ __all__ = ["add_arguments", "main"]
 
 AXIS = "dp"
 BASE = ["fsdp2", "torch-zero1", "sw-zero1", "sw-zero2", "sw-zero3"]
+EXTRA = ["fsdp2-bf16", "sw-zero3-bf16"]  # bf16 compute, fp32 master/state: opt in with --variants
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -47,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     parser.add_argument("--repeats", type=int, default=8, help="interleaved rounds (default 8)")
-    parser.add_argument("--variants", default=",".join(BASE), help="comma list of: " + ", ".join(BASE))
+    parser.add_argument("--variants", default=",".join(BASE), help="comma list of: " + ", ".join(BASE + EXTRA))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -55,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> list[str]:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in BASE]
+    unknown = [v for v in names if v not in BASE + EXTRA]
     if unknown or not names:
-        raise ValueError(f"unknown or no variants {unknown or names}; choose from {BASE}")
+        raise ValueError(f"unknown or no variants {unknown or names}; choose from {BASE + EXTRA}")
     for flag in ("nproc", "batch", "seq", "steps", "repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -92,16 +95,20 @@ def _variant(name: str, net: nn.Module, mesh: Any) -> tuple[nn.Module, Any, Step
     import shardwise as sw
     from ..models.gpt import lm_loss
 
+    bf16 = name.endswith("-bf16")
     if name.startswith("sw-zero"):
-        model, opt = sw.zero(net, mesh, stage=int(name[-1]), optimizer=_adamw(), axis=AXIS)
-    elif name == "fsdp2":
+        mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+        model, opt = sw.zero(net, mesh, stage=int(name.split("-")[1][-1]), optimizer=_adamw(), axis=AXIS,
+                             mixed_precision=mp)
+    elif name.startswith("fsdp2"):
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dmesh = DeviceMesh.from_group(mesh.group(AXIS), mesh.device.type)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
         for block in net.blocks:
-            fully_shard(block, mesh=dmesh)
-        model = fully_shard(net, mesh=dmesh)
+            fully_shard(block, mesh=dmesh, mp_policy=policy)
+        model = fully_shard(net, mesh=dmesh, mp_policy=policy)
         opt = _adamw()(model.parameters())
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -111,7 +118,7 @@ def _variant(name: str, net: nn.Module, mesh: Any) -> tuple[nn.Module, Any, Step
                                       process_group=mesh.group(AXIS), lr=1e-4)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        lm_loss(model(x), y).backward()
+        lm_loss(model(x).float(), y).backward()
         opt.step()
         opt.zero_grad()
     return model, opt, step
@@ -147,7 +154,7 @@ def _measure_memory(name: str, build: Callable[[], nn.Module], mesh: Any, batche
     model, opt, step = _variant(name, build(), mesh)
     for k in range(max(1, warmup)):
         step(*batches[k % len(batches)])
-    lm_loss(model(batches[0][0]), batches[0][1]).backward()
+    lm_loss(model(batches[0][0]).float(), batches[0][1]).backward()
     state = _state_bytes(model, opt) / 2**20
     opt.step()
     opt.zero_grad()
@@ -228,7 +235,7 @@ def _gather_rows(names: list[str], times: dict[str, list[list[float]]], memory: 
 
 def _report(rows: list[dict[str, Any]], args: argparse.Namespace, n: int, params: int, device: str) -> None:
     print(f"\nshardwise bench zero: {n} ranks ({device}), {args.preset} ({params / 1e6:.2f}M params), batch "
-          f"{args.batch}x{args.seq} per rank, AdamW fp32, {args.repeats} rounds x {args.steps} timed steps per "
+          f"{args.batch}x{args.seq} per rank, AdamW (fp32 unless -bf16), {args.repeats} rounds x {args.steps} timed steps per "
           f"variant, {platform.node()}")
     print(f"{'variant':<14}{'step ms':>9}{'vs fsdp2':>10}{'state MiB':>11}{'vs fsdp2':>10}{'peak MiB':>10}")
     for r in rows:
