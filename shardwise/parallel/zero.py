@@ -317,7 +317,13 @@ def _gather_master(g: FlatGroup) -> torch.Tensor:
 
 def _submodule(model: nn.Module, name: str) -> nn.Module:
     try:
-        return model.get_submodule(name)
+        module = model.get_submodule(name)
     except AttributeError:
         raise ValueError(f"stage-3 unit names a module {name!r} that the model does not have; use names "
                          f"from model.named_modules(), e.g. 'blocks.0'") from None
+    if type(module).forward is nn.Module.forward:
+        # Units are gathered by forward hooks; a container (ModuleList/ModuleDict) is never called.
+        raise ValueError(f"stage-3 unit module {name!r} is a {type(module).__name__}, which is never called, "
+                         f"so its hooks would never gather it; list the modules inside it, e.g. "
+                         f"[['{name}.0'], ['{name}.1'], ...]")
+    return module

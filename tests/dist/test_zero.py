@@ -100,6 +100,7 @@ def test_bad_input(worlds):
     assert out["mixed-dtypes"].startswith("ValueError") and "torch.float64" in out["mixed-dtypes"]
     assert out["mixed-devices"].startswith("ValueError") and "meta" in out["mixed-devices"]
     assert out["unit-name"].startswith("ValueError") and "blocks.9" in out["unit-name"]
+    assert out["unit-container"].startswith("ValueError") and "ModuleList" in out["unit-container"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
