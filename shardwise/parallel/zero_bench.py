@@ -220,12 +220,14 @@ def _gather_rows(names: list[str], times: dict[str, list[list[float]]], memory: 
     """Median step (max over ranks), paired ratio to fsdp2 (mean over ranks), memory (max over ranks)."""
     import shardwise as sw
 
-    med = torch.tensor([statistics.median(t for r in times[n] for t in r) for n in names], dtype=torch.float64)
-    ratio = torch.tensor([_paired_ratio(times[n], times.get("fsdp2")) for n in names], dtype=torch.float64)
-    mem = torch.tensor([memory[n] for n in names], dtype=torch.float64)
-    sw.comm.all_reduce(med, mesh, AXIS, op="max")
-    sw.comm.all_reduce(ratio, mesh, AXIS, op="avg")
-    sw.comm.all_reduce(mem, mesh, AXIS, op="max")
+    def reduced(values: list, op: str) -> torch.Tensor:
+        # On the mesh's device (NCCL reduces CUDA tensors only), read back on the host.
+        t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
+        return sw.comm.all_reduce(t, mesh, AXIS, op=op).cpu()  # type: ignore[union-attr]
+
+    med = reduced([statistics.median(t for r in times[n] for t in r) for n in names], "max")
+    ratio = reduced([_paired_ratio(times[n], times.get("fsdp2")) for n in names], "avg")
+    mem = reduced([list(memory[n]) for n in names], "max")
     ref = {n: k for k, n in enumerate(names)}.get("fsdp2")
     return [{"variant": n, "step_ms": 1e3 * float(med[k]), "vs_fsdp2": float(ratio[k]) or None,
              "state_mib": float(mem[k, 0]), "peak_mib": float(mem[k, 1]),
