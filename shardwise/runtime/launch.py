@@ -85,8 +85,12 @@ def _init_process_group(backend: str, timeout: datetime.timedelta, init_method: 
 
 
 def shutdown() -> None:
-    """Destroy the process group (safe to call when none exists)."""
+    """Destroy the process group (safe to call when none exists). Collective when the world has > 1 rank:
+    a barrier first, so no rank tears its connections down while a peer still has traffic in flight (that
+    race ended a rank with SIGABRT at exit under heavy load)."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
