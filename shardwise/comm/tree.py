@@ -17,7 +17,7 @@ import torch
 
 from .ops import reduce_into
 from .p2p import AxisLink, wait_all
-from .ring import DEFAULT_PIECE_BYTES, _pieces
+from .ring import DEFAULT_PIECE_BYTES, _pieces, scratch
 
 __all__ = ["tree_all_reduce", "tree_reduce", "tree_broadcast", "tree_all_gather", "tree_reduce_scatter"]
 
@@ -46,12 +46,14 @@ def tree_reduce(buf: torch.Tensor, link: AxisLink, op: str, root: int = 0,
     v = (link.index - root) % n
     kids = [_to_index(c, root, n) for c in _children(v, n)]
     spans = _pieces(0, buf.numel(), max(1, piece_bytes // buf.element_size()))
-    scratch = [torch.empty_like(buf) for _ in kids]
-    recvs = [[link.irecv(s[a:b], k) for a, b in spans] for s, k in zip(scratch, kids)]
+    # One reusable receive area for both children: (2, numel) rows of the shared scratch buffer.
+    area = scratch(len(kids) * buf.numel(), buf.dtype, buf.device)
+    bufs = [area[i * buf.numel():(i + 1) * buf.numel()] for i in range(len(kids))]
+    recvs = [[link.irecv(s[a:b], k) for a, b in spans] for s, k in zip(bufs, kids)]
     parent = _to_index((v - 1) // 2, root, n) if v > 0 else None
     sends = []
     for p, (a, b) in enumerate(spans):
-        for s, works in zip(scratch, recvs):
+        for s, works in zip(bufs, recvs):
             if works[p] is not None:
                 works[p].wait()
             reduce_into(buf[a:b], s[a:b], op)
