@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 from .placement import Broadcast, Partial, Placement, Split, format_sbp
 from .spec import local_shape
 
-__all__ = ["BoxingStep", "BoxingPlan", "plan_boxing", "direct_collective", "CostFn"]
+__all__ = ["BoxingStep", "BoxingPlan", "plan_boxing", "direct_collective", "CostFn", "calibrated_cost"]
 
 CostFn = Callable[[str, int, int], float]
 """``cost_fn(collective, axis_size, local_bytes_before) -> cost``; lower is better."""
@@ -91,6 +91,24 @@ def bytes_model(collective: str, n: int, local_bytes: int) -> float:
     factor = {"all_gather": n - 1, "all_to_all": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
               "reduce_scatter": (n - 1) / n}.get(collective, 0.0)
     return factor * local_bytes
+
+
+def calibrated_cost(calibration, algorithm: str = "native") -> CostFn:  # type: ignore[no-untyped-def]
+    """A ``cost_fn`` in microseconds from a ``shardwise bench comm --calibrate`` file's ``Calibration``.
+
+    The calibration's models are per *full buffer* (all-reduce input, all-gather output, reduce-scatter input),
+    so the local size before the step is scaled accordingly; all-to-all, which the benchmark does not measure,
+    is costed like a reduce-scatter of the same buffer (both move (n−1)/n of it). Local steps cost 0. The
+    calibration was measured on one group size; other axis sizes reuse its α and scale β's bytes by the ring
+    factor, which is the planner's assumption, not a measurement."""
+    def cost(collective: str, n: int, local_bytes: int) -> float:
+        if collective in ("slice", "keep_one", "identity", "zero_pad"):
+            return 0.0
+        op, full = {"all_gather": ("all_gather", local_bytes * n), "all_reduce": ("all_reduce", local_bytes),
+                    "reduce_scatter": ("reduce_scatter", local_bytes),
+                    "all_to_all": ("reduce_scatter", local_bytes)}[collective]
+        return calibration.predict_us(op, algorithm, full)
+    return cost
 
 
 def _nesting_ok(state: Sequence[Placement], axis: int, src: Placement, dst: Placement) -> bool:

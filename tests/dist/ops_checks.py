@@ -61,6 +61,16 @@ def missing_rule() -> str:
     return "no error"
 
 
+def different_meshes() -> str:
+    a = sw.distribute(torch.ones(4, 4), mesh(dp=-1), "S(0)")
+    b = sw.distribute(torch.ones(4, 4), mesh(debug=True, dp=-1), "S(0)")
+    try:
+        a + b
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def op_overhead(iters: int = 2000) -> tuple[float, float]:
     """(µs per local 64x64 add, µs per global-tensor add of the same shards) — used by the benchmark."""
     m = mesh(dp=-1)

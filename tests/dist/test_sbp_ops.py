@@ -36,3 +36,8 @@ def test_program_matches_single_device_2x2(worlds, layout):
 def test_an_op_without_a_rule_names_it_and_suggests_a_fix(worlds):
     for msg in worlds.get(2).run(oc.missing_rule):
         assert "cumsum" in msg and "S(0)" in msg and "to_sbp" in msg and "to_local" in msg
+
+
+def test_tensors_on_different_meshes_are_rejected(worlds):
+    for msg in worlds.get(2).run(oc.different_meshes):
+        assert "different meshes" in msg

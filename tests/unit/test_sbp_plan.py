@@ -82,3 +82,19 @@ def test_custom_cost_model_changes_the_choice():
     latency_bound = lambda coll, n, nbytes: 0.0 if coll in ("slice", "keep_one", "identity", "zero_pad") else 1e9
     plan = plan_boxing((8, 8), 4, parse_sbp("P,P"), parse_sbp("B,B"), (2, 2), ("dp", "tp"), latency_bound)
     assert [s.collective for s in plan.steps] == ["all_reduce", "all_reduce"]
+
+
+def test_calibrated_cost_prefers_fewer_collectives_when_latency_dominates():
+    from shardwise.comm.calibration import AlphaBeta, Calibration
+    from shardwise.sbp.boxing import calibrated_cost
+
+    slow_start = {op: {"native": AlphaBeta(1e6, 1e-9)} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    cal = Calibration(world_size=2, backend="gloo", device="cpu", models=slow_start)
+    plan = plan_boxing((8, 8), 4, parse_sbp("P,P"), parse_sbp("B,B"), (2, 2), ("dp", "tp"), calibrated_cost(cal))
+    assert [s.collective for s in plan.steps] == ["all_reduce", "all_reduce"]
+    # Bandwidth-bound, with ring-like per-byte costs on 2 ranks: all-reduce moves 2(n-1)/n, the others (n-1)/n.
+    fast_start = {"all_reduce": {"native": AlphaBeta(0.0, 1.0)}, "all_gather": {"native": AlphaBeta(0.0, 0.5)},
+                  "reduce_scatter": {"native": AlphaBeta(0.0, 0.5)}}
+    cal = Calibration(world_size=2, backend="gloo", device="cpu", models=fast_start)
+    plan = plan_boxing((8, 8), 4, parse_sbp("P,P"), parse_sbp("B,B"), (2, 2), ("dp", "tp"), calibrated_cost(cal))
+    assert len(plan.steps) == 3  # reduce-scatter, all-reduce on half, all-gather
