@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..mesh import Mesh
 from .counter import record_collective
 from .handles import Handle, worker_for
-from .ops import ALGORITHMS, check_algorithm, check_dtype, check_op, shard_offsets, shard_sizes
+from .ops import ALGORITHMS, check_algorithm, check_dtype, check_op, shard_sizes
 from .p2p import AxisLink
 from .ring import DEFAULT_PIECE_BYTES, ring_all_gather, ring_all_reduce, ring_broadcast, ring_reduce_scatter
 from .signature import check_agreement

@@ -24,15 +24,15 @@ import argparse
 import functools
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+from .bench_steps import gpt_workload, set_bench_threads, time_steps
 
 __all__ = ["add_arguments", "main"]
 
@@ -164,31 +164,15 @@ def _measure_memory(name: str, build: Callable[[], nn.Module], mesh: Any, batche
     return state, peak
 
 
-def _time_steps(step: Step, batches: list, count: int) -> list[float]:
-    out = []
-    for k in range(count):
-        x, y = batches[k % len(batches)]
-        t = time.perf_counter()
-        step(x, y)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def _run_worker(args: argparse.Namespace) -> int:
     import shardwise as sw
-    from ..models.gpt import GPT, GPTConfig, synthetic_batch
+    from ..models.gpt import GPT
 
     world = sw.init()
     mesh = sw.Mesh(dp=-1)
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // max(1, world.world_size)))
+    set_bench_threads(args.threads, world.world_size)
     names = _validate(args)
-    base = GPTConfig.preset(args.preset)
-    cfg = GPTConfig(**{**base.to_dict(), "block_size": max(args.seq, 1), "dropout": 0.0})
-    gen = torch.Generator().manual_seed(1000 + mesh.coord(AXIS))
-    batches = [tuple(t.to(mesh.device) for t in synthetic_batch(args.batch, args.seq, cfg.vocab_size, gen))
-               for _ in range(4)]
+    cfg, batches = gpt_workload(args.preset, seq=args.seq, batch=args.batch, mesh=mesh, axis=AXIS)
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -197,11 +181,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     runs = {name: _variant(name, build(), mesh) for name in names}
     times: dict[str, list[list[float]]] = {name: [] for name in names}  # [round][step]
     for name in names:
-        _time_steps(runs[name][2], batches, args.warmup)
+        time_steps(runs[name][2], batches, args.warmup)
     for _ in range(args.repeats):
         for name in names:
             sw.comm.barrier(mesh, AXIS)
-            times[name].append(_time_steps(runs[name][2], batches, args.steps))
+            times[name].append(time_steps(runs[name][2], batches, args.steps))
     rows = _gather_rows(names, times, memory, mesh)
     if mesh.rank == 0:
         _report(rows, args, world.world_size, sum(p.numel() for p in build().parameters()), mesh.device.type)
