@@ -1,0 +1,190 @@
+"""``sw.pipeline``: run a model as a pipeline of stages along one mesh axis.
+
+    pipe = sw.pipeline(model, mesh, axis="pp", microbatches=8, schedule="1f1b", loss_fn=lm_loss)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)      # this rank's stage parameters only
+    loss = pipe.step(inputs, targets)                     # collective along "pp"; same float on every rank
+    opt.step(); opt.zero_grad()
+    full = sw.full_state_dict(pipe)                       # collective; the whole model under its own keys
+
+Every rank builds the same model (same seed) and passes it; each keeps the stages it runs (stage ``s`` on the
+rank with pp coordinate ``s % pp``). Building the pipeline is pure: all validation happens before any
+communication. Tied parameters (the GPT's ``wte.weight`` is ``lm_head.weight``) used by stages on two ranks
+are held by both; after each step's backward the two ranks exchange their gradient contributions and add
+them, so both copies receive the same update as the single tied parameter on one device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ... import comm
+from ...mesh import Mesh
+from .communication import lower_communication
+from .executor import Interpreter, run_actions
+from .schedules import SCHEDULES, get_schedule
+from .stage import Stage, build_stages
+
+__all__ = ["Pipeline", "pipeline"]
+
+
+class Pipeline:
+    """This rank's stages of a pipelined model plus the interpreter of its schedule. Build with ``pipeline``."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int) -> None:
+        _check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
+        p = mesh.size(axis)
+        self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
+        self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
+        self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
+        self.model = model  # keys and shapes of the whole model, for full_state_dict
+        me = mesh.coord(axis)
+        self.stages = {s.index: s.to(mesh.device) for s in self.all_stages if s.index % p == me}
+        self.actions = lower_communication(self.schedule).ranks[me]
+        self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
+                                       loss_fn=loss_fn)
+        _check_keys(model, self.all_stages)
+        self.tied = _tied_parameters(self.all_stages, p, me)
+
+    # -- training ------------------------------------------------------------------------------------
+    def step(self, inputs: Tensor, targets: Tensor) -> float:
+        """One training step over all micro-batches: forward, backward, gradients accumulated into this
+        rank's stage parameters (tied ones summed across their two ranks). Returns the mean loss over the
+        micro-batches on every rank. Collective along the pipeline axis; every rank passes the same tensors."""
+        m = self.microbatches
+        for label, t in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, Tensor) or t.dim() == 0 or t.size(0) % m != 0:
+                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"pipeline {label} must be a tensor whose batch dim 0 is divisible by microbatches="
+                                 f"{m}, got {shape}; use a batch size that is a multiple of {m}")
+        if inputs.size(0) != targets.size(0):
+            raise ValueError(f"inputs and targets disagree on the batch size: {inputs.size(0)} vs {targets.size(0)}")
+        dev = self.mesh.device
+        before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
+        losses = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
+                             list(targets.to(dev).chunk(m)))
+        self._sum_tied_grads(before)
+        return self._mean_loss(losses)
+
+    def _mean_loss(self, losses: list[Tensor]) -> float:
+        last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
+        out = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=self.mesh.device)
+        if self.mesh.size(self.axis) > 1:
+            comm.broadcast(out, self.mesh, self.axis, src=last_rank)
+        return float(out.item())
+
+    def _sum_tied_grads(self, before: dict[int, Tensor | None]) -> None:
+        """Exchange this step's gradient contribution of each tied parameter with its peer rank and add it
+        (point-to-point along the axis, one message each way per parameter)."""
+        for param, peer in self.tied:
+            old = before[id(param)]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            mine = grad - old if old is not None else grad.clone()  # only this step's part (accumulation-safe)
+            theirs = torch.empty_like(mine)
+            recv = comm.irecv(theirs, self.mesh, self.axis, src=peer)
+            send = comm.isend(mine, self.mesh, self.axis, dst=peer)
+            recv.wait()
+            send.wait()
+            param.grad = grad + theirs if param.grad is None else param.grad.add_(theirs)
+
+    # -- parameters and state ------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's stage parameters (each once), for the user's optimizer."""
+        seen: set[int] = set()
+        for s in self.stages.values():
+            for p in s.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.stages.values():
+            s.zero_grad(set_to_none=set_to_none)
+
+    def stage_names(self) -> dict[int, list[str]]:
+        """Stage index -> the original module names it runs, for every stage (not only this rank's)."""
+        return {s.index: s.owned_names() for s in self.all_stages}
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's tensors under the original ``state_dict`` keys, on every rank. Collective along
+        the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype)."""
+        p = self.mesh.size(self.axis)
+        owner: dict[str, int] = {}
+        for s in self.all_stages:
+            for name in s.owned_names():
+                owner.setdefault(name, s.index % p)
+        local = self.model.state_dict(keep_vars=True)
+        keys_by_rank: dict[tuple[int, torch.dtype], list[str]] = {}
+        for key, value in local.items():
+            module = max((n for n in owner if key.startswith(n + ".")), key=len)
+            keys_by_rank.setdefault((owner[module], value.dtype), []).append(key)
+        out: dict[str, Tensor] = {}
+        for (rank, _), keys in keys_by_rank.items():
+            flat = torch.cat([local[k].detach().reshape(-1).to(self.mesh.device) for k in keys])
+            if p > 1:
+                comm.broadcast(flat, self.mesh, self.axis, src=rank)
+            for k, piece in zip(keys, flat.split([local[k].numel() for k in keys])):
+                out[k] = piece.view(local[k].shape).clone()
+        return out
+
+
+def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Parameter, int]]:
+    """(parameter, peer rank) for each parameter this rank shares with one other rank's stages (pure).
+
+    Every rank lists them in the same order (stage order, then parameter order), so the exchanges pair up.
+    """
+    users: dict[int, tuple[nn.Parameter, list[int]]] = {}
+    for s in stages:
+        for param in s.parameters():
+            ranks = users.setdefault(id(param), (param, []))[1]
+            if s.index % p not in ranks:
+                ranks.append(s.index % p)
+    out = []
+    for param, ranks in users.values():
+        if len(ranks) > 2:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is used by stages on pipeline ranks "
+                             f"{ranks}; tied parameters may span at most two ranks (e.g. embedding and head)")
+        if len(ranks) == 2 and me in ranks:
+            out.append((param, ranks[0] if ranks[1] == me else ranks[1]))
+    return out
+
+
+def _check_keys(model: nn.Module, stages: list[Stage]) -> None:
+    names = [n for s in stages for n in s.owned_names()]
+    loose = [k for k in model.state_dict() if not any(k.startswith(n + ".") for n in names)]
+    if loose:
+        raise ValueError(f"model tensors {loose[:5]} belong to no pipeline unit (units run {names[:6]}...); "
+                         f"register them inside the modules the stages run")
+
+
+def _check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn: Callable, chunks: int) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"sw.pipeline needs mesh= a shardwise.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axes:
+        raise ValueError(f"pipeline axis {axis!r} is not an axis of {mesh!r}; use one of {list(mesh.axes)}")
+    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {loss_fn!r}")
+
+
+def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
+             loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
+             chunks: int = 1) -> Pipeline:
+    """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
+
+    ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
+    ``stage.py`` for how each becomes units). ``split``: unit names that start stages 1, 2, ... (e.g.
+    ``["blocks.2"]``); default: balanced by parameter count. ``schedule``: ``gpipe``, ``1f1b``, ``zb-h1`` or
+    ``interleaved`` (``chunks >= 2``). ``loss_fn(output, targets)`` runs on the last stage per micro-batch.
+    Bad input raises ``ValueError`` / ``TypeError`` before any communication.
+    """
+    return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
+                    chunks=chunks)

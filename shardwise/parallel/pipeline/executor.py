@@ -1,0 +1,180 @@
+"""The pipeline executor: a small interpreter of one rank's action list (``schedules`` + ``communication``).
+
+Per action (stage ``s``, micro-batch ``i``):
+
+* ``RECV_F`` / ``RECV_B``: post an asynchronous receive into a fresh buffer; the compute that needs it waits.
+* ``F``: run the stage; the input of a stage > 0 is a leaf that requires grad, so backward leaves the input
+  gradient in ``x.grad``. The last stage applies ``loss_fn`` and keeps ``loss / m`` as the tensor to
+  differentiate (the step's loss is the mean over micro-batches, as one device computes it on the whole batch).
+* ``B`` without split backward: ``torch.autograd.backward(out, grad)`` — input and weight gradients at once.
+* ``B`` with split backward (zero-bubble): only the input gradient,
+  ``torch.autograd.grad(out, x, grad, retain_graph=True)``; ``W`` later runs
+  ``torch.autograd.grad(out, params, grad)`` and accumulates into ``.grad``. W walks the stage's graph a second
+  time (the simple form of the split; it costs about one extra input-gradient pass per micro-batch).
+* ``SEND_F`` / ``SEND_B``: start an asynchronous send; every send is waited for at the end of the step.
+
+Shapes: the first message on each stage boundary is preceded by a small metadata message (dtype and shape).
+Both ends cache it, so later steps send only activations; a new micro-batch input shape resets the cache on
+every rank at once (every rank receives the same step arguments). Gradients need no metadata: a stage knows
+its own output's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ... import comm
+from ...mesh import Mesh
+from .actions import Action, Schedule
+from .stage import Stage
+
+__all__ = ["Interpreter", "StepState", "run_actions"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_META_LEN = 10  # [dtype code, ndim, up to 8 sizes]
+
+
+@dataclass
+class StepState:
+    """Everything one step's interpreter keeps between actions, keyed by (stage, micro-batch)."""
+
+    inputs: list[Tensor]
+    targets: list[Tensor]
+    inputs_kept: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    out_grads: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+    in_grads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    pending: dict[tuple[str, int, int], comm.Handle | Tensor] = field(default_factory=dict)
+    sends: list[comm.Handle] = field(default_factory=list)
+    losses: list[Tensor] = field(default_factory=list)
+
+
+class Interpreter:
+    """Runs lowered action lists for the stages this rank holds (``stages[s]`` for local ``s``)."""
+
+    def __init__(self, *, schedule: Schedule, stages: dict[int, Stage], mesh: Mesh, axis: str,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        self.schedule, self.stages, self.mesh, self.axis, self.loss_fn = schedule, stages, mesh, axis, loss_fn
+        self.shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # boundary s -> s+1: output of s
+        self.shape_key: tuple | None = None
+        self.last = schedule.num_stages - 1
+
+    # -- communication ---------------------------------------------------------------------------------
+    def _send(self, t: Tensor, to_stage: int, st: StepState) -> None:
+        st.sends.append(comm.isend(t.contiguous(), self.mesh, self.axis, dst=self.schedule.rank_of(to_stage)))
+
+    def _send_meta(self, s: int, t: Tensor) -> None:
+        meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.mesh.device)
+        if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:
+            raise ValueError(f"stage {s} output must have at most {_META_LEN - 2} dims and a dtype in {_DTYPES}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+        meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
+        meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        comm.send(meta, self.mesh, self.axis, dst=self.schedule.rank_of(s + 1))
+
+    def _recv_meta(self, s: int) -> None:
+        meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.mesh.device)
+        comm.recv(meta, self.mesh, self.axis, src=self.schedule.rank_of(s))
+        code, ndim = int(meta[0]), int(meta[1])
+        self.shapes[s] = (_DTYPES[code], tuple(int(v) for v in meta[2:2 + ndim]))
+
+    def _post_recv(self, a: Action, st: StepState) -> None:
+        boundary = a.stage - 1 if a.kind == "RECV_F" else a.stage  # output of stage `boundary`
+        if boundary not in self.shapes:
+            assert a.kind == "RECV_F", "a backward receive always follows this stage's own forward"
+            self._recv_meta(boundary)
+        dtype, shape = self.shapes[boundary]
+        buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+        src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
+        st.pending[(a.kind, a.stage, a.microbatch)] = comm.irecv(buf, self.mesh, self.axis,
+                                                                  src=self.schedule.rank_of(src))
+
+    def _take(self, kind: str, stage: int, mb: int, st: StepState) -> Tensor:
+        got = st.pending.pop((kind, stage, mb))
+        return got.wait() if isinstance(got, comm.Handle) else got
+
+    # -- compute ---------------------------------------------------------------------------------------
+    def _forward(self, s: int, i: int, st: StepState) -> None:
+        if s == 0:
+            x = st.inputs[i]
+        else:
+            x = self._take("RECV_F", s, i, st)
+            x.requires_grad_(x.is_floating_point())  # a leaf: backward leaves dL/dx in x.grad
+        out = self.stages[s](x)
+        if s == self.last:
+            loss = self.loss_fn(out, st.targets[i])
+            st.losses.append(loss.detach())
+            out = loss / len(st.inputs)  # d(mean over micro-batches) / d(loss_i) = 1/m
+        st.inputs_kept[(s, i)], st.outputs[(s, i)] = x, out
+
+    def _out_grad(self, s: int, i: int, st: StepState) -> Tensor | None:
+        return None if s == self.last else self._take("RECV_B", s, i, st)
+
+    def _backward_full(self, s: int, i: int, st: StepState) -> None:
+        x, out = st.inputs_kept.pop((s, i)), st.outputs.pop((s, i))
+        torch.autograd.backward(out, self._out_grad(s, i, st))
+        if s > 0:
+            st.in_grads[(s, i)] = x.grad  # type: ignore[assignment]
+
+    def _backward_input(self, s: int, i: int, st: StepState) -> None:
+        grad = self._out_grad(s, i, st)
+        st.out_grads[(s, i)] = grad
+        if s > 0:
+            (gx,) = torch.autograd.grad(st.outputs[(s, i)], [st.inputs_kept[(s, i)]], grad, retain_graph=True)
+            st.in_grads[(s, i)] = gx
+
+    def _backward_weight(self, s: int, i: int, st: StepState) -> None:
+        out, grad = st.outputs.pop((s, i)), st.out_grads.pop((s, i))
+        st.inputs_kept.pop((s, i))
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out, params, grad, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action], st: StepState) -> None:
+        """Execute ``actions`` (this rank's lowered list) for one step. Collective along the pipeline axis."""
+        key = (tuple(st.inputs[0].shape), st.inputs[0].dtype)
+        if key != self.shape_key:
+            self.shapes, self.shape_key = {}, key
+        sent_meta = set(self.shapes)
+        split = self.schedule.split_backward
+        for a in actions:
+            s, i = a.stage, a.microbatch
+            if a.kind in ("RECV_F", "RECV_B"):
+                self._post_recv(a, st)
+            elif a.kind == "F":
+                self._forward(s, i, st)
+                if s < self.last and self.schedule.rank_of(s + 1) == self.schedule.rank_of(s):
+                    st.pending[("RECV_F", s + 1, i)] = st.outputs[(s, i)].detach().clone()
+            elif a.kind == "B":
+                (self._backward_input if split else self._backward_full)(s, i, st)
+                if s > 0 and self.schedule.rank_of(s - 1) == self.schedule.rank_of(s):
+                    st.pending[("RECV_B", s - 1, i)] = st.in_grads.pop((s, i))
+            elif a.kind == "W":
+                self._backward_weight(s, i, st)
+            elif a.kind == "SEND_F":
+                out = st.outputs[(s, i)].detach()
+                if s not in sent_meta:
+                    self._send_meta(s, out)
+                    self.shapes[s] = (out.dtype, tuple(out.shape))
+                    sent_meta.add(s)
+                self._send(out, s + 1, st)
+            elif a.kind == "SEND_B":
+                self._send(st.in_grads.pop((s, i)), s - 1, st)
+        for h in st.sends:
+            h.wait()
+        assert not st.outputs and not st.pending, "schedule left work undone (validated schedules never do)"
+
+
+def run_actions(interpreter: Interpreter, actions: Sequence[Action], inputs: list[Tensor],
+                targets: list[Tensor]) -> list[Tensor]:
+    """Run one step; returns the last stage's per-micro-batch losses (empty on other ranks)."""
+    st = StepState(inputs=inputs, targets=targets)
+    interpreter.run(actions, st)
+    return st.losses

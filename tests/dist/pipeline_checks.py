@@ -1,0 +1,112 @@
+"""Rank-side checks for sw.pipeline (run by tests/dist/test_pipeline.py through LocalWorld).
+
+Reference: the same GPT (same seed) trained on one device with plain SGD on the whole batch; every rank
+computes it locally (tiny model), so parity is asserted against numbers the pipeline code never touched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import shardwise as sw
+from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from shardwise.parallel.pipeline.api import pipeline
+from tests.dist.meshes import mesh
+
+LR, STEPS, BATCH, SEQ = 0.5, 3, 12, 8
+
+
+def _model(n_layer: int, tie: bool) -> GPT:
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, block_size=16, tie_weights=tie))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [synthetic_batch(BATCH, SEQ, 64, generator=g) for _ in range(STEPS)]
+
+
+def _reference(n_layer: int, tie: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(n_layer, tie)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for idx, tgt in _batches():
+        loss = lm_loss(model(idx), tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _run_case(case: dict) -> dict:
+    m = mesh(pp=-1)
+    p = m.size("pp")
+    model = _model(case["n_layer"], case.get("tie", True))
+    pipe = pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"], loss_fn=lm_loss,
+                    split=case.get("split"), chunks=case.get("chunks", 1))
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    losses, sends = [], []
+    for idx, tgt in _batches():
+        with sw.comm.CommCounter() as c:
+            losses.append(pipe.step(idx, tgt))
+        sends.append(c.count("send"))
+        opt.step()
+        opt.zero_grad()
+    with sw.comm.CommCounter() as c:
+        full = sw.full_state_dict(pipe)
+    ref_losses, ref_state = _reference(case["n_layer"], case.get("tie", True))
+    return {
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
+        "keys_ok": sorted(full) == sorted(ref_state),
+        "sends": sends,
+        "stages": {s: names for s, names in pipe.stage_names().items()},
+        "my_stages": sorted(pipe.stages),
+        "tied_peers": [peer for _, peer in pipe.tied],
+        "coord": m.coord("pp"),
+        "p": p,
+        "state_dict_sends": c.count("send"),
+    }
+
+
+def check_parity(cases: list[dict]) -> list[dict]:
+    """Train every case for STEPS steps; per case the errors against one device and the send counts."""
+    return [_run_case(case) for case in cases]
+
+
+_BAD = {
+    "split_unknown": dict(split=["blocks.9"]),
+    "split_inner": dict(split=["lm_head"]),
+    "split_empty": dict(split=["blocks.1", "blocks.1"]),
+    "split_count": dict(split=["blocks.1", "blocks.2", "ln_f", "blocks.0"]),
+    "too_few_units": dict(n_layer=1, chunks=4, schedule="interleaved", m=8),
+    "interleaved_m": dict(schedule="interleaved", chunks=2, m=3),
+    "microbatches_zero": dict(m=0),
+    "schedule_unknown": dict(schedule="zb-v"),
+}
+
+
+def check_bad_input(names: list[str]) -> dict[str, str]:
+    """Each bad configuration raises ValueError before any message; returns name -> message ('' if none)."""
+    m = mesh(pp=-1)
+    out: dict[str, str] = {}
+    for name in names:
+        kw = {"n_layer": 4, "m": 4, "schedule": "1f1b", "chunks": 1, **_BAD.get(name, {})}
+        model = _model(kw.pop("n_layer"), True)
+        with sw.comm.CommCounter() as c:
+            try:
+                pipe = pipeline(model, m, "pp", microbatches=kw["m"], schedule=kw["schedule"], loss_fn=lm_loss,
+                                split=kw.get("split"), chunks=kw["chunks"])
+                if name == "batch_not_divisible":
+                    idx, tgt = synthetic_batch(10, SEQ, 64)  # 10 % 4 != 0
+                    pipe.step(idx, tgt)
+                out[name] = ""
+            except ValueError as e:
+                out[name] = str(e)
+        assert not c.records and c.messages_sent == 0, (name, c.records)
+    return out
