@@ -1,0 +1,105 @@
+"""sw.pipeline on worlds of 2 and 4 ranks against one-device SGD training of the same GPT (fp32, rtol 1e-5).
+
+Rank-side code: tests/dist/pipeline_checks.py. Each world runs all its cases in one ``world.run``. Besides
+losses and parameters (via ``sw.full_state_dict``), every case checks the point-to-point pattern per step:
+each stage boundary carries one forward and one backward message per micro-batch, plus one dtype/shape
+message per boundary on the first step only, plus one message each way for a tied embedding/head.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import pipeline_checks as pc
+
+RTOL = 1e-5
+
+CASES = {
+    2: [
+        dict(schedule="gpipe", n_layer=2, m=3),
+        dict(schedule="1f1b", n_layer=2, m=3),
+        dict(schedule="zb-h1", n_layer=2, m=3),
+        dict(schedule="1f1b", n_layer=3, m=4, split=["blocks.1"]),  # uneven: embed+b0 | b1, b2, head
+        dict(schedule="zb-h1", n_layer=3, m=2, split=["ln_f"]),  # the head alone on the last stage
+        dict(schedule="gpipe", n_layer=2, m=2, tie=False),
+        dict(schedule="interleaved", n_layer=4, m=4, chunks=2),
+    ],
+    4: [
+        dict(schedule="gpipe", n_layer=4, m=6),
+        dict(schedule="1f1b", n_layer=4, m=6),
+        dict(schedule="zb-h1", n_layer=4, m=6),
+        dict(schedule="1f1b", n_layer=4, m=4, split=["blocks.0", "blocks.3", "ln_f"]),  # embed | b0-b2 | b3 | head
+        dict(schedule="zb-h1", n_layer=4, m=3, split=["blocks.0", "blocks.3", "ln_f"]),  # m < p
+        dict(schedule="interleaved", n_layer=6, m=4, chunks=2),
+    ],
+}
+
+
+def _expected_sends(case: dict, rank: int, p: int) -> tuple[int, int]:
+    """(first step, later steps) sends of ``rank`` from the rules in the module doc."""
+    stages = p * case.get("chunks", 1)
+    m, later, meta = case["m"], 0, 0
+    for s in range(rank, stages, p):
+        if s < stages - 1 and (s + 1) % p != rank:
+            later, meta = later + m, meta + 1
+        if s > 0 and (s - 1) % p != rank:
+            later += m
+    if case.get("tie", True) and rank in (0, p - 1) and p > 1:
+        later += 1
+    return later + meta, later
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_schedules_match_one_device(worlds, n):
+    cases = CASES[n]
+    per_rank = worlds.get(n).run(pc.check_parity, cases, timeout=240)
+    for k, case in enumerate(cases):
+        for rank, results in enumerate(per_rank):
+            res = results[k]
+            assert res["loss_err"] < RTOL, (case, res)
+            assert res["param_err"] < RTOL, (case, res)
+            assert res["keys_ok"], case
+            first, later = _expected_sends(case, rank, n)
+            assert res["sends"] == [first] + [later] * (pc.STEPS - 1), (case, rank, res["sends"])
+            assert res["state_dict_sends"] == 0, case  # full_state_dict uses broadcasts, no point-to-point
+            chunks = case.get("chunks", 1)
+            assert res["my_stages"] == [rank + c * n for c in range(chunks)], case
+            if case.get("tie", True):
+                want = {0: [n - 1], n - 1: [0]}.get(rank, [])
+                assert res["tied_peers"] == want, (case, rank)
+            else:
+                assert res["tied_peers"] == [], case
+        stages = per_rank[0][k]["stages"]
+        if "split" in case:
+            starts = [names[0] for _, names in sorted(stages.items())][1:]
+            assert starts == case["split"], stages
+
+
+def test_balance_by_parameter_count(worlds):
+    # GPT(n_layer=4, n_embd=32, vocab 64, block 16) units: embed 2560, block 12,704 each, head 2112 (tied wte
+    # counted again) -> pp=2: [embed, b0, b1] | [b2, b3, head] (27,968 vs 27,520) beats any other cut
+    res = worlds.get(2).run(pc.check_parity, [dict(schedule="1f1b", n_layer=4, m=2)], timeout=120)
+    stages = res[0][0]["stages"]
+    assert stages[0] == ["wte", "wpe", "drop", "blocks.0", "blocks.1"], stages
+    assert stages[1] == ["blocks.2", "blocks.3", "ln_f", "lm_head"], stages
+
+
+BAD = {
+    "split_unknown": "names no module",
+    "split_inner": "inside unit 'ln_f'",
+    "split_empty": "leaves a stage empty",
+    "split_count": "makes 3 stages but the mesh axis and chunks need pp x chunks = 4",
+    "split_order": "in model order",
+    "too_few_units": "has 3 pipeline units",
+    "interleaved_m": "multiple of p",
+    "microbatches_zero": "microbatches must be an integer >= 1",
+    "schedule_unknown": "valid schedules: gpipe, 1f1b, interleaved, zb-h1",
+    "batch_not_divisible": "divisible by microbatches=4",
+}
+
+
+def test_bad_input_raises_before_communication(worlds):
+    per_rank = worlds.get(4).run(pc.check_bad_input, list(BAD))
+    for messages in per_rank:
+        for name, needle in BAD.items():
+            assert needle in messages[name], (name, messages[name])
