@@ -10,6 +10,7 @@ from .parallel.checkpointing import checkpoint_layers
 from .parallel.data import DataParallel
 from .parallel.memory import memory_report
 from .parallel.mixed_precision import MixedPrecision
+from .parallel.pipeline.api import Pipeline, pipeline
 from .parallel.tensor import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
 from .parallel.zero import zero
 from .sbp import Broadcast, GlobalTensor, Partial, Split, distribute, parse_sbp, to_global
@@ -20,4 +21,4 @@ __version__ = "0.1.0"
 __all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "DataParallel", "Split", "Broadcast", "Partial", "parse_sbp",
            "GlobalTensor", "distribute", "to_global", "full_state_dict", "checkpoint_layers", "__version__",
            "parallelize", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel",
-           "zero", "memory_report", "MixedPrecision"]
+           "zero", "memory_report", "MixedPrecision", "pipeline", "Pipeline"]

@@ -10,32 +10,49 @@ import torch
 
 import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
-from shardwise.parallel.pipeline.api import pipeline
 from tests.dist.meshes import mesh
 
 LR, STEPS, BATCH, SEQ = 0.5, 3, 12, 8
 
 
-def _model(n_layer: int, tie: bool) -> GPT:
+def _model(n_layer: int, tie: bool, kind: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(1234)
+    if kind == "mlp":  # an nn.Sequential: one unit per child
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                   torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, block_size=16, tie_weights=tie))
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _batches(kind: str = "gpt") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
+    if kind == "mlp":
+        return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(STEPS)]
     return [synthetic_batch(BATCH, SEQ, 64, generator=g) for _ in range(STEPS)]
 
 
-def _reference(n_layer: int, tie: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model(n_layer, tie)
+def _pieces(case: dict, idx: torch.Tensor, tgt: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of one optimizer step: ``accum`` equal parts whose gradients add up."""
+    k = case.get("accum", 1)
+    return list(zip(idx.chunk(k), tgt.chunk(k)))
+
+
+def _reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    kind = case.get("model", "gpt")
+    model = _model(case["n_layer"], case.get("tie", True), kind)
+    loss_fn = _mse if kind == "mlp" else lm_loss
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for idx, tgt in _batches():
-        loss = lm_loss(model(idx), tgt)
-        loss.backward()
+    for idx, tgt in _batches(kind):
+        for x, y in _pieces(case, idx, tgt):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -46,20 +63,23 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run_case(case: dict) -> dict:
     m = mesh(pp=-1)
     p = m.size("pp")
-    model = _model(case["n_layer"], case.get("tie", True))
-    pipe = pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"], loss_fn=lm_loss,
-                    split=case.get("split"), chunks=case.get("chunks", 1))
+    kind = case.get("model", "gpt")
+    model = _model(case["n_layer"], case.get("tie", True), kind)
+    pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"],
+                       loss_fn=_mse if kind == "mlp" else lm_loss, split=case.get("split"),
+                       chunks=case.get("chunks", 1))
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses, sends = [], []
-    for idx, tgt in _batches():
-        with sw.comm.CommCounter() as c:
-            losses.append(pipe.step(idx, tgt))
-        sends.append(c.count("send"))
+    for idx, tgt in _batches(kind):
+        for x, y in _pieces(case, idx, tgt):
+            with sw.comm.CommCounter() as c:
+                losses.append(pipe.step(x, y))
+            sends.append(c.count("send"))
         opt.step()
         opt.zero_grad()
     with sw.comm.CommCounter() as c:
         full = sw.full_state_dict(pipe)
-    ref_losses, ref_state = _reference(case["n_layer"], case.get("tie", True))
+    ref_losses, ref_state = _reference(case)
     return {
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
@@ -101,8 +121,8 @@ def check_bad_input(names: list[str]) -> dict[str, str]:
         model = _model(kw.pop("n_layer"), True)
         with sw.comm.CommCounter() as c:
             try:
-                pipe = pipeline(model, m, "pp", microbatches=kw["m"], schedule=kw["schedule"], loss_fn=lm_loss,
-                                split=kw.get("split"), chunks=kw["chunks"])
+                pipe = sw.pipeline(model, m, "pp", microbatches=kw["m"], schedule=kw["schedule"], loss_fn=lm_loss,
+                                   split=kw.get("split"), chunks=kw["chunks"])
                 if name == "batch_not_divisible":
                     idx, tgt = synthetic_batch(10, SEQ, 64)  # 10 % 4 != 0
                     pipe.step(idx, tgt)

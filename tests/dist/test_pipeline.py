@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.parallel.pipeline.stage import balance_by_params
 from tests.dist import pipeline_checks as pc
 
 RTOL = 1e-5
@@ -23,6 +24,8 @@ CASES = {
         dict(schedule="zb-h1", n_layer=3, m=2, split=["ln_f"]),  # the head alone on the last stage
         dict(schedule="gpipe", n_layer=2, m=2, tie=False),
         dict(schedule="interleaved", n_layer=4, m=4, chunks=2),
+        dict(schedule="zb-h1", n_layer=2, m=3, accum=2),  # two steps per optimizer step: tied grads add up
+        dict(schedule="1f1b", model="mlp", n_layer=0, m=4, tie=False),  # an nn.Sequential
     ],
     4: [
         dict(schedule="gpipe", n_layer=4, m=6),
@@ -31,6 +34,7 @@ CASES = {
         dict(schedule="1f1b", n_layer=4, m=4, split=["blocks.0", "blocks.3", "ln_f"]),  # embed | b0-b2 | b3 | head
         dict(schedule="zb-h1", n_layer=4, m=3, split=["blocks.0", "blocks.3", "ln_f"]),  # m < p
         dict(schedule="interleaved", n_layer=6, m=4, chunks=2),
+        dict(schedule="zb-h1", model="mlp", n_layer=0, m=6, tie=False, split=["2", "4", "6"]),
     ],
 }
 
@@ -60,7 +64,8 @@ def test_schedules_match_one_device(worlds, n):
             assert res["param_err"] < RTOL, (case, res)
             assert res["keys_ok"], case
             first, later = _expected_sends(case, rank, n)
-            assert res["sends"] == [first] + [later] * (pc.STEPS - 1), (case, rank, res["sends"])
+            steps = pc.STEPS * case.get("accum", 1)
+            assert res["sends"] == [first] + [later] * (steps - 1), (case, rank, res["sends"])
             assert res["state_dict_sends"] == 0, case  # full_state_dict uses broadcasts, no point-to-point
             chunks = case.get("chunks", 1)
             assert res["my_stages"] == [rank + c * n for c in range(chunks)], case
@@ -103,3 +108,11 @@ def test_bad_input_raises_before_communication(worlds):
     for messages in per_rank:
         for name, needle in BAD.items():
             assert needle in messages[name], (name, messages[name])
+
+
+def test_balance_by_params_minimises_the_heaviest_stage():
+    # pure: no processes
+    assert balance_by_params([5, 1, 1, 1, 5], 3) == [0, 1, 4]
+    assert balance_by_params([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    assert balance_by_params([10, 1, 1, 1, 1, 1, 1], 2) == [0, 1]
+    assert balance_by_params([1, 1, 1, 1, 1, 1, 10], 2) == [0, 6]

@@ -65,6 +65,9 @@ class Interpreter:
 
     # -- communication ---------------------------------------------------------------------------------
     def _send(self, t: Tensor, to_stage: int, st: StepState) -> None:
+        # Finished sends are dropped as we go so their buffers (activations whose backward already ran) are
+        # freed during the step, keeping 1F1B's memory bound; the rest are waited for at the end of the step.
+        st.sends = [h for h in st.sends if not h.is_completed()]
         st.sends.append(comm.isend(t.contiguous(), self.mesh, self.axis, dst=self.schedule.rank_of(to_stage)))
 
     def _send_meta(self, s: int, t: Tensor) -> None:
