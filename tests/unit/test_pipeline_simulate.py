@@ -57,7 +57,8 @@ def test_zb_h1_bubble_a_third_of_1f1b_at_equal_costs(p):
         # same peak memory as 1F1B: no rank holds more than p micro-batches (1F1B's rank 0)
         assert max(zb.peak_in_flight) == max(one.peak_in_flight) == p
     m = 8 * p
-    ratio = simulate(get_schedule("zb-h1", p=p, m=m)).bubble_ratio / simulate(get_schedule("1f1b", p=p, m=m)).bubble_ratio
+    zb, one = simulate(get_schedule("zb-h1", p=p, m=m)), simulate(get_schedule("1f1b", p=p, m=m))
+    ratio = zb.bubble_ratio / one.bubble_ratio
     assert abs(ratio - 1 / 3) < 0.04
 
 
@@ -137,8 +138,10 @@ def test_deadlock_reported_not_hung():
     assert isinstance(err, ScheduleDeadlock)
     msg = str(err)
     assert "deadlocks" in msg
-    assert "rank 0 step 1: 0B0 waits for 1B0, which rank 1 runs at its step 2 but rank 1 is stuck at step 1 (1F1)" in msg
-    assert "rank 1 step 1: 1F1 waits for 0F1, which rank 0 runs at its step 2 but rank 0 is stuck at step 1 (0B0)" in msg
+    assert ("rank 0 step 1: 0B0 waits for 1B0, which rank 1 runs at its step 2 "
+            "but rank 1 is stuck at step 1 (1F1)") in msg
+    assert ("rank 1 step 1: 1F1 waits for 0F1, which rank 0 runs at its step 2 "
+            "but rank 0 is stuck at step 1 (0B0)") in msg
     assert "0B0 <blocked" in msg and "1F1 <blocked" in msg
     assert err.blocked == {0: 1, 1: 1}
 

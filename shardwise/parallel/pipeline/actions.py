@@ -133,8 +133,8 @@ class Schedule:
                     misplaced.append(f"{a} on rank {rank}")
                 if a.is_compute:
                     seen[a] = seen.get(a, 0) + 1
-        expected = {Action(s, k, i) for s in range(self.num_stages) for k in self.compute_kinds()  # type: ignore[arg-type]
-                    for i in range(self.m)}
+        expected = {Action(s, k, i)  # type: ignore[arg-type]
+                    for s in range(self.num_stages) for k in self.compute_kinds() for i in range(self.m)}
         missing = sorted(expected - set(seen))
         extra = sorted(a for a, n in seen.items() if n > 1 or a not in expected)
         if misplaced or missing or extra:
