@@ -91,6 +91,7 @@ def _run_case(case: dict) -> dict:
         "coord": m.coord("pp"),
         "p": p,
         "state_dict_sends": c.count("send"),
+        "peak_held": pipe.last_peak_held,
     }
 
 

@@ -67,6 +67,9 @@ def test_schedules_match_one_device(worlds, n):
             steps = pc.STEPS * case.get("accum", 1)
             assert res["sends"] == [first] + [later] * (steps - 1), (case, rank, res["sends"])
             assert res["state_dict_sends"] == 0, case  # full_state_dict uses broadcasts, no point-to-point
+            peak = {"gpipe": case["m"], "1f1b": min(n - rank, case["m"]), "zb-h1": min(n, case["m"])}
+            if case["schedule"] in peak:  # activation sets held at once: the schedule's memory bound
+                assert res["peak_held"] == peak[case["schedule"]], (case, rank, res["peak_held"])
             chunks = case.get("chunks", 1)
             assert res["my_stages"] == [rank + c * n for c in range(chunks)], case
             if case.get("tie", True):

@@ -48,6 +48,8 @@ class Pipeline:
                                        loss_fn=loss_fn)
         _check_keys(model, self.all_stages)
         self.tied = _tied_parameters(self.all_stages, p, me)
+        self.last_peak_held = 0
+        """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
 
     # -- training ------------------------------------------------------------------------------------
     def step(self, inputs: Tensor, targets: Tensor) -> float:
@@ -64,10 +66,11 @@ class Pipeline:
             raise ValueError(f"inputs and targets disagree on the batch size: {inputs.size(0)} vs {targets.size(0)}")
         dev = self.mesh.device
         before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
-        losses = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
-                             list(targets.to(dev).chunk(m)))
+        state = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
+                            list(targets.to(dev).chunk(m)))
+        self.last_peak_held = state.peak_held
         self._sum_tied_grads(before)
-        return self._mean_loss(losses)
+        return self._mean_loss(state.losses)
 
     def _mean_loss(self, losses: list[Tensor]) -> float:
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)

@@ -51,6 +51,8 @@ class StepState:
     pending: dict[tuple[str, int, int], comm.Handle | Tensor] = field(default_factory=dict)
     sends: list[comm.Handle] = field(default_factory=list)
     losses: list[Tensor] = field(default_factory=list)
+    peak_held: int = 0
+    """Most (stage, micro-batch) activation sets held at once (taken by F, freed by full B or by W)."""
 
 
 class Interpreter:
@@ -113,6 +115,7 @@ class Interpreter:
             st.losses.append(loss.detach())
             out = loss / len(st.inputs)  # d(mean over micro-batches) / d(loss_i) = 1/m
         st.inputs_kept[(s, i)], st.outputs[(s, i)] = x, out
+        st.peak_held = max(st.peak_held, len(st.outputs))
 
     def _out_grad(self, s: int, i: int, st: StepState) -> Tensor | None:
         return None if s == self.last else self._take("RECV_B", s, i, st)
@@ -176,8 +179,8 @@ class Interpreter:
 
 
 def run_actions(interpreter: Interpreter, actions: Sequence[Action], inputs: list[Tensor],
-                targets: list[Tensor]) -> list[Tensor]:
-    """Run one step; returns the last stage's per-micro-batch losses (empty on other ranks)."""
+                targets: list[Tensor]) -> StepState:
+    """Run one step; the state holds the last stage's per-micro-batch losses (empty on other ranks)."""
     st = StepState(inputs=inputs, targets=targets)
     interpreter.run(actions, st)
-    return st.losses
+    return st
