@@ -61,20 +61,21 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_case(case: dict) -> dict:
-    m = mesh(pp=-1)
+    m = mesh(pp=-1, dp=case["dp"]) if "dp" in case else mesh(pp=-1)
     p = m.size("pp")
     kind = case.get("model", "gpt")
     model = _model(case["n_layer"], case.get("tie", True), kind)
     pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"],
                        loss_fn=_mse if kind == "mlp" else lm_loss, split=case.get("split"),
-                       chunks=case.get("chunks", 1))
+                       chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case else None)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-    losses, sends = [], []
+    losses, sends, dp_reduces = [], [], []
     for idx, tgt in _batches(kind):
         for x, y in _pieces(case, idx, tgt):
             with sw.comm.CommCounter() as c:
                 losses.append(pipe.step(x, y))
             sends.append(c.count("send"))
+            dp_reduces.append(c.count("all_reduce", axis="dp"))
         opt.step()
         opt.zero_grad()
     with sw.comm.CommCounter() as c:
@@ -85,6 +86,7 @@ def _run_case(case: dict) -> dict:
         "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
         "keys_ok": sorted(full) == sorted(ref_state),
         "sends": sends,
+        "dp_reduces": dp_reduces,
         "stages": {s: names for s, names in pipe.stage_names().items()},
         "my_stages": sorted(pipe.stages),
         "tied_peers": [peer for _, peer in pipe.tied],
@@ -110,6 +112,7 @@ _BAD = {
     "interleaved_m": dict(schedule="interleaved", chunks=2, m=3),
     "microbatches_zero": dict(m=0),
     "schedule_unknown": dict(schedule="zb-v"),
+    "dp_axis_is_pp": dict(dp_axis="pp"),
 }
 
 
@@ -123,7 +126,7 @@ def check_bad_input(names: list[str]) -> dict[str, str]:
         with sw.comm.CommCounter() as c:
             try:
                 pipe = sw.pipeline(model, m, "pp", microbatches=kw["m"], schedule=kw["schedule"], loss_fn=lm_loss,
-                                   split=kw.get("split"), chunks=kw["chunks"])
+                                   split=kw.get("split"), chunks=kw["chunks"], dp_axis=kw.get("dp_axis"))
                 if name == "batch_not_divisible":
                     idx, tgt = synthetic_batch(10, SEQ, 64)  # 10 % 4 != 0
                     pipe.step(idx, tgt)

@@ -35,6 +35,8 @@ CASES = {
         dict(schedule="zb-h1", n_layer=4, m=3, split=["blocks.0", "blocks.3", "ln_f"]),  # m < p
         dict(schedule="interleaved", n_layer=6, m=4, chunks=2),
         dict(schedule="zb-h1", model="mlp", n_layer=0, m=6, tie=False, split=["2", "4", "6"]),
+        dict(schedule="1f1b", n_layer=2, m=3, dp=2),  # pp x dp = 2 x 2: replicas of a 2-stage pipeline
+        dict(schedule="zb-h1", n_layer=3, m=2, dp=2),
     ],
 }
 
@@ -58,22 +60,25 @@ def test_schedules_match_one_device(worlds, n):
     cases = CASES[n]
     per_rank = worlds.get(n).run(pc.check_parity, cases, timeout=240)
     for k, case in enumerate(cases):
-        for rank, results in enumerate(per_rank):
+        for results in per_rank:
             res = results[k]
+            rank, p = res["coord"], res["p"]  # pipeline coordinate and size (a pp x dp mesh has p < n)
             assert res["loss_err"] < RTOL, (case, res)
             assert res["param_err"] < RTOL, (case, res)
             assert res["keys_ok"], case
-            first, later = _expected_sends(case, rank, n)
+            first, later = _expected_sends(case, rank, p)
+            # pp x dp: one gradient all-reduce and one loss all-reduce over dp per step, none without dp
+            assert res["dp_reduces"] == [2 if "dp" in case else 0] * len(res["sends"]), (case, res["dp_reduces"])
             steps = pc.STEPS * case.get("accum", 1)
             assert res["sends"] == [first] + [later] * (steps - 1), (case, rank, res["sends"])
             assert res["state_dict_sends"] == 0, case  # full_state_dict uses broadcasts, no point-to-point
-            peak = {"gpipe": case["m"], "1f1b": min(n - rank, case["m"]), "zb-h1": min(n, case["m"])}
+            peak = {"gpipe": case["m"], "1f1b": min(p - rank, case["m"]), "zb-h1": min(p, case["m"])}
             if case["schedule"] in peak:  # activation sets held at once: the schedule's memory bound
                 assert res["peak_held"] == peak[case["schedule"]], (case, rank, res["peak_held"])
             chunks = case.get("chunks", 1)
-            assert res["my_stages"] == [rank + c * n for c in range(chunks)], case
+            assert res["my_stages"] == [rank + c * p for c in range(chunks)], case
             if case.get("tie", True):
-                want = {0: [n - 1], n - 1: [0]}.get(rank, [])
+                want = {0: [p - 1], p - 1: [0]}.get(rank, [])
                 assert res["tied_peers"] == want, (case, rank)
             else:
                 assert res["tied_peers"] == [], case
@@ -103,6 +108,7 @@ BAD = {
     "microbatches_zero": "microbatches must be an integer >= 1",
     "schedule_unknown": "valid schedules: gpipe, 1f1b, interleaved, zb-h1",
     "batch_not_divisible": "divisible by microbatches=4",
+    "dp_axis_is_pp": "other than the pipeline axis 'pp'",
 }
 
 

@@ -34,10 +34,14 @@ class Pipeline:
     """This rank's stages of a pipelined model plus the interpreter of its schedule. Build with ``pipeline``."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int) -> None:
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
+                 dp_axis: str | None = None) -> None:
         _check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
+        if dp_axis is not None and (dp_axis not in mesh.axes or dp_axis == axis):
+            raise ValueError(f"dp_axis {dp_axis!r} must be an axis of {mesh!r} other than the pipeline axis "
+                             f"{axis!r}; use one of {[a for a in mesh.axes if a != axis]} or dp_axis=None")
         p = mesh.size(axis)
-        self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
+        self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
         self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
         self.model = model  # keys and shapes of the whole model, for full_state_dict
@@ -57,19 +61,25 @@ class Pipeline:
         rank's stage parameters (tied ones summed across their two ranks). Returns the mean loss over the
         micro-batches on every rank. Collective along the pipeline axis; every rank passes the same tensors."""
         m = self.microbatches
+        dp = self.mesh.size(self.dp_axis) if self.dp_axis else 1
         for label, t in (("inputs", inputs), ("targets", targets)):
-            if not isinstance(t, Tensor) or t.dim() == 0 or t.size(0) % m != 0:
+            if not isinstance(t, Tensor) or t.dim() == 0 or t.size(0) % (m * dp) != 0:
                 shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
                 raise ValueError(f"pipeline {label} must be a tensor whose batch dim 0 is divisible by microbatches="
-                                 f"{m}, got {shape}; use a batch size that is a multiple of {m}")
+                                 f"{m}" + (f" x {self.dp_axis} size {dp}" if dp > 1 else "") + f", got {shape}; "
+                                 f"use a batch size that is a multiple of {m * dp}")
         if inputs.size(0) != targets.size(0):
             raise ValueError(f"inputs and targets disagree on the batch size: {inputs.size(0)} vs {targets.size(0)}")
+        if self.dp_axis:  # S(0) over dp: this replica's contiguous slice of the global batch
+            me = self.mesh.coord(self.dp_axis)
+            inputs, targets = inputs.chunk(dp)[me], targets.chunk(dp)[me]
         dev = self.mesh.device
         before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
         state = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
                             list(targets.to(dev).chunk(m)))
         self.last_peak_held = state.peak_held
         self._sum_tied_grads(before)
+        self._average_over_dp()
         return self._mean_loss(state.losses)
 
     def _mean_loss(self, losses: list[Tensor]) -> float:
@@ -77,7 +87,23 @@ class Pipeline:
         out = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=self.mesh.device)
         if self.mesh.size(self.axis) > 1:
             comm.broadcast(out, self.mesh, self.axis, src=last_rank)
+        if self.dp_axis and self.mesh.size(self.dp_axis) > 1:
+            comm.all_reduce(out, self.mesh, self.dp_axis, op="avg")
         return float(out.item())
+
+    def _average_over_dp(self) -> None:
+        """Average this stage's gradients over the dp replicas: one flat all-reduce per step (not overlapped
+        with backward yet). Linear, so gradients accumulated over earlier steps stay right."""
+        if not self.dp_axis or self.mesh.size(self.dp_axis) == 1:
+            return
+        params = list(self.parameters())
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        flat = torch.cat([q.grad.reshape(-1) for q in params])  # type: ignore[union-attr]
+        comm.all_reduce(flat, self.mesh, self.dp_axis, op="avg")
+        for q, piece in zip(params, flat.split([q.numel() for q in params])):
+            q.grad.copy_(piece.view(q.shape))  # type: ignore[union-attr]
 
     def _sum_tied_grads(self, before: dict[int, Tensor | None]) -> None:
         """Exchange this step's gradient contribution of each tied parameter with its peer rank and add it
@@ -180,14 +206,16 @@ def _check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn
 
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
              loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
-             chunks: int = 1) -> Pipeline:
+             chunks: int = 1, dp_axis: str | None = None) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
     ``stage.py`` for how each becomes units). ``split``: unit names that start stages 1, 2, ... (e.g.
     ``["blocks.2"]``); default: balanced by parameter count. ``schedule``: ``gpipe``, ``1f1b``, ``zb-h1`` or
     ``interleaved`` (``chunks >= 2``). ``loss_fn(output, targets)`` runs on the last stage per micro-batch.
+    ``dp_axis``: another mesh axis of data-parallel replicas of the whole pipeline; each takes its slice of
+    the batch (every rank still passes the global batch), gradients and the loss are averaged over it.
     Bad input raises ``ValueError`` / ``TypeError`` before any communication.
     """
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
-                    chunks=chunks)
+                    chunks=chunks, dp_axis=dp_axis)
