@@ -135,3 +135,13 @@ def check_bad_input(names: list[str]) -> dict[str, str]:
                 out[name] = str(e)
         assert not c.records and c.messages_sent == 0, (name, c.records)
     return out
+
+
+def check_timeline(schedule: str, m_count: int, path: str) -> list[tuple[int, str, float, float]]:
+    """Two steps of a 4-layer GPT; the second step's measured timeline (a trace file written to ``path``)."""
+    m = mesh(pp=-1)
+    pipe = sw.pipeline(_model(4, True), m, "pp", microbatches=m_count, schedule=schedule, loss_fn=lm_loss)
+    for idx, tgt in _batches()[:2]:
+        pipe.step(idx, tgt)
+        pipe.zero_grad()
+    return [(e.rank, str(e.action), e.start, e.end) for e in pipe.write_trace(path)]

@@ -125,3 +125,28 @@ def test_balance_by_params_minimises_the_heaviest_stage():
     assert balance_by_params([1, 1, 1, 1], 4) == [0, 1, 2, 3]
     assert balance_by_params([10, 1, 1, 1, 1, 1, 1], 2) == [0, 1]
     assert balance_by_params([1, 1, 1, 1, 1, 1, 10], 2) == [0, 6]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_measured_timeline_follows_schedule_and_dependencies(worlds, tmp_path, schedule):
+    import json
+
+    from shardwise.parallel.pipeline import get_schedule
+
+    p, m = 4, 6
+    path = tmp_path / "trace.json"
+    per_rank = worlds.get(p).run(pc.check_timeline, schedule, m, str(path))
+    events = per_rank[0]
+    assert all(r == events for r in per_rank)  # every rank gets the same gathered timeline
+    want = get_schedule(schedule, p=p, m=m)
+    for rank in range(p):
+        mine = [e for e in events if e[0] == rank]
+        assert [e[1] for e in mine] == [str(a) for a in want.ranks[rank]]  # executed in schedule order
+        assert all(a[3] <= b[2] for a, b in zip(mine, mine[1:]))  # one action at a time per rank
+    at = {e[1]: e for e in events}
+    for i in range(m):  # an action starts only after the remote work it consumes has finished (one host clock)
+        for s in range(p - 1):
+            assert at[f"{s}F{i}"][3] <= at[f"{s + 1}F{i}"][2]
+            assert at[f"{s + 1}B{i}"][3] <= at[f"{s}B{i}"][2]
+    trace = json.loads(path.read_text())["traceEvents"]
+    assert sorted(e["name"] for e in trace if e["ph"] == "X") == sorted(e[1] for e in events)

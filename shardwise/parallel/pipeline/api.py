@@ -15,6 +15,8 @@ them, so both copies receive the same update as the single tied parameter on one
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -24,7 +26,9 @@ from ... import comm
 from ...mesh import Mesh
 from .communication import lower_communication
 from .executor import Interpreter, run_actions
+from .actions import Action
 from .schedules import SCHEDULES, get_schedule
+from .simulate import Event
 from .stage import Stage, build_stages
 
 __all__ = ["Pipeline", "pipeline"]
@@ -53,6 +57,7 @@ class Pipeline:
         _check_keys(model, self.all_stages)
         self.tied = _tied_parameters(self.all_stages, p, me)
         self.last_peak_held = 0
+        self.last_events: list[tuple[Action, float, float]] = []
         """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
 
     # -- training ------------------------------------------------------------------------------------
@@ -78,6 +83,7 @@ class Pipeline:
         state = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
                             list(targets.to(dev).chunk(m)))
         self.last_peak_held = state.peak_held
+        self.last_events = state.events
         self._sum_tied_grads(before)
         self._average_over_dp()
         return self._mean_loss(state.losses)
@@ -118,6 +124,39 @@ class Pipeline:
             recv.wait()
             send.wait()
             param.grad = grad + theirs if param.grad is None else param.grad.add_(theirs)
+
+    # -- timings ---------------------------------------------------------------------------------------
+    def timeline(self) -> list[Event]:
+        """The last step's compute actions on every pipeline rank, measured: seconds from the earliest start.
+
+        Host clock (``time.perf_counter``): ranks on one machine share it; across machines the offsets are
+        not aligned. Collective along the pipeline axis (one all-gather); every rank gets every event.
+        """
+        kinds = ("F", "B", "W")
+        rows = torch.tensor([[a.stage, kinds.index(a.kind), a.microbatch, t0, t1] for a, t0, t1 in self.last_events],
+                            dtype=torch.float64).reshape(-1, 5).to(self.mesh.device)
+        sizes = [sum(1 for a in acts if a.is_compute) for acts in self.schedule.ranks]
+        if self.mesh.size(self.axis) > 1:
+            rows = comm.all_gather(rows, self.mesh, self.axis, dim=0, sizes=sizes)  # type: ignore[assignment]
+        rows = rows.cpu()
+        origin = float(rows[:, 3].min()) if rows.numel() else 0.0
+        owners = [r for r, n in enumerate(sizes) for _ in range(n)]
+        return [Event(rank, Action(int(s), kinds[int(k)], int(mb)), float(t0) - origin, float(t1) - origin)  # type: ignore[arg-type]
+                for rank, (s, k, mb, t0, t1) in zip(owners, rows.tolist())]
+
+    def write_trace(self, path: str | Path) -> list[Event]:
+        """Write the last step's measured timeline as a Chrome/Perfetto trace (JSON trace-event format, one
+        thread per pipeline rank; open in chrome://tracing or ui.perfetto.dev). Collective along the axis;
+        pipeline coordinate 0 writes the file. Returns the events (``timeline_plot.plot_timeline`` draws them)."""
+        events = self.timeline()
+        if self.mesh.coord(self.axis) == 0:
+            trace = [{"name": str(e.action), "cat": e.action.kind, "ph": "X", "pid": 0, "tid": e.rank,
+                      "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
+                      "args": {"stage": e.action.stage, "microbatch": e.action.microbatch}} for e in events]
+            trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}}
+                      for r in range(self.mesh.size(self.axis))]
+            Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+        return events
 
     # -- parameters and state ------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

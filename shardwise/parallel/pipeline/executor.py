@@ -21,6 +21,7 @@ its own output's shape.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -52,6 +53,8 @@ class StepState:
     sends: list[comm.Handle] = field(default_factory=list)
     losses: list[Tensor] = field(default_factory=list)
     peak_held: int = 0
+    events: list[tuple[Action, float, float]] = field(default_factory=list)
+    """Compute actions with host-clock (``time.perf_counter``) start and end, in execution order."""
     """Most (stage, micro-batch) activation sets held at once (taken by F, freed by full B or by W)."""
 
 
@@ -64,6 +67,7 @@ class Interpreter:
         self.shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # boundary s -> s+1: output of s
         self.shape_key: tuple | None = None
         self.last = schedule.num_stages - 1
+        self.synchronize_timings = False
 
     # -- communication ---------------------------------------------------------------------------------
     def _send(self, t: Tensor, to_stage: int, st: StepState) -> None:
@@ -143,36 +147,56 @@ class Interpreter:
                 p.grad = g if p.grad is None else p.grad.add_(g)
 
     # -- the loop --------------------------------------------------------------------------------------
+    def _wait_input(self, a: Action, st: StepState) -> None:
+        """Wait for the receive ``a`` consumes (so the recorded compute time excludes waiting)."""
+        key = ("RECV_F", a.stage, a.microbatch) if a.kind == "F" else ("RECV_B", a.stage, a.microbatch)
+        got = st.pending.get(key)
+        if isinstance(got, comm.Handle):
+            st.pending[key] = got.wait()
+
+    def _compute(self, a: Action, st: StepState) -> None:
+        s, i, same_rank = a.stage, a.microbatch, self.schedule.rank_of
+        if a.kind == "F":
+            self._forward(s, i, st)
+            if s < self.last and same_rank(s + 1) == same_rank(s):
+                st.pending[("RECV_F", s + 1, i)] = st.outputs[(s, i)].detach().clone()
+        elif a.kind == "B":
+            (self._backward_input if self.schedule.split_backward else self._backward_full)(s, i, st)
+            if s > 0 and same_rank(s - 1) == same_rank(s):
+                st.pending[("RECV_B", s - 1, i)] = st.in_grads.pop((s, i))
+        else:
+            self._backward_weight(s, i, st)
+
+    def _communicate(self, a: Action, st: StepState, sent_meta: set[int]) -> None:
+        s, i = a.stage, a.microbatch
+        if a.kind in ("RECV_F", "RECV_B"):
+            self._post_recv(a, st)
+        elif a.kind == "SEND_F":
+            out = st.outputs[(s, i)].detach()
+            if s not in sent_meta:
+                self._send_meta(s, out)
+                self.shapes[s] = (out.dtype, tuple(out.shape))
+                sent_meta.add(s)
+            self._send(out, s + 1, st)
+        else:  # SEND_B
+            self._send(st.in_grads.pop((s, i)), s - 1, st)
+
     def run(self, actions: Sequence[Action], st: StepState) -> None:
         """Execute ``actions`` (this rank's lowered list) for one step. Collective along the pipeline axis."""
         key = (tuple(st.inputs[0].shape), st.inputs[0].dtype)
         if key != self.shape_key:
             self.shapes, self.shape_key = {}, key
         sent_meta = set(self.shapes)
-        split = self.schedule.split_backward
         for a in actions:
-            s, i = a.stage, a.microbatch
-            if a.kind in ("RECV_F", "RECV_B"):
-                self._post_recv(a, st)
-            elif a.kind == "F":
-                self._forward(s, i, st)
-                if s < self.last and self.schedule.rank_of(s + 1) == self.schedule.rank_of(s):
-                    st.pending[("RECV_F", s + 1, i)] = st.outputs[(s, i)].detach().clone()
-            elif a.kind == "B":
-                (self._backward_input if split else self._backward_full)(s, i, st)
-                if s > 0 and self.schedule.rank_of(s - 1) == self.schedule.rank_of(s):
-                    st.pending[("RECV_B", s - 1, i)] = st.in_grads.pop((s, i))
-            elif a.kind == "W":
-                self._backward_weight(s, i, st)
-            elif a.kind == "SEND_F":
-                out = st.outputs[(s, i)].detach()
-                if s not in sent_meta:
-                    self._send_meta(s, out)
-                    self.shapes[s] = (out.dtype, tuple(out.shape))
-                    sent_meta.add(s)
-                self._send(out, s + 1, st)
-            elif a.kind == "SEND_B":
-                self._send(st.in_grads.pop((s, i)), s - 1, st)
+            if not a.is_compute:
+                self._communicate(a, st, sent_meta)
+                continue
+            self._wait_input(a, st)
+            start = time.perf_counter()
+            self._compute(a, st)
+            if self.synchronize_timings:  # CUDA: without a sync the clock sees kernel launches only
+                torch.cuda.synchronize(self.mesh.device)
+            st.events.append((a, start, time.perf_counter()))
         for h in st.sends:
             h.wait()
         assert not st.outputs and not st.pending, "schedule left work undone (validated schedules never do)"
