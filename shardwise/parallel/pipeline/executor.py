@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
@@ -39,6 +39,42 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _META_LEN = 10  # [dtype code, ndim, up to 8 sizes]
 
 
+class _WeightCapture:
+    """Forward hooks on a stage's modules that own parameters directly (Linear, LayerNorm, Embedding...):
+    during a split-backward forward they record each such module's output ``y``.
+
+    B then asks autograd for dL/dy alongside dL/dx (no weight-gradient kernels run), and W runs each module's
+    local backward ``grad(y, own params, dL/dy)``. That is exact when every parameter belongs to one module
+    called once per forward; otherwise (a parameter shared by two modules of the stage, a module called twice,
+    a non-tensor output) the step falls back to differentiating the whole stage in W. The hooks stay on the
+    user's modules but record nothing outside a pipeline forward.
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.modules = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
+        owners = [id(q) for m in self.modules for q in m.parameters(recurse=False)]
+        self.exact = len(owners) == len(set(owners))
+        self.active: list[tuple[nn.Module, Any]] | None = None
+        for m in self.modules:
+            m.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.active is not None:
+            self.active.append((module, output))
+
+    def run(self, stage: nn.Module, x: Tensor) -> tuple[Tensor, list[tuple[nn.Module, Tensor]] | None]:
+        """``stage(x)`` and the captured (module, output) pairs, or ``None`` when W must use the fallback."""
+        self.active = []
+        try:
+            out = stage(x)
+        finally:
+            got, self.active = self.active, None
+        got = [(m, y) for m, y in got if any(q.requires_grad for q in m.parameters(recurse=False))]  # not frozen
+        ok = (self.exact and len({id(m) for m, _ in got}) == len(got)
+              and all(isinstance(y, Tensor) and y.requires_grad for _, y in got))
+        return out, (got if ok else None)
+
+
 @dataclass
 class StepState:
     """Everything one step's interpreter keeps between actions, keyed by (stage, micro-batch)."""
@@ -47,7 +83,9 @@ class StepState:
     targets: list[Tensor]
     inputs_kept: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
-    out_grads: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+    out_grads: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """Split backward: the stage output's gradient, or (module, output, gradient) pairs for W."""
+    captured: dict[tuple[int, int], list[tuple[nn.Module, Tensor]]] = field(default_factory=dict)
     in_grads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     pending: dict[tuple[str, int, int], comm.Handle | Tensor] = field(default_factory=dict)
     sends: list[comm.Handle] = field(default_factory=list)
@@ -68,6 +106,7 @@ class Interpreter:
         self.shape_key: tuple | None = None
         self.last = schedule.num_stages - 1
         self.synchronize_timings = False
+        self.captures = {k: _WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
 
     # -- communication ---------------------------------------------------------------------------------
     def _send(self, t: Tensor, to_stage: int, st: StepState) -> None:
@@ -113,7 +152,13 @@ class Interpreter:
         else:
             x = self._take("RECV_F", s, i, st)
             x.requires_grad_(x.is_floating_point())  # a leaf: backward leaves dL/dx in x.grad
-        out = self.stages[s](x)
+        capture = self.captures.get(s)
+        if capture is None:
+            out = self.stages[s](x)
+        else:
+            out, captured = capture.run(self.stages[s], x)
+            if captured is not None:
+                st.captured[(s, i)] = captured
         if s == self.last:
             loss = self.loss_fn(out, st.targets[i])
             st.losses.append(loss.detach())
@@ -131,20 +176,28 @@ class Interpreter:
             st.in_grads[(s, i)] = x.grad  # type: ignore[assignment]
 
     def _backward_input(self, s: int, i: int, st: StepState) -> None:
-        grad = self._out_grad(s, i, st)
-        st.out_grads[(s, i)] = grad
+        """Split B: dL/dx for the previous stage, plus dL/dy for every captured weight-owning module output y
+        (on the way to x anyway), so W needs only each module's local backward."""
+        grad, x, out = self._out_grad(s, i, st), st.inputs_kept[(s, i)], st.outputs[(s, i)]
+        captured = st.captured.pop((s, i), None)
+        wrt = ([x] if s > 0 else []) + [y for _, y in captured or []]
+        grads = list(torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)) if wrt else []
         if s > 0:
-            (gx,) = torch.autograd.grad(st.outputs[(s, i)], [st.inputs_kept[(s, i)]], grad, retain_graph=True)
-            st.in_grads[(s, i)] = gx
+            st.in_grads[(s, i)] = grads.pop(0)  # type: ignore[assignment]
+        st.out_grads[(s, i)] = list(zip(captured, grads)) if captured is not None else grad  # type: ignore[assignment]
 
     def _backward_weight(self, s: int, i: int, st: StepState) -> None:
         out, grad = st.outputs.pop((s, i)), st.out_grads.pop((s, i))
         st.inputs_kept.pop((s, i))
-        params = [p for p in self.stages[s].parameters() if p.requires_grad]
-        grads = torch.autograd.grad(out, params, grad, allow_unused=True)
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+        if isinstance(grad, list):  # captured: W_k = local backward of module k from its output's gradient
+            jobs = [([q for q in mod.parameters(recurse=False) if q.requires_grad], y, g) for (mod, y), g in grad
+                    if g is not None]
+        else:  # fallback: differentiate the whole stage again (a parameter used twice, see _WeightCapture)
+            jobs = [([q for q in self.stages[s].parameters() if q.requires_grad], out, grad)]
+        for params, root, g in jobs:
+            for q, gq in zip(params, torch.autograd.grad(root, params, g, retain_graph=True, allow_unused=True)):
+                if gq is not None:
+                    q.grad = gq if q.grad is None else q.grad.add_(gq)
 
     # -- the loop --------------------------------------------------------------------------------------
     def _wait_input(self, a: Action, st: StepState) -> None:
