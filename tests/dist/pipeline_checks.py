@@ -17,6 +17,10 @@ LR, STEPS, BATCH, SEQ = 0.5, 3, 12, 8
 
 def _model(n_layer: int, tie: bool, kind: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(1234)
+    if kind == "mlp-shared":  # the same Linear twice (units "2" and "4"): a weight used in two places
+        shared = torch.nn.Linear(16, 16)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), shared, torch.nn.Tanh(), shared,
+                                   torch.nn.Tanh(), torch.nn.Linear(16, 4))
     if kind == "mlp":  # an nn.Sequential: one unit per child
         return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
                                    torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -29,7 +33,7 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _batches(kind: str = "gpt") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    if kind == "mlp":
+    if kind.startswith("mlp"):
         return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(STEPS)]
     return [synthetic_batch(BATCH, SEQ, 64, generator=g) for _ in range(STEPS)]
 
@@ -43,7 +47,7 @@ def _pieces(case: dict, idx: torch.Tensor, tgt: torch.Tensor) -> list[tuple[torc
 def _reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     kind = case.get("model", "gpt")
     model = _model(case["n_layer"], case.get("tie", True), kind)
-    loss_fn = _mse if kind == "mlp" else lm_loss
+    loss_fn = _mse if kind.startswith("mlp") else lm_loss
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for idx, tgt in _batches(kind):
@@ -66,7 +70,7 @@ def _run_case(case: dict) -> dict:
     kind = case.get("model", "gpt")
     model = _model(case["n_layer"], case.get("tie", True), kind)
     pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"],
-                       loss_fn=_mse if kind == "mlp" else lm_loss, split=case.get("split"),
+                       loss_fn=_mse if kind.startswith("mlp") else lm_loss, split=case.get("split"),
                        chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case else None)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses, sends, dp_reduces = [], [], []

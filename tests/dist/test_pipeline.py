@@ -26,6 +26,10 @@ CASES = {
         dict(schedule="interleaved", n_layer=4, m=4, chunks=2),
         dict(schedule="zb-h1", n_layer=2, m=3, accum=2),  # two steps per optimizer step: tied grads add up
         dict(schedule="1f1b", model="mlp", n_layer=0, m=4, tie=False),  # an nn.Sequential
+        # one Linear used twice: both uses on stage 0 (zb-h1's W falls back to the whole stage), or one use
+        # per stage (a weight shared across ranks, kept tied like the GPT's embedding and head)
+        dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=False, split=["5"]),
+        dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=2, split=["3"]),  # weight and bias
     ],
     4: [
         dict(schedule="gpipe", n_layer=4, m=6),
@@ -50,8 +54,8 @@ def _expected_sends(case: dict, rank: int, p: int) -> tuple[int, int]:
             later, meta = later + m, meta + 1
         if s > 0 and (s - 1) % p != rank:
             later += m
-    if case.get("tie", True) and rank in (0, p - 1) and p > 1:
-        later += 1
+    if rank in (0, p - 1) and p > 1:
+        later += int(case.get("tie", True))  # one message per tied parameter (tie=2: a weight and a bias)
     return later + meta, later
 
 
@@ -78,7 +82,7 @@ def test_schedules_match_one_device(worlds, n):
             chunks = case.get("chunks", 1)
             assert res["my_stages"] == [rank + c * p for c in range(chunks)], case
             if case.get("tie", True):
-                want = {0: [p - 1], p - 1: [0]}.get(rank, [])
+                want = {0: [p - 1], p - 1: [0]}.get(rank, []) * int(case.get("tie", True))
                 assert res["tied_peers"] == want, (case, rank)
             else:
                 assert res["tied_peers"] == [], case

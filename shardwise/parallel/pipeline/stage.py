@@ -76,7 +76,8 @@ def model_units(model: nn.Module) -> list[Unit]:
     if isinstance(model, GPT):
         return _gpt_units(model)
     if isinstance(model, nn.Sequential):
-        return [Unit(name, child, ((name, child),)) for name, child in model.named_children()]
+        # _modules, not named_children(): a module listed twice runs twice (named_children skips repeats)
+        return [Unit(name, child, ((name, child),)) for name, child in model._modules.items() if child is not None]
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         children = list(model.named_children())
