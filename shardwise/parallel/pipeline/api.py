@@ -50,15 +50,16 @@ class Pipeline:
         self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
         self.model = model  # keys and shapes of the whole model, for full_state_dict
         me = mesh.coord(axis)
+        _check_keys(model, self.all_stages)
+        self.tied = _tied_parameters(self.all_stages, p, me)
         self.stages = {s.index: s.to(mesh.device) for s in self.all_stages if s.index % p == me}
         self.actions = lower_communication(self.schedule).ranks[me]
         self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
                                        loss_fn=loss_fn)
-        _check_keys(model, self.all_stages)
-        self.tied = _tied_parameters(self.all_stages, p, me)
         self.last_peak_held = 0
-        self.last_events: list[tuple[Action, float, float]] = []
         """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
+        self.last_events: list[tuple[Action, float, float]] = []
+        """After ``step``: this rank's compute actions with host-clock start and end (see ``timeline``)."""
 
     # -- training ------------------------------------------------------------------------------------
     def step(self, inputs: Tensor, targets: Tensor) -> float:
@@ -119,10 +120,16 @@ class Pipeline:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             mine = grad - old if old is not None else grad.clone()  # only this step's part (accumulation-safe)
             theirs = torch.empty_like(mine)
-            recv = comm.irecv(theirs, self.mesh, self.axis, src=peer)
-            send = comm.isend(mine, self.mesh, self.axis, dst=peer)
-            recv.wait()
-            send.wait()
+            # the lower coordinate sends first, the higher receives first: transports that run a pair's
+            # send and receive in one ordered stream (NCCL) then never wait on each other's receive
+            if self.mesh.coord(self.axis) < peer:
+                handles = [comm.isend(mine, self.mesh, self.axis, dst=peer),
+                           comm.irecv(theirs, self.mesh, self.axis, src=peer)]
+            else:
+                handles = [comm.irecv(theirs, self.mesh, self.axis, src=peer),
+                           comm.isend(mine, self.mesh, self.axis, dst=peer)]
+            for h in handles:
+                h.wait()
             param.grad = grad + theirs if param.grad is None else param.grad.add_(theirs)
 
     # -- timings ---------------------------------------------------------------------------------------
