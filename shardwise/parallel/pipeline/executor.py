@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ... import comm
+from ...comm.counter import record_collective
+from ...comm.p2p import AxisLink
 from ...mesh import Mesh
 from .actions import Action, Schedule
 from .stage import Stage
@@ -109,11 +111,31 @@ class Interpreter:
         self.captures = {k: _WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
 
     # -- communication ---------------------------------------------------------------------------------
+    def _link(self, sender: int, receiver: int) -> AxisLink:
+        """Messages towards the higher coordinate travel on the axis' collective group, those towards the
+        lower one on its point-to-point group. NCCL runs one pair's sends and receives in one ordered stream
+        per group; with one direction per group, a send never queues behind a receive that waits for the
+        peer's opposite send (neighbouring stages exchange activations and gradients both ways)."""
+        group = self.mesh.group(self.axis) if sender < receiver else self.mesh.p2p_group(self.axis)
+        return AxisLink(group, tuple(self.mesh.ranks(self.axis)), self.mesh.coord(self.axis))
+
+    def _isend(self, t: Tensor, dst: int) -> comm.Handle:
+        me = self.mesh.coord(self.axis)
+        record_collective("send", "native", self.axis, t.numel() * t.element_size(), self.schedule.p)
+        work = self._link(me, dst).isend(t, dst)
+        return comm.Handle(work=work, finish=lambda: t)
+
+    def _irecv(self, t: Tensor, src: int) -> comm.Handle:
+        me = self.mesh.coord(self.axis)
+        record_collective("recv", "native", self.axis, t.numel() * t.element_size(), self.schedule.p)
+        work = self._link(src, me).irecv(t, src)
+        return comm.Handle(work=work, finish=lambda: t)
+
     def _send(self, t: Tensor, to_stage: int, st: StepState) -> None:
         # Finished sends are dropped as we go so their buffers (activations whose backward already ran) are
         # freed during the step, keeping 1F1B's memory bound; the rest are waited for at the end of the step.
         st.sends = [h for h in st.sends if not h.is_completed()]
-        st.sends.append(comm.isend(t.contiguous(), self.mesh, self.axis, dst=self.schedule.rank_of(to_stage)))
+        st.sends.append(self._isend(t.contiguous(), self.schedule.rank_of(to_stage)))
 
     def _send_meta(self, s: int, t: Tensor) -> None:
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.mesh.device)
@@ -122,11 +144,11 @@ class Interpreter:
                              f"{t.dtype} {tuple(t.shape)}")
         meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
         meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        comm.send(meta, self.mesh, self.axis, dst=self.schedule.rank_of(s + 1))
+        self._isend(meta, self.schedule.rank_of(s + 1)).wait()
 
     def _recv_meta(self, s: int) -> None:
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.mesh.device)
-        comm.recv(meta, self.mesh, self.axis, src=self.schedule.rank_of(s))
+        self._irecv(meta, self.schedule.rank_of(s)).wait()
         code, ndim = int(meta[0]), int(meta[1])
         self.shapes[s] = (_DTYPES[code], tuple(int(v) for v in meta[2:2 + ndim]))
 
@@ -138,8 +160,7 @@ class Interpreter:
         dtype, shape = self.shapes[boundary]
         buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
         src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
-        st.pending[(a.kind, a.stage, a.microbatch)] = comm.irecv(buf, self.mesh, self.axis,
-                                                                  src=self.schedule.rank_of(src))
+        st.pending[(a.kind, a.stage, a.microbatch)] = self._irecv(buf, self.schedule.rank_of(src))
 
     def _take(self, kind: str, stage: int, mb: int, st: StepState) -> Tensor:
         got = st.pending.pop((kind, stage, mb))
