@@ -237,8 +237,12 @@ def _bench_op(op: str, sizes: list[int], mesh: object, args: argparse.Namespace)
 
 def _run_worker(args: argparse.Namespace) -> int:
     """One rank of the benchmark. Collective over the whole job."""
+    import warnings
+
     import shardwise as sw
 
+    # torch deprecates reduce_scatter_tensor, which the native reduce-scatter calls: once per size is noise.
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*", category=FutureWarning)
     world = sw.init(timeout_s=TIMEOUT_S)
     mesh = sw.Mesh(world=-1)
     sizes, lead = power_of_two_sizes(args.min, args.max), mesh.rank == 0
