@@ -139,6 +139,9 @@ class Pipeline:
         Host clock (``time.perf_counter``): ranks on one machine share it; across machines the offsets are
         not aligned. Collective along the pipeline axis (one all-gather); every rank gets every event.
         """
+        if not self.last_events:
+            raise ValueError("pipe.timeline() reports the last step's actions, but no step has run yet; call "
+                             "pipe.step(inputs, targets) first (on every rank)")
         kinds = ("F", "B", "W")
         rows = torch.tensor([[a.stage, kinds.index(a.kind), a.microbatch, t0, t1] for a, t0, t1 in self.last_events],
                             dtype=torch.float64).reshape(-1, 5).to(self.mesh.device)
