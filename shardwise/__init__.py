@@ -18,7 +18,14 @@ from .runtime.launch import World, init, shutdown
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "shutdown", "World", "Mesh", "MeshLayout", "comm", "models", "DataParallel", "Split", "Broadcast", "Partial", "parse_sbp",
-           "GlobalTensor", "distribute", "to_global", "full_state_dict", "checkpoint_layers", "__version__",
-           "parallelize", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel",
-           "zero", "memory_report", "MixedPrecision", "pipeline", "Pipeline"]
+__all__ = [
+    # processes and meshes
+    "init", "shutdown", "World", "Mesh", "MeshLayout", "comm",
+    # SBP global tensors
+    "Split", "Broadcast", "Partial", "parse_sbp", "GlobalTensor", "distribute", "to_global",
+    # strategies
+    "DataParallel", "checkpoint_layers", "parallelize", "ColumnParallel", "RowParallel", "VocabParallel",
+    "QKVParallel", "SequenceParallel", "zero", "MixedPrecision", "pipeline", "Pipeline",
+    # state and accounting
+    "full_state_dict", "memory_report", "models", "__version__",
+]
