@@ -14,7 +14,7 @@ import importlib.util
 import json
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
@@ -23,162 +23,9 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "validate", "default_nproc"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the reference GPT (``shardwise.models.GPTConfig``)."""
+from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
+                            ParallelConfig, TrainConfig)
 
-    vocab_size: int = 256
-    """Token ids; 256 for the byte-level tokeniser, at least max token + 1 for a ``.bin`` file."""
-    block_size: int = 64
-    """Sequence length of every training window (and rows of the position embedding)."""
-    n_layer: int = 2
-    """Transformer blocks."""
-    n_head: int = 2
-    """Attention heads per block; must divide ``n_embd`` and be divisible by ``parallel.tp``."""
-    n_embd: int = 64
-    """Hidden width."""
-    dropout: float = 0.0
-    """Dropout probability (0 keeps every layout bit-comparable)."""
-    bias: bool = True
-    """Biases in Linear and LayerNorm layers."""
-    tie_weights: bool = True
-    """Share the token embedding with the output head (GPT-2 style)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Where tokens come from and how many make a step."""
-
-    path: str = ""
-    """Text file (byte-level tokens) or pre-tokenized uint16 ``.bin``; empty = the built-in generated corpus."""
-    format: Literal["auto", "text", "bin"] = "auto"
-    """``auto``: ``.bin`` files are uint16 tokens, anything else is text."""
-    global_batch: int = 32
-    """Sequences per optimizer step over all ranks (= micro_batch × grad_accum × dp)."""
-    shuffle: bool = True
-    """Reshuffle the windows every epoch (seeded by ``train.seed`` + epoch)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    """Optimizer and learning-rate schedule (linear warmup, then cosine decay to ``min_lr``)."""
-
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer; weight decay applies to matrices (dim ≥ 2) only."""
-    lr: float = 3e-3
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr: float = 3e-4
-    """Learning rate at the last step of the cosine decay."""
-    warmup_steps: int = 50
-    """Steps of linear warmup from ~0 to ``lr``."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """After warmup: cosine decay to ``min_lr`` over the remaining steps, or constant ``lr``."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay (AdamW) / L2 (SGD) on matrices."""
-    beta1: float = 0.9
-    """AdamW first-moment decay (SGD: momentum)."""
-    beta2: float = 0.95
-    """AdamW second-moment decay."""
-    eps: float = 1e-8
-    """AdamW denominator epsilon."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """How the job is laid out over ranks: mesh ``(dp, tp)`` of ``nproc`` processes."""
-
-    nproc: int = 0
-    """Processes on this node; 0 = one per GPU when CUDA is present, else 2 CPU processes."""
-    dp: int = 0
-    """Data-parallel ranks; 0 = nproc / (tp × pp)."""
-    tp: int = 1
-    """Tensor-parallel ranks (Megatron GPT plan); must divide ``model.n_head``."""
-    pp: int = 1
-    """Pipeline stages (not wired into ``shardwise train`` yet: must be 1)."""
-    zero_stage: int = 0
-    """ZeRO stage 0-3 over the dp axis (0 = plain data parallelism)."""
-    micro_batch: int = 16
-    """Sequences per forward/backward on one rank."""
-    grad_accum: int = 0
-    """Forward/backward passes per step; 0 = global_batch / (micro_batch × dp)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
-    algorithm: Literal["native", "ring", "tree"] = "native"
-    """Collective algorithm of the gradient all-reduce."""
-    bucket_cap_mb: float = 25.0
-    """Gradient bucket size of data parallelism (MB)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """The loop: length, intervals, seed, where results go."""
-
-    name: str = "gpt-tiny"
-    """Run name; the run directory defaults to ``./runs/NAME``."""
-    out_dir: str = ""
-    """Run directory (metrics, checkpoints, config); empty = ``./runs/NAME``."""
-    steps: int = 1000
-    """Optimizer steps in total (a resumed run continues up to this number)."""
-    log_every: int = 50
-    """Steps between progress updates of the summary line (metrics are written every step)."""
-    ckpt_every: int = 250
-    """Steps between periodic checkpoints (0 = only the final one)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept on disk (older ones are deleted after a successful save)."""
-    seed: int = 1337
-    """Seed of the weights, the data order and per-step RNG."""
-    timeout_s: float = 60.0
-    """Collective timeout: a dead or hung peer becomes an error after this many seconds."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DebugConfig:
-    """Fault injection for tests of the framework itself (not for users)."""
-
-    bug: Literal["none", "sum_grads"] = "none"
-    """``sum_grads``: multiply the averaged gradients by dp (the classic sum-instead-of-mean bug)."""
-    crash_in_save: int = 0
-    """Raise inside the checkpoint save of this step, after the shards are written, before the rename."""
-    kill_rank: int = -1
-    """This rank exits abruptly (os._exit) at step ``kill_step``."""
-    kill_step: int = 0
-    """Step at which ``kill_rank`` dies."""
-    hang: bool = False
-    """``kill_rank`` hangs (sleeps) at ``kill_step`` instead of dying: its peers' collectives time out."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    """Everything ``shardwise train`` needs."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model shape."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Data source and global batch."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer and LR schedule."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Layout over ranks."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Loop, intervals, output."""
-    debug: DebugConfig = field(default_factory=DebugConfig)
-    """Fault injection (tests only)."""
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
-
-    def run_dir(self) -> Path:
-        """``train.out_dir``, or ``./runs/NAME`` under the working directory."""
-        return Path(self.train.out_dir) if self.train.out_dir else Path("runs") / self.train.name
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt-tiny": {"train.name": "gpt-tiny"},
-    "gpt-small": {"model.block_size": 256, "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 256,
-                  "parallel.micro_batch": 4, "data.global_batch": 16, "train.name": "gpt-small", "optimizer.lr": 1e-3,
-                  "optimizer.min_lr": 1e-4},
-}
-"""Named bundles of dotted overrides (``--preset NAME``)."""
 
 _SECTIONS = {f.name: f for f in fields(Config)}
 
