@@ -7,10 +7,9 @@ Per action (stage ``s``, micro-batch ``i``):
   gradient in ``x.grad``. The last stage applies ``loss_fn`` and keeps ``loss / m`` as the tensor to
   differentiate (the step's loss is the mean over micro-batches, as one device computes it on the whole batch).
 * ``B`` without split backward: ``torch.autograd.backward(out, grad)`` — input and weight gradients at once.
-* ``B`` with split backward (zero-bubble): only the input gradient,
-  ``torch.autograd.grad(out, x, grad, retain_graph=True)``; ``W`` later runs
-  ``torch.autograd.grad(out, params, grad)`` and accumulates into ``.grad``. W walks the stage's graph a second
-  time (the simple form of the split; it costs about one extra input-gradient pass per micro-batch).
+* ``B`` with split backward (zero-bubble): the input gradient plus dL/dy for each weight-owning module's
+  output (``weight_grad.WeightCapture``); ``W`` later runs each module's local weight backward
+  (``weight_grad.weight_gradients``) and accumulates into ``.grad``.
 * ``SEND_F`` / ``SEND_B``: start an asynchronous send; every send is waited for at the end of the step.
 
 Shapes: the first message on each stage boundary is preceded by a small metadata message (dtype and shape).
@@ -34,47 +33,12 @@ from ...comm.p2p import AxisLink
 from ...mesh import Mesh
 from .actions import Action, Schedule
 from .stage import Stage
+from .weight_grad import WeightCapture, weight_gradients
 
 __all__ = ["Interpreter", "StepState", "run_actions"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _META_LEN = 10  # [dtype code, ndim, up to 8 sizes]
-
-
-class _WeightCapture:
-    """Forward hooks on a stage's modules that own parameters directly (Linear, LayerNorm, Embedding...):
-    during a split-backward forward they record each such module's output ``y``.
-
-    B then asks autograd for dL/dy alongside dL/dx (no weight-gradient kernels run), and W runs each module's
-    local backward ``grad(y, own params, dL/dy)``. That is exact when every parameter belongs to one module
-    called once per forward; otherwise (a parameter shared by two modules of the stage, a module called twice,
-    a non-tensor output) the step falls back to differentiating the whole stage in W. The hooks stay on the
-    user's modules but record nothing outside a pipeline forward.
-    """
-
-    def __init__(self, stage: nn.Module) -> None:
-        self.modules = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
-        owners = [id(q) for m in self.modules for q in m.parameters(recurse=False)]
-        self.exact = len(owners) == len(set(owners))
-        self.active: list[tuple[nn.Module, Any]] | None = None
-        for m in self.modules:
-            m.register_forward_hook(self._hook)
-
-    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.active is not None:
-            self.active.append((module, output))
-
-    def run(self, stage: nn.Module, x: Tensor) -> tuple[Tensor, list[tuple[nn.Module, Tensor]] | None]:
-        """``stage(x)`` and the captured (module, output) pairs, or ``None`` when W must use the fallback."""
-        self.active = []
-        try:
-            out = stage(x)
-        finally:
-            got, self.active = self.active, None
-        got = [(m, y) for m, y in got if any(q.requires_grad for q in m.parameters(recurse=False))]  # not frozen
-        ok = (self.exact and len({id(m) for m, _ in got}) == len(got)
-              and all(isinstance(y, Tensor) and y.requires_grad for _, y in got))
-        return out, (got if ok else None)
 
 
 @dataclass
@@ -108,7 +72,7 @@ class Interpreter:
         self.shape_key: tuple | None = None
         self.last = schedule.num_stages - 1
         self.synchronize_timings = False
-        self.captures = {k: _WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
+        self.captures = {k: WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
 
     # -- communication ---------------------------------------------------------------------------------
     def _link(self, sender: int, receiver: int) -> AxisLink:
@@ -210,15 +174,7 @@ class Interpreter:
     def _backward_weight(self, s: int, i: int, st: StepState) -> None:
         out, grad = st.outputs.pop((s, i)), st.out_grads.pop((s, i))
         st.inputs_kept.pop((s, i))
-        if isinstance(grad, list):  # captured: W_k = local backward of module k from its output's gradient
-            jobs = [([q for q in mod.parameters(recurse=False) if q.requires_grad], y, g) for (mod, y), g in grad
-                    if g is not None]
-        else:  # fallback: differentiate the whole stage again (a parameter used twice, see _WeightCapture)
-            jobs = [([q for q in self.stages[s].parameters() if q.requires_grad], out, grad)]
-        for params, root, g in jobs:
-            for q, gq in zip(params, torch.autograd.grad(root, params, g, retain_graph=True, allow_unused=True)):
-                if gq is not None:
-                    q.grad = gq if q.grad is None else q.grad.add_(gq)
+        weight_gradients(self.stages[s], out, grad)
 
     # -- the loop --------------------------------------------------------------------------------------
     def _wait_input(self, a: Action, st: StepState) -> None:
