@@ -1,67 +1,147 @@
 """Split backward for zero-bubble schedules: B computes the input gradient, W the weight gradients later.
 
-``WeightCapture`` records, during a stage's forward, the output ``y`` of every module that owns parameters
-directly; B asks autograd for dL/dy alongside dL/dx (no weight-gradient kernels run); W
-(``weight_gradients``) then runs each module's local backward ``grad(y, own params, dL/dy)`` and accumulates
-into ``.grad``. When the capture is not exact (a parameter used twice in the stage) W differentiates the
-whole stage output again instead.
+``WeightCapture`` records, during a stage's forward, the input ``x`` and output ``y`` of every module that owns
+parameters directly; B asks autograd for dL/dy alongside dL/dx (no weight-gradient kernels run); W
+(``weight_gradients``) then computes each module's weight gradient from ``x`` and dL/dy:
+
+* ``nn.Linear``, ``nn.LayerNorm`` and a plain ``nn.Embedding`` by their closed forms (one matmul, one
+  reduction, one ``index_add_``) — the same kernels autograd would run, without one autograd-engine call per
+  module per micro-batch, whose fixed cost dominates small CPU matmuls (see ``shardwise bench pp``);
+* any other module by its local backward ``grad(y, own params, dL/dy)``.
+
+When the capture is not exact (a parameter used twice in the stage, a module that owns parameters but whose
+forward did not run, e.g. a Linear whose weight a parent applies functionally) W differentiates the whole
+stage output again instead.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["WeightCapture", "weight_gradients"]
+__all__ = ["Captured", "WeightCapture", "weight_gradients"]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One weight-owning module's forward, as W needs it: the module and its first input (or ``None``)."""
+
+    module: nn.Module
+    input: Tensor | None
+    version: int
+    """``input._version`` at capture time: if the input is changed in place later, W uses autograd instead."""
 
 
 class WeightCapture:
     """Forward hooks on a stage's modules that own parameters directly (Linear, LayerNorm, Embedding...):
-    during a split-backward forward they record each such module's output ``y``.
+    during a split-backward forward they record each such module's input and output ``y``.
 
-    B then asks autograd for dL/dy alongside dL/dx (no weight-gradient kernels run), and W runs each module's
-    local backward ``grad(y, own params, dL/dy)``. That is exact when every parameter belongs to one module
-    called once per forward; otherwise (a parameter shared by two modules of the stage, a module called twice,
-    a non-tensor output) the step falls back to differentiating the whole stage in W. The hooks stay on the
-    user's modules but record nothing outside a pipeline forward.
+    ``run`` returns ``(Captured, y)`` pairs; B asks autograd for dL/dy alongside dL/dx and W computes the
+    weight gradients from them. That is exact when every trainable parameter belongs to one module that is
+    called exactly once per forward; otherwise ``run`` returns ``None`` and the step falls back to
+    differentiating the whole stage in W. The hooks stay on the user's modules but record nothing outside a
+    pipeline forward.
     """
 
     def __init__(self, stage: nn.Module) -> None:
         self.modules = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
         owners = [id(q) for m in self.modules for q in m.parameters(recurse=False)]
         self.exact = len(owners) == len(set(owners))
-        self.active: list[tuple[nn.Module, Any]] | None = None
+        self.active: list[tuple[nn.Module, Any, Any]] | None = None
         for m in self.modules:
             m.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.active is not None:
-            self.active.append((module, output))
+            x = args[0] if args and isinstance(args[0], Tensor) else None
+            self.active.append((module, x, output))
 
-    def run(self, stage: nn.Module, x: Tensor) -> tuple[Tensor, list[tuple[nn.Module, Tensor]] | None]:
-        """``stage(x)`` and the captured (module, output) pairs, or ``None`` when W must use the fallback."""
+    def run(self, stage: nn.Module, x: Tensor) -> tuple[Tensor, list[tuple[Captured, Tensor]] | None]:
+        """``stage(x)`` and the captured (record, output) pairs, or ``None`` when W must use the fallback."""
         self.active = []
         try:
             out = stage(x)
         finally:
             got, self.active = self.active, None
-        got = [(m, y) for m, y in got if any(q.requires_grad for q in m.parameters(recurse=False))]  # not frozen
-        ok = (self.exact and len({id(m) for m, _ in got}) == len(got)
-              and all(isinstance(y, Tensor) and y.requires_grad for _, y in got))
-        return out, (got if ok else None)
+        trainable = [m for m in self.modules if any(q.requires_grad for q in m.parameters(recurse=False))]
+        got = [g for g in got if any(q.requires_grad for q in g[0].parameters(recurse=False))]  # not frozen
+        fired = {id(m) for m, _, _ in got}
+        ok = (self.exact and len(fired) == len(got) and fired == {id(m) for m in trainable}
+              and all(isinstance(y, Tensor) and y.requires_grad for _, _, y in got))
+        if not ok:
+            return out, None
+        return out, [(Captured(m, xi, xi._version if xi is not None else 0), y) for m, xi, y in got]
+
+
+# -- closed-form weight gradients: (module, input x, dL/dy) -> [(parameter, its gradient contribution)] ----------
+def _linear(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
+    # y = x W^T + b: x (..., in), g (..., out) -> dW = g^T x (out, in), db = sum of g over rows (out,)
+    g2, x2 = g.reshape(-1, g.size(-1)), x.reshape(-1, x.size(-1))
+    out = [(m.weight, g2.t() @ x2)]
+    if m.bias is not None:
+        out.append((m.bias, g2.sum(0)))
+    return out
+
+
+def _layer_norm(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
+    # y = xhat * w + b over the trailing normalized_shape: dw = sum(g * xhat), db = sum(g) over leading dims
+    shape = tuple(m.normalized_shape)
+    xhat = F.layer_norm(x, shape, None, None, m.eps)
+    out = [(m.weight, (g * xhat).reshape(-1, *shape).sum(0))]
+    if m.bias is not None:
+        out.append((m.bias, g.reshape(-1, *shape).sum(0)))
+    return out
+
+
+def _embedding(m: nn.Module, idx: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
+    # y = W[idx]: idx (...), g (..., dim) -> dW rows idx accumulate g (rows not looked up get zero)
+    dw = torch.zeros_like(m.weight).index_add_(0, idx.reshape(-1), g.reshape(-1, g.size(-1)))
+    return [(m.weight, dw)]
+
+
+def _rule(m: nn.Module, x: Tensor | None) -> Callable[..., list[tuple[Tensor, Tensor]]] | None:
+    """The closed form for ``m`` when it applies exactly (plain modules only: subclasses may change forward)."""
+    if x is None:
+        return None
+    if type(m) is nn.Linear and x.is_floating_point():
+        return _linear
+    if type(m) is nn.LayerNorm and m.elementwise_affine and x.is_floating_point():
+        return _layer_norm
+    if (type(m) is nn.Embedding and m.padding_idx is None and m.max_norm is None and not m.scale_grad_by_freq
+            and not m.sparse and not x.is_floating_point()):
+        return _embedding
+    return None
+
+
+def _accumulate(q: Tensor, gq: Tensor) -> None:
+    q.grad = gq if q.grad is None else q.grad.add_(gq)
 
 
 def weight_gradients(stage: nn.Module, out: Tensor, grad: Any) -> None:
-    """W for one (stage, micro-batch): ``grad`` is the list of ((module, y), dL/dy) pairs B left, or, when the
+    """W for one (stage, micro-batch): ``grad`` is the list of ((record, y), dL/dy) pairs B left, or, when the
     capture fell back, the stage output's gradient (``out`` is then differentiated again). Accumulates ``.grad``."""
-    if isinstance(grad, list):  # captured: W_k = local backward of module k from its output's gradient
-        jobs = [([q for q in mod.parameters(recurse=False) if q.requires_grad], y, g) for (mod, y), g in grad
-                if g is not None]
-    else:  # fallback: differentiate the whole stage again (a parameter used twice, see WeightCapture)
-        jobs = [([q for q in stage.parameters() if q.requires_grad], out, grad)]
-    for params, root, g in jobs:
-        for q, gq in zip(params, torch.autograd.grad(root, params, g, retain_graph=True, allow_unused=True)):
+    if not isinstance(grad, list):  # fallback: differentiate the whole stage again (see WeightCapture)
+        params = [q for q in stage.parameters() if q.requires_grad]
+        for q, gq in zip(params, torch.autograd.grad(out, params, grad, retain_graph=True, allow_unused=True)):
             if gq is not None:
-                q.grad = gq if q.grad is None else q.grad.add_(gq)
+                _accumulate(q, gq)
+        return
+    for (rec, y), g in grad:
+        if g is None:  # the output did not reach the loss: no gradient, as on one device
+            continue
+        mod, x = rec.module, rec.input
+        rule = _rule(mod, x) if x is None or x._version == rec.version else None
+        if rule is not None:
+            with torch.no_grad():
+                for q, gq in rule(mod, x, g):
+                    if q.requires_grad:
+                        _accumulate(q, gq)
+            continue
+        params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
+        for q, gq in zip(params, torch.autograd.grad(y, params, g, retain_graph=True, allow_unused=True)):
+            if gq is not None:
+                _accumulate(q, gq)
