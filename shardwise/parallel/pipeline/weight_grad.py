@@ -11,7 +11,8 @@ parameters directly; B asks autograd for dL/dy alongside dL/dx (no weight-gradie
 
 When the capture is not exact (a parameter used twice in the stage, a module that owns parameters but whose
 forward did not run, e.g. a Linear whose weight a parent applies functionally) W differentiates the whole
-stage output again instead.
+stage output again instead. A stage with activation checkpointing keeps no inputs (that would undo the
+checkpointing): its W uses the local autograd backward, which recomputes.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class WeightCapture:
               and all(isinstance(y, Tensor) and y.requires_grad for _, _, y in got))
         if not ok:
             return out, None
+        if getattr(stage, "checkpoint", False):  # keeping inputs would undo activation checkpointing: use autograd
+            got = [(m, None, y) for m, _, y in got]
         return out, [(Captured(m, xi, xi._version if xi is not None else 0), y) for m, xi, y in got]
 
 
