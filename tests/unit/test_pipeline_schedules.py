@@ -13,7 +13,7 @@ SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 12)]
 
 def _cases():
     for p, m in SIZES:
-        for name in ("gpipe", "1f1b", "zb-h1"):
+        for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
             yield name, p, m, 1
         if m % p == 0:
             for chunks in (2, 3):
@@ -46,8 +46,9 @@ def test_parse_action_rejects_garbage(bad):
 @pytest.mark.parametrize("name,p,m,chunks", CASES)
 def test_every_action_exactly_once_on_its_rank(name, p, m, chunks):
     s = get_schedule(name, p=p, m=m, chunks=chunks)
-    kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
-    assert s.split_backward == (name == "zb-h1")
+    split = name in ("zb-h1", "zb-h2")
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    assert s.split_backward == split
     got = sorted(a for acts in s.ranks for a in acts)
     want = sorted(Action(st, k, i) for st in range(p * chunks) for k in kinds for i in range(m))
     assert got == want
@@ -97,6 +98,34 @@ def test_zb_h1_postpones_r_weight_gradients_on_rank_r():
         "rank 1: 1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3",
         "rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3",
     ]
+
+
+def test_zb_h2_listing_p2_m4():
+    # Hand-built from the ZB-H2 rules (p=2, m=4): rank 0 warms up with 2p-1 = 3 forwards, rank 1 with 1.
+    # Steady steps j <= m-2p = 0: B_j W_j F. Tail: rank 1 still has 2r = 2 forwards, so B F B F, then its
+    # postponed W's; rank 0 has none left, so B W B W. Unit times (rank 1 shifted by 1):
+    #   rank 0: F0 0, F1 1, F2 2, B0 3 (1B0 ends at 3), W0 4, F3 5, B1 6, W1 7, B2 8, W2 9, B3 10, W3 11 -> 12
+    #   rank 1: F0 1, B0 2, W0 3, F1 4, B1 5, F2 6, B2 7, F3 8, B3 9, W1 10, W2 11, W3 12 -> 13
+    s = get_schedule("zb-h2", p=2, m=4)
+    assert s.to_text().splitlines() == [
+        "rank 0: 0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3",
+        "rank 1: 1F0 1B0 1W0 1F1 1B1 1F2 1B2 1F3 1B3 1W1 1W2 1W3",
+    ]
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 8))
+def test_zb_h2_warmup_and_steady_state(p):
+    for m in (1, p, 2 * p - 1, 2 * p, 3 * p + 2):
+        s = get_schedule("zb-h2", p=p, m=m)
+        for r, acts in enumerate(s.ranks):
+            kinds = "".join(a.kind for a in acts)
+            # warm-up: 2(p-r)-1 forwards (capped at m) before the first B -- ZB-H1 runs only p-r
+            assert kinds.index("B") == min(2 * (p - r) - 1, m), (p, m, r)
+            # steady state (m >= 2p): B_j W_j F for j = 0 .. m-2p, right after the warm-up
+            steady = kinds[kinds.index("B"):][:3 * max(m - 2 * p + 1, 0)]
+            assert steady == "BWF" * max(m - 2 * p + 1, 0), (p, m, r)
+            # every list ends with a W; the last B is followed only by W's
+            assert kinds.endswith("W") and set(kinds[kinds.rindex("B") + 1:]) == {"W"}
 
 
 def test_interleaved_megatron_order():
@@ -154,6 +183,8 @@ def test_single_rank_needs_no_communication():
     (dict(name="1f1b", p=0, m=4), r"p \(pipeline ranks\) must be an integer >= 1, got 0"),
     (dict(name="1f1b", p=2, m=0), r"m \(micro-batches\) must be an integer >= 1, got 0"),
     (dict(name="1f1b", p=2, m=4, chunks=2), r"one model chunk per rank, got chunks=2"),
+    (dict(name="zb-h2", p=2, m=4, chunks=2), r"'zb-h2' runs one model chunk per rank, got chunks=2"),
+    (dict(name="zb-h2", p=2, m=0), r"m \(micro-batches\) must be an integer >= 1, got 0"),
     (dict(name="interleaved", p=2, m=4, chunks=1), r"needs chunks >= 2"),
     (dict(name="interleaved", p=4, m=6, chunks=2), r"multiple of p .* got m=6, p=4; use m=4 or m=8"),
     (dict(name="interleaved", p=4, m=2, chunks=2), r"got m=2, p=4; use m=4$"),

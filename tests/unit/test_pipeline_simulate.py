@@ -71,6 +71,86 @@ def test_zb_h1_bubble_unequal_costs(F, B, W):
             assert zb.idle == pytest.approx([(p - 1) * (F + B - W)] * p)
 
 
+def _span(res, rank):
+    mine = [e for e in res.timeline if e.rank == rank]
+    return mine[0].start, mine[-1].end
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 8))
+def test_zb_h2_parallelogram_at_equal_costs(p):
+    # Hand derivation (unit slots, F = B = W = 1, comm 0), see ``zb_h2``: F_0 reaches rank r at r; B_0 comes
+    # back to rank r at 2p-1-r, exactly when its 2(p-r)-1 warm-up forwards end; then B_j W_j F (3 slots per
+    # micro-batch) and a tail with a B every 2 slots keep every rank busy without a gap: rank r runs from r
+    # to r + 3m. So the step takes 3m + p-1 and every rank idles p-1 (r before its start, p-1-r after its
+    # end) -- the least possible: rank p-1 cannot start before p-1 and has 3m of work.
+    for m in (2 * p - 1, 2 * p, 3 * p + 1, 8 * p):
+        zb2 = simulate(get_schedule("zb-h2", p=p, m=m))
+        assert zb2.makespan == 3 * m + p - 1
+        assert [_span(zb2, r) for r in range(p)] == [(r, r + 3 * m) for r in range(p)]
+        assert zb2.idle == pytest.approx([p - 1] * p)
+        # ZB-H1 has the same total, but rank r waits p-1-r for its first B *inside* its span (it ran only
+        # p-r warm-up forwards), so its ranks all end together at 3m + p-1 (a trapezoid)
+        zb1 = simulate(get_schedule("zb-h1", p=p, m=m))
+        assert [_span(zb1, r) for r in range(p)] == [(r, 3 * m + p - 1) for r in range(p)]
+        assert zb2.bubble_ratio == pytest.approx(zb1.bubble_ratio) == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def _back_to_back(s: Schedule, steps: int) -> Schedule:
+    # ``steps`` copies of each rank's list, copy c on micro-batches c*m .. c*m + m-1: consecutive steps with no
+    # barrier between them (the zero-bubble paper's optimizer post-validation), as one schedule.
+    ranks = tuple(tuple(Action(a.stage, a.kind, c * s.m + a.microbatch) for c in range(steps) for a in acts)
+                  for acts in s.ranks)
+    return Schedule(name=f"{s.name}x{steps}", p=s.p, m=s.m * steps, chunks=1, split_backward=True, ranks=ranks)
+
+
+@pytest.mark.parametrize("p", (2, 3, 4, 8))
+def test_zb_h2_steps_interlock_to_zero_bubble(p):
+    # The parallelogram tiles: step c runs on rank r from r + 3mc to r + 3m(c+1), so k steps take 3km + p-1
+    # and the bubble ratio (p-1)/(3km+p-1) tends to 0. ZB-H1's rank 0 waits p-1 for its first B in every
+    # step, and all its ranks end each step together, so k steps take k(3m + p-1): its ratio stays
+    # (p-1)/(3m+p-1), the single-step figure.
+    for m in (2 * p - 1, 2 * p + 3):
+        for k in (2, 4):
+            zb2 = simulate(_back_to_back(get_schedule("zb-h2", p=p, m=m), k))
+            zb1 = simulate(_back_to_back(get_schedule("zb-h1", p=p, m=m), k))
+            assert zb2.makespan == 3 * k * m + p - 1
+            assert zb1.makespan == k * (3 * m + p - 1)
+            assert zb2.bubble_ratio == pytest.approx((p - 1) / (3 * k * m + p - 1))
+            assert zb1.bubble_ratio == pytest.approx((p - 1) / (3 * m + p - 1))
+            # their ratio (3m+p-1)/(3km+p-1) is below 1/(k-1) whenever (k-2)(p-1) < 3m, as here (m >= 2p-1)
+            assert zb2.bubble_ratio < zb1.bubble_ratio / (k - 1)
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5, 8))
+def test_zb_h2_small_m_and_memory(p):
+    # Every m (the generator's fallback covers m < 2p-1): at F = B = W = 1 no schedule can beat
+    # max(3m + p-1, 2m + 2p-1) -- rank p-1 starts at p-1 with 3m of work; rank 0 cannot get B_0 before
+    # 2p-1 (F_0 down p ranks, B_0 back up p-1) and then still has m B's and m W's to run. ZB-H2 meets it.
+    for m in range(1, 3 * p + 2):
+        res = simulate(get_schedule("zb-h2", p=p, m=m))
+        assert res.makespan == max(3 * m + p - 1, 2 * m + 2 * p - 1), (p, m)
+        # memory: rank 0 holds its warm-up, min(2p-1, m), and keeps it through B W F; rank r > 0 gets back
+        # to 2p-1 = (2p-1-2r) + 2r at the end of its tail (2r forwards whose W's wait). Paper: <= 2p-1.
+        assert res.peak_in_flight == tuple(min(2 * p - 1, m) for _ in range(p)), (p, m)
+
+
+@pytest.mark.parametrize("F,B,W,comm", [(1, 2, 1, 0), (1, 1, 0.5, 0), (2, 3, 2, 0), (1, 1, 1, 0.25), (1, 1, 1, 1)])
+def test_zb_h2_reaches_the_one_step_lower_bound(F, B, W, comm):
+    # No schedule can do better in one step than (p-1)(F+comm) + m(F+B+W): the last rank's first input
+    # arrives after p-1 forwards and transfers, and every rank has m(F+B+W) of work. With m >= 2p-1 (and
+    # here B <= 2F, B <= 2W) ZB-H2 meets it; ZB-H1 idles (p-1)(F+B-W) at comm 0, more whenever B > W.
+    for p in (2, 3, 4, 8):
+        for m in (2 * p - 1, 3 * p + 1):
+            costs = Costs(F=F, B=B, W=W, comm=comm)
+            zb2 = simulate(get_schedule("zb-h2", p=p, m=m), costs)
+            assert zb2.idle == pytest.approx([(p - 1) * (F + comm)] * p), (p, m)
+            zb1 = simulate(get_schedule("zb-h1", p=p, m=m), costs)
+            if comm == 0:
+                assert zb1.idle == pytest.approx([(p - 1) * (F + B - W)] * p)
+            if B > W or comm > 0:
+                assert zb1.makespan > zb2.makespan
+
+
 @pytest.mark.parametrize("chunks", (2, 3, 4))
 def test_interleaved_divides_the_bubble_by_chunks(chunks):
     # Megatron-LM (Narayanan et al. 2021): with v chunks per rank the bubble time is (p-1)(F+B)/v, F and B
@@ -104,7 +184,7 @@ def test_per_stage_costs_slowest_stage_paces_gpipe():
         assert res.busy == pytest.approx((3 * m, 5 * m))
 
 
-@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2)])
 def test_timeline_honours_dependencies(name, chunks):
     costs = Costs(F=(1, 2, 1, 3) * chunks, B=(2, 1, 1, 1) * chunks, W=0.5, comm=0.1)
     s = get_schedule(name, p=4, m=8, chunks=chunks)

@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, as plain per-rank action lists.
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, zero-bubble H1 and H2, as plain per-rank action lists.
 
 All generators are pure functions of ``(p, m, chunks)``; ``get_schedule`` checks the input first. The
 bubble and memory of each (equal per-stage costs, no communication time, ``F``/``B``/``W`` the costs of one
@@ -13,6 +13,10 @@ interleaved   (p-1)(F+B+W)/chunks (chunk costs       about p + (p-r-1) chunks   
               are the rank's costs / chunks)
 zb-h1         (p-1)(F+B-W)                          min(p, m) (max over ranks, as  m >= 1
                                                     1F1B's rank 0)
+zb-h2         (p-1)F, the least any one step can    min(2p-1, m) on every rank      m >= 1 (m < 2p-1: fewer
+              have, for m >= 2p-1 when B <= 2F and                                  warm-up forwards, see
+              B <= 2W; no gap inside a rank's span                                  ``zb_h2``)
+              at F = B = W
 ============  ====================================  ==============================  =========================
 
 GPipe (Huang et al. 2019) runs every forward then every backward. 1F1B (PipeDream-flush, Narayanan et al.
@@ -21,7 +25,12 @@ Interleaved 1F1B (Narayanan et al. 2021, the Megatron-LM variant) gives each ran
 stages, shrinking the warm-up/cool-down by ``chunks``; its micro-batch order (groups of p micro-batches per
 chunk) needs ``m % p == 0``. ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") splits backward into
 B (needed upstream, on the critical path) and W (needed by nobody) and lets rank r postpone r of its W's,
-which fills the cool-down bubble while no rank holds more than p micro-batches.
+which fills the cool-down bubble while no rank holds more than p micro-batches. ZB-H2 (same paper) spends
+memory instead: up to 2p-1 warm-up forwards fill the wait for the first B, and W's postponed in the tail
+make every rank's busy span a parallelogram (rank r busy from r*F on, without a gap at F = B = W). Its idle
+time within one step is then only the unavoidable ramp (rank r's first input arrives at r*F); consecutive
+steps with no barrier between them (the paper's optimizer post-validation) interlock the ramps, so the
+bubble per step tends to zero — a flushed step still idles (p-1)F, which at F = B = W is ZB-H1's figure.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Callable
 
 from .actions import Action, Schedule
 
-__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "get_schedule"]
+__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "get_schedule"]
 
 
 def _f(stage: int, mb: int) -> Action:
@@ -115,12 +124,53 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule(name="zb-h1", p=p, m=m, chunks=1, split_backward=True, ranks=tuple(ranks))
 
 
+def zb_h2(p: int, m: int) -> Schedule:
+    """Zero-bubble H2: up to 2p-1 warm-up forwards, steady ``B_j W_j F``, a tail that postpones W's.
+
+    Rank r (one slot = one unit of F = B = W, comm 0; rank r's slot k runs at time r + k):
+
+    * warm-up: ``n_r = min(2(p-r)-1, m)`` forwards. Rank r's first ``B_0`` can start at 2p-1-r (``F_0``
+      reaches rank p-1 at p-1, then ``B_0`` climbs one rank per slot), and rank r starts at r: exactly
+      2p-1-2r slots to fill with forwards (1F1B/ZB-H1 fill only p-r of them and idle the rest).
+    * steady state, for ``j <= m - 2p``: ``B_j``, ``W_j``, the next ``F`` (3 slots per micro-batch on every
+      rank, so rank r+1's ``B_j`` always ends just as rank r needs it). Holding stays at ``n_r``.
+    * tail, the last ``min(m, 2p-1)`` backwards: ``B_j``, then the next forward while any is left (rank r
+      has 2r left when m >= 2p-1; their W's wait), else one postponed W; after the last B every W left.
+      B's now come every 2 slots on every rank, so rank 0 ends at 3m and rank r at r + 3m: a parallelogram.
+
+    Every rank holds at most ``min(2p-1, m)`` micro-batches (rank 0 after its warm-up; rank r > 0 at the end
+    of its tail). ``m < 2p-1`` (fallback): there is no steady state; ranks whose warm-up would exceed m run
+    all m forwards first, then alternate B and W. At F = B = W the step time is ``max(3m + p-1, 2m + 2p-1)``
+    for every m (the second term: rank 0 waits 2p-1 for ``B_0``, then has 2m of B and W work).
+    """
+    ranks = []
+    for r in range(p):
+        warmup = min(2 * (p - r) - 1, m)
+        acts = [_f(r, i) for i in range(warmup)]
+        next_f, next_w = warmup, 0
+        for j in range(m):
+            acts.append(_b(r, j))
+            if j <= m - 2 * p:  # steady state: warmup == 2(p-r)-1, so a forward is always left here
+                acts += [_w(r, j), _f(r, next_f)]
+                next_w, next_f = j + 1, next_f + 1
+            elif next_f < m:  # tail: forward first, this W waits
+                acts.append(_f(r, next_f))
+                next_f += 1
+            elif j < m - 1:  # tail, forwards done: one postponed W between consecutive B's
+                acts.append(_w(r, next_w))
+                next_w += 1
+        acts += [_w(r, j) for j in range(next_w, m)]
+        ranks.append(tuple(acts))
+    return Schedule(name="zb-h2", p=p, m=m, chunks=1, split_backward=True, ranks=tuple(ranks))
+
+
 # name -> (generator taking (p, m, chunks), needs chunks > 1)
 SCHEDULES: dict[str, tuple[Callable[[int, int, int], Schedule], bool]] = {
     "gpipe": (lambda p, m, c: gpipe(p, m), False),
     "1f1b": (lambda p, m, c: one_f_one_b(p, m), False),
     "interleaved": (interleaved, True),
     "zb-h1": (lambda p, m, c: zb_h1(p, m), False),
+    "zb-h2": (lambda p, m, c: zb_h2(p, m), False),
 }
 
 
