@@ -33,6 +33,16 @@ def test_zb_h1_with_costs_comm_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_zb_h2_listing_and_parallelogram_numbers(capsys):
+    assert main(["schedule", "-s", "zb-h2", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    # rank 0: 2p-1 = 7 warm-up forwards, one steady B W F (m - 2p + 1 = 1), then B W to the end
+    assert "rank 0: 0F0 0F1 0F2 0F3 0F4 0F5 0F6 0B0 0W0 0F7 0B1 0W1 0B2 0W2" in out
+    # 3m + p-1 = 27 (rank r busy from r to r + 24); idle p-1 = 3 per rank; holds up to 2p-1 = 7
+    assert "step time     27" in out and f"bubble ratio  {3 / 27:.4f}" in out
+    assert "rank 0: busy 24  idle 3  peak in flight 7" in out
+
+
 def test_interleaved_costs_are_per_rank(capsys):
     assert main(["schedule", "-s", "interleaved", "-p", "2", "-m", "4", "--chunks", "2", "--grid"]) == 0
     out = capsys.readouterr().out
