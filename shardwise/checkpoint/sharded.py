@@ -3,7 +3,8 @@
 On disk (``RUN/checkpoints``)::
 
     step_000100/index.json          every tensor: global shape, dtype, SBP, mesh, and where each piece lies
-    step_000100/rank00000.safetensors   the pieces this rank owns (replicated tensors: one owner only)
+    step_000100/rank00000.safetensors   the pieces this rank owns (replicated tensors: one owner only; a
+                                    pipeline rank: its own stages' tensors only)
     step_000100/rank00000.json      this rank's private state (RNG)
     latest                          the name of the newest complete checkpoint (replaced atomically)
 
@@ -130,8 +131,10 @@ def _write_rank_files(tmp: Path, pieces: Sequence[Piece], rank: int, rank_state:
     for p in pieces:
         if any(isinstance(s, Partial) for s in p.sbp):
             raise ValueError(f"{p.key}: a Partial (P) tensor cannot be checkpointed as is; reduce it to B or S first")
+        # "axes": the mesh axes the SBP refers to — all of them, except for a pipeline stage's tensor, which
+        # is described without the pp axis (only the owning pp coordinate holds it: pipeline_layout.py)
         entry = {"key": p.key, "view_shape": list(p.view_shape), "full_shape": list(p.full_shape),
-                 "dtype": str(p.local.dtype).replace("torch.", ""), "sbp": format_sbp(p.sbp)}
+                 "dtype": str(p.local.dtype).replace("torch.", ""), "sbp": format_sbp(p.sbp), "axes": list(p.axes)}
         if p.owner():
             tensors[p.key] = p.local.detach().to("cpu").contiguous()
             entry["piece"] = {"file": f"rank{rank:05d}.safetensors", "extent": p.extent()}
@@ -148,7 +151,7 @@ def _write_index(tmp: Path, step: int, mesh: Mesh, state: dict[str, Any]) -> Non
     tensors: dict[str, dict[str, Any]] = {}
     for r in range(mesh.world_size):
         for e in json.loads((tmp / f"rank{r:05d}.json").read_text())["entries"]:
-            info = tensors.setdefault(e["key"], {k: e[k] for k in ("view_shape", "full_shape", "dtype", "sbp")})
+            info = tensors.setdefault(e["key"], {k: e[k] for k in ("view_shape", "full_shape", "dtype", "sbp", "axes")})
             if "piece" in e:
                 info.setdefault("pieces", []).append(e["piece"])
     index = {"format": "shardwise-sharded-v1", "step": step, "mesh": dict(zip(mesh.axes, mesh.shape)),

@@ -20,11 +20,11 @@ from typing import Any, Literal, Mapping, Sequence
 
 __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "DebugConfig",
            "Config", "PRESETS", "load_config", "parse_overrides", "apply_overrides", "config_from_dict",
-           "validate", "default_nproc"]
+           "validate", "default_nproc", "describe_fields"]
 
 
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
-                            ParallelConfig, TrainConfig)
+                            ParallelConfig, TrainConfig, describe_fields)
 
 
 _SECTIONS = {f.name: f for f in fields(Config)}
@@ -75,6 +75,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+    elif typing.get_origin(typ) is tuple:  # tuple[str, ...]: a TOML/JSON list, or "a,b" from a flag
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
+            return tuple(items)
+        raise ValueError(f"{key} must be a list of names, got {value!r}; e.g. --{key} blocks.2,ln_f")
     name = getattr(typ, "__name__", str(typ))
     raise ValueError(f"{key} must be a {name}, got {value!r}; e.g. --{key} {_example(typ)}")
 
@@ -209,7 +214,7 @@ def validate(config: Config) -> Config:
     if dp * p.tp * p.pp != nproc:
         raise ValueError(f"parallel.dp × parallel.tp × parallel.pp = {dp} × {p.tp} × {p.pp} = {dp * p.tp * p.pp} "
                          f"must equal the number of processes parallel.nproc = {nproc}; set --parallel.nproc "
-                         f"{dp * p.tp * p.pp} or pick dp/tp whose product is {nproc}")
+                         f"{max(dp, 1) * p.tp * p.pp} or pick dp/tp/pp whose product is {nproc}")
     try:
         gb = config.data.global_batch
         plan = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp) if p.grad_accum
@@ -217,7 +222,9 @@ def validate(config: Config) -> Config:
     except ValueError as exc:
         raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
                          f"{exc}") from None
-    return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=plan.grad_accum))
+    m = _check_pipeline(config)
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=plan.grad_accum,
+                                                                    pp_microbatches=m))
 
 
 def _positive(*pairs: tuple[str, int]) -> None:
@@ -243,25 +250,81 @@ def _check_strategies(config: Config) -> None:
     if p.zero_stage and p.tp > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.tp = {p.tp} is not supported by "
                          f"shardwise train yet; use one of them")
-    if p.pp != 1:
-        raise ValueError(f"parallel.pp = {p.pp}: pipeline parallelism is not wired into shardwise train yet; "
-                         f"use --parallel.pp 1")
+    if p.pp > 1:
+        _check_pipeline_hybrids(p)
 
 
-def describe_fields() -> list[tuple[str, str, str]]:
-    """``(dotted key, default, docstring)`` of every field, for ``--help`` listings."""
-    import ast
-    import inspect
+def _check_pipeline_hybrids(p: ParallelConfig) -> None:
+    """What ``shardwise train`` does not combine with pp > 1 yet: the ONE place to lift each rejection (with
+    the trainer passing the matching ``sw.pipeline`` argument and the checkpoint layout learning the layout)."""
+    unsupported = [(p.tp > 1, f"parallel.tp = {p.tp}", "--parallel.tp 1"),
+                   (p.zero_stage > 0, f"parallel.zero_stage = {p.zero_stage}", "--parallel.zero_stage 0"),
+                   (p.activation_checkpointing, "parallel.activation_checkpointing = true",
+                    "--parallel.activation_checkpointing false"),
+                   (p.algorithm != "native", f"parallel.algorithm = {p.algorithm!r}", "--parallel.algorithm native")]
+    for bad, what, fix in unsupported:
+        if bad:
+            raise ValueError(f"{what} with parallel.pp = {p.pp} is not supported by shardwise train yet (pipeline "
+                             f"hybrids: pp × dp only); use {fix}, or --parallel.pp 1")
 
-    out: list[tuple[str, str, str]] = []
-    for section in _SECTIONS:
-        cls = _section_type(section)
-        docs: dict[str, str] = {}
-        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
-        for f in fields(cls):
-            out.append((f"{section}.{f.name}", repr(f.default), docs.get(f.name, "")))
-    return out
 
+def _pp_microbatches(p: ParallelConfig) -> int:
+    """``parallel.pp_microbatches`` resolved (0: the largest divisor of micro_batch up to 2 × pp; a multiple of pp
+    for ``interleaved``); ``ValueError`` when micro_batch cannot be cut into that many equal micro-batches."""
+    interleaved = p.pp_schedule == "interleaved"
+    if p.pp_microbatches:
+        m = p.pp_microbatches
+        if p.micro_batch % m:
+            divisors = [d for d in range(1, p.micro_batch + 1) if p.micro_batch % d == 0]
+            raise ValueError(f"parallel.micro_batch = {p.micro_batch} must be divisible by parallel.pp_microbatches = "
+                             f"{m} (each pipeline pass cuts micro_batch sequences into pp_microbatches equal "
+                             f"micro-batches); use --parallel.pp_microbatches from {divisors} or a micro_batch that is "
+                             f"a multiple of {m}")
+        return m
+    fits = [d for d in range(1, min(p.micro_batch, 2 * p.pp) + 1)
+            if p.micro_batch % d == 0 and (not interleaved or d % p.pp == 0)]
+    if not fits:
+        raise ValueError(f"parallel.pp_schedule = 'interleaved' needs pipeline micro-batches in a multiple of "
+                         f"parallel.pp = {p.pp}, but parallel.micro_batch = {p.micro_batch} cannot be cut into "
+                         f"{p.pp} equal parts; use --parallel.micro_batch {p.pp * max(1, -(-p.micro_batch // p.pp))}")
+    return max(fits)
+
+
+def _check_pipeline(config: Config) -> int:
+    """Validate the pipeline fields with ``sw.pipeline``'s own checks (schedule, micro-batches, stages; pure, the
+    model is built on the meta device); returns the resolved ``pp_microbatches`` (0 when pp == 1)."""
+    from ..parallel.pipeline.schedules import SCHEDULES, get_schedule
+
+    p = config.parallel
+    if p.pp_schedule not in SCHEDULES:
+        raise _unknown("parallel.pp_schedule", p.pp_schedule, list(SCHEDULES))
+    _positive(("parallel.pp_chunks", p.pp_chunks))
+    if p.pp_microbatches < 0:
+        raise ValueError(f"parallel.pp_microbatches = {p.pp_microbatches} must be >= 0 (0 means: infer it)")
+    if p.pp == 1:
+        given = [(k, v) for k, v, default in (("pp_chunks", p.pp_chunks, 1), ("pp_split", p.pp_split, ()),
+                                              ("pp_microbatches", p.pp_microbatches, 0)) if v != default]
+        if given:
+            raise ValueError(f"parallel.{given[0][0]} = {given[0][1]!r} only applies to pipeline parallelism, but "
+                             f"parallel.pp = 1; set --parallel.pp 2 (or more), or drop parallel.{given[0][0]}")
+        return 0
+    m = _pp_microbatches(p)
+    try:
+        get_schedule(p.pp_schedule, p=p.pp, m=m, chunks=p.pp_chunks)
+    except ValueError as exc:
+        raise ValueError(f"parallel.pp_schedule = {p.pp_schedule!r} with parallel.pp = {p.pp}, parallel.pp_chunks = "
+                         f"{p.pp_chunks}, parallel.pp_microbatches = {m} (p = pp, m = pp_microbatches): "
+                         f"{exc}") from None
+    import torch
+
+    from ..models.gpt import GPT, GPTConfig
+    from ..parallel.pipeline.stage import build_stages
+
+    with torch.device("meta"):  # names and parameter counts only: nothing is allocated
+        model = GPT(GPTConfig(**dataclasses.asdict(config.model)))
+    try:
+        build_stages(model, p.pp * p.pp_chunks, list(p.pp_split) or None)
+    except ValueError as exc:
+        raise ValueError(f"parallel.pp = {p.pp} × parallel.pp_chunks = {p.pp_chunks} stages, parallel.pp_split = "
+                         f"{list(p.pp_split)}, model.n_layer = {config.model.n_layer}: {exc}") from None
+    return m

@@ -4,12 +4,13 @@ and the named presets. Parsing, overrides and validation live in ``config.py``."
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "DebugConfig",
-           "Config", "PRESETS"]
+           "Config", "PRESETS", "describe_fields"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +75,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the job is laid out over ranks: mesh ``(dp, tp)`` of ``nproc`` processes."""
+    """How the job is laid out over ranks: mesh ``(dp, tp)`` of ``nproc`` processes, ``(pp, dp, tp)`` with pp > 1."""
 
     nproc: int = 0
     """Processes on this node; 0 = one per GPU when CUDA is present, else 2 CPU processes."""
@@ -83,13 +84,21 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel ranks (Megatron GPT plan); must divide ``model.n_head``."""
     pp: int = 1
-    """Pipeline stages (not wired into ``shardwise train`` yet: must be 1)."""
+    """Pipeline-parallel ranks (``sw.pipeline`` over the mesh axis ``pp``); dp × tp × pp = nproc."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (``shardwise schedule`` shows each): gpipe, 1f1b, interleaved (pp_chunks ≥ 2), zb-h1, …"""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per pass (micro_batch / pp_microbatches sequences each); 0 = largest divisor ≤ 2·pp."""
+    pp_chunks: int = 1
+    """Model chunks per pipeline rank (``interleaved``: stage s on pp rank s % pp)."""
+    pp_split: tuple[str, ...] = ()
+    """Units that start pipeline stages 1, 2, … (e.g. ``blocks.2,ln_f``); empty = balanced by parameter count."""
     zero_stage: int = 0
     """ZeRO stage 0-3 over the dp axis (0 = plain data parallelism)."""
     micro_batch: int = 16
-    """Sequences per forward/backward on one rank."""
+    """Sequences per forward/backward on one rank (with pp > 1: per pipeline pass of one dp replica)."""
     grad_accum: int = 0
-    """Forward/backward passes per step; 0 = global_batch / (micro_batch × dp)."""
+    """Forward/backward passes per step (pp > 1: pipeline steps); 0 = global_batch / (micro_batch × dp)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
     algorithm: Literal["native", "ring", "tree"] = "native"
@@ -168,3 +177,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "optimizer.min_lr": 1e-4},
 }
 """Named bundles of dotted overrides (``--preset NAME``)."""
+
+
+def describe_fields() -> list[tuple[str, str, str]]:
+    """``(dotted key, default, docstring)`` of every field, for ``--help`` listings."""
+    import ast
+    import inspect
+
+    out: list[tuple[str, str, str]] = []
+    for f_section in fields(Config):
+        section = f_section.name
+        cls = typing.get_type_hints(Config)[section]
+        docs: dict[str, str] = {}
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+        for f in fields(cls):
+            out.append((f"{section}.{f.name}", repr(f.default), docs.get(f.name, "")))
+    return out
+

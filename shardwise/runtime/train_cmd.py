@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, latest_checkpoint
-from .config import PRESETS, Config, DebugConfig, describe_fields, load_config, validate
+from .config import PRESETS, Config, DebugConfig, ParallelConfig, describe_fields, load_config, validate
 from .launch import run_local
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "add_config_arguments", "config_overrides"]
@@ -109,12 +109,24 @@ def _resume_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple
                          f"config.json); start a fresh run without --resume")
     # The saved run's config, with this command's dotted overrides (e.g. a new layout or more steps).
     # Fault injection (debug.*) belongs to one invocation: it is not inherited from the saved run.
-    cfg = load_config(base=dataclasses.replace(load_config(path=saved), debug=DebugConfig()), overrides=overrides)
+    before = load_config(path=saved)
+    cfg = load_config(base=dataclasses.replace(before, debug=DebugConfig()), overrides=overrides)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(run_dir)),
-                              parallel=dataclasses.replace(cfg.parallel, dp=int(overrides.get("parallel.dp", 0)),
-                                                           grad_accum=int(overrides.get("parallel.grad_accum", 0)),
-                                                           nproc=int(overrides.get("parallel.nproc", 0))))
+                              parallel=_relayout(before.parallel, cfg.parallel, overrides))
     return cfg, run_dir, ckpt
+
+
+def _relayout(saved: ParallelConfig, new: ParallelConfig, overrides: dict[str, Any]) -> ParallelConfig:
+    """The resumed layout: sizes the saved run inferred (dp, grad_accum, nproc, pp_microbatches) are inferred
+    afresh unless given now; a new pp drops the saved stage boundaries (and chunks, at pp = 1) unless given."""
+    def given(key: str, default: Any) -> Any:
+        return overrides.get(f"parallel.{key}", default)
+
+    keep = new.pp == saved.pp
+    return dataclasses.replace(new, dp=int(given("dp", 0)), grad_accum=int(given("grad_accum", 0)),
+                               nproc=int(given("nproc", 0)), pp_microbatches=int(given("pp_microbatches", 0)),
+                               pp_split=new.pp_split if keep or "parallel.pp_split" in overrides else (),
+                               pp_chunks=new.pp_chunks if new.pp > 1 or "parallel.pp_chunks" in overrides else 1)
 
 
 def _check_data(cfg: Config) -> None:
@@ -148,10 +160,13 @@ def _header(cfg: Config, run_dir: Path, resume: Path | None) -> str:
     p = cfg.parallel
     where = "GPU" if _cuda() else "CPU"
     start = f", resuming {resume}" if resume else ""
-    return (f"shardwise train: {cfg.train.name} on {p.nproc} {where} process{'es' * (p.nproc > 1)}, mesh dp={p.dp} × "
-            f"tp={p.tp}{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}; global batch {cfg.data.global_batch} = "
-            f"{p.micro_batch} × {p.grad_accum} × {p.dp} (micro × accum × dp) × {cfg.model.block_size} tokens; "
-            f"{cfg.train.steps} steps → {run_dir}{start}")
+    mesh = (f"pp={p.pp} × " if p.pp > 1 else "") + f"dp={p.dp} × tp={p.tp}"
+    stages = (f"; pipeline {p.pp_schedule}, {p.pp_microbatches} micro-batches of {p.micro_batch // p.pp_microbatches}"
+              f"{f', {p.pp_chunks} chunks per rank' if p.pp_chunks > 1 else ''} per pass" if p.pp > 1 else "")
+    return (f"shardwise train: {cfg.train.name} on {p.nproc} {where} process{'es' * (p.nproc > 1)}, mesh {mesh}"
+            f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}; global batch {cfg.data.global_batch} = "
+            f"{p.micro_batch} × {p.grad_accum} × {p.dp} (micro × accum × dp) × {cfg.model.block_size} tokens"
+            f"{stages}; {cfg.train.steps} steps → {run_dir}{start}")
 
 
 def _cuda() -> bool:

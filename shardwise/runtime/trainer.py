@@ -6,6 +6,12 @@ optimizer and its data shard, then runs the loop: per step ``grad_accum`` forwar
 sync on the last only), one optimizer step, the mean loss over dp (one all-reduce), metrics, and periodic
 atomic sharded checkpoints. Collective throughout: every rank runs the same steps.
 
+Pipeline parallelism (``parallel.pp > 1``): the mesh is ``(pp, dp, tp)`` and the model runs as
+``sw.pipeline(..., dp_axis="dp")``. Each of the ``grad_accum`` passes is one ``pipe.step`` over the pass's
+``micro_batch × dp`` sequences — every rank loads the same ones, each dp replica takes its contiguous slice and
+cuts it into ``pp_microbatches`` pipeline micro-batches; gradients accumulate over the passes (the loss is
+scaled by 1/grad_accum, as the plain loop does) and are averaged over dp inside each ``pipe.step``.
+
 RNG: reseeded at every step from ``(train.seed, step, dp coordinate)``, so restoring the step restores it, and
 dropout differs between data-parallel replicas as it must.
 """
@@ -29,6 +35,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.layout import load_model, load_optimizer, model_pieces, optimizer_pieces, tied_aliases
+from ..checkpoint.pipeline_layout import load_pipeline, pipeline_model_pieces, pipeline_optimizer_pieces
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from ..checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
 from ..comm.collectives import all_reduce
@@ -43,6 +50,7 @@ from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 __all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
@@ -63,12 +71,35 @@ def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def _build_model(cfg: Config, mesh: Mesh) -> tuple[nn.Module, nn.Module, LossFn, Any]:
-    """(the model to call, the plain model inside, the loss, the optimizer). Same seed → same weights."""
+def _build_mesh(p: Any) -> Mesh:
+    """``(dp, tp)``; with pipeline parallelism ``(pp, dp, tp)``: stages outermost, so a stage's dp/tp peers are
+    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)"""
+    return Mesh(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else Mesh(dp=p.dp, tp=p.tp)
+
+
+def _build_pipeline(cfg: Config, mesh: Mesh, plain: nn.Module) -> Any:
+    """``sw.pipeline`` over the mesh axis ``pp`` (pp × dp; other hybrids: ``config._check_pipeline_hybrids``)."""
+    from ..parallel.pipeline.api import pipeline
+
+    p = cfg.parallel
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets) / p.grad_accum  # one pass of grad_accum, like the plain loop's scaling
+
+    return pipeline(plain, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
+                    split=list(p.pp_split) or None, chunks=p.pp_chunks, dp_axis="dp")
+
+
+def _build_model(cfg: Config, mesh: Mesh) -> tuple[Any, nn.Module, LossFn, Any]:
+    """(the model to call — a ``Pipeline`` when pp > 1 —, the plain model inside, the loss, the optimizer).
+    Same seed → same weights."""
     torch.manual_seed(cfg.train.seed)
     plain = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).to(mesh.device)
     p = cfg.parallel
     loss_fn: LossFn = lm_loss
+    if p.pp > 1:
+        pipe = _build_pipeline(cfg, mesh, plain)
+        return pipe, plain, loss_fn, build_optimizer(list(pipe.parameters()), cfg.optimizer)
     if p.tp > 1:
         from ..parallel.tensor import gpt_plan, parallelize, vocab_parallel_cross_entropy
 
@@ -98,15 +129,18 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         p = cfg.parallel
-        self.mesh = Mesh(dp=p.dp, tp=p.tp)
+        self.mesh = _build_mesh(p)
         self.model, self.plain, self.loss_fn, self.optimizer = _build_model(cfg, self.mesh)
-        self.zero = cfg.parallel.zero_stage > 0
+        self.zero, self.pp = p.zero_stage > 0, p.pp > 1
         tokens = load_corpus(cfg.data.path, cfg.data.format)
         dataset = TokenWindows(tokens, cfg.model.block_size)
-        sampler = ShardedSampler.for_mesh(len(dataset), mesh=self.mesh, axis="dp", shuffle=cfg.data.shuffle,
-                                          seed=cfg.train.seed)
-        self.data = StepBatches(dataset, sampler, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
-                                device=self.mesh.device)
+        # pp: every rank loads each pass's micro_batch × dp sequences (pipe.step slices dp itself), so the
+        # sampler is not sharded; its saved position (samples consumed by all ranks) is the same either way
+        dp_data = 1 if self.pp else p.dp
+        sampler = ShardedSampler(len(dataset), dp_size=dp_data, dp_rank=0 if self.pp else self.mesh.coord("dp"),
+                                 shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+        self.data = StepBatches(dataset, sampler, micro_batch=p.micro_batch * p.dp // dp_data,
+                                grad_accum=p.grad_accum, device=self.mesh.device)
         self.step = 0
         self.last_ckpt: Path | None = None
         self.tokens_per_step = cfg.data.global_batch * cfg.model.block_size
@@ -122,6 +156,8 @@ class Trainer:
                              f"resume with the saved model config (drop the model.* overrides)")
         if self.zero:
             load_zero(ckpt, self.model, self.optimizer)
+        elif self.pp:
+            load_pipeline(ckpt, self.model, self.optimizer)
         else:
             load_model(ckpt, self.plain, self.mesh)
             load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
@@ -139,6 +175,26 @@ class Trainer:
         start = time.perf_counter()
         batches = self.data.next()
         t["data"] = time.perf_counter() - start
+        t["comm"] = 0.0
+        loss_sum = self._pipeline_passes(batches, t) if self.pp else self._passes(batches, t, sync)
+        t0 = time.perf_counter()
+        if cfg.debug.bug == "sum_grads" and not self.zero:
+            for param in self.plain.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync()
+        t1 = time.perf_counter()
+        if self.mesh.size("dp") > 1 and not self.pp:  # pipe.step's loss is already the mean over dp
+            all_reduce(loss_sum, self.mesh, "dp", op="avg")
+        value = float(loss_sum)
+        t2 = time.perf_counter()
+        t.update(opt=t1 - t0, comm=t["comm"] + t2 - t1, step=t2 - start)
+        return value, t
+
+    def _passes(self, batches: Batches, t: dict[str, float], sync: Callable[[], None]) -> torch.Tensor:
+        """``grad_accum`` forward/backward passes (gradient sync on the last only); this rank's mean loss."""
         loss_sum = torch.zeros((), device=self.mesh.device)
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
@@ -152,21 +208,22 @@ class Trainer:
                 t["fwd"] += t1 - t0
                 t["bwd"] += time.perf_counter() - t1
             loss_sum += loss.detach()
-        t0 = time.perf_counter()
-        if cfg.debug.bug == "sum_grads" and not self.zero:
-            for param in self.plain.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        sync()
-        t1 = time.perf_counter()
-        if self.mesh.size("dp") > 1:
-            all_reduce(loss_sum, self.mesh, "dp", op="avg")
-        value = float(loss_sum)
-        t2 = time.perf_counter()
-        t.update(opt=t1 - t0, comm=t2 - t1, step=t2 - start)
-        return value, t
+        return loss_sum
+
+    def _pipeline_passes(self, batches: Batches, t: dict[str, float]) -> float:
+        """One ``pipe.step`` per accumulation pass; returns the step's mean loss (same on every rank). Times:
+        this rank's F actions → fwd, B and W → bwd, the rest of ``pipe.step`` (waiting for neighbours — bubble
+        and transfers —, tied-weight exchange, dp all-reduce) → comm. On CUDA the split is of launch times
+        unless ``pipe.interpreter.synchronize_timings`` is set; the step time is exact (``step`` syncs)."""
+        total = 0.0
+        for x, y in batches:
+            start = time.perf_counter()
+            total += self.model.step(x, y)  # mean over micro-batches and dp of lm_loss / grad_accum
+            elapsed = time.perf_counter() - start
+            fwd = sum(end - begin for a, begin, end in self.model.last_events if a.kind == "F")
+            bwd = sum(end - begin for a, begin, end in self.model.last_events if a.kind != "F")
+            t["fwd"], t["bwd"], t["comm"] = t["fwd"] + fwd, t["bwd"] + bwd, t["comm"] + max(0.0, elapsed - fwd - bwd)
+        return total
 
     def save(self) -> Path:
         """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
@@ -176,6 +233,8 @@ class Trainer:
             pieces = zero_model_pieces(self.model, self.mesh)  # collective (gathers the parameters)
             pieces += zero_optimizer_pieces(self.model, self.optimizer, self.mesh)
             state["zero_groups"] = zero_groups_state(self.model)
+        elif self.pp:  # each rank: its own stages' tensors, under the plain model's keys
+            pieces = pipeline_model_pieces(self.model) + pipeline_optimizer_pieces(self.model, self.optimizer)
         else:
             pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
         self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,

@@ -4,7 +4,8 @@ Takes the same flags as ``shardwise train``. Runs the first ``--steps`` steps tw
 process (dp = tp = 1, no ZeRO; the same global batch through more accumulation steps) and once on the
 requested layout — prints both losses side by side and exits 1 when any step differs by more than
 ``atol + rtol·|reference|``. Same seed → same weights and same samples per step (the sampler's order does not
-depend on the layout), so only floating-point summation order may differ.
+depend on the layout), so only floating-point summation order may differ. Pipeline layouts (``--parallel.pp``)
+are compared with the same single process (pp = 1, the pipeline fields reset).
 
 Note: Adam normalises each gradient by its own running scale, so a bug that scales every gradient by a
 constant (e.g. summing instead of averaging over dp) barely moves Adam's losses; use ``--optimizer.name sgd``
@@ -38,7 +39,8 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
         raise ValueError(f"--steps = {args.steps} must be >= 1")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.steps, ckpt_every=0))
     layout = validate(cfg)
-    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, zero_stage=0, grad_accum=0)
+    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, zero_stage=0, grad_accum=0,
+                                 pp_microbatches=0, pp_chunks=1, pp_split=())  # the pipeline fields need pp > 1
     reference = validate(dataclasses.replace(cfg, parallel=single, debug=DebugConfig()))
     root = cfg.run_dir() / "verify"
     return (dataclasses.replace(reference, train=dataclasses.replace(reference.train, out_dir=str(root / "reference"))),
@@ -53,6 +55,9 @@ def compare_losses(reference: list[float], layout: list[float], *, rtol: float, 
 def _describe(cfg: Config) -> str:
     p = cfg.parallel
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
+    if p.pp > 1:
+        return (f"pp={p.pp} × dp={p.dp} × tp={p.tp}, {p.pp_schedule}, micro {p.micro_batch} × accum {p.grad_accum}"
+                f" in {p.pp_microbatches} pipeline micro-batches")
     return f"dp={p.dp} × tp={p.tp}{zero}, micro {p.micro_batch} × accum {p.grad_accum}"
 
 

@@ -82,12 +82,73 @@ def test_validate_resolves_dp_and_grad_accum():
     ({"micro_batch": 2, "grad_accum": 3}, "2 × 3 × 4 = 24 ≠ global_batch=16"),
     ({"zero_stage": 5}, "parallel.zero_stage = 5 must be 0, 1, 2 or 3"),
     ({"zero_stage": 1, "tp": 2}, "not supported by shardwise train yet"),
-    ({"pp": 2}, "pipeline parallelism is not wired"),
+    ({"pp": 3}, "parallel.dp × parallel.tp × parallel.pp = 1 × 1 × 3 = 3 must equal the number of processes "
+                "parallel.nproc = 4; set --parallel.nproc 3"),
+    ({"pp": 2, "tp": 2}, "parallel.tp = 2 with parallel.pp = 2 is not supported by shardwise train yet"),
+    ({"pp": 2, "zero_stage": 1}, "parallel.zero_stage = 1 with parallel.pp = 2 is not supported"),
+    ({"pp": 2, "activation_checkpointing": True}, "parallel.activation_checkpointing = true with parallel.pp = 2"),
+    ({"pp": 2, "micro_batch": 4, "pp_schedule": "1f2b"}, "unknown parallel.pp_schedule '1f2b'; did you mean '1f1b'? "
+                                                        "valid: 1f1b, gpipe, interleaved, zb-h1"),
+    ({"pp": 2, "micro_batch": 4, "pp_microbatches": 3}, "parallel.micro_batch = 4 must be divisible by "
+                                                        "parallel.pp_microbatches = 3"),
+    ({"pp": 2, "micro_batch": 4, "pp_schedule": "interleaved"}, "schedule 'interleaved' needs chunks >= 2"),
+    ({"pp": 2, "micro_batch": 4, "pp_schedule": "interleaved", "pp_chunks": 2, "pp_microbatches": 1},
+     "needs the micro-batch count to be a multiple of p"),
+    ({"pp": 4, "micro_batch": 2, "pp_schedule": "interleaved", "pp_chunks": 2}, "parallel.micro_batch = 2 cannot "
+                                                                               "be cut into 4 equal parts"),
+    ({"pp": 4, "micro_batch": 4, "pp_schedule": "interleaved", "pp_chunks": 2},
+     "the model has 4 pipeline units (['wte', 'blocks.0', 'blocks.1', 'ln_f']) but pp x chunks = 8 stages"),
+    ({"pp": 2, "micro_batch": 4, "pp_split": ("lm_head",)}, "'lm_head' is inside unit 'ln_f', which cannot be cut"),
+    ({"pp": 2, "micro_batch": 4, "pp_split": ("blocks.1", "ln_f")}, "makes 3 stages but the mesh axis and chunks "
+                                                                   "need pp x chunks = 2"),
+    ({"micro_batch": 4, "pp_chunks": 2}, "parallel.pp_chunks = 2 only applies to pipeline parallelism, but "
+                                         "parallel.pp = 1"),
+    ({"micro_batch": 4, "pp_split": ("blocks.1",)}, "parallel.pp_split = ('blocks.1',) only applies to pipeline"),
 ])
 def test_validation_messages(parallel, message):
     with pytest.raises(ValueError) as info:
         validate(_cfg(**parallel))
     assert message in str(info.value)
+
+
+def test_validate_resolves_the_pipeline_layout():
+    # pp × dp = 2 × 2; each pass is micro_batch × dp = 8 sequences, 4 per replica cut into pipeline micro-batches
+    p = validate(_cfg(pp=2, micro_batch=4)).parallel
+    assert (p.dp, p.grad_accum, p.pp_microbatches) == (2, 2, 4)  # 16 = 4 × 2 × 2; largest divisor of 4 <= 2·pp
+    p = validate(_cfg(pp=2, micro_batch=8)).parallel
+    assert (p.dp, p.grad_accum, p.pp_microbatches) == (2, 1, 4)
+    p = validate(_cfg(pp=2, micro_batch=8, pp_microbatches=8, pp_schedule="gpipe", pp_split=("blocks.0",))).parallel
+    assert (p.pp_microbatches, p.pp_split) == (8, ("blocks.0",))
+    interleaved = Config(parallel=ParallelConfig(nproc=4, pp=4, micro_batch=12, pp_schedule="interleaved", pp_chunks=2),
+                         data=DataConfig(global_batch=12), model=ModelConfig(n_head=4, n_layer=6))
+    assert validate(interleaved).parallel.pp_microbatches == 4  # <= 2·pp = 8, divides 12, multiple of pp = 4
+    assert validate(_cfg(micro_batch=4)).parallel.pp_microbatches == 0  # no pipeline
+
+
+def test_pp_split_from_a_flag_or_a_toml_list(tmp_path):
+    assert apply_overrides(Config(), {"parallel.pp_split": "blocks.2, ln_f"}).parallel.pp_split == ("blocks.2", "ln_f")
+    toml = tmp_path / "run.toml"
+    toml.write_text('[parallel]\npp = 2\npp_split = ["blocks.1"]\n')
+    assert load_config(path=toml).parallel.pp_split == ("blocks.1",)
+    with pytest.raises(ValueError, match="parallel.pp_split must be a list of names, got 3"):
+        apply_overrides(Config(), {"parallel.pp_split": 3})
+    saved = tmp_path / "config.json"  # the run's saved config round-trips (a JSON list)
+    import json
+    saved.write_text(json.dumps(load_config(path=toml).to_dict()))
+    assert load_config(path=saved).parallel.pp_split == ("blocks.1",)
+
+
+def test_resume_relayout_infers_sizes_again_and_drops_a_stale_split():
+    from shardwise.runtime.train_cmd import _relayout
+
+    saved = ParallelConfig(nproc=2, dp=1, pp=2, grad_accum=2, pp_microbatches=4, pp_split=("blocks.1",))
+    to_one = _relayout(saved, dataclasses.replace(saved, pp=1, nproc=1), {"parallel.pp": "1", "parallel.nproc": "1"})
+    assert (to_one.pp, to_one.nproc, to_one.dp, to_one.grad_accum, to_one.pp_microbatches, to_one.pp_split,
+            to_one.pp_chunks) == (1, 1, 0, 0, 0, (), 1)
+    same = _relayout(saved, saved, {})
+    assert (same.pp, same.pp_split, same.pp_microbatches, same.nproc) == (2, ("blocks.1",), 0, 0)
+    interleaved = dataclasses.replace(saved, pp_chunks=2, pp_schedule="interleaved")
+    assert _relayout(interleaved, dataclasses.replace(interleaved, pp=1), {}).pp_chunks == 1
 
 
 def test_lr_schedule_warmup_then_cosine():
