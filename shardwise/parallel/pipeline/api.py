@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ... import comm
+from ...checkpoint.full_state import full_state_dict as _unsharded_state
 from ...mesh import Mesh
+from ..mixed_precision import LossScaler
+from ..zero_optim import ZeroOptimizer, make_inner_optimizer
 from .communication import lower_communication
 from .executor import Interpreter, run_actions
 from .actions import Action
 from .schedules import SCHEDULES, get_schedule
+from .grad_sync import DpGradSync
 from .simulate import Event
 from .stage import Stage, build_stages
 
@@ -39,11 +43,10 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
-                 dp_axis: str | None = None) -> None:
+                 dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
+                 bucket_cap_mb: float = 25) -> None:
         _check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
-        if dp_axis is not None and (dp_axis not in mesh.axes or dp_axis == axis):
-            raise ValueError(f"dp_axis {dp_axis!r} must be an axis of {mesh!r} other than the pipeline axis "
-                             f"{axis!r}; use one of {[a for a in mesh.axes if a != axis]} or dp_axis=None")
+        _check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
@@ -53,9 +56,17 @@ class Pipeline:
         _check_keys(model, self.all_stages)
         self.tied = _tied_parameters(self.all_stages, p, me)
         self.stages = {s.index: s.to(mesh.device) for s in self.all_stages if s.index % p == me}
+        for stage in self.stages.values():
+            stage.checkpoint = checkpoint
+        self.zero_stage = zero_stage
         self.actions = lower_communication(self.schedule).ranks[me]
         self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
                                        loss_fn=loss_fn)
+        self.grad_sync: DpGradSync | None = None
+        if dp_axis is not None and mesh.size(dp_axis) > 1:
+            self.grad_sync = DpGradSync(self._stage_params(), mesh, dp_axis, zero=zero_stage == 1,
+                                        late={id(q) for q, _ in self.tied}, cap_bytes=int(bucket_cap_mb * 2**20))
+        self.interpreter.grad_sync = self.grad_sync
         self.last_peak_held = 0
         """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
         self.last_events: list[tuple[Action, float, float]] = []
@@ -80,13 +91,16 @@ class Pipeline:
             me = self.mesh.coord(self.dp_axis)
             inputs, targets = inputs.chunk(dp)[me], targets.chunk(dp)[me]
         dev = self.mesh.device
+        if self.grad_sync is not None:
+            self.grad_sync.begin_step()
         before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
         state = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
                             list(targets.to(dev).chunk(m)))
         self.last_peak_held = state.peak_held
         self.last_events = state.events
         self._sum_tied_grads(before)
-        self._average_over_dp()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()  # tied buckets start now; the others started inside the schedule
         return self._mean_loss(state.losses)
 
     def _mean_loss(self, losses: list[Tensor]) -> float:
@@ -97,20 +111,6 @@ class Pipeline:
         if self.dp_axis and self.mesh.size(self.dp_axis) > 1:
             comm.all_reduce(out, self.mesh, self.dp_axis, op="avg")
         return float(out.item())
-
-    def _average_over_dp(self) -> None:
-        """Average this stage's gradients over the dp replicas: one flat all-reduce per step (not overlapped
-        with backward yet). Linear, so gradients accumulated over earlier steps stay right."""
-        if not self.dp_axis or self.mesh.size(self.dp_axis) == 1:
-            return
-        params = list(self.parameters())
-        for q in params:
-            if q.grad is None:
-                q.grad = torch.zeros_like(q)
-        flat = torch.cat([q.grad.reshape(-1) for q in params])  # type: ignore[union-attr]
-        comm.all_reduce(flat, self.mesh, self.dp_axis, op="avg")
-        for q, piece in zip(params, flat.split([q.numel() for q in params])):
-            q.grad.copy_(piece.view(q.shape))  # type: ignore[union-attr]
 
     def _sum_tied_grads(self, before: dict[int, Tensor | None]) -> None:
         """Exchange this step's gradient contribution of each tied parameter with its peer rank and add it
@@ -169,6 +169,29 @@ class Pipeline:
         return events
 
     # -- parameters and state ------------------------------------------------------------------------
+    def _stage_params(self) -> dict[int, list[tuple[str, nn.Parameter]]]:
+        """Local stage -> its (name, parameter) pairs, each parameter under the first local stage using it."""
+        seen: set[int] = set()
+        out: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        for s, stage in sorted(self.stages.items()):
+            out[s] = [(n, q) for n, q in stage.named_parameters() if id(q) not in seen]
+            seen.update(id(q) for _, q in out[s])
+        return out
+
+    def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer]) -> Any:
+        """The optimizer for this rank's stage parameters: ``factory(list(pipe.parameters()))`` — or, with
+        ``zero_stage=1``, a ``ZeroOptimizer`` running ``factory`` on this rank's dp shard of each gradient
+        bucket (optimizer state 1/dp; ``step()`` all-gathers the updated parameters over dp, collective).
+        ``factory``: e.g. ``functools.partial(torch.optim.AdamW, lr=3e-4)``."""
+        if self.zero_stage != 1 or self.grad_sync is None:
+            return make_inner_optimizer(factory, list(self.parameters()))
+        sync = self.grad_sync
+        dtype = sync.buckets[0].grads.dtype if sync.buckets else torch.float32
+        # ZeroOptimizer's stage-2 path takes gradient shards that are already averaged: DpGradSync's
+        # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
+        return ZeroOptimizer(_ZeroOwner(sync), factory, sync.groups, self.mesh, sync.axis, stage=2,
+                             scaler=LossScaler(None), reduce_dtype=dtype)
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage parameters (each once), for the user's optimizer."""
         seen: set[int] = set()
@@ -188,13 +211,16 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's tensors under the original ``state_dict`` keys, on every rank. Collective along
-        the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype)."""
+        the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
+        with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
         p = self.mesh.size(self.axis)
         owner: dict[str, int] = {}
         for s in self.all_stages:
             for name in s.owned_names():
                 owner.setdefault(name, s.index % p)
-        local = self.model.state_dict(keep_vars=True)
+        # Tensor parallelism inside the stages: gather each tensor over tp first (collective over tp; every
+        # rank of one pp coordinate walks the same keys). Other stages' copies here are stale but shaped right.
+        local = _unsharded_state(self.model)
         keys_by_rank: dict[tuple[int, torch.dtype], list[str]] = {}
         for key, value in local.items():
             module = max((n for n in owner if key.startswith(n + ".")), key=len)
@@ -207,6 +233,28 @@ class Pipeline:
             for k, piece in zip(keys, flat.split([local[k].numel() for k in keys])):
                 out[k] = piece.view(local[k].shape).clone()
         return out
+
+
+class _ZeroOwner:
+    """The owner interface ``ZeroOptimizer`` reads (its ``sw.zero`` wrapper normally), backed by the
+    pipeline's dp gradient buckets."""
+
+    def __init__(self, sync: DpGradSync) -> None:
+        self.sync, self._sync, self._reducer, self._grads_reduced = sync, True, None, False
+
+    @property
+    def _full_grads(self) -> list[Tensor]:
+        return [b.grads for b in self.sync.buckets]
+
+    @property
+    def _shard_grads(self) -> list[Tensor]:
+        return self.sync.shard_grads()
+
+    def _zero_grads(self) -> None:
+        self.sync.zero_grads()
+
+    def _note_peak(self, opt: Any) -> None:
+        pass
 
 
 def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Parameter, int]]:
@@ -238,6 +286,26 @@ def _check_keys(model: nn.Module, stages: list[Stage]) -> None:
                          f"register them inside the modules the stages run")
 
 
+def _check_hybrid(mesh: Mesh, axis: str, dp_axis: str | None, zero_stage: Any, checkpoint: Any,
+                  bucket_cap_mb: Any) -> None:
+    if dp_axis is not None and (dp_axis not in mesh.axes or dp_axis == axis):
+        raise ValueError(f"dp_axis {dp_axis!r} must be an axis of {mesh!r} other than the pipeline axis "
+                         f"{axis!r}; use one of {[a for a in mesh.axes if a != axis]} or dp_axis=None")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
+        raise ValueError(f"pipeline zero_stage must be 0 or 1 (ZeRO-1: optimizer state sharded over dp_axis), "
+                         f"got {zero_stage!r}; stages 2-3 shard gradients/parameters that every micro-batch of "
+                         f"the schedule needs, use sw.zero without a pipeline for those")
+    if zero_stage == 1 and dp_axis is None:
+        raise ValueError("pipeline zero_stage=1 shards the optimizer state over the data-parallel axis, but "
+                         "dp_axis is None; pass dp_axis='dp' (an axis of the mesh) or zero_stage=0")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a number > 0 (MB of gradients per dp reduction), got "
+                         f"{bucket_cap_mb!r}; the default is 25")
+    if not isinstance(checkpoint, bool):
+        raise TypeError(f"checkpoint must be True or False (recompute each unit's activations in backward), "
+                        f"got {checkpoint!r}")
+
+
 def _check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn: Callable, chunks: int) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"sw.pipeline needs mesh= a shardwise.Mesh, got {type(mesh).__name__}")
@@ -255,7 +323,8 @@ def _check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn
 
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
              loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
-             chunks: int = 1, dp_axis: str | None = None) -> Pipeline:
+             chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
+             checkpoint: bool = False, bucket_cap_mb: float = 25) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -263,8 +332,15 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     ``["blocks.2"]``); default: balanced by parameter count. ``schedule``: ``gpipe``, ``1f1b``, ``zb-h1`` or
     ``interleaved`` (``chunks >= 2``). ``loss_fn(output, targets)`` runs on the last stage per micro-batch.
     ``dp_axis``: another mesh axis of data-parallel replicas of the whole pipeline; each takes its slice of
-    the batch (every rank still passes the global batch), gradients and the loss are averaged over it.
+    the batch (every rank still passes the global batch), gradients and the loss are averaged over it; the
+    gradient reduction of each stage starts inside its last backward action (bucketed, asynchronous).
+    ``zero_stage=1``: ZeRO-1 over ``dp_axis`` — build the optimizer with ``pipe.build_optimizer(factory)``.
+    ``bucket_cap_mb``: gradient bytes per dp reduction (MB = 2**20 bytes).
+    ``checkpoint``: activation checkpointing per unit (each block keeps only its input; recomputed in backward).
+    Tensor parallelism inside a stage: pass a model already ``sw.parallelize``-d over another axis and a
+    tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
     Bad input raises ``ValueError`` / ``TypeError`` before any communication.
     """
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
-                    chunks=chunks, dp_axis=dp_axis)
+                    chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
+                    bucket_cap_mb=bucket_cap_mb)

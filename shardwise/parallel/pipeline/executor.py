@@ -72,6 +72,9 @@ class Interpreter:
         self.shape_key: tuple | None = None
         self.last = schedule.num_stages - 1
         self.synchronize_timings = False
+        self.grad_sync: Any = None
+        """A ``grad_sync.DpGradSync`` (set by ``Pipeline`` with a dp axis): told when each local stage's last
+        gradient-producing action starts and ends, so its dp reduction overlaps the rest of the step."""
         self.captures = {k: WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
 
     # -- communication ---------------------------------------------------------------------------------
@@ -217,19 +220,30 @@ class Interpreter:
         if key != self.shape_key:
             self.shapes, self.shape_key = {}, key
         sent_meta = set(self.shapes)
-        for a in actions:
+        final = _final_grad_actions(actions, "W" if self.schedule.split_backward else "B")
+        for k, a in enumerate(actions):
             if not a.is_compute:
                 self._communicate(a, st, sent_meta)
                 continue
             self._wait_input(a, st)
             start = time.perf_counter()
+            last = self.grad_sync is not None and final.get(a.stage) == k
+            if last:
+                self.grad_sync.arm(a.stage)
             self._compute(a, st)
+            if last:
+                self.grad_sync.stage_done(a.stage)
             if self.synchronize_timings:  # CUDA: without a sync the clock sees kernel launches only
                 torch.cuda.synchronize(self.mesh.device)
             st.events.append((a, start, time.perf_counter()))
         for h in st.sends:
             h.wait()
         assert not st.outputs and not st.pending, "schedule left work undone (validated schedules never do)"
+
+
+def _final_grad_actions(actions: Sequence[Action], kind: str) -> dict[int, int]:
+    """Local stage -> position in ``actions`` of its last gradient-producing action (``kind``)."""
+    return {a.stage: k for k, a in enumerate(actions) if a.kind == kind}
 
 
 def run_actions(interpreter: Interpreter, actions: Sequence[Action], inputs: list[Tensor],

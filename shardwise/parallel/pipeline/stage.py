@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["Unit", "Stage", "model_units", "balance_by_params", "resolve_split", "build_stages"]
 
@@ -150,10 +151,17 @@ class Stage(nn.Module):
         # Registered under the original qualified names (dots -> '/' since module names cannot hold dots), so
         # parameters() finds them; original keys come from ``owned_names``.
         self.parts = nn.ModuleDict({name.replace(".", "/"): m for u in units for name, m in u.modules})
+        self.checkpoint = False
+        """Activation checkpointing: each unit keeps only its input and recomputes its activations in backward
+        (``torch.utils.checkpoint``, non-reentrant: recomputed inside the same backward, hooks fire once)."""
 
     def forward(self, x: Tensor) -> Tensor:
         for u in self.units:
-            x = u.fn(x)
+            # float inputs only: the embedding unit's token ids have nothing to recompute from
+            if self.checkpoint and torch.is_grad_enabled() and x.is_floating_point():
+                x = checkpoint(u.fn, x, use_reentrant=False)
+            else:
+                x = u.fn(x)
         return x
 
     def owned_names(self) -> list[str]:

@@ -1,0 +1,166 @@
+"""Data parallelism around a pipeline: reduce each stage's gradients over the dp axis once per step, started
+as soon as they are final, while the rest of the schedule still runs.
+
+A pipeline rank's gradients of stage ``s`` are final after the last action that produces them in this step:
+the last ``B`` of ``s`` (schedules that do not split backward) or its last ``W`` (zero-bubble schedules). The
+interpreter tells ``DpGradSync`` when that action starts (``arm``) and ends (``stage_done``). Gradients live
+as views of one flat buffer per bucket (``zero_flat.FlatGroup`` lays the parameters end to end), so a
+bucket's collective runs on the buffer itself, without a copy:
+
+* full backward: a post-accumulate-grad hook per parameter marks it ready during the armed action, and a
+  bucket whose parameters are all ready starts its collective at once — inside the last backward, in the
+  order autograd produces the gradients (buckets are cut in reverse registration order);
+* split backward: ``W`` writes the gradients without autograd's accumulation hooks, so the buckets of ``s``
+  start when its last ``W`` ends. With chunks > 1 this still overlaps stage ``s``'s reduction with the other
+  chunk's remaining work; on the last stage's rank (which finishes first) it overlaps with every upstream
+  rank's cool-down.
+
+The collective is ``avg`` over dp: an all-reduce (plain data parallelism: every replica keeps the averaged
+gradient) or, with ``zero=True`` (ZeRO stage 1), a reduce-scatter that leaves each replica only its shard
+of the averaged gradient; the sharded optimizer (``ZeroOptimizer`` over the same ``FlatGroup``s) steps the
+shard and all-gathers the parameters. Parameters shared with another pipeline rank (tied embedding/head)
+sit in their own buckets, started by ``finish`` only after the tied-gradient exchange. Every dp replica of
+one pipeline coordinate runs the same action list, so buckets start in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ... import comm
+from ...mesh import Mesh
+from ..zero_flat import FlatGroup
+from ..zero_grads import attach_full_grads
+
+__all__ = ["DpGradSync", "plan_stage_buckets"]
+
+
+def plan_stage_buckets(numels: Sequence[int], cap_elems: int) -> list[list[int]]:
+    """Indices of one stage's parameters grouped into buckets of at most ``cap_elems`` elements (a larger
+    parameter is a bucket of its own), walking the parameters in reverse: backward produces the last
+    layer's gradients first, so the first bucket completes first. Pure."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(numels))):
+        if not buckets or size + numels[i] > cap_elems:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += numels[i]
+    return [sorted(b) for b in buckets]
+
+
+class _Bucket:
+    def __init__(self, group: FlatGroup, stage: int | None) -> None:
+        self.group, self.stage = group, stage
+        self.grads = torch.zeros(group.layout.total, dtype=group.params[0].dtype, device=group.params[0].device)
+        self.ready: set[int] = set()
+        self.handle: comm.Handle | None = None
+        self.shard: torch.Tensor | None = None  # zero: this rank's averaged gradient shard after ``finish``
+
+
+class DpGradSync:
+    """Bucketed, overlapped gradient averaging over ``dp_axis`` for this rank's stages (see module doc).
+
+    ``stage_params``: local stage index -> its (name, parameter) pairs in registration order (a parameter
+    used by two local stages is listed under the first). ``late``: ids of parameters whose collective waits
+    for ``finish`` (tied ones). Collective only in ``arm``/``stage_done``/``finish``.
+    """
+
+    def __init__(self, stage_params: dict[int, list[tuple[str, nn.Parameter]]], mesh: Mesh, dp_axis: str, *,
+                 zero: bool, late: set[int], cap_bytes: int = 25 * 2**20) -> None:
+        self.mesh, self.axis, self.zero = mesh, dp_axis, zero
+        self.buckets: list[_Bucket] = []
+        late_named: list[tuple[str, nn.Parameter]] = []
+        for s, named in sorted(stage_params.items()):
+            kept = [(n, q) for n, q in named if q.requires_grad and id(q) not in late]
+            late_named += [(n, q) for n, q in named if q.requires_grad and id(q) in late]
+            if not kept:
+                continue
+            cap = max(1, cap_bytes // kept[0][1].element_size())
+            for idx in plan_stage_buckets([q.numel() for _, q in kept], cap):
+                self.buckets.append(self._bucket([kept[i] for i in idx], s))
+        if late_named:
+            self.buckets.append(self._bucket(late_named, None))
+        self._of: dict[int, _Bucket] = {id(q): b for b in self.buckets for q in b.group.params}
+        self._armed: set[int] = set()
+        for b in self.buckets:
+            for q in b.group.params:
+                q.register_post_accumulate_grad_hook(self._on_grad)
+        self.launched_in_backward = 0
+        """Buckets whose collective started from a gradient hook, inside a backward (diagnostics/tests)."""
+
+    def _bucket(self, named: list[tuple[str, nn.Parameter]], stage: int | None) -> _Bucket:
+        params = [q for _, q in named]
+        group = FlatGroup([n for n, _ in named], params, self.mesh, self.axis, compute_dtype=params[0].dtype,
+                          sharded_params=False)
+        return _Bucket(group, stage)
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return [b.group for b in self.buckets]
+
+    # -- the step -------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Point every gradient at its bucket view (keeping any accumulated value), reset readiness."""
+        for b in self.buckets:
+            attach_full_grads(b.group, b.grads)
+            b.ready.clear()
+            b.handle, b.shard = None, None
+        self._armed.clear()
+        self.launched_in_backward = 0
+
+    def arm(self, stage: int) -> None:
+        """The next action is the last one producing stage ``stage``'s gradients this step."""
+        self._armed.add(stage)
+
+    def _on_grad(self, q: torch.Tensor) -> None:
+        b = self._of[id(q)]
+        if b.stage not in self._armed or b.handle is not None:
+            return
+        b.ready.add(id(q))
+        if len(b.ready) == len(b.group.params):
+            self._launch(b)
+            self.launched_in_backward += 1
+
+    def stage_done(self, stage: int) -> None:
+        """Stage ``stage``'s gradients are final: start every bucket of it not started yet."""
+        self._armed.discard(stage)
+        for b in self.buckets:
+            if b.stage == stage and b.handle is None:
+                self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        attach_full_grads(b.group, b.grads)  # a gradient autograd replaced instead of accumulating: copy back
+        if self.zero:
+            b.handle = comm.reduce_scatter(b.grads, self.mesh, self.axis, op="avg", async_op=True)  # type: ignore[assignment]
+        else:
+            b.handle = comm.all_reduce(b.grads, self.mesh, self.axis, op="avg", async_op=True)  # type: ignore[assignment]
+
+    def finish(self) -> None:
+        """Start the late buckets (after the tied exchange) and any bucket of a stage that ran no backward,
+        then wait for all. Afterwards ``.grad`` holds the dp average (all-reduce), or each bucket's ``shard``
+        holds this rank's shard of it (zero)."""
+        for b in self.buckets:
+            if b.handle is None:
+                self._launch(b)
+        for b in self.buckets:
+            got = b.handle.wait()  # type: ignore[union-attr]
+            if self.zero:
+                b.shard = got
+                # ZeRO-1: the replica keeps the full buffer for the next accumulation; the optimizer reads
+                # the shard only. Put the averaged shard into place so clip/inspection sees averaged values.
+                b.grads[b.group.lo:b.group.hi].copy_(got)
+
+    # -- ZeRO-1's optimizer view ------------------------------------------------------------------------
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [b.grads[b.group.lo:b.group.hi] for b in self.buckets]
+
+    @torch.no_grad()
+    def zero_grads(self) -> None:
+        for b in self.buckets:
+            b.grads.zero_()
+            attach_full_grads(b.group, b.grads)
