@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "dp": ("shardwise.parallel.data_bench", "DataParallel step time vs torch DDP, overlap, buckets"),
     "sbp": ("shardwise.sbp.bench", "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
     "tp": ("shardwise.parallel.tensor_bench", "tensor-parallel step time vs torch parallelize_module; boxing"),
+    "pp": ("shardwise.parallel.pipeline.bench", "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
     "zero": ("shardwise.parallel.zero_bench", "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
 }
 
