@@ -29,17 +29,19 @@ def _factory(case: dict):
     return partial(torch.optim.SGD, lr=LR)
 
 
-def _reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     model = _model(case["n_layer"], case.get("tie", True))
     opt = _factory(case)(model.parameters())
-    losses = []
+    losses, norms = [], []
     for idx, tgt in _batches():
         loss = lm_loss(model(idx), tgt)
         loss.backward()
         losses.append(loss.item())
+        if "clip" in case:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
         opt.step()
         opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
 def _build(case: dict):
@@ -60,7 +62,7 @@ def _build(case: dict):
 def _run_case(case: dict) -> dict:
     m, pipe = _build(case)
     opt = pipe.build_optimizer(_factory(case))
-    losses, step_counts, opt_counts, in_backward = [], [], [], []
+    losses, step_counts, opt_counts, in_backward, norms = [], [], [], [], []
     for idx, tgt in _batches():
         with sw.comm.CommCounter() as c:
             losses.append(pipe.step(idx, tgt))
@@ -68,12 +70,14 @@ def _run_case(case: dict) -> dict:
                            | {"rs_bytes": c.bytes("reduce_scatter", axis="dp"),
                               "ar_bytes": c.bytes("all_reduce", axis="dp")})
         in_backward.append(pipe.grad_sync.launched_in_backward if pipe.grad_sync else 0)
+        if "clip" in case:
+            norms.append(float(pipe.clip_grad_norm_(case["clip"])))
         with sw.comm.CommCounter() as c:
             opt.step()
         opt_counts.append(c.count("all_gather", axis="dp"))
         opt.zero_grad()
     full = sw.full_state_dict(pipe)
-    ref_losses, ref_state = _reference(case)
+    ref_losses, ref_state, ref_norms = _reference(case)
     local = list(pipe.parameters())
     state_numel = sum(v.numel() for s in opt.state.values() for k, v in s.items()
                       if isinstance(v, torch.Tensor) and k == "exp_avg")
@@ -81,6 +85,8 @@ def _run_case(case: dict) -> dict:
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
         "keys_ok": sorted(full) == sorted(ref_state),
+        "norms": norms,
+        "ref_norms": ref_norms,
         "step_counts": step_counts,
         "opt_all_gathers": opt_counts,
         "in_backward": in_backward,

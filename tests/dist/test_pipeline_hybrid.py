@@ -15,19 +15,22 @@ TINY = 1e-9  # MB: every parameter its own gradient bucket
 
 CASES = {
     4: [
-        dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=3, cap_mb=TINY),
+        dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=3, cap_mb=TINY, clip=0.5),
         dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=2, m=2, cap_mb=TINY),
         dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=2, zero=1, opt="adamw"),
-        dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=3, m=3, zero=1, opt="adamw", cap_mb=TINY),
+        dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=3, m=3, zero=1, opt="adamw", cap_mb=TINY, clip=0.5),
         dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=2, ckpt=True),
         dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=2, m=3, ckpt=True, opt="adamw"),
-        dict(axes=dict(pp=2, tp=2), schedule="1f1b", n_layer=2, m=3),
+        dict(axes=dict(pp=2, tp=2), schedule="1f1b", n_layer=2, m=3, clip=0.5),
         dict(axes=dict(pp=2, tp=2), schedule="zb-h1", n_layer=2, m=2, ckpt=True),
         dict(axes=dict(pp=2, tp=2), schedule="1f1b", n_layer=2, m=2, sp=True, tie=False),
     ],
     8: [
+        # (clipping is checked with SGD here: AdamW divides by sqrt(v) + eps, and on clipped, smaller gradients
+        # that amplifies float summation-order noise to ~1.5e-5 relative, past the tolerance)
         dict(axes=dict(pp=2, dp=2, tp=2), schedule="1f1b", n_layer=2, m=2, zero=1, opt="adamw"),
-        dict(axes=dict(pp=2, dp=2, tp=2), schedule="zb-h1", n_layer=2, m=2),
+        dict(axes=dict(pp=2, dp=2, tp=2), schedule="zb-h1", n_layer=2, m=2, clip=0.5),
+        dict(axes=dict(pp=2, dp=2, tp=2), schedule="1f1b", n_layer=2, m=2, zero=1, clip=0.5, tie=False),
     ],
 }
 
@@ -39,6 +42,9 @@ def test_hybrids_match_one_device(worlds, n):
     for k, case in enumerate(cases):
         for rank, results in enumerate(per_rank):
             res = results[k]
+            if "clip" in case:  # pipe.clip_grad_norm_: the one-device norm, and clipping really happened
+                assert all(r > case["clip"] for r in res["ref_norms"]), res["ref_norms"]
+                assert all(abs(a - b) <= 1e-5 * b for a, b in zip(res["norms"], res["ref_norms"])), res
             assert res["loss_err"] < RTOL, (case, rank, res)
             assert res["param_err"] < RTOL, (case, rank, res)
             assert res["keys_ok"], case
@@ -66,7 +72,7 @@ def _check_dp_pattern(case: dict, res: dict) -> None:
         assert all(n == (res["n_params"] if tiny else 1 + (res["n_tied"] > 0)) for n in res["opt_all_gathers"])
         # AdamW state exists for this rank's shard: 1/dp of the elements, up to one element per bucket
         buckets = res["n_params"] if tiny else 2
-        assert abs(res["state_numel"] - res["local_numel"] / res["dp"]) <= buckets, res
+        assert case.get("opt") != "adamw" or abs(res["state_numel"] - res["local_numel"] / res["dp"]) <= buckets, res
     if case["schedule"] == "1f1b" and tiny:
         # every untied parameter's bucket started from its gradient hook inside the last backward
         assert all(b == res["n_params"] - res["n_tied"] for b in res["in_backward"]), res

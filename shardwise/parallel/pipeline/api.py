@@ -31,6 +31,7 @@ from .communication import lower_communication
 from .executor import Interpreter, run_actions
 from .actions import Action
 from .schedules import SCHEDULES, get_schedule
+from .clip import clip_pipeline_grads, counted
 from .grad_sync import DpGradSync
 from .simulate import Event
 from .stage import Stage, build_stages
@@ -191,6 +192,30 @@ class Pipeline:
         # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
         return ZeroOptimizer(_ZeroOwner(sync), factory, sync.groups, self.mesh, sync.axis, stage=2,
                              scaler=LossScaler(None), reduce_dtype=dtype)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip this step's gradients so the norm over the *whole* model is at most ``max_norm``; returns that
+        norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` on one device. Call after ``step`` and
+        before the optimizer step. Collective over every mesh axis (one all-reduce of one number each)."""
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        own = {self.axis} | ({self.dp_axis} if self.dp_axis else set())
+        skip = {id(q) for q, peer in self.tied if peer < self.mesh.coord(self.axis)}  # the lower coordinate counts
+        sync = self.grad_sync
+        if sync is not None and sync.zero:  # ZeRO-1: every replica holds the averaged shard of each bucket
+            count, scale = [], sync.shard_grads()
+            for b in sync.buckets:
+                g = b.group
+                for k, start, stop in g.layout.pieces(self.mesh.coord(sync.axis)):
+                    if counted(g.params[k], self.mesh, own, skip):
+                        off = g.layout.offsets[k]
+                        count.append(b.grads[off + start:off + stop])
+        else:  # every dp replica holds the same averaged gradients: coordinate 0 counts them
+            scale = [q.grad for q in self.parameters() if q.grad is not None]
+            first = self.dp_axis is None or self.mesh.coord(self.dp_axis) == 0
+            count = [q.grad for q in self.parameters() if q.grad is not None and first
+                     and counted(q, self.mesh, own, skip)]
+        return clip_pipeline_grads(count, scale, mesh=self.mesh, max_norm=max_norm, norm_type=norm_type)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage parameters (each once), for the user's optimizer."""
