@@ -51,7 +51,7 @@ def gather_and_report(args: argparse.Namespace, names: list[str], pipes: dict, r
     rows = sw.comm.all_gather(torch.tensor([local], dtype=torch.float64, device=mesh.device), mesh, AXIS).cpu()
     if mesh.coord(AXIS) != 0:
         return None
-    p, k = rows.shape[0], len(_FIELDS)
+    k = len(_FIELDS)
     out: dict[str, Any] = {"ranks": world_size, "preset": args.preset, "n_layer": pipes[names[0]].model.config.n_layer,
                            "n_embd": pipes[names[0]].model.config.n_embd, "batch": args.batch, "seq": args.seq,
                            "microbatches": args.microbatches, "threads": args.threads, "steps": args.steps,
