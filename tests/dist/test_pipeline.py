@@ -30,6 +30,7 @@ CASES = {
         # per stage (a weight shared across ranks, kept tied like the GPT's embedding and head)
         dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=False, split=["5"]),
         dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=2, split=["3"]),  # weight and bias
+        dict(schedule="zb-h2", n_layer=2, m=3),
     ],
     4: [
         dict(schedule="gpipe", n_layer=4, m=6),
@@ -42,6 +43,8 @@ CASES = {
         dict(schedule="1f1b", n_layer=2, m=3, dp=2),  # pp x dp = 2 x 2: replicas of a 2-stage pipeline
         dict(schedule="interleaved", n_layer=4, m=2, chunks=2, dp=2),  # per-stage buckets, two stages a rank
         dict(schedule="zb-h1", n_layer=3, m=2, dp=2),
+        dict(schedule="zb-h2", n_layer=4, m=12),  # m >= 2p - 1: the full warm-up of 2(p - r) - 1 forwards
+        dict(schedule="zb-h2", n_layer=3, m=3, dp=2),
     ],
 }
 
@@ -80,7 +83,8 @@ def test_schedules_match_one_device(worlds, n):
             steps = pc.STEPS * case.get("accum", 1)
             assert res["sends"] == [first] + [later] * (steps - 1), (case, rank, res["sends"])
             assert res["state_dict_sends"] == 0, case  # full_state_dict uses broadcasts, no point-to-point
-            peak = {"gpipe": case["m"], "1f1b": min(p - rank, case["m"]), "zb-h1": min(p, case["m"])}
+            peak = {"gpipe": case["m"], "1f1b": min(p - rank, case["m"]), "zb-h1": min(p, case["m"]),
+                    "zb-h2": min(2 * p - 1, case["m"])}
             if case["schedule"] in peak:  # activation sets held at once: the schedule's memory bound
                 assert res["peak_held"] == peak[case["schedule"]], (case, rank, res["peak_held"])
             chunks = case.get("chunks", 1)

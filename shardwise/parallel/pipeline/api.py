@@ -354,7 +354,7 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
     ``stage.py`` for how each becomes units). ``split``: unit names that start stages 1, 2, ... (e.g.
-    ``["blocks.2"]``); default: balanced by parameter count. ``schedule``: ``gpipe``, ``1f1b``, ``zb-h1`` or
+    ``["blocks.2"]``); default: balanced by parameter count. ``schedule``: ``gpipe``, ``1f1b``, ``zb-h1``, ``zb-h2`` or
     ``interleaved`` (``chunks >= 2``). ``loss_fn(output, targets)`` runs on the last stage per micro-batch.
     ``dp_axis``: another mesh axis of data-parallel replicas of the whole pipeline; each takes its slice of
     the batch (every rank still passes the global batch), gradients and the loss are averaged over it; the
