@@ -30,11 +30,12 @@ from ..zero_optim import ZeroOptimizer, make_inner_optimizer
 from .communication import lower_communication
 from .executor import Interpreter, run_actions
 from .actions import Action
-from .schedules import SCHEDULES, get_schedule
+from .schedules import get_schedule
 from .clip import clip_pipeline_grads, counted
 from .grad_sync import DpGradSync
 from .simulate import Event
 from .stage import Stage, build_stages
+from .validate import check_args, check_hybrid, check_keys
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -46,15 +47,15 @@ class Pipeline:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
                  bucket_cap_mb: float = 25) -> None:
-        _check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
-        _check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
+        check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
+        check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
         self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
         self.model = model  # keys and shapes of the whole model, for full_state_dict
         me = mesh.coord(axis)
-        _check_keys(model, self.all_stages)
+        check_keys(model, self.all_stages)
         self.tied = _tied_parameters(self.all_stages, p, me)
         self.stages = {s.index: s.to(mesh.device) for s in self.all_stages if s.index % p == me}
         for stage in self.stages.values():
@@ -301,49 +302,6 @@ def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Para
         if len(ranks) == 2 and me in ranks:
             out.append((param, ranks[0] if ranks[1] == me else ranks[1]))
     return out
-
-
-def _check_keys(model: nn.Module, stages: list[Stage]) -> None:
-    names = [n for s in stages for n in s.owned_names()]
-    loose = [k for k in model.state_dict() if not any(k.startswith(n + ".") for n in names)]
-    if loose:
-        raise ValueError(f"model tensors {loose[:5]} belong to no pipeline unit (units run {names[:6]}...); "
-                         f"register them inside the modules the stages run")
-
-
-def _check_hybrid(mesh: Mesh, axis: str, dp_axis: str | None, zero_stage: Any, checkpoint: Any,
-                  bucket_cap_mb: Any) -> None:
-    if dp_axis is not None and (dp_axis not in mesh.axes or dp_axis == axis):
-        raise ValueError(f"dp_axis {dp_axis!r} must be an axis of {mesh!r} other than the pipeline axis "
-                         f"{axis!r}; use one of {[a for a in mesh.axes if a != axis]} or dp_axis=None")
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
-        raise ValueError(f"pipeline zero_stage must be 0 or 1 (ZeRO-1: optimizer state sharded over dp_axis), "
-                         f"got {zero_stage!r}; stages 2-3 shard gradients/parameters that every micro-batch of "
-                         f"the schedule needs, use sw.zero without a pipeline for those")
-    if zero_stage == 1 and dp_axis is None:
-        raise ValueError("pipeline zero_stage=1 shards the optimizer state over the data-parallel axis, but "
-                         "dp_axis is None; pass dp_axis='dp' (an axis of the mesh) or zero_stage=0")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a number > 0 (MB of gradients per dp reduction), got "
-                         f"{bucket_cap_mb!r}; the default is 25")
-    if not isinstance(checkpoint, bool):
-        raise TypeError(f"checkpoint must be True or False (recompute each unit's activations in backward), "
-                        f"got {checkpoint!r}")
-
-
-def _check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn: Callable, chunks: int) -> None:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"sw.pipeline needs mesh= a shardwise.Mesh, got {type(mesh).__name__}")
-    if axis not in mesh.axes:
-        raise ValueError(f"pipeline axis {axis!r} is not an axis of {mesh!r}; use one of {list(mesh.axes)}")
-    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {loss_fn!r}")
 
 
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
