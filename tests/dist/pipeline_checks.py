@@ -94,6 +94,7 @@ def _run_case(case: dict) -> dict:
         "stages": {s: names for s, names in pipe.stage_names().items()},
         "my_stages": sorted(pipe.stages),
         "tied_peers": [peer for _, peer in pipe.tied],
+        "tied_values": [q.detach().clone() for q, _ in pipe.tied],
         "coord": m.coord("pp"),
         "p": p,
         "state_dict_sends": c.count("send"),

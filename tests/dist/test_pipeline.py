@@ -9,6 +9,7 @@ message per boundary on the first step only, plus one message each way for a tie
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardwise.parallel.pipeline.stage import balance_by_params
 from tests.dist import pipeline_checks as pc
@@ -94,6 +95,11 @@ def test_schedules_match_one_device(worlds, n):
                 assert res["tied_peers"] == want, (case, rank)
             else:
                 assert res["tied_peers"] == [], case
+        by_coord = {r[k]["coord"]: r[k] for r in per_rank}
+        p = per_rank[0][k]["p"]
+        if case.get("tie", True) and p > 1:  # the two copies of a tied weight stay bit-identical, accumulation too
+            for a, b in zip(by_coord[0]["tied_values"], by_coord[p - 1]["tied_values"]):
+                assert torch.equal(a, b), (case, (a - b).abs().max())
         stages = per_rank[0][k]["stages"]
         if "split" in case:
             starts = [names[0] for _, names in sorted(stages.items())][1:]

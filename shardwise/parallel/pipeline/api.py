@@ -132,7 +132,15 @@ class Pipeline:
                            comm.isend(mine, self.mesh, self.axis, dst=peer)]
             for h in handles:
                 h.wait()
-            param.grad = grad + theirs if param.grad is None else param.grad.add_(theirs)
+            # Both ranks now hold the same bits of both contributions; summing them in pipeline-coordinate
+            # order onto the (identical) earlier gradient keeps the two copies bit-identical. Adding `theirs`
+            # onto `old + mine` would not: (old + g) - old is not g exactly once gradients accumulate.
+            low, high = (mine, theirs) if self.mesh.coord(self.axis) < peer else (theirs, mine)
+            total = low + high if old is None else old + (low + high)
+            if param.grad is None:
+                param.grad = total
+            else:
+                param.grad.copy_(total)  # in place: with dp, .grad is a view of a gradient bucket
 
     # -- timings ---------------------------------------------------------------------------------------
     def timeline(self) -> list[Event]:
