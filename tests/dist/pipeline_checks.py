@@ -85,6 +85,10 @@ def _run_case(case: dict) -> dict:
     with sw.comm.CommCounter() as c:
         full = sw.full_state_dict(pipe)
     ref_losses, ref_state = _reference(case)
+    whole = _model(case["n_layer"], case.get("tie", True), kind)  # a fresh, unreleased copy
+    # what this rank still stores: its stages' tensors only (others were released at construction)
+    kept = {id(t): t.numel() for t in (*model.parameters(), *model.buffers()) if t.numel() > 0}
+    mine = {id(t): t.numel() for st in pipe.stages.values() for t in (*st.parameters(), *st.buffers())}
     return {
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
@@ -99,6 +103,9 @@ def _run_case(case: dict) -> dict:
         "p": p,
         "state_dict_sends": c.count("send"),
         "peak_held": pipe.last_peak_held,
+        "kept_numel": sum(kept.values()),
+        "stage_numel": sum(mine.values()),
+        "model_numel": sum({id(t): t.numel() for t in (*whole.parameters(), *whole.buffers())}.values()),
     }
 
 

@@ -84,6 +84,9 @@ def test_schedules_match_one_device(worlds, n):
             steps = pc.STEPS * case.get("accum", 1)
             assert res["sends"] == [first] + [later] * (steps - 1), (case, rank, res["sends"])
             assert res["state_dict_sends"] == 0, case  # full_state_dict uses broadcasts, no point-to-point
+            # a rank keeps only its own stages' tensors, strictly less than the whole model when p > 1
+            assert res["kept_numel"] == res["stage_numel"], (case, rank)
+            assert p == 1 or res["kept_numel"] < res["model_numel"], (case, rank)
             peak = {"gpipe": case["m"], "1f1b": min(p - rank, case["m"]), "zb-h1": min(p, case["m"]),
                     "zb-h2": min(2 * p - 1, case["m"])}
             if case["schedule"] in peak:  # activation sets held at once: the schedule's memory bound

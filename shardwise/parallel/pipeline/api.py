@@ -23,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from ... import comm
-from ...checkpoint.full_state import full_state_dict as _unsharded_state
 from ...mesh import Mesh
 from ..mixed_precision import LossScaler
 from ..zero_optim import ZeroOptimizer, make_inner_optimizer
@@ -33,6 +32,7 @@ from .actions import Action
 from .schedules import get_schedule
 from .clip import clip_pipeline_grads, counted
 from .grad_sync import DpGradSync
+from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
 from .stage import Stage, build_stages
 from .validate import check_args, check_hybrid, check_keys
@@ -46,7 +46,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
-                 bucket_cap_mb: float = 25) -> None:
+                 bucket_cap_mb: float = 25, release: bool = True) -> None:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
@@ -58,6 +58,11 @@ class Pipeline:
         check_keys(model, self.all_stages)
         self.tied = _tied_parameters(self.all_stages, p, me)
         self.stages = {s.index: s.to(mesh.device) for s in self.all_stages if s.index % p == me}
+        self._meta = full_meta(model)  # full shapes and dtypes of every key, before anything is released
+        modules = {name: s.index % p for s in reversed(self.all_stages) for name in s.owned_names()}
+        self._key_owner = key_owner(self._meta, modules)  # a tied key: its first stage's coordinate
+        self.released_bytes = release_other_stages(model, self.stages.values()) if release else 0
+        """Bytes of other stages' parameters and buffers freed on this rank at construction."""
         for stage in self.stages.values():
             stage.checkpoint = checkpoint
         self.zero_stage = zero_stage
@@ -247,26 +252,7 @@ class Pipeline:
         """The whole model's tensors under the original ``state_dict`` keys, on every rank. Collective along
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
-        p = self.mesh.size(self.axis)
-        owner: dict[str, int] = {}
-        for s in self.all_stages:
-            for name in s.owned_names():
-                owner.setdefault(name, s.index % p)
-        # Tensor parallelism inside the stages: gather each tensor over tp first (collective over tp; every
-        # rank of one pp coordinate walks the same keys). Other stages' copies here are stale but shaped right.
-        local = _unsharded_state(self.model)
-        keys_by_rank: dict[tuple[int, torch.dtype], list[str]] = {}
-        for key, value in local.items():
-            module = max((n for n in owner if key.startswith(n + ".")), key=len)
-            keys_by_rank.setdefault((owner[module], value.dtype), []).append(key)
-        out: dict[str, Tensor] = {}
-        for (rank, _), keys in keys_by_rank.items():
-            flat = torch.cat([local[k].detach().reshape(-1).to(self.mesh.device) for k in keys])
-            if p > 1:
-                comm.broadcast(flat, self.mesh, self.axis, src=rank)
-            for k, piece in zip(keys, flat.split([local[k].numel() for k in keys])):
-                out[k] = piece.view(local[k].shape).clone()
-        return out
+        return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
 
 
 class _ZeroOwner:
@@ -315,7 +301,7 @@ def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Para
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
              loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
-             checkpoint: bool = False, bucket_cap_mb: float = 25) -> Pipeline:
+             checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -326,7 +312,9 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     the batch (every rank still passes the global batch), gradients and the loss are averaged over it; the
     gradient reduction of each stage starts inside its last backward action (bucketed, asynchronous).
     ``zero_stage=1``: ZeRO-1 over ``dp_axis`` — build the optimizer with ``pipe.build_optimizer(factory)``.
-    ``bucket_cap_mb``: gradient bytes per dp reduction (MB = 2**20 bytes).
+    ``bucket_cap_mb``: gradient bytes per dp reduction (MB = 2**20 bytes). ``release``: free the parameters
+    and buffers of the stages other ranks run (default), so each rank keeps ~1/pp of the model; ``model``
+    itself is then no longer usable as a whole (use ``sw.full_state_dict(pipe)``).
     ``checkpoint``: activation checkpointing per unit (each block keeps only its input; recomputed in backward).
     Tensor parallelism inside a stage: pass a model already ``sw.parallelize``-d over another axis and a
     tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
@@ -334,4 +322,4 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     """
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
                     chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
-                    bucket_cap_mb=bucket_cap_mb)
+                    bucket_cap_mb=bucket_cap_mb, release=release)
