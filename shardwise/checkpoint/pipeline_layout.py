@@ -1,15 +1,18 @@
 """Sharded save/load for a model run by ``sw.pipeline``: each rank writes only its own stages' tensors.
 
-A pipeline rank holds whole tensors, but only those of its stages; the other pp coordinates hold other
-tensors. So a stage tensor is not a ``B`` or ``S`` of the pp axis: its ``Piece`` is described on the mesh
-*without* the pp axis (``B`` over dp and tp), and only ranks of the pp coordinate that owns it emit it — dp
-(and tp) coordinate 0 of that pp coordinate writes it, once. A tensor held by stages on two pp coordinates
-(the GPT's tied ``wte.weight`` / ``lm_head.weight``) is owned by the lower one, so it is written once, under
-its first ``state_dict`` key, as every layout writes it (the alias goes into the index state).
+A pipeline rank holds only the tensors of its stages; the other pp coordinates hold other tensors. So a stage
+tensor is not a ``B`` or ``S`` of the pp axis: its ``Piece`` is described on the mesh *without* the pp axis —
+``B`` over dp, and over tp whatever tensor parallelism inside the stage made it (``S(d)`` shards, head-split
+QKV), exactly as ``layout.describe`` gives it — and only ranks of the pp coordinate that owns it emit it, so
+every element is written once (dp coordinate 0 of that pp coordinate, each tp shard by its tp coordinate).
+A tensor held by stages on two pp coordinates (the GPT's tied ``wte.weight`` / ``lm_head.weight``) is owned by
+the lower one, so it is written once, under its first ``state_dict`` key, as every layout writes it (the alias
+goes into the index state).
 
 Keys are the plain model's (``model/<key>``, ``optim/<parameter name>/<state>``), so a pp checkpoint loads in
 any layout (pp = 1, other pp, dp, tp, ZeRO) and ``shardwise export`` reads it unchanged; loading into a
 pipeline reads only this rank's stage tensors and their optimizer state, from a checkpoint of any layout.
+ZeRO-1 inside a pipeline (flat optimizer-state shards per pp coordinate): ``pipeline_zero.py``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mesh import Mesh
 from ..sbp.placement import Broadcast
-from .layout import load_optimizer, tied_aliases
-from .sharded import Checkpoint, Piece, replicated_piece
+from .layout import describe, load_optimizer, optimizer_pieces, tied_aliases
+from .sharded import Checkpoint, Piece
 
-__all__ = ["key_owners", "pipeline_model_pieces", "pipeline_optimizer_pieces", "load_pipeline"]
+__all__ = ["key_owners", "without_axis", "pipeline_model_pieces", "pipeline_optimizer_pieces", "load_pipeline_model",
+           "load_pipeline"]
 
 
 def key_owners(pipe: Any) -> dict[str, int]:
@@ -47,12 +50,16 @@ def key_owners(pipe: Any) -> dict[str, int]:
     return owners
 
 
-def _stage_piece(key: str, t: torch.Tensor, mesh: Mesh, axis: str) -> Piece:
-    """``t`` whole on this rank, replicated over every mesh axis except the pipeline axis (see module doc)."""
-    axes = tuple(a for a in mesh.axes if a != axis)
-    shape = tuple(t.shape)
-    return Piece(key, t, shape, shape, tuple(Broadcast() for _ in axes), axes, tuple(mesh.size(a) for a in axes),
-                 tuple(mesh.coord(a) for a in axes))
+def without_axis(piece: Piece, axis: str) -> Piece:
+    """``piece`` described on the mesh without ``axis`` (which must be ``B`` for it: every coordinate along
+    ``axis`` would hold the same values — for a pipeline stage's tensor, only one coordinate holds it at all)."""
+    keep = [i for i, a in enumerate(piece.axes) if a != axis]
+    if any(not isinstance(piece.sbp[i], Broadcast) for i, a in enumerate(piece.axes) if a == axis):
+        raise ValueError(f"{piece.key}: split over the pipeline axis {axis!r} ({piece.sbp}); a stage tensor is held "
+                         f"whole by its pp coordinate, parallelize the model over another axis")
+    return Piece(piece.key, piece.local, piece.view_shape, piece.full_shape, tuple(piece.sbp[i] for i in keep),
+                 tuple(piece.axes[i] for i in keep), tuple(piece.mesh_shape[i] for i in keep),
+                 tuple(piece.coords[i] for i in keep))
 
 
 def _mine(pipe: Any) -> set[str]:
@@ -61,25 +68,23 @@ def _mine(pipe: Any) -> set[str]:
 
 
 def pipeline_model_pieces(pipe: Any) -> list[Piece]:
-    """This rank's stage tensors (the keys its pp coordinate owns) as pieces. Local."""
+    """This rank's stage tensors (the keys its pp coordinate owns) as pieces over the axes without pp. Local."""
     mine = _mine(pipe)
-    return [_stage_piece(f"model/{k}", v.detach(), pipe.mesh, pipe.axis)
+    # describe() reads the layout attributes (tp spec, head split) of the tensor itself; the piece holds an alias
+    return [without_axis(describe(f"model/{k}", v, pipe.mesh, v.detach()), pipe.axis)
             for k, v in pipe.model.state_dict(keep_vars=True).items() if k in mine]
 
 
 def pipeline_optimizer_pieces(pipe: Any, optimizer: torch.optim.Optimizer) -> list[Piece]:
     """This rank's optimizer state for the parameters its pp coordinate owns, under the plain parameter names
-    (``named_parameters`` lists a tied parameter under its first key, which is also its state_dict key). Local."""
+    (``named_parameters`` lists a tied parameter under its first key, which is also its state_dict key); state
+    shaped like its parameter shares the parameter's tp layout. Local."""
     mine = _mine(pipe)
-    names = {id(q): n for n, q in pipe.model.named_parameters()}
-    out: list[Piece] = []
-    for group in optimizer.param_groups:
-        for q in group["params"]:
-            if names[id(q)] not in mine:
-                continue  # the tied copy of the higher pp coordinate: its twin (identical state) is saved
-            for state, value in optimizer.state.get(q, {}).items():
-                value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-                out.append(_stage_piece(f"optim/{names[id(q)]}/{state}", value.detach(), pipe.mesh, pipe.axis))
+    out = []
+    for piece in optimizer_pieces(pipe.model, optimizer, pipe.mesh):
+        name = piece.key[len("optim/"):].rpartition("/")[0]
+        if name in mine:  # else the tied copy of the higher pp coordinate: its twin (identical state) is saved
+            out.append(without_axis(piece, pipe.axis))
     return out
 
 
@@ -90,15 +95,21 @@ def _stage_keys(pipe: Any) -> list[str]:
 
 
 @torch.no_grad()
-def load_pipeline(ckpt: Checkpoint, pipe: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Load this rank's stage tensors and their optimizer state from a checkpoint of any layout. Local (reads
+def load_pipeline_model(ckpt: Checkpoint, pipe: Any) -> None:
+    """Load this rank's stage tensors (its tp piece of each) from a checkpoint of any layout. Local (reads
     files only): every checkpoint stores each storage whole under its first key, so a tied alias reads that."""
     model: nn.Module = pipe.model
     first = tied_aliases(model)  # {alias key: first key} of this model
     tensors = model.state_dict(keep_vars=True)
     for key in _stage_keys(pipe):
         value = tensors[key]
-        target = replicated_piece(f"model/{first.get(key, key)}", value.detach(), pipe.mesh)
+        target = describe(f"model/{first.get(key, key)}", value, pipe.mesh, value.detach())
         value.copy_(ckpt.load_piece(target).to(value.device, value.dtype))
-    # The optimizer holds this rank's stage parameters only; their state is whole on this rank (B everywhere).
-    load_optimizer(ckpt, model, optimizer, pipe.mesh)
+
+
+def load_pipeline(ckpt: Checkpoint, pipe: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Load this rank's stage tensors and their optimizer state (per-parameter optimizer; for ZeRO-1 see
+    ``pipeline_zero.load_pipeline_zero``) from a checkpoint of any layout. Local (file reads)."""
+    load_pipeline_model(ckpt, pipe)
+    # The optimizer holds this rank's stage parameters only; their state has the parameters' layout.
+    load_optimizer(ckpt, pipe.model, optimizer, pipe.mesh)

@@ -20,7 +20,8 @@ from ..mesh import Mesh
 from ..sbp.placement import Broadcast, Split
 from .sharded import Checkpoint, Piece, replicated_piece
 
-__all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "param_state", "load_zero"]
+__all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "param_state", "fill_flat_state",
+           "load_zero"]
 
 
 def zero_model_pieces(model: Any, mesh: Mesh) -> list[Piece]:
@@ -56,6 +57,19 @@ def zero_groups_state(model: Any) -> list[dict[str, Any]]:
             for g in model.groups]
 
 
+def _saved_groups(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """The checkpoint's flat groups, each with its ``key`` (``zero/<key>/<state>``): ``sw.zero``'s from the index
+    state (key = position), a pipeline's from every rank file (``pipeline_zero.py``; each key once)."""
+    groups = [dict(g, key=g.get("key", str(i))) for i, g in enumerate(ckpt.state.get("zero_groups") or [])]
+    if ckpt.state.get("pipeline_zero_groups"):
+        seen: dict[str, dict[str, Any]] = {}
+        for rank in range(int(ckpt.index["world_size"])):
+            for g in (ckpt.rank_state(rank) or {}).get("zero_groups", []):
+                seen.setdefault(g["key"], g)
+        groups += list(seen.values())
+    return groups
+
+
 def param_state(ckpt: Checkpoint) -> tuple[dict[str, list[str]], Callable[[str, str], torch.Tensor]]:
     """``(state names per parameter, fetch(param, state) -> full tensor)`` from either checkpoint format:
     per-parameter ``optim/<param>/<state>`` or ZeRO ``zero/<group>/<state>`` flat groups."""
@@ -63,26 +77,43 @@ def param_state(ckpt: Checkpoint) -> tuple[dict[str, list[str]], Callable[[str, 
     for key in ckpt.keys("optim/"):
         param, _, state = key[len("optim/"):].rpartition("/")
         names.setdefault(param, []).append(state)
-    groups = ckpt.state.get("zero_groups") or []
-    where: dict[str, tuple[int, int, int, list[int]]] = {}
-    for i, g in enumerate(groups):
-        states = sorted({k.rpartition("/")[2] for k in ckpt.keys(f"zero/{i}/")})
+    where: dict[str, tuple[str, int, int, list[int]]] = {}
+    for g in _saved_groups(ckpt):
+        states = sorted({k.rpartition("/")[2] for k in ckpt.keys(f"zero/{g['key']}/")})
         offset = 0
         for n, numel, shape in zip(g["names"], g["numels"], g["shapes"]):
-            names[n], where[n] = states, (i, offset, numel, shape)
+            names[n], where[n] = states, (g["key"], offset, numel, shape)
             offset += numel
     cache: dict[str, torch.Tensor] = {}
 
     def fetch(param: str, state: str) -> torch.Tensor:
         if param not in where:
             return ckpt.full(f"optim/{param}/{state}")
-        i, offset, numel, shape = where[param]
-        key = f"zero/{i}/{state}"
+        group, offset, numel, shape = where[param]
+        key = f"zero/{group}/{state}"
         if key not in cache:
             cache[key] = ckpt.full(key)
         flat = cache[key]
         return flat[offset:offset + numel].reshape(shape) if flat.dim() == 1 and flat.numel() > 1 else flat
     return names, fetch
+
+
+@torch.no_grad()
+def fill_flat_state(inner: torch.optim.Optimizer, groups: list[Any], group_names: list[list[str]],
+                    saved: dict[str, list[str]], fetch: Callable[[str, str], torch.Tensor]) -> None:
+    """Set ``inner``'s state of each flat group's ``master`` (this rank's ``[lo, hi)`` shard) from full
+    per-parameter state (``param_state``); ``group_names``: the plain parameter names of each group. Local."""
+    for g, names in zip(groups, group_names):
+        new: dict[str, torch.Tensor] = {}
+        for state in saved.get(names[0], []):
+            values = [fetch(n, state) for n in names]
+            if values[0].dim() == 0:  # e.g. Adam's step: one scalar per group
+                new[state] = values[0].clone()
+            else:
+                flat = torch.cat([v.reshape(-1) for v in values])
+                new[state] = flat[g.lo:g.hi].to(g.master.device, g.master.dtype).clone()
+        if new:
+            inner.state[g.master] = new
 
 
 @torch.no_grad()
@@ -95,15 +126,4 @@ def load_zero(ckpt: Checkpoint, model: Any, optimizer: Any) -> None:
         full[key] = ckpt.full(f"model/{aliases.get(key, key)}")
     model.load_state_dict(full)
     names, fetch = param_state(ckpt)
-    for g in model.groups:
-        states = names.get(g.names[0], [])
-        new: dict[str, torch.Tensor] = {}
-        for state in states:
-            values = [fetch(n, state) for n in g.names]
-            if values[0].dim() == 0:  # e.g. Adam's step: one scalar per group
-                new[state] = values[0].clone()
-            else:
-                flat = torch.cat([v.reshape(-1) for v in values])
-                new[state] = flat[g.lo:g.hi].to(g.master.device, g.master.dtype).clone()
-        if new:
-            optimizer.optimizer.state[g.master] = new
+    fill_flat_state(optimizer.optimizer, model.groups, [list(g.names) for g in model.groups], names, fetch)

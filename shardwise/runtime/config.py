@@ -255,17 +255,18 @@ def _check_strategies(config: Config) -> None:
 
 
 def _check_pipeline_hybrids(p: ParallelConfig) -> None:
-    """What ``shardwise train`` does not combine with pp > 1 yet: the ONE place to lift each rejection (with
-    the trainer passing the matching ``sw.pipeline`` argument and the checkpoint layout learning the layout)."""
-    unsupported = [(p.tp > 1, f"parallel.tp = {p.tp}", "--parallel.tp 1"),
-                   (p.zero_stage > 0, f"parallel.zero_stage = {p.zero_stage}", "--parallel.zero_stage 0"),
-                   (p.activation_checkpointing, "parallel.activation_checkpointing = true",
-                    "--parallel.activation_checkpointing false"),
-                   (p.algorithm != "native", f"parallel.algorithm = {p.algorithm!r}", "--parallel.algorithm native")]
-    for bad, what, fix in unsupported:
-        if bad:
-            raise ValueError(f"{what} with parallel.pp = {p.pp} is not supported by shardwise train yet (pipeline "
-                             f"hybrids: pp × dp only); use {fix}, or --parallel.pp 1")
+    """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it. Supported: dp, tp inside
+    the stages, ZeRO-1 over dp, activation checkpointing (``pipeline_setup.py``). ZeRO with tp > 1 is refused
+    for every layout (``_check_strategies``)."""
+    if p.zero_stage > 1:
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.pp = {p.pp} is not supported: a "
+                         f"pipeline shards only the optimizer state over dp (ZeRO-1); stages 2-3 would shard the "
+                         f"gradients/parameters that every micro-batch of the schedule needs; use "
+                         f"--parallel.zero_stage 1, or --parallel.pp 1")
+    if p.algorithm != "native":
+        raise ValueError(f"parallel.algorithm = {p.algorithm!r} with parallel.pp = {p.pp} is not supported by "
+                         f"shardwise train (the pipeline reduces its dp gradient buckets with the native "
+                         f"collective); use --parallel.algorithm native, or --parallel.pp 1")
 
 
 def _pp_microbatches(p: ParallelConfig) -> int:

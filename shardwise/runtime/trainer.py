@@ -7,7 +7,8 @@ sync on the last only), one optimizer step, the mean loss over dp (one all-reduc
 atomic sharded checkpoints. Collective throughout: every rank runs the same steps.
 
 Pipeline parallelism (``parallel.pp > 1``): the mesh is ``(pp, dp, tp)`` and the model runs as
-``sw.pipeline(..., dp_axis="dp")``. Each of the ``grad_accum`` passes is one ``pipe.step`` over the pass's
+``sw.pipeline(..., dp_axis="dp")`` (with tp inside the stages, ZeRO-1 over dp, activation checkpointing:
+``pipeline_setup.py``). Each of the ``grad_accum`` passes is one ``pipe.step`` over the pass's
 ``micro_batch × dp`` sequences — every rank loads the same ones, each dp replica takes its contiguous slice and
 cuts it into ``pp_microbatches`` pipeline micro-batches; gradients accumulate over the passes (the loss is
 scaled by 1/grad_accum, as the plain loop does) and are averaged over dp inside each ``pipe.step``.
@@ -35,7 +36,6 @@ import torch
 from torch import nn
 
 from ..checkpoint.layout import load_model, load_optimizer, model_pieces, optimizer_pieces, tied_aliases
-from ..checkpoint.pipeline_layout import load_pipeline, pipeline_model_pieces, pipeline_optimizer_pieces
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from ..checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
 from ..comm.collectives import all_reduce
@@ -46,6 +46,7 @@ from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
 from .launch import World, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
+from .pipeline_setup import build_pipeline, load_pipeline_checkpoint, pipeline_checkpoint, pipeline_passes
 
 __all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
 
@@ -77,19 +78,6 @@ def _build_mesh(p: Any) -> Mesh:
     return Mesh(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else Mesh(dp=p.dp, tp=p.tp)
 
 
-def _build_pipeline(cfg: Config, mesh: Mesh, plain: nn.Module) -> Any:
-    """``sw.pipeline`` over the mesh axis ``pp`` (pp × dp; other hybrids: ``config._check_pipeline_hybrids``)."""
-    from ..parallel.pipeline.api import pipeline
-
-    p = cfg.parallel
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, targets) / p.grad_accum  # one pass of grad_accum, like the plain loop's scaling
-
-    return pipeline(plain, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
-                    split=list(p.pp_split) or None, chunks=p.pp_chunks, dp_axis="dp")
-
-
 def _build_model(cfg: Config, mesh: Mesh) -> tuple[Any, nn.Module, LossFn, Any]:
     """(the model to call — a ``Pipeline`` when pp > 1 —, the plain model inside, the loss, the optimizer).
     Same seed → same weights."""
@@ -97,9 +85,9 @@ def _build_model(cfg: Config, mesh: Mesh) -> tuple[Any, nn.Module, LossFn, Any]:
     plain = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).to(mesh.device)
     p = cfg.parallel
     loss_fn: LossFn = lm_loss
-    if p.pp > 1:
-        pipe = _build_pipeline(cfg, mesh, plain)
-        return pipe, plain, loss_fn, build_optimizer(list(pipe.parameters()), cfg.optimizer)
+    if p.pp > 1:  # tp, ZeRO-1 and activation checkpointing inside sw.pipeline
+        pipe, opt = build_pipeline(cfg, mesh, plain, partial(build_optimizer, o=cfg.optimizer))
+        return pipe, plain, loss_fn, opt
     if p.tp > 1:
         from ..parallel.tensor import gpt_plan, parallelize, vocab_parallel_cross_entropy
 
@@ -131,7 +119,8 @@ class Trainer:
         p = cfg.parallel
         self.mesh = _build_mesh(p)
         self.model, self.plain, self.loss_fn, self.optimizer = _build_model(cfg, self.mesh)
-        self.zero, self.pp = p.zero_stage > 0, p.pp > 1
+        self.pp = p.pp > 1
+        self.zero = p.zero_stage > 0 and not self.pp  # sw.zero; ZeRO-1 inside a pipeline: pipeline_setup.py
         tokens = load_corpus(cfg.data.path, cfg.data.format)
         dataset = TokenWindows(tokens, cfg.model.block_size)
         # pp: every rank loads each pass's micro_batch × dp sequences (pipe.step slices dp itself), so the
@@ -157,7 +146,7 @@ class Trainer:
         if self.zero:
             load_zero(ckpt, self.model, self.optimizer)
         elif self.pp:
-            load_pipeline(ckpt, self.model, self.optimizer)
+            load_pipeline_checkpoint(ckpt, self.model, self.optimizer)
         else:
             load_model(ckpt, self.plain, self.mesh)
             load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
@@ -176,9 +165,9 @@ class Trainer:
         batches = self.data.next()
         t["data"] = time.perf_counter() - start
         t["comm"] = 0.0
-        loss_sum = self._pipeline_passes(batches, t) if self.pp else self._passes(batches, t, sync)
+        loss_sum = pipeline_passes(self.model, batches, t) if self.pp else self._passes(batches, t, sync)
         t0 = time.perf_counter()
-        if cfg.debug.bug == "sum_grads" and not self.zero:
+        if cfg.debug.bug == "sum_grads" and not self.zero and not cfg.parallel.zero_stage:
             for param in self.plain.parameters():
                 if param.grad is not None:
                     param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
@@ -210,35 +199,23 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum
 
-    def _pipeline_passes(self, batches: Batches, t: dict[str, float]) -> float:
-        """One ``pipe.step`` per accumulation pass; returns the step's mean loss (same on every rank). Times:
-        this rank's F actions → fwd, B and W → bwd, the rest of ``pipe.step`` (waiting for neighbours — bubble
-        and transfers —, tied-weight exchange, dp all-reduce) → comm. On CUDA the split is of launch times
-        unless ``pipe.interpreter.synchronize_timings`` is set; the step time is exact (``step`` syncs)."""
-        total = 0.0
-        for x, y in batches:
-            start = time.perf_counter()
-            total += self.model.step(x, y)  # mean over micro-batches and dp of lm_loss / grad_accum
-            elapsed = time.perf_counter() - start
-            fwd = sum(end - begin for a, begin, end in self.model.last_events if a.kind == "F")
-            bwd = sum(end - begin for a, begin, end in self.model.last_events if a.kind != "F")
-            t["fwd"], t["bwd"], t["comm"] = t["fwd"] + fwd, t["bwd"] + bwd, t["comm"] + max(0.0, elapsed - fwd - bwd)
-        return total
-
     def save(self) -> Path:
         """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
         state: dict[str, Any] = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
                                  "aliases": tied_aliases(self.plain)}
+        rank_state: dict[str, Any] = {"rank": self.world.rank}
         if self.zero:
             pieces = zero_model_pieces(self.model, self.mesh)  # collective (gathers the parameters)
             pieces += zero_optimizer_pieces(self.model, self.optimizer, self.mesh)
             state["zero_groups"] = zero_groups_state(self.model)
         elif self.pp:  # each rank: its own stages' tensors, under the plain model's keys
-            pieces = pipeline_model_pieces(self.model) + pipeline_optimizer_pieces(self.model, self.optimizer)
+            pieces, shared, own = pipeline_checkpoint(self.model, self.optimizer)
+            state.update(shared)
+            rank_state.update(own)
         else:
             pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
         self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,
-                                         rank_state={"rank": self.world.rank}, keep=self.cfg.train.keep_checkpoints,
+                                         rank_state=rank_state, keep=self.cfg.train.keep_checkpoints,
                                          crash_before_rename=self.cfg.debug.crash_in_save == self.step)
         return self.last_ckpt
 

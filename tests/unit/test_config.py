@@ -84,9 +84,11 @@ def test_validate_resolves_dp_and_grad_accum():
     ({"zero_stage": 1, "tp": 2}, "not supported by shardwise train yet"),
     ({"pp": 3}, "parallel.dp × parallel.tp × parallel.pp = 1 × 1 × 3 = 3 must equal the number of processes "
                 "parallel.nproc = 4; set --parallel.nproc 3"),
-    ({"pp": 2, "tp": 2}, "parallel.tp = 2 with parallel.pp = 2 is not supported by shardwise train yet"),
-    ({"pp": 2, "zero_stage": 1}, "parallel.zero_stage = 1 with parallel.pp = 2 is not supported"),
-    ({"pp": 2, "activation_checkpointing": True}, "parallel.activation_checkpointing = true with parallel.pp = 2"),
+    ({"pp": 2, "zero_stage": 2}, "parallel.zero_stage = 2 with parallel.pp = 2 is not supported: a pipeline shards "
+                                 "only the optimizer state over dp (ZeRO-1)"),
+    ({"pp": 2, "zero_stage": 3}, "use --parallel.zero_stage 1, or --parallel.pp 1"),
+    ({"pp": 2, "algorithm": "ring"}, "parallel.algorithm = 'ring' with parallel.pp = 2 is not supported"),
+    ({"pp": 2, "tp": 2, "zero_stage": 1}, "parallel.zero_stage = 1 with parallel.tp = 2 is not supported"),
     ({"pp": 2, "micro_batch": 4, "pp_schedule": "1f2b"}, "unknown parallel.pp_schedule '1f2b'; did you mean '1f1b'? "
                                                         "valid: 1f1b, gpipe, interleaved, zb-h1"),
     ({"pp": 2, "micro_batch": 4, "pp_microbatches": 3}, "parallel.micro_batch = 4 must be divisible by "
@@ -123,6 +125,17 @@ def test_validate_resolves_the_pipeline_layout():
                          data=DataConfig(global_batch=12), model=ModelConfig(n_head=4, n_layer=6))
     assert validate(interleaved).parallel.pp_microbatches == 4  # <= 2·pp = 8, divides 12, multiple of pp = 4
     assert validate(_cfg(micro_batch=4)).parallel.pp_microbatches == 0  # no pipeline
+
+
+@pytest.mark.parametrize("parallel", [
+    {"pp": 2, "tp": 2, "micro_batch": 4},                                   # tp inside the stages (dp 1)
+    {"pp": 2, "zero_stage": 1, "micro_batch": 4},                           # ZeRO-1 over dp 2
+    {"pp": 2, "activation_checkpointing": True, "micro_batch": 4},
+    {"pp": 2, "tp": 2, "activation_checkpointing": True, "micro_batch": 4},
+], ids=["pp-tp", "pp-zero1", "pp-ckpt", "pp-tp-ckpt"])
+def test_pipeline_hybrids_are_valid_layouts(parallel):
+    p = validate(_cfg(**parallel)).parallel
+    assert p.dp * p.tp * p.pp == p.nproc == 4 and p.pp_microbatches >= 1
 
 
 def test_pp_split_from_a_flag_or_a_toml_list(tmp_path):
