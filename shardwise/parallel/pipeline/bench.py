@@ -5,7 +5,7 @@ the simulator, ZB-H1 against 1F1B, and the measured timeline as a Chrome trace a
 ``--worker``. Every rank builds the reference GPT (untied embedding/head: torch's pipelining does not keep a
 weight tied across stages; no dropout) twice from one seed: one copy for ``sw.pipeline``, one for torch's
 schedule on the same stage boundaries (``bench_torch``). Per schedule (``gpipe``, ``1f1b``, ``zb-h1``,
-optionally ``interleaved`` with two chunks per rank):
+optionally ``interleaved`` with two chunks per rank and ``zb-h2``, ours only):
 
 1. **loss check**: the first step of both on the same batch must give the same loss (same model, same data).
 2. **memory**: one step each under ``bench_torch.SavedActivations`` (peak bytes autograd saved for backward,
@@ -39,7 +39,8 @@ __all__ = ["add_arguments", "main"]
 
 AXIS = "pp"
 BASE = ["gpipe", "1f1b", "zb-h1"]
-EXTRA = ["interleaved"]  # two model chunks per rank against ScheduleInterleaved1F1B: opt in with --schedules
+EXTRA = ["interleaved", "zb-h2"]  # opt in with --schedules: two chunks per rank vs ScheduleInterleaved1F1B; ZB-H2
+# (no torch counterpart: torch's ZB-V needs a V-shaped stage placement, so zb-h2 runs ours only)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +134,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from ...models.gpt import GPT, lm_loss, synthetic_batch
     from .bench_report import gather_and_report
-    from .bench_torch import SavedActivations, our_runner, torch_runner
+    from .bench_torch import TORCH_SCHEDULES, SavedActivations, our_runner, torch_runner
 
     load_start = os.getloadavg()
     world = sw.init()
@@ -148,12 +149,13 @@ def _run_worker(args: argparse.Namespace) -> int:
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
         return GPT(cfg).to(mesh.device)
+    params = sum(q.numel() for q in build().parameters())  # before sw.pipeline releases other stages' tensors
     pipes, ours, theirs, local = {}, {}, {}, {}
     for name in names:
         pipes[name] = sw.pipeline(build(), mesh, AXIS, microbatches=args.microbatches, schedule=name,
                                   loss_fn=lm_loss, chunks=2 if name == "interleaved" else 1)
         ours[name] = our_runner(pipes[name])
-        if not args.no_torch:
+        if not args.no_torch and name in TORCH_SCHEDULES:
             theirs[name], local[name] = torch_runner(name, build(), pipes[name], mesh, AXIS, lm_loss)
     res: dict[str, dict[str, Any]] = {name: {"loss": [], "held": 0, "saved": [], "times": {"ours": [], "torch": []},
                                              "timelines": []} for name in names}
@@ -161,9 +163,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         sides = [("ours", ours[name], list(pipes[name].parameters()))]
         if name in theirs:
             sides.append(("torch", theirs[name], [q for mod in local[name] for q in mod.parameters()]))
-        for side, step, params in sides:
+        for side, step, weights in sides:
             res[name]["loss"].append(step(*batches[0]))
-            with SavedActivations(params) as meter:
+            with SavedActivations(weights) as meter:
                 step(*batches[1])
             res[name]["saved"].append(meter.peak)
             time_steps(step, batches, args.warmup)
@@ -179,7 +181,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                 if side == "ours":
                     res[name]["timelines"].append(pipes[name].timeline())  # collective: the last timed step
     _write_timelines(args, names, pipes, mesh)
-    gather_and_report(args, names, pipes, res, mesh, world.world_size, load_start)
+    gather_and_report(args, names, pipes, res, mesh, (world.world_size, params), load_start)
     sw.shutdown()
     return 0
 

@@ -40,14 +40,15 @@ def _local_row(r: dict[str, Any]) -> list[float]:
 
 
 def gather_and_report(args: argparse.Namespace, names: list[str], pipes: dict, res: dict, mesh: Any,
-                      world_size: int, load_start: tuple[float, float, float]) -> dict[str, Any] | None:
+                      sizes: tuple[int, int], load_start: tuple[float, float, float]) -> dict[str, Any] | None:
     """All-gather every rank's numbers (collective along the pipeline axis); coordinate 0 prints and writes
-    ``--json``, returning the results dict (``None`` elsewhere)."""
+    ``--json``, returning the results dict (``None`` elsewhere). ``sizes``: (world size, model parameters)."""
     import shardwise as sw
 
-    zb = "zb-h1" in names and "1f1b" in names
+    world_size, params = sizes
+    zbs = [z for z in ("zb-h1", "zb-h2") if z in names and "1f1b" in names]  # compared with ours' 1f1b
     local = [v for n in names for v in _local_row(res[n])]
-    local.append(_paired(res["zb-h1"]["times"]["ours"], res["1f1b"]["times"]["ours"]) if zb else float("nan"))
+    local += [_paired(res[z]["times"]["ours"], res["1f1b"]["times"]["ours"]) for z in zbs]
     rows = sw.comm.all_gather(torch.tensor([local], dtype=torch.float64, device=mesh.device), mesh, AXIS).cpu()
     if mesh.coord(AXIS) != 0:
         return None
@@ -56,15 +57,15 @@ def gather_and_report(args: argparse.Namespace, names: list[str], pipes: dict, r
                            "n_embd": pipes[names[0]].model.config.n_embd, "batch": args.batch, "seq": args.seq,
                            "microbatches": args.microbatches, "threads": args.threads, "steps": args.steps,
                            "repeats": args.repeats, "device": mesh.device.type, "host": platform.node(),
-                           "torch": torch.__version__, "params": sum(q.numel() for q in pipes[names[0]].model.parameters()),
+                           "torch": torch.__version__, "params": params,
                            "load_avg_start": load_start[0], "load_avg_end": os.getloadavg()[0], "schedules": {}}
     for j, name in enumerate(names):
         cols = rows[:, j * k:(j + 1) * k]
         per = {f: [float(v) for v in cols[:, i]] for i, f in enumerate(_FIELDS)}
         reports = [analyse(ev, pipes[name].schedule) for ev in res[name]["timelines"]]
         out["schedules"][name] = _schedule_row(name, per, reports, pipes[name].schedule)
-    if zb:
-        out["zb_vs_1f1b"] = _zb_row(out["schedules"], float(rows[:, -1].mean()))
+    out["zb_vs_1f1b"] = {z: _zb_row(out["schedules"][z], out["schedules"]["1f1b"],
+                                    float(rows[:, len(names) * k + i].mean())) for i, z in enumerate(zbs)}
     _print(out)
     if args.json:
         with open(args.json, "w") as f:
@@ -102,8 +103,7 @@ def _schedule_row(name: str, per: dict[str, list[float]], reports: list, schedul
     }
 
 
-def _zb_row(rows: dict[str, dict[str, Any]], ratio: float) -> dict[str, Any]:
-    zb, one = rows["zb-h1"], rows["1f1b"]
+def _zb_row(zb: dict[str, Any], one: dict[str, Any], ratio: float) -> dict[str, Any]:
     return {"step_ratio": ratio, "measured_gain": 1 - ratio,
             "makespan_gain": 1 - zb["makespan_ms"] / one["makespan_ms"],
             "simulated_gain": 1 - zb["predicted_makespan_ms"] / one["predicted_makespan_ms"],
@@ -121,22 +121,22 @@ def _print(o: dict[str, Any]) -> None:
           f"batch {o['batch']}x{o['seq']}, m={o['microbatches']}, {o['repeats']} rounds x {o['steps']} steps, "
           f"torch {o['torch']}, {o['host']}, load avg {o['load_avg_start']:.2f} -> {o['load_avg_end']:.2f}")
     print(f"{'schedule':<12}{'ours ms':>9}{'torch ms':>10}{'vs torch':>10}{'loss diff':>11}{'bubble':>8}{'sim':>8}"
-          f"{'rel diff':>10}{'held/rank':>12}{'saved MiB ours/torch (max rank)':>33}")
+          f"{'rel diff':>10}{'held/rank':>12}  saved MiB/rank ours | torch")
     for name, r in o["schedules"].items():
         diff = None if r["loss_torch"] is None or math.isnan(r["loss_torch"]) else abs(r["loss_ours"] - r["loss_torch"])
         held = ",".join(str(v) for v in r["peak_held"])
-        saved = f"{max(r['saved_mib_ours']):.1f} / {_fmt(max(r['saved_mib_torch']), '.1f')}"
+        saved = (",".join(_fmt(v, ".1f") for v in r["saved_mib_ours"]) + " | "
+                 + ",".join(_fmt(v, ".1f") for v in r["saved_mib_torch"]))
         print(f"{name:<12}{r['ours_ms']:>9.1f}{_fmt(r['torch_ms'], '.1f'):>10}{_fmt(r['vs_torch'], '.3f'):>10}"
               f"{_fmt(diff, '.1e'):>11}{r['bubble_measured']:>8.3f}{r['bubble_predicted']:>8.3f}"
-              f"{r['bubble_rel_diff']:>+10.1%}{held:>12}{saved:>33}")
+              f"{r['bubble_rel_diff']:>+10.1%}{held:>12}  {saved}")
     print("measured costs (ms, median per stage over rounds; comm: median wait of a receiving rank):")
     for name, r in o["schedules"].items():
         c = r["costs_ms"]
         parts = [f"{k} " + "/".join(f"{v:.2f}" for v in c[k]) for k in ("F", "B", "W") if any(c[k])]
         print(f"  {name:<12}" + "  ".join(parts) + f"  comm {r['comm_ms']:.3f}  compute makespan "
               f"{r['makespan_ms']:.1f} (sim {r['predicted_makespan_ms']:.1f})")
-    z = o.get("zb_vs_1f1b")
-    if z:
-        print(f"zb-h1 vs 1f1b (ours): step ratio {z['step_ratio']:.3f} (gain {z['measured_gain']:+.1%}), compute "
+    for name, z in o["zb_vs_1f1b"].items():
+        print(f"{name} vs 1f1b (ours): step ratio {z['step_ratio']:.3f} (gain {z['measured_gain']:+.1%}), compute "
               f"makespan gain {z['makespan_gain']:+.1%}, simulated gain {z['simulated_gain']:+.1%}; peak held "
               f"{z['peak_held'][0]} vs {z['peak_held'][1]}, saved MiB {z['saved_mib'][0]:.1f} vs {z['saved_mib'][1]:.1f}")
