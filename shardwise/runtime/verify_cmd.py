@@ -4,8 +4,9 @@ Takes the same flags as ``shardwise train``. Runs the first ``--steps`` steps tw
 process (dp = tp = 1, no ZeRO; the same global batch through more accumulation steps) and once on the
 requested layout — prints both losses side by side and exits 1 when any step differs by more than
 ``atol + rtol·|reference|``. Same seed → same weights and same samples per step (the sampler's order does not
-depend on the layout), so only floating-point summation order may differ. Pipeline layouts (``--parallel.pp``)
-are compared with the same single process (pp = 1, the pipeline fields reset).
+depend on the layout), so only floating-point summation order may differ. Pipeline layouts (``--parallel.pp``,
+with dp, tp inside the stages, ZeRO-1, activation checkpointing) are compared with the same single process
+(pp = 1, the pipeline fields reset).
 
 Note: Adam normalises each gradient by its own running scale, so a bug that scales every gradient by a
 constant (e.g. summing instead of averaging over dp) barely moves Adam's losses; use ``--optimizer.name sgd``
@@ -55,10 +56,11 @@ def compare_losses(reference: list[float], layout: list[float], *, rtol: float, 
 def _describe(cfg: Config) -> str:
     p = cfg.parallel
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
+    ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
     if p.pp > 1:
-        return (f"pp={p.pp} × dp={p.dp} × tp={p.tp}, {p.pp_schedule}, micro {p.micro_batch} × accum {p.grad_accum}"
-                f" in {p.pp_microbatches} pipeline micro-batches")
-    return f"dp={p.dp} × tp={p.tp}{zero}, micro {p.micro_batch} × accum {p.grad_accum}"
+        return (f"pp={p.pp} × dp={p.dp} × tp={p.tp}{zero}{ckpt}, {p.pp_schedule}, micro {p.micro_batch} × accum "
+                f"{p.grad_accum} in {p.pp_microbatches} pipeline micro-batches")
+    return f"dp={p.dp} × tp={p.tp}{zero}{ckpt}, micro {p.micro_batch} × accum {p.grad_accum}"
 
 
 def main(args: argparse.Namespace) -> int:
