@@ -134,9 +134,10 @@ def test_pp2_times_dp2_on_4_ranks_trains_like_one_process(runs, tmp_path):
 @pytest.mark.parametrize("flags,expected", [
     (["--parallel.pp", "3"], "parallel.dp × parallel.tp × parallel.pp = 0 × 1 × 3 = 0 must equal the number of "
                              "processes parallel.nproc = 2; set --parallel.nproc 3"),
-    (["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.nproc", "4"],
-     "parallel.tp = 2 with parallel.pp = 2 is not supported by shardwise train yet"),
-    (["--parallel.pp", "2", "--parallel.zero_stage", "1"], "parallel.zero_stage = 1 with parallel.pp = 2"),
+    (["--parallel.pp", "2", "--parallel.zero_stage", "2"], "parallel.zero_stage = 2 with parallel.pp = 2 is not "
+                                                           "supported: a pipeline shards only the optimizer state"),
+    (["--parallel.pp", "2", "--parallel.zero_stage", "1", "--parallel.nproc", "4", "--parallel.micro_batch", "2"],
+     "parallel.zero_stage = 1 with parallel.pp = 2 needs one pipeline pass per step (grad_accum = 1)"),
     (["--parallel.pp", "2", "--parallel.pp_schedule", "pipedream"], "unknown parallel.pp_schedule 'pipedream'"),
     (["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], "parallel.micro_batch = 8 must be divisible by "
                                                                 "parallel.pp_microbatches = 3"),
@@ -145,7 +146,7 @@ def test_pp2_times_dp2_on_4_ranks_trains_like_one_process(runs, tmp_path):
      "the model has 4 pipeline units"),
     (["--parallel.pp_split", "blocks.1", "--parallel.nproc", "1"],
      "parallel.pp_split = ('blocks.1',) only applies to pipeline parallelism"),
-], ids=["world", "tp", "zero", "schedule", "microbatches", "split", "stages", "pp1-split"])
+], ids=["world", "zero2", "zero1-accum", "schedule", "microbatches", "split", "stages", "pp1-split"])
 def test_bad_pipeline_configs_are_rejected_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, expected):
     from shardwise import cli as cli_module
     from shardwise.runtime import train_cmd
@@ -155,3 +156,73 @@ def test_bad_pipeline_configs_are_rejected_before_any_rank_starts(tmp_path, monk
     assert cli_module.main(["train", *FLAGS, *flags]) == 2
     err = capsys.readouterr().err
     assert expected in err, err
+
+
+# -- hybrids: tp inside the stages, activation checkpointing, ZeRO-1 over dp ------------------------------------
+
+def full_states(ckpt: Checkpoint, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` assembled from its pieces (``full`` raises unless they cover it exactly once)."""
+    return {k: ckpt.full(k) for k in ckpt.keys(prefix)}
+
+
+def test_pp2_times_tp2_trains_like_one_process_and_its_checkpoint_changes_layout(runs, tmp_path):
+    one, _ = runs
+    run = train(tmp_path, "pptp", "--parallel.nproc", "4", "--parallel.pp", "2", "--parallel.tp", "2")
+    assert_close_losses(losses(run), losses(one), [1, 2, 3, 4])
+    ckpt = Checkpoint(run)
+    assert ckpt.index["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    qkv = ckpt.index["tensors"]["model/blocks.1.attn.qkv.weight"]  # head-split over tp, on the last stage only
+    assert (qkv["sbp"], qkv["axes"]) == ("B,S(1)", ["dp", "tp"])
+    assert sorted(p["file"] for p in qkv["pieces"]) == ["rank00002.safetensors", "rank00003.safetensors"]
+    # the whole model and its momentum, each element once, equal to the single process's (float noise)
+    want = Checkpoint(one)
+    for prefix in ("model/", "optim/"):
+        got = full_states(ckpt, prefix)
+        assert set(got) == set(want.keys(prefix))
+        for key, value in got.items():
+            torch.testing.assert_close(value, want.full(key), rtol=1e-4, atol=1e-6)
+    # pp × tp step 2 → one process, and the single process's step 2 → pp × tp: both continue like `one`
+    back, there = tmp_path / "back", tmp_path / "there"
+    shutil.copytree(run, back)
+    shutil.copytree(one, there)
+    for target, layout in ((back, ["--parallel.pp", "1", "--parallel.tp", "1", "--parallel.nproc", "1"]),
+                           (there, ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.nproc", "4"])):
+        proc = cli(tmp_path, "train", "--resume", str(target / "checkpoints" / "step_000002"), *layout)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert_close_losses(losses(target), losses(one), [3, 4])
+    assert Checkpoint(back).index["mesh"] == {"dp": 1, "tp": 1}
+    assert Checkpoint(there).index["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+
+
+def test_pp2_with_activation_checkpointing_trains_like_one_process(runs, tmp_path):
+    one, _ = runs  # zb-h1: checkpointed units recomputed for B, weight gradients from W
+    run = train(tmp_path, "ppck", "--parallel.pp", "2", "--parallel.activation_checkpointing", "true",
+                "--parallel.pp_schedule", "zb-h1", "--train.steps", "3", "--train.ckpt_every", "0")
+    assert_close_losses(losses(run), losses(one), [1, 2, 3])
+
+
+def test_pp2_times_dp2_zero1_trains_like_one_process_and_resumes_at_pp1(runs, tmp_path):
+    one, _ = runs
+    run = train(tmp_path, "ppz", "--parallel.nproc", "4", "--parallel.pp", "2", "--parallel.zero_stage", "1",
+                "--parallel.micro_batch", "4")  # one pass per step: 4 sequences per dp replica
+    assert_close_losses(losses(run), losses(one), [1, 2, 3, 4])
+    ckpt = Checkpoint(run)
+    flat = {k: v for k, v in ckpt.index["tensors"].items() if k.startswith("zero/")}
+    assert not ckpt.keys("optim/") and {k.split("/")[1].split(".")[0] for k in flat} == {"pp0", "pp1"}
+    for key, info in flat.items():  # S(0) over dp, written by both dp ranks of the owning pp coordinate
+        assert (info["sbp"], info["axes"], len(info["pieces"])) == ("S(0),B", ["dp", "tp"], 2), key
+    # the flat shards, read back per parameter, are the single process's momentum (float noise)
+    from shardwise.checkpoint.zero_layout import param_state
+
+    names, fetch = param_state(ckpt)
+    want = Checkpoint(one)
+    assert {f"optim/{n}/{s}" for n, states in names.items() for s in states} == set(want.keys("optim/"))
+    for name in names:
+        torch.testing.assert_close(fetch(name, "momentum_buffer"), want.full(f"optim/{name}/momentum_buffer"),
+                                   rtol=1e-4, atol=1e-6)
+    back = tmp_path / "back"
+    shutil.copytree(run, back)
+    proc = cli(tmp_path, "train", "--resume", str(back / "checkpoints" / "step_000002"), "--parallel.pp", "1",
+               "--parallel.zero_stage", "0", "--parallel.nproc", "1", "--parallel.micro_batch", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_close_losses(losses(back), losses(one), [3, 4])
