@@ -16,7 +16,7 @@ from shardwise.models.gpt import lm_loss
 from shardwise.parallel.checkpointing import activation_memory
 from shardwise.parallel.tensor import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
-from tests.dist.pipeline_checks import _batches, _model, _rel_err
+from tests.dist.pipeline_checks import _batches, _model, _pieces, _rel_err
 
 LR, ADAM_LR = 0.5, 1e-3
 
@@ -34,9 +34,10 @@ def _reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor], list[f
     opt = _factory(case)(model.parameters())
     losses, norms = [], []
     for idx, tgt in _batches():
-        loss = lm_loss(model(idx), tgt)
-        loss.backward()
-        losses.append(loss.item())
+        for x, y in _pieces(case, idx, tgt):  # accumulation: gradients of the pieces add up
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
         if "clip" in case:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
         opt.step()
@@ -65,7 +66,8 @@ def _run_case(case: dict) -> dict:
     losses, step_counts, opt_counts, in_backward, norms = [], [], [], [], []
     for idx, tgt in _batches():
         with sw.comm.CommCounter() as c:
-            losses.append(pipe.step(idx, tgt))
+            for x, y in _pieces(case, idx, tgt):
+                losses.append(pipe.step(x, y))
         step_counts.append({op: c.count(op, axis="dp") for op in ("all_reduce", "reduce_scatter")}
                            | {"rs_bytes": c.bytes("reduce_scatter", axis="dp"),
                               "ar_bytes": c.bytes("all_reduce", axis="dp")})

@@ -18,6 +18,7 @@ CASES = {
         dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=3, cap_mb=TINY, clip=0.5),
         dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=2, m=2, cap_mb=TINY),
         dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=2, zero=1, opt="adamw"),
+        dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=2, m=3, zero=1, accum=2),  # ZeRO-1 accumulates
         dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=3, m=3, zero=1, opt="adamw", cap_mb=TINY, clip=0.5),
         dict(axes=dict(pp=2, dp=2), schedule="1f1b", n_layer=2, m=2, ckpt=True),
         dict(axes=dict(pp=2, dp=2), schedule="zb-h1", n_layer=2, m=3, ckpt=True, opt="adamw"),
@@ -59,16 +60,17 @@ def _check_dp_pattern(case: dict, res: dict) -> None:
         assert all(c["all_reduce"] == 0 and c["reduce_scatter"] == 0 for c in res["step_counts"]), res
         return
     tiny = case.get("cap_mb") == TINY
+    k = case.get("accum", 1)  # pipe.step calls per optimizer step: the pattern repeats k times
     for counts in res["step_counts"]:
-        grads = counts["reduce_scatter"] if case.get("zero") else counts["all_reduce"] - 1
+        grads = counts["reduce_scatter"] if case.get("zero") else counts["all_reduce"] - k
         if tiny:  # one bucket per parameter
-            assert grads == res["n_params"], (case, counts, res["n_params"])
+            assert grads == k * res["n_params"], (case, counts, res["n_params"])
         else:  # default 25 MB: one bucket of the stage's own parameters, one more for the tied one
-            assert grads == 1 + (res["n_tied"] > 0), (case, counts)
-        moved = counts["rs_bytes"] if case.get("zero") else counts["ar_bytes"] - 4  # minus the fp32 loss
-        assert moved == res["local_bytes"], (case, counts, res["local_bytes"])
+            assert grads == k * (1 + (res["n_tied"] > 0)), (case, counts)
+        moved = counts["rs_bytes"] if case.get("zero") else counts["ar_bytes"] - 4 * k  # minus the fp32 losses
+        assert moved == k * res["local_bytes"], (case, counts, res["local_bytes"])
     if case.get("zero"):
-        assert all(c["all_reduce"] == 1 for c in res["step_counts"]), res  # the loss only
+        assert all(c["all_reduce"] == k for c in res["step_counts"]), res  # the losses only
         assert all(n == (res["n_params"] if tiny else 1 + (res["n_tied"] > 0)) for n in res["opt_all_gathers"])
         # AdamW state exists for this rank's shard: 1/dp of the elements, up to one element per bucket
         buckets = res["n_params"] if tiny else 2

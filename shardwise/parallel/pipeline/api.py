@@ -218,12 +218,12 @@ class Pipeline:
         sync = self.grad_sync
         if sync is not None and sync.zero:  # ZeRO-1: every replica holds the averaged shard of each bucket
             count, scale = [], sync.shard_grads()
-            for b in sync.buckets:
+            for b, shard in zip(sync.buckets, scale):
                 g = b.group
                 for k, start, stop in g.layout.pieces(self.mesh.coord(sync.axis)):
                     if counted(g.params[k], self.mesh, own, skip):
-                        off = g.layout.offsets[k]
-                        count.append(b.grads[off + start:off + stop])
+                        at = g.layout.offsets[k] + start - g.lo  # the piece's place inside the shard
+                        count.append(shard[at:at + stop - start])
         else:  # every dp replica holds the same averaged gradients: coordinate 0 counts them
             scale = [q.grad for q in self.parameters() if q.grad is not None]
             first = self.dp_axis is None or self.mesh.coord(self.dp_axis) == 0

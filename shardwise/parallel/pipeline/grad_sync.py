@@ -143,24 +143,28 @@ class DpGradSync:
     def finish(self) -> None:
         """Start the late buckets (after the tied exchange) and any bucket of a stage that ran no backward,
         then wait for all. Afterwards ``.grad`` holds the dp average (all-reduce), or each bucket's ``shard``
-        holds this rank's shard of it (zero)."""
+        holds this rank's shard of it while ``.grad`` keeps this replica's own sum (zero)."""
         for b in self.buckets:
             if b.handle is None:
                 self._launch(b)
         for b in self.buckets:
             got = b.handle.wait()  # type: ignore[union-attr]
             if self.zero:
+                # ZeRO-1: the averaged shard lives apart; the full buffer keeps this replica's own sum, so a
+                # further pipe.step (accumulation) adds to it and the next reduce-scatter averages the total.
                 b.shard = got
-                # ZeRO-1: the replica keeps the full buffer for the next accumulation; the optimizer reads
-                # the shard only. Put the averaged shard into place so clip/inspection sees averaged values.
-                b.grads[b.group.lo:b.group.hi].copy_(got)
 
     # -- ZeRO-1's optimizer view ------------------------------------------------------------------------
     def shard_grads(self) -> list[torch.Tensor]:
-        return [b.grads[b.group.lo:b.group.hi] for b in self.buckets]
+        """ZeRO-1: this rank's shard of each bucket's averaged gradient (zeros before any step)."""
+        for b in self.buckets:
+            if b.shard is None:
+                b.shard = torch.zeros(b.group.hi - b.group.lo, dtype=b.grads.dtype, device=b.grads.device)
+        return [b.shard for b in self.buckets]  # type: ignore[misc]
 
     @torch.no_grad()
     def zero_grads(self) -> None:
         for b in self.buckets:
             b.grads.zero_()
+            b.shard = None
             attach_full_grads(b.group, b.grads)
