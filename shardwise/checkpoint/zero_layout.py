@@ -3,7 +3,8 @@
 A ZeRO flat group lays its parameters end to end in one buffer of ``L`` elements; each dp rank owns the slice
 ``shard_sizes(L, N)`` gives it, which is exactly ``S(0)`` of a length-``L`` tensor over the dp axis. So the
 per-group optimizer state is saved as ``zero/<group>/<state>`` with SBP ``S(0)`` (``B`` on other axes), and
-the groups' parameter names and sizes go into the index state. Loading converts in both directions through
+the groups' parameter names and sizes go into the index state (ZeRO-1 inside a pipeline: groups per pp
+coordinate, listed in the rank files, ``pipeline_zero.py``). Loading converts in both directions through
 full per-parameter tensors (``param_state``): ZeRO ↔ plain data/tensor parallelism, any stage, any dp size.
 Parameters are saved through the wrapper's ``full_state_dict()`` (collective) and loaded with its
 ``load_state_dict`` (full tensors, any stage).
