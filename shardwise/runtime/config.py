@@ -222,8 +222,6 @@ def validate(config: Config) -> Config:
     except ValueError as exc:
         raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
                          f"{exc}") from None
-    if p.pp > 1:
-        _check_pipeline_accumulation(p, dp=dp, grad_accum=plan.grad_accum)
     m = _check_pipeline(config)
     return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=plan.grad_accum,
                                                                     pp_microbatches=m))
@@ -257,10 +255,9 @@ def _check_strategies(config: Config) -> None:
 
 
 def _check_pipeline_hybrids(p: ParallelConfig) -> None:
-    """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it (with
-    ``_check_pipeline_accumulation``, which needs the resolved batch plan). Supported: dp, tp inside the stages,
-    ZeRO-1 over dp, activation checkpointing (``pipeline_setup.py``). ZeRO with tp > 1 is refused for every
-    layout (``_check_strategies``)."""
+    """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it. Supported: dp, tp inside
+    the stages, ZeRO-1 over dp (with accumulation), activation checkpointing (``pipeline_setup.py``). ZeRO with
+    tp > 1 is refused for every layout (``_check_strategies``)."""
     if p.zero_stage > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.pp = {p.pp} is not supported: a "
                          f"pipeline shards only the optimizer state over dp (ZeRO-1); stages 2-3 would shard the "
@@ -270,17 +267,6 @@ def _check_pipeline_hybrids(p: ParallelConfig) -> None:
         raise ValueError(f"parallel.algorithm = {p.algorithm!r} with parallel.pp = {p.pp} is not supported by "
                          f"shardwise train (the pipeline reduces its dp gradient buckets with the native "
                          f"collective); use --parallel.algorithm native, or --parallel.pp 1")
-
-
-def _check_pipeline_accumulation(p: ParallelConfig, *, dp: int, grad_accum: int) -> None:
-    if p.zero_stage == 1 and dp > 1 and grad_accum > 1:
-        # sw.pipeline's ZeRO-1 reduce-scatter leaves the averaged shard in the replica's full gradient buffer,
-        # so a second pipe.step before the optimizer step averages a mix of averaged and local gradients
-        raise ValueError(f"parallel.zero_stage = 1 with parallel.pp = {p.pp} needs one pipeline pass per step "
-                         f"(grad_accum = 1), but micro_batch = {p.micro_batch} × dp = {dp} gives grad_accum = "
-                         f"{grad_accum}: ZeRO-1 inside the pipeline does not accumulate over several pipe.step calls "
-                         f"yet; use --parallel.micro_batch {p.micro_batch * grad_accum} (the pipeline still cuts it "
-                         f"into micro-batches), or --parallel.zero_stage 0")
 
 
 def _pp_microbatches(p: ParallelConfig) -> int:
