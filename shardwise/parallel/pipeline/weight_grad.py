@@ -84,7 +84,12 @@ class WeightCapture:
 def _linear(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
     # y = x W^T + b: x (..., in), g (..., out) -> dW = g^T x (out, in), db = sum of g over rows (out,)
     g2, x2 = g.reshape(-1, g.size(-1)), x.reshape(-1, x.size(-1))
-    out = [(m.weight, g2.t() @ x2)]
+    w = m.weight
+    if w.requires_grad and w.grad is not None and w.grad.is_contiguous():
+        w.grad.addmm_(g2.t(), x2)  # later micro-batches: accumulate in the matmul, no temporary (out, in)
+        out = []
+    else:
+        out = [(w, g2.t() @ x2)]
     if m.bias is not None:
         out.append((m.bias, g2.sum(0)))
     return out
