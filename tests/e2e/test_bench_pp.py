@@ -34,6 +34,7 @@ def test_analysis_recovers_the_costs_of_a_simulated_timeline(name, p, m):
     assert bubble == pytest.approx(sim.bubble_ratio) and makespan == pytest.approx(sim.makespan)
     report = analyse(sim.timeline, schedule)
     assert report.predicted == pytest.approx(sim.bubble_ratio) and report.rel_diff == pytest.approx(0.0, abs=1e-9)
+    assert report.fitted_comm == pytest.approx(0.3, abs=1e-6)  # comm 0.3 is what reproduces this makespan
 
 
 def test_comm_estimate_ignores_messages_nobody_waited_for():
@@ -61,7 +62,7 @@ def test_bench_pp_two_ranks(tmp_path):
         # same weights, same batch: torch's pipeline computes the same first-step loss as ours
         assert row["loss_ours"] == pytest.approx(row["loss_torch"], rel=1e-5)
         assert 0 <= row["bubble_measured"] < 1 and 0 <= row["bubble_predicted"] < 1
-        assert len(row["bubble_rel_diff_rounds"]) == 2
+        assert len(row["bubble_rel_diff_rounds"]) == 2 and row["fitted_comm_ms"] >= 0
         assert all(v > 0 for v in row["costs_ms"]["F"] + row["costs_ms"]["B"])
         assert all(v > 0 for v in row["saved_mib_ours"] + row["saved_mib_torch"])
     # activation sets held at once: 1F1B min(p - r, m), ZB-H1 min(p, m) on every rank (p = m = 2)

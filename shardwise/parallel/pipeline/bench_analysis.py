@@ -14,6 +14,8 @@ can be checked against a simulated timeline whose costs are known (tests/e2e/tes
   end``. It includes the transfer and the interpreter's work between the two computes (posting the send,
   waking the receive), which is what the simulator's ``comm`` stands for. No such wait: 0.
 * **Prediction**: ``simulate(schedule, Costs(F, B, W, comm))`` with those numbers.
+* **Fitted communication** (a diagnostic, not a prediction): the ``comm`` with which the simulator, given the
+  same F/B/W, reproduces the measured makespan — the per-message delay the run behaved as if it had.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Sequence
 from .actions import Schedule
 from .simulate import Costs, Event, SimResult, dependencies, simulate
 
-__all__ = ["BubbleReport", "measured_bubble", "stage_costs", "comm_estimate", "predict", "analyse"]
+__all__ = ["BubbleReport", "measured_bubble", "stage_costs", "comm_estimate", "predict", "fit_comm", "analyse"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class BubbleReport:
     predicted_makespan: float
     costs: Costs
     """Per-stage median F/B/W (seconds) and the communication estimate."""
+    fitted_comm: float = 0.0
+    """The comm (seconds) that makes the simulated makespan equal the measured one (``fit_comm``)."""
 
     @property
     def rel_diff(self) -> float:
@@ -99,6 +103,20 @@ def predict(schedule: Schedule, costs: Costs) -> SimResult:
     return simulate(schedule, costs)
 
 
+def fit_comm(schedule: Schedule, costs: Costs, makespan: float, iters: int = 40) -> float:
+    """Smallest ``comm`` whose simulated makespan reaches ``makespan`` (bisection; the makespan does not
+    decrease as comm grows). 0 when the costs alone already reach it."""
+    def span(c: float) -> float:
+        return predict(schedule, Costs(F=costs.F, B=costs.B, W=costs.W, comm=c)).makespan
+    lo, hi = 0.0, max(makespan, 1e-12)
+    if span(lo) >= makespan:
+        return 0.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < makespan else (lo, mid)
+    return hi
+
+
 def analyse(events: Sequence[Event], schedule: Schedule) -> BubbleReport:
     """Measured bubble of one step's timeline and the prediction from its own costs."""
     bubble, makespan = measured_bubble(events, schedule.p)
@@ -106,4 +124,4 @@ def analyse(events: Sequence[Event], schedule: Schedule) -> BubbleReport:
     costs = Costs(F=f, B=b, W=w, comm=comm_estimate(events, schedule))
     sim = predict(schedule, costs)
     return BubbleReport(measured=bubble, predicted=sim.bubble_ratio, makespan=makespan,
-                        predicted_makespan=sim.makespan, costs=costs)
+                        predicted_makespan=sim.makespan, costs=costs, fitted_comm=fit_comm(schedule, costs, makespan))

@@ -100,6 +100,7 @@ def _schedule_row(name: str, per: dict[str, list[float]], reports: list, schedul
         "makespan_ms": 1e3 * _med([r.makespan for r in reports]),
         "predicted_makespan_ms": 1e3 * _med([r.predicted_makespan for r in reports]),
         "costs_ms": per_stage, "comm_ms": 1e3 * _med([float(c.comm) for c in costs]),
+        "fitted_comm_ms": 1e3 * _med([r.fitted_comm for r in reports]),
     }
 
 
@@ -130,12 +131,13 @@ def _print(o: dict[str, Any]) -> None:
         print(f"{name:<12}{r['ours_ms']:>9.1f}{_fmt(r['torch_ms'], '.1f'):>10}{_fmt(r['vs_torch'], '.3f'):>10}"
               f"{_fmt(diff, '.1e'):>11}{r['bubble_measured']:>8.3f}{r['bubble_predicted']:>8.3f}"
               f"{r['bubble_rel_diff']:>+10.1%}{held:>12}  {saved}")
-    print("measured costs (ms, median per stage over rounds; comm: median wait of a receiving rank):")
+    print("measured costs (ms, median per stage over rounds; comm: median wait of a receiving rank; fitted: the comm "
+          "that makes the simulated makespan the measured one):")
     for name, r in o["schedules"].items():
         c = r["costs_ms"]
         parts = [f"{k} " + "/".join(f"{v:.2f}" for v in c[k]) for k in ("F", "B", "W") if any(c[k])]
-        print(f"  {name:<12}" + "  ".join(parts) + f"  comm {r['comm_ms']:.3f}  compute makespan "
-              f"{r['makespan_ms']:.1f} (sim {r['predicted_makespan_ms']:.1f})")
+        print(f"  {name:<12}" + "  ".join(parts) + f"  comm {r['comm_ms']:.2f} (fitted {r['fitted_comm_ms']:.2f})"
+              f"  compute makespan {r['makespan_ms']:.1f} (sim {r['predicted_makespan_ms']:.1f})")
     for name, z in o["zb_vs_1f1b"].items():
         print(f"{name} vs 1f1b (ours): step ratio {z['step_ratio']:.3f} (gain {z['measured_gain']:+.1%}), compute "
               f"makespan gain {z['makespan_gain']:+.1%}, simulated gain {z['simulated_gain']:+.1%}; peak held "
