@@ -71,7 +71,8 @@ def _run_case(case: dict) -> dict:
     model = _model(case["n_layer"], case.get("tie", True), kind)
     pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"],
                        loss_fn=_mse if kind.startswith("mlp") else lm_loss, split=case.get("split"),
-                       chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case else None)
+                       chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case else None,
+                       recv_ahead=case.get("ahead", 1))
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses, sends, dp_reduces = [], [], []
     for idx, tgt in _batches(kind):
@@ -125,6 +126,7 @@ _BAD = {
     "microbatches_zero": dict(m=0),
     "schedule_unknown": dict(schedule="zb-v"),
     "dp_axis_is_pp": dict(dp_axis="pp"),
+    "recv_ahead_negative": dict(recv_ahead=-1),
 }
 
 
@@ -138,13 +140,17 @@ def check_bad_input(names: list[str]) -> dict[str, str]:
         with sw.comm.CommCounter() as c:
             try:
                 pipe = sw.pipeline(model, m, "pp", microbatches=kw["m"], schedule=kw["schedule"], loss_fn=lm_loss,
-                                   split=kw.get("split"), chunks=kw["chunks"], dp_axis=kw.get("dp_axis"))
+                                   split=kw.get("split"), chunks=kw["chunks"], dp_axis=kw.get("dp_axis"),
+                                   recv_ahead=kw.get("recv_ahead", 1))
                 if name == "batch_not_divisible":
                     idx, tgt = synthetic_batch(10, SEQ, 64)  # 10 % 4 != 0
                     pipe.step(idx, tgt)
                 out[name] = ""
             except ValueError as e:
                 out[name] = str(e)
+                if name != "batch_not_divisible":  # that one is refused by step(), after the cut
+                    # refused before the model was cut: no stage's tensors were released
+                    assert all(t.numel() > 0 for t in model.parameters()), name
         assert not c.records and c.messages_sent == 0, (name, c.records)
     return out
 

@@ -32,6 +32,11 @@ CASES = {
         dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=False, split=["5"]),
         dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=2, split=["3"]),  # weight and bias
         dict(schedule="zb-h2", n_layer=2, m=3),
+        # m = 1: rank 0's gradient receive is placed before its own first forward, whose output fixes that
+        # boundary's shape, so the executor defers it; receives placed just before their consumer, and 3 ahead
+        dict(schedule="1f1b", n_layer=2, m=1),
+        dict(schedule="1f1b", n_layer=2, m=4, ahead=0),
+        dict(schedule="interleaved", n_layer=4, m=4, chunks=2, ahead=3),
     ],
     4: [
         dict(schedule="gpipe", n_layer=4, m=6),
@@ -46,6 +51,7 @@ CASES = {
         dict(schedule="zb-h1", n_layer=3, m=2, dp=2),
         dict(schedule="zb-h2", n_layer=4, m=12),  # m >= 2p - 1: the full warm-up of 2(p - r) - 1 forwards
         dict(schedule="zb-h2", n_layer=3, m=3, dp=2),
+        dict(schedule="zb-h1", n_layer=4, m=6, ahead=4),  # the first receives on a boundary are deferred
     ],
 }
 
@@ -130,6 +136,7 @@ BAD = {
     "schedule_unknown": "valid schedules: gpipe, 1f1b, interleaved, zb-h1",
     "batch_not_divisible": "divisible by microbatches=4",
     "dp_axis_is_pp": "other than the pipeline axis 'pp'",
+    "recv_ahead_negative": "recv_ahead must be an integer >= 0",
 }
 
 

@@ -193,3 +193,46 @@ def test_bad_input(kwargs, match):
     name = kwargs.pop("name")
     with pytest.raises(ValueError, match=match):
         get_schedule(name, **kwargs)
+
+
+def _consumer(recv: Action) -> Action:
+    return Action(recv.stage, "F" if recv.kind == "RECV_F" else "B", recv.microbatch)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+@pytest.mark.parametrize("name,p,m,chunks", [c for c in CASES if c[1] in (2, 4)])
+def test_receives_posted_ahead_of_their_consumer(name, p, m, chunks, ahead):
+    """Each receive is posted before the compute action ``ahead`` places earlier than its consumer on that
+    rank (earlier still when the sender's order requires), and the pairing stays in send order."""
+    s = lower_communication(get_schedule(name, p=p, m=m, chunks=chunks), recv_ahead=ahead)
+    for (src, dst), (sent, received) in message_order(s).items():
+        assert sent == received, (ahead, src, dst)
+    late = lower_communication(get_schedule(name, p=p, m=m, chunks=chunks), recv_ahead=0)
+    for acts, late_acts in zip(s.ranks, late.ranks):
+        compute = [a for a in acts if a.is_compute]
+        assert compute == [a for a in late_acts if a.is_compute]  # lowering never reorders compute
+        assert sorted(acts) == sorted(late_acts)  # the same sends and receives, only placed differently
+        index = {a: i for i, a in enumerate(acts)}
+        for a in acts:
+            if a.kind in ("RECV_F", "RECV_B"):
+                k = compute.index(_consumer(a))
+                assert index[a] < index[compute[max(0, k - ahead)]], (name, ahead, str(a))
+                if ahead == 0:  # the late placement: nothing but receives between it and its consumer
+                    between = acts[index[a] + 1:index[_consumer(a)]]
+                    assert all(b.kind in ("RECV_F", "RECV_B") for b in between), (name, str(a))
+
+
+def test_receive_ahead_text_form_1f1b():
+    # rank 1 posts micro-batch 1's activation receive before running B0, together with B0's send (like the
+    # steady state of torch's 1F1B); rank 0 posts B0's gradient receive before running F1.
+    s = lower_communication(get_schedule("1f1b", p=2, m=3))
+    assert s.to_text().splitlines() == [
+        "rank 0: 0F0 0SF0 0RB0 0F1 0SF1 0B0 0RB1 0F2 0SF2 0RB2 0B1 0B2",
+        "rank 1: 1RF0 1F0 1RF1 1B0 1SB0 1F1 1RF2 1B1 1SB1 1F2 1B2 1SB2",
+    ]
+
+
+@pytest.mark.parametrize("ahead", [-1, 1.5, True, "1"])
+def test_receive_ahead_bad_input(ahead):
+    with pytest.raises(ValueError, match=r"recv_ahead must be an integer >= 0 .* got"):
+        lower_communication(get_schedule("1f1b", p=2, m=2), recv_ahead=ahead)

@@ -16,7 +16,7 @@ text       kind        meaning (for stage ``s`` and micro-batch ``i``)
 =========  ==========  ===========================================================================
 
 The communication actions are never produced by the schedule generators; ``lower_communication`` in
-``schedules.py`` inserts them for an executor. The simulator models communication as a latency on every
+``communication.py`` inserts them for an executor. The simulator models communication as a latency on every
 dependency that crosses ranks and skips explicit communication actions.
 
 Stage placement: with ``p`` ranks and ``chunks`` model chunks per rank there are ``p * chunks`` stages and

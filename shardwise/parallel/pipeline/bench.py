@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule per side first (default 2)")
     parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds (default 6)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1; 0: cores / ranks)")
+    parser.add_argument("--recv-ahead", type=int, default=1,
+                        help="post each receive this many compute actions before its consumer (default 1; 0: just before)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining (ours only)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--trace", default=None, metavar="FILE.json", help="Chrome/Perfetto trace of the measured timeline")
@@ -76,6 +78,8 @@ def _validate(args: argparse.Namespace) -> list[str]:
     unknown = [v for v in names if v not in BASE + EXTRA]
     if unknown or not names:
         raise ValueError(f"unknown or no schedules {unknown or names}; choose from {BASE + EXTRA}")
+    if args.recv_ahead < 0:
+        raise ValueError(f"--recv-ahead must be >= 0 (compute actions a receive is posted early), got {args.recv_ahead}")
     for flag in ("batch", "seq", "microbatches", "steps", "repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -113,9 +117,9 @@ def main(args: argparse.Namespace) -> int:
 
     argv = ["--worker"]
     for flag in ("preset", "layers", "batch", "seq", "microbatches", "schedules", "steps", "warmup", "repeats",
-                 "threads", "json", "trace", "plot"):
+                 "threads", "json", "trace", "plot", "recv_ahead"):
         if getattr(args, flag) is not None:
-            argv += [f"--{flag}", str(getattr(args, flag))]
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     argv += ["--no-torch"] if args.no_torch else []
     return run_local(args.nproc, ["shardwise.parallel.pipeline.bench", *argv], module=True)
 
@@ -153,7 +157,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     pipes, ours, theirs, local = {}, {}, {}, {}
     for name in names:
         pipes[name] = sw.pipeline(build(), mesh, AXIS, microbatches=args.microbatches, schedule=name,
-                                  loss_fn=lm_loss, chunks=2 if name == "interleaved" else 1)
+                                  loss_fn=lm_loss, chunks=2 if name == "interleaved" else 1,
+                                  recv_ahead=args.recv_ahead)
         ours[name] = our_runner(pipes[name])
         if not args.no_torch and name in TORCH_SCHEDULES:
             theirs[name], local[name] = torch_runner(name, build(), pipes[name], mesh, AXIS, lm_loss)

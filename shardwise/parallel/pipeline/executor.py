@@ -3,6 +3,9 @@
 Per action (stage ``s``, micro-batch ``i``):
 
 * ``RECV_F`` / ``RECV_B``: post an asynchronous receive into a fresh buffer; the compute that needs it waits.
+  The lowering places receives ahead of their consumer; one whose shape is not known yet (the first message
+  on a boundary, whose metadata message is received blocking) is deferred until its consumer runs, and so
+  is every later receive from the same sender, which keeps each sender's messages posted in send order.
 * ``F``: run the stage; the input of a stage > 0 is a leaf that requires grad, so backward leaves the input
   gradient in ``x.grad``. The last stage applies ``loss_fn`` and keeps ``loss / m`` as the tensor to
   differentiate (the step's loss is the mean over micro-batches, as one device computes it on the whole batch).
@@ -54,12 +57,14 @@ class StepState:
     captured: dict[tuple[int, int], list[tuple[nn.Module, Tensor]]] = field(default_factory=dict)
     in_grads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     pending: dict[tuple[str, int, int], comm.Handle | Tensor] = field(default_factory=dict)
+    deferred: dict[int, list[Action]] = field(default_factory=dict)
+    """Sender rank -> receives not posted yet, in that sender's send order (see module doc)."""
     sends: list[comm.Handle] = field(default_factory=list)
     losses: list[Tensor] = field(default_factory=list)
     peak_held: int = 0
+    """Most (stage, micro-batch) activation sets held at once (taken by F, freed by full B or by W)."""
     events: list[tuple[Action, float, float]] = field(default_factory=list)
     """Compute actions with host-clock (``time.perf_counter``) start and end, in execution order."""
-    """Most (stage, micro-batch) activation sets held at once (taken by F, freed by full B or by W)."""
 
 
 class Interpreter:
@@ -129,6 +134,32 @@ class Interpreter:
         src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
         st.pending[(a.kind, a.stage, a.microbatch)] = self._irecv(buf, self.schedule.rank_of(src))
 
+    def _source(self, a: Action) -> int:
+        return self.schedule.rank_of(a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
+
+    def _shape_known(self, a: Action) -> bool:
+        return (a.stage - 1 if a.kind == "RECV_F" else a.stage) in self.shapes
+
+    def _queue_recv(self, a: Action, st: StepState) -> None:
+        """Post ``a`` now, or defer it (see module doc) when its shape is unknown or its sender has a deferred
+        earlier message."""
+        waiting = st.deferred.setdefault(self._source(a), [])
+        if waiting or not self._shape_known(a):
+            waiting.append(a)
+        else:
+            self._post_recv(a, st)
+
+    def _flush_recv(self, need: Action, st: StepState) -> None:
+        """Post the deferred receives from ``need``'s sender up to ``need`` (receiving the metadata of a new
+        boundary, blocking), then the following ones whose shapes are now known."""
+        waiting = st.deferred.get(self._source(need), [])
+        if need not in waiting:
+            return
+        upto = waiting.index(need) + 1
+        while waiting and (upto > 0 or self._shape_known(waiting[0])):
+            self._post_recv(waiting.pop(0), st)
+            upto -= 1
+
     def _take(self, kind: str, stage: int, mb: int, st: StepState) -> Tensor:
         got = st.pending.pop((kind, stage, mb))
         return got.wait() if isinstance(got, comm.Handle) else got
@@ -182,10 +213,13 @@ class Interpreter:
     # -- the loop --------------------------------------------------------------------------------------
     def _wait_input(self, a: Action, st: StepState) -> None:
         """Wait for the receive ``a`` consumes (so the recorded compute time excludes waiting)."""
-        key = ("RECV_F", a.stage, a.microbatch) if a.kind == "F" else ("RECV_B", a.stage, a.microbatch)
-        got = st.pending.get(key)
+        if a.kind == "W":
+            return
+        kind = "RECV_F" if a.kind == "F" else "RECV_B"
+        self._flush_recv(Action(a.stage, kind, a.microbatch), st)
+        got = st.pending.get((kind, a.stage, a.microbatch))
         if isinstance(got, comm.Handle):
-            st.pending[key] = got.wait()
+            st.pending[(kind, a.stage, a.microbatch)] = got.wait()
 
     def _compute(self, a: Action, st: StepState) -> None:
         s, i, same_rank = a.stage, a.microbatch, self.schedule.rank_of
@@ -203,7 +237,7 @@ class Interpreter:
     def _communicate(self, a: Action, st: StepState, sent_meta: set[int]) -> None:
         s, i = a.stage, a.microbatch
         if a.kind in ("RECV_F", "RECV_B"):
-            self._post_recv(a, st)
+            self._queue_recv(a, st)
         elif a.kind == "SEND_F":
             out = st.outputs[(s, i)].detach()
             if s not in sent_meta:
@@ -238,7 +272,8 @@ class Interpreter:
             st.events.append((a, start, time.perf_counter()))
         for h in st.sends:
             h.wait()
-        assert not st.outputs and not st.pending, "schedule left work undone (validated schedules never do)"
+        assert not st.outputs and not st.pending and not any(st.deferred.values()), \
+            "schedule left work undone (validated schedules never do)"
 
 
 def _final_grad_actions(actions: Sequence[Action], kind: str) -> dict[int, int]:
