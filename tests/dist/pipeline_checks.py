@@ -72,7 +72,7 @@ def _run_case(case: dict) -> dict:
     pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"],
                        loss_fn=_mse if kind.startswith("mlp") else lm_loss, split=case.get("split"),
                        chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case else None,
-                       recv_ahead=case.get("ahead", 1))
+                       recv_ahead=case.get("ahead", 1), recv_before_send=not case.get("late", False))
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses, sends, dp_reduces = [], [], []
     for idx, tgt in _batches(kind):

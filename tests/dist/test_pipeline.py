@@ -35,7 +35,7 @@ CASES = {
         # m = 1: rank 0's gradient receive is placed before its own first forward, whose output fixes that
         # boundary's shape, so the executor defers it; receives placed just before their consumer, and 3 ahead
         dict(schedule="1f1b", n_layer=2, m=1),
-        dict(schedule="1f1b", n_layer=2, m=4, ahead=0),
+        dict(schedule="1f1b", n_layer=2, m=4, ahead=0, late=True),
         dict(schedule="interleaved", n_layer=4, m=4, chunks=2, ahead=3),
     ],
     4: [

@@ -51,12 +51,13 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_bench_pp_two_ranks(tmp_path):
     out, trace, png = tmp_path / "pp.json", tmp_path / "t.json", tmp_path / "t.png"
     res = _cli("-n", "2", "--preset", "gpt-tiny", "--seq", "16", "--batch", "4", "-m", "2", "--steps", "1",
-               "--warmup", "1", "--repeats", "2", "--schedules", "1f1b,zb-h1", "--recv-ahead", "2", "--json", str(out),
+               "--warmup", "1", "--repeats", "2", "--schedules", "1f1b,zb-h1", "--recv-ahead", "2", "--late-recv", "--json", str(out),
                "--trace", str(trace), "--plot", str(png))
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "zb-h1 vs 1f1b" in res.stdout
     data = json.loads(out.read_text())
-    assert data["ranks"] == 2 and data["microbatches"] == 2 and data["recv_ahead"] == 2 and set(data["schedules"]) == {"1f1b", "zb-h1"}
+    assert data["ranks"] == 2 and data["microbatches"] == 2 and set(data["schedules"]) == {"1f1b", "zb-h1"}
+    assert data["recv_ahead"] == 2 and data["recv_before_send"] is False
     for name, row in data["schedules"].items():
         assert row["ours_ms"] > 0 and row["torch_ms"] > 0 and row["vs_torch"] > 0
         # same weights, same batch: torch's pipeline computes the same first-step loss as ours

@@ -7,6 +7,7 @@ import pytest
 from shardwise.parallel.pipeline.actions import Action, parse_action, parse_actions, parse_schedule
 from shardwise.parallel.pipeline.communication import lower_communication, message_order
 from shardwise.parallel.pipeline.schedules import get_schedule
+from shardwise.parallel.pipeline.simulate import simulate
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 12)]
 
@@ -199,15 +200,17 @@ def _consumer(recv: Action) -> Action:
     return Action(recv.stage, "F" if recv.kind == "RECV_F" else "B", recv.microbatch)
 
 
+@pytest.mark.parametrize("recv_before_send", [False, True])
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("name,p,m,chunks", [c for c in CASES if c[1] in (2, 4)])
-def test_receives_posted_ahead_of_their_consumer(name, p, m, chunks, ahead):
+def test_receives_posted_ahead_of_their_consumer(name, p, m, chunks, ahead, recv_before_send):
     """Each receive is posted before the compute action ``ahead`` places earlier than its consumer on that
-    rank (earlier still when the sender's order requires), and the pairing stays in send order."""
-    s = lower_communication(get_schedule(name, p=p, m=m, chunks=chunks), recv_ahead=ahead)
+    rank (earlier still when the sender's order or the before-send rule requires), and the pairing stays in
+    send order."""
+    s = lower_communication(get_schedule(name, p=p, m=m, chunks=chunks), recv_ahead=ahead, recv_before_send=recv_before_send)
     for (src, dst), (sent, received) in message_order(s).items():
         assert sent == received, (ahead, src, dst)
-    late = lower_communication(get_schedule(name, p=p, m=m, chunks=chunks), recv_ahead=0)
+    late = lower_communication(get_schedule(name, p=p, m=m, chunks=chunks), recv_ahead=0, recv_before_send=False)
     for acts, late_acts in zip(s.ranks, late.ranks):
         compute = [a for a in acts if a.is_compute]
         assert compute == [a for a in late_acts if a.is_compute]  # lowering never reorders compute
@@ -217,16 +220,53 @@ def test_receives_posted_ahead_of_their_consumer(name, p, m, chunks, ahead):
             if a.kind in ("RECV_F", "RECV_B"):
                 k = compute.index(_consumer(a))
                 assert index[a] < index[compute[max(0, k - ahead)]], (name, ahead, str(a))
-                if ahead == 0:  # the late placement: nothing but receives between it and its consumer
+                if ahead == 0 and not recv_before_send:  # the late placement: only receives between it and its consumer
                     between = acts[index[a] + 1:index[_consumer(a)]]
                     assert all(b.kind in ("RECV_F", "RECV_B") for b in between), (name, str(a))
 
 
+def _producer(recv: Action) -> Action:
+    return Action(recv.stage - 1, "F", recv.microbatch) if recv.kind == "RECV_F" else \
+        Action(recv.stage + 1, "B", recv.microbatch)
+
+
+@pytest.mark.parametrize("name,p,m,chunks", [c for c in CASES if c[1] in (2, 4)])
+def test_receives_posted_before_their_message_is_sent(name, p, m, chunks):
+    """In the unit-cost simulated run, every receive is posted (the compute action that follows it starts)
+    before its sender's producing action ends, unless it is posted before the rank's first action; with the
+    rule off (late placement), some receives are not (so the check can fail)."""
+    schedule = get_schedule(name, p=p, m=m, chunks=chunks)
+    run = simulate(schedule)
+    start = {e.action: e.start for e in run.timeline}
+    end = {e.action: e.end for e in run.timeline}
+
+    def late_posts(lowered):
+        late = []
+        for acts in lowered.ranks:
+            first = next(a for a in acts if a.is_compute)
+            for i, a in enumerate(acts):
+                if a.kind in ("RECV_F", "RECV_B"):
+                    nxt = next(b for b in acts[i:] if b.is_compute)
+                    if nxt != first and start[nxt] >= end[_producer(a)]:
+                        late.append(str(a))
+        return late
+
+    assert late_posts(lower_communication(schedule)) == []
+    if p == 4 and m >= 4:
+        assert late_posts(lower_communication(schedule, recv_ahead=0, recv_before_send=False))
+
+
 def test_receive_ahead_text_form_1f1b():
-    # rank 1 posts micro-batch 1's activation receive before running B0, together with B0's send (like the
-    # steady state of torch's 1F1B); rank 0 posts B0's gradient receive before running F1.
+    # Unit costs (F = 1, whole B = 2): rank 0 sends F1 at t=2 while rank 1 runs F0 (from t=1), so rank 1 posts
+    # RF1 at the start; F2 leaves at t=7, during rank 1's B1 (from t=5): RF2 goes before B1, together with
+    # B0's send before it — torch's 1F1B steady-state pairing. Rank 0 posts each gradient receive one
+    # compute action before its consumer (recv_ahead=1), which is also before its send.
     s = lower_communication(get_schedule("1f1b", p=2, m=3))
     assert s.to_text().splitlines() == [
+        "rank 0: 0F0 0SF0 0RB0 0F1 0SF1 0B0 0RB1 0F2 0SF2 0RB2 0B1 0B2",
+        "rank 1: 1RF0 1RF1 1F0 1B0 1SB0 1F1 1RF2 1B1 1SB1 1F2 1B2 1SB2",
+    ]
+    assert lower_communication(get_schedule("1f1b", p=2, m=3), recv_before_send=False).to_text().splitlines() == [
         "rank 0: 0F0 0SF0 0RB0 0F1 0SF1 0B0 0RB1 0F2 0SF2 0RB2 0B1 0B2",
         "rank 1: 1RF0 1F0 1RF1 1B0 1SB0 1F1 1RF2 1B1 1SB1 1F2 1B2 1SB2",
     ]

@@ -46,13 +46,15 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
-                 bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int = 1) -> None:
+                 bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int = 1,
+                 recv_before_send: bool = True) -> None:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
-        lowered = lower_communication(self.schedule, recv_ahead=recv_ahead)  # validates recv_ahead up front
+        # validates recv_ahead up front, before the model is cut
+        lowered = lower_communication(self.schedule, recv_ahead=recv_ahead, recv_before_send=recv_before_send)
         self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
         self.model = model  # keys and shapes of the whole model, for full_state_dict
         me = mesh.coord(axis)
@@ -303,7 +305,7 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
              loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
              checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True,
-             recv_ahead: int = 1) -> Pipeline:
+             recv_ahead: int = 1, recv_before_send: bool = True) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -318,12 +320,15 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     and buffers of the stages other ranks run (default), so each rank keeps ~1/pp of the model; ``model``
     itself is then no longer usable as a whole (use ``sw.full_state_dict(pipe)``).
     ``checkpoint``: activation checkpointing per unit (each block keeps only its input; recomputed in backward).
-    ``recv_ahead``: post each receive this many of the rank's compute actions before the one that consumes it,
-    so messages arrive while both ends compute (0: just before the consumer; see ``communication.py``).
+    ``recv_ahead``: post each receive at least this many of the rank's compute actions before the one that
+    consumes it; ``recv_before_send``: also before the action the rank runs when the message is sent (in the
+    schedule's unit-cost simulation), so the transfer overlaps compute instead of stalling the receiver
+    (``recv_ahead=0, recv_before_send=False``: just before the consumer; see ``communication.py``).
     Tensor parallelism inside a stage: pass a model already ``sw.parallelize``-d over another axis and a
     tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
     Bad input raises ``ValueError`` / ``TypeError`` before any communication.
     """
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
                     chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
-                    bucket_cap_mb=bucket_cap_mb, release=release, recv_ahead=recv_ahead)
+                    bucket_cap_mb=bucket_cap_mb, release=release, recv_ahead=recv_ahead,
+                    recv_before_send=recv_before_send)

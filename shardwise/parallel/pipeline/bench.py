@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds (default 6)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1; 0: cores / ranks)")
     parser.add_argument("--recv-ahead", type=int, default=1,
-                        help="post each receive this many compute actions before its consumer (default 1; 0: just before)")
+                        help="post each receive at least this many compute actions before its consumer (default 1)")
+    parser.add_argument("--late-recv", action="store_true",
+                        help="do not post receives before their message is sent (sw.pipeline recv_before_send=False)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining (ours only)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--trace", default=None, metavar="FILE.json", help="Chrome/Perfetto trace of the measured timeline")
@@ -121,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     argv += ["--no-torch"] if args.no_torch else []
+    argv += ["--late-recv"] if args.late_recv else []
     return run_local(args.nproc, ["shardwise.parallel.pipeline.bench", *argv], module=True)
 
 
@@ -158,7 +161,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     for name in names:
         pipes[name] = sw.pipeline(build(), mesh, AXIS, microbatches=args.microbatches, schedule=name,
                                   loss_fn=lm_loss, chunks=2 if name == "interleaved" else 1,
-                                  recv_ahead=args.recv_ahead)
+                                  recv_ahead=args.recv_ahead, recv_before_send=not args.late_recv)
         ours[name] = our_runner(pipes[name])
         if not args.no_torch and name in TORCH_SCHEDULES:
             theirs[name], local[name] = torch_runner(name, build(), pipes[name], mesh, AXIS, lm_loss)

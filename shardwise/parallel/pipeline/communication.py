@@ -6,12 +6,23 @@ Rules (stage ``s`` on rank ``s % p``; nothing is inserted between two stages on 
 * after ``B(s, i)``: ``SEND_B(s, i)`` (input gradient to stage s-1);
 * before ``F(s, i)``: ``RECV_F(s, i)``; before ``B(s, i)``: ``RECV_B(s, i)``.
 
-Receives are posted ahead of their consumer (``recv_ahead`` compute actions earlier, default 1): the
-receive for ``F(s, i)`` is posted before the compute action that precedes ``F(s, i)`` on this rank, right
-after that rank's previous sends. The transport can then deliver the message while both ends compute;
-posted only just before its consumer, a message the sender finished long ago is delivered only then, and on
-transports whose progress needs the receiver's host thread (gloo) the consumer waits for the whole transfer.
-The cost is one extra receive buffer per incoming boundary. ``recv_ahead=0`` gives the late placement.
+Receives are posted early, by two rules (the earlier position wins):
+
+* ``recv_ahead`` (default 1): at least that many of this rank's compute actions before the one that consumes
+  the message;
+* ``recv_before_send`` (default on): before the compute action this rank is running when the sender sends the
+  message, in the simulated run of the schedule at unit costs (``simulate``: F = B = W = 1, a whole backward
+  2) — or at the start of the list when the message is sent before this rank starts.
+
+Why: gloo moves a message only once the receiver has posted its receive (a rendezvous). Posted after the
+send, the message waits at the sender, and the transfer then runs when the receiver posts — usually while the
+sender computes, so the transfer's threads compete with compute for the cores and the receiver stalls for
+milliseconds (measured: ``benchmarks/RESULTS.md``). Posted before the send, the transfer happens as soon as
+the sender sends and the receiver finds its input there. Schedules whose warm-up sends far ahead (ZB-H2,
+interleaved) need the second rule; the first gives 1F1B its steady-state pairing (the next forward's receive
+goes out with the backward's send). The cost is one receive buffer per message posted and not yet consumed —
+at most the messages the schedule has in flight anyway in the unit-cost run, plus ``recv_ahead`` per
+boundary. ``recv_ahead=0, recv_before_send=False`` places every receive just before its consumer.
 
 Transports that match messages by order rather than by tag (NCCL) need every receiver to post its
 receives from one sender in the order that sender sends them. A receive is therefore posted early when
@@ -22,6 +33,7 @@ it has not posted yet. Posting an asynchronous receive early only reserves its b
 from __future__ import annotations
 
 from .actions import Action, Schedule
+from .simulate import simulate
 
 __all__ = ["lower_communication", "message_order"]
 
@@ -52,11 +64,13 @@ def _source_rank(recv: Action, schedule: Schedule) -> int:
     return schedule.rank_of(recv.stage - 1 if recv.kind == "RECV_F" else recv.stage + 1)
 
 
-def lower_communication(schedule: Schedule, *, recv_ahead: int = 1) -> Schedule:
+def lower_communication(schedule: Schedule, *, recv_ahead: int = 1, recv_before_send: bool = True) -> Schedule:
     """The same schedule with ``SEND_*``/``RECV_*`` actions inserted (see module doc); pure.
 
-    ``recv_ahead``: how many of this rank's compute actions earlier a receive is posted than the compute that
-    consumes it (0: immediately before it)."""
+    ``recv_ahead``: a receive is posted at least this many of this rank's compute actions before the compute
+    that consumes it (0: immediately before it). ``recv_before_send``: also post it before the compute action this
+    rank runs when the message is sent, in the unit-cost simulation (raises ``ScheduleDeadlock`` for a
+    schedule that cannot finish)."""
     if isinstance(recv_ahead, bool) or not isinstance(recv_ahead, int) or recv_ahead < 0:
         raise ValueError(f"recv_ahead must be an integer >= 0 (compute actions a receive is posted ahead of its "
                          f"consumer), got {recv_ahead!r}")
@@ -67,19 +81,41 @@ def lower_communication(schedule: Schedule, *, recv_ahead: int = 1) -> Schedule:
         for a in acts:
             for _, dst, recv in _sends_after(a, schedule):
                 queue.setdefault((src, dst), []).append(recv)
+    # unit-cost run: when each action starts, and when each message is sent (its producer ends)
+    timeline = simulate(schedule).timeline if recv_before_send else ()
+    start = {e.action: e.start for e in timeline}
+    sent_at = {recv: e.end for e in timeline for _, _, recv in _sends_after(e.action, schedule)}
     ranks = []
     for r, acts in enumerate(compute):
+        posts = _post_positions(acts, schedule, recv_ahead, [start.get(a, 0.0) for a in acts], sent_at)
         posted: set[Action] = set()
         cursor: dict[int, int] = {}  # src -> how many of queue[(src, r)] are posted
         out: list[Action] = []
         for k, a in enumerate(acts):
-            for consumer in acts[k:k + recv_ahead + 1]:
-                out += _post_through(_recv_needed(consumer, schedule), r, schedule, queue, cursor, posted)
+            for need in posts.get(k, []):
+                out += _post_through(need, r, schedule, queue, cursor, posted)
             out.append(a)
             out += [send for send, _, _ in _sends_after(a, schedule)]
         ranks.append(tuple(out))
     return Schedule(name=schedule.name, p=schedule.p, m=schedule.m, chunks=schedule.chunks,
                     split_backward=schedule.split_backward, ranks=tuple(ranks))
+
+
+def _post_positions(acts: list[Action], schedule: Schedule, recv_ahead: int, starts: list[float],
+                    sent_at: dict[Action, float]) -> dict[int, list[Action]]:
+    """Compute-action index on this rank -> the receives to post just before it (in consumer order).
+    ``starts``: each action's simulated start; ``sent_at``: receive -> simulated send time (empty: rule off)."""
+    posts: dict[int, list[Action]] = {}
+    for k, a in enumerate(acts):
+        need = _recv_needed(a, schedule)
+        if need is None:
+            continue
+        at = max(0, k - recv_ahead)
+        if need in sent_at:  # the action running when it is sent: the last one that started before
+            running = [j for j in range(k) if starts[j] < sent_at[need]]
+            at = min(at, running[-1] if running else 0)
+        posts.setdefault(at, []).append(need)
+    return posts
 
 
 def _post_through(need: Action | None, r: int, schedule: Schedule, queue: dict[tuple[int, int], list[Action]],
