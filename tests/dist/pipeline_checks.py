@@ -10,6 +10,7 @@ import torch
 
 import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from shardwise.parallel.pipeline.communication import lower_communication
 from tests.dist.meshes import mesh
 
 LR, STEPS, BATCH, SEQ = 0.5, 3, 12, 8
@@ -72,7 +73,10 @@ def _run_case(case: dict) -> dict:
     pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"],
                        loss_fn=_mse if kind.startswith("mlp") else lm_loss, split=case.get("split"),
                        chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case else None,
-                       recv_ahead=case.get("ahead", 1), recv_before_send=not case.get("late", False))
+                       recv_ahead=case.get("ahead"), recv_before_send=False if case.get("late") else None)
+    if "ahead" not in case:  # CPU defaults: one action ahead, and before the send
+        assert (pipe.recv_ahead, pipe.recv_before_send) == (1, True)
+        assert pipe.actions == lower_communication(pipe.schedule).ranks[m.coord("pp")]
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses, sends, dp_reduces = [], [], []
     for idx, tgt in _batches(kind):
@@ -141,7 +145,7 @@ def check_bad_input(names: list[str]) -> dict[str, str]:
             try:
                 pipe = sw.pipeline(model, m, "pp", microbatches=kw["m"], schedule=kw["schedule"], loss_fn=lm_loss,
                                    split=kw.get("split"), chunks=kw["chunks"], dp_axis=kw.get("dp_axis"),
-                                   recv_ahead=kw.get("recv_ahead", 1))
+                                   recv_ahead=kw.get("recv_ahead"))
                 if name == "batch_not_divisible":
                     idx, tgt = synthetic_batch(10, SEQ, 64)  # 10 % 4 != 0
                     pipe.step(idx, tgt)

@@ -46,15 +46,22 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
-                 bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int = 1,
-                 recv_before_send: bool = True) -> None:
+                 bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int | None = None,
+                 recv_before_send: bool | None = None) -> None:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
+        # early receives help host-progressed transports (gloo); on NCCL an early receive would hold up the
+        # later sends queued on the same communicator's stream, so CUDA keeps the placement just before the
+        # consumer unless asked otherwise
+        cuda = mesh.device.type == "cuda"
+        self.recv_ahead = (0 if cuda else 1) if recv_ahead is None else recv_ahead
+        self.recv_before_send = (not cuda) if recv_before_send is None else bool(recv_before_send)
         # validates recv_ahead up front, before the model is cut
-        lowered = lower_communication(self.schedule, recv_ahead=recv_ahead, recv_before_send=recv_before_send)
+        lowered = lower_communication(self.schedule, recv_ahead=self.recv_ahead,
+                                      recv_before_send=self.recv_before_send)
         self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
         self.model = model  # keys and shapes of the whole model, for full_state_dict
         me = mesh.coord(axis)
@@ -305,7 +312,7 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
              loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
              checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True,
-             recv_ahead: int = 1, recv_before_send: bool = True) -> Pipeline:
+             recv_ahead: int | None = None, recv_before_send: bool | None = None) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -323,7 +330,9 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     ``recv_ahead``: post each receive at least this many of the rank's compute actions before the one that
     consumes it; ``recv_before_send``: also before the action the rank runs when the message is sent (in the
     schedule's unit-cost simulation), so the transfer overlaps compute instead of stalling the receiver
-    (``recv_ahead=0, recv_before_send=False``: just before the consumer; see ``communication.py``).
+    (``recv_ahead=0, recv_before_send=False``: just before the consumer; see ``communication.py``). Default
+    (``None``): 1 and True on CPU (gloo); 0 and False on CUDA (NCCL queues a communicator's operations on one
+    stream, where an early receive would hold up later sends; the CUDA path is not verified either way).
     Tensor parallelism inside a stage: pass a model already ``sw.parallelize``-d over another axis and a
     tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
     Bad input raises ``ValueError`` / ``TypeError`` before any communication.

@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule per side first (default 2)")
     parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds (default 6)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1; 0: cores / ranks)")
-    parser.add_argument("--recv-ahead", type=int, default=1,
-                        help="post each receive at least this many compute actions before its consumer (default 1)")
+    parser.add_argument("--recv-ahead", type=int, default=None,
+                        help="post each receive at least this many compute actions before its consumer "
+                             "(default: sw.pipeline's, 1 on CPU)")
     parser.add_argument("--late-recv", action="store_true",
                         help="do not post receives before their message is sent (sw.pipeline recv_before_send=False)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining (ours only)")
@@ -80,7 +81,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
     unknown = [v for v in names if v not in BASE + EXTRA]
     if unknown or not names:
         raise ValueError(f"unknown or no schedules {unknown or names}; choose from {BASE + EXTRA}")
-    if args.recv_ahead < 0:
+    if args.recv_ahead is not None and args.recv_ahead < 0:
         raise ValueError(f"--recv-ahead must be >= 0 (compute actions a receive is posted early), got {args.recv_ahead}")
     for flag in ("batch", "seq", "microbatches", "steps", "repeats"):
         if getattr(args, flag) < 1:
@@ -161,7 +162,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     for name in names:
         pipes[name] = sw.pipeline(build(), mesh, AXIS, microbatches=args.microbatches, schedule=name,
                                   loss_fn=lm_loss, chunks=2 if name == "interleaved" else 1,
-                                  recv_ahead=args.recv_ahead, recv_before_send=not args.late_recv)
+                                  recv_ahead=args.recv_ahead, recv_before_send=False if args.late_recv else None)
         ours[name] = our_runner(pipes[name])
         if not args.no_torch and name in TORCH_SCHEDULES:
             theirs[name], local[name] = torch_runner(name, build(), pipes[name], mesh, AXIS, lm_loss)

@@ -56,8 +56,8 @@ def gather_and_report(args: argparse.Namespace, names: list[str], pipes: dict, r
     out: dict[str, Any] = {"ranks": world_size, "preset": args.preset, "n_layer": pipes[names[0]].model.config.n_layer,
                            "n_embd": pipes[names[0]].model.config.n_embd, "batch": args.batch, "seq": args.seq,
                            "microbatches": args.microbatches, "threads": args.threads, "steps": args.steps,
-                           "repeats": args.repeats, "recv_ahead": args.recv_ahead,
-                           "recv_before_send": not args.late_recv, "device": mesh.device.type, "host": platform.node(),
+                           "repeats": args.repeats, "recv_ahead": pipes[names[0]].recv_ahead,
+                           "recv_before_send": pipes[names[0]].recv_before_send, "device": mesh.device.type, "host": platform.node(),
                            "torch": torch.__version__, "params": params,
                            "load_avg_start": load_start[0], "load_avg_end": os.getloadavg()[0], "schedules": {}}
     for j, name in enumerate(names):
