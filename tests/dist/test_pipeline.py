@@ -33,10 +33,10 @@ CASES = {
         dict(schedule="zb-h1", model="mlp-shared", n_layer=0, m=3, tie=2, split=["3"]),  # weight and bias
         dict(schedule="zb-h2", n_layer=2, m=3),
         # m = 1: rank 0's gradient receive is placed before its own first forward, whose output fixes that
-        # boundary's shape, so the executor defers it; receives placed just before their consumer, and 3 ahead
+        # boundary's shape, so the executor defers it (the default placement defers the first step's early
+        # receives on every case); and receives placed just before their consumer (the naive placement)
         dict(schedule="1f1b", n_layer=2, m=1),
         dict(schedule="1f1b", n_layer=2, m=4, ahead=0, late=True),
-        dict(schedule="interleaved", n_layer=4, m=4, chunks=2, ahead=3),
     ],
     4: [
         dict(schedule="gpipe", n_layer=4, m=6),
@@ -51,7 +51,6 @@ CASES = {
         dict(schedule="zb-h1", n_layer=3, m=2, dp=2),
         dict(schedule="zb-h2", n_layer=4, m=12),  # m >= 2p - 1: the full warm-up of 2(p - r) - 1 forwards
         dict(schedule="zb-h2", n_layer=3, m=3, dp=2),
-        dict(schedule="zb-h1", n_layer=4, m=6, ahead=4),  # the first receives on a boundary are deferred
     ],
 }
 
