@@ -56,6 +56,10 @@ def test_deadlocked_file_is_reported(tmp_path, capsys):
     assert main(["schedule", "--file", str(f)]) == 1
     err = capsys.readouterr().err
     assert "deadlocks" in err and "0B0 <blocked" in err
+    # --comm: no simulated run to place receives by, so the listing shows them just before their consumers
+    assert main(["schedule", "--file", str(f), "--comm"]) == 1
+    out, err = capsys.readouterr()
+    assert "rank 1: 1RF0 1F0 1RF1 1F1 1B0 1SB0 1B1 1SB1" in out and "deadlocks" in err
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .actions import parse_schedule
+from .actions import Schedule, parse_schedule
 from .communication import lower_communication
 from .schedules import SCHEDULES, get_schedule
 from .simulate import Costs, ScheduleDeadlock, simulate
@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             schedule = get_schedule(args.schedule, p=args.p, m=args.m, chunks=args.chunks)
         costs = parse_costs(args.costs, schedule.chunks)
-        shown = lower_communication(schedule) if args.comm else schedule
+        shown = _lowered(schedule) if args.comm else schedule
         print(shown.grid() if args.grid else shown.to_text())
         print()
         result = simulate(schedule, costs)
@@ -82,6 +82,15 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         return _plot(result, args.plot)
     return 0
+
+
+def _lowered(schedule: Schedule) -> Schedule:
+    """The schedule with its sends and receives; a schedule that deadlocks has no simulated run to place the
+    receives by, so it is shown with each receive just before its consumer (the deadlock is reported next)."""
+    try:
+        return lower_communication(schedule)
+    except ScheduleDeadlock:
+        return lower_communication(schedule, recv_ahead=0, recv_before_send=False)
 
 
 def _plot(result, path: str) -> int:
