@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.parallel.pipeline.actions import Action, parse_action, parse_actions, parse_schedule
-from shardwise.parallel.pipeline.communication import lower_communication, message_order
+from shardwise.parallel.pipeline.communication import lower_communication, message_order, receive_placement
 from shardwise.parallel.pipeline.schedules import get_schedule
 from shardwise.parallel.pipeline.simulate import simulate
 
@@ -270,6 +270,13 @@ def test_receive_ahead_text_form_1f1b():
         "rank 0: 0F0 0SF0 0RB0 0F1 0SF1 0B0 0RB1 0F2 0SF2 0RB2 0B1 0B2",
         "rank 1: 1RF0 1F0 1RF1 1B0 1SB0 1F1 1RF2 1B1 1SB1 1F2 1B2 1SB2",
     ]
+
+
+def test_receive_placement_defaults_by_device():
+    # gloo progresses transfers on the host: post early; NCCL's ordered stream: just before the consumer
+    assert receive_placement("cpu") == (1, True)
+    assert receive_placement("cuda") == (0, False)
+    assert receive_placement("cuda", 2, True) == (2, True) and receive_placement("cpu", 0, False) == (0, False)
 
 
 @pytest.mark.parametrize("ahead", [-1, 1.5, True, "1"])

@@ -26,7 +26,7 @@ from ... import comm
 from ...mesh import Mesh
 from ..mixed_precision import LossScaler
 from ..zero_optim import ZeroOptimizer, make_inner_optimizer
-from .communication import lower_communication
+from .communication import lower_communication, receive_placement
 from .executor import Interpreter, run_actions
 from .actions import Action
 from .schedules import get_schedule
@@ -53,12 +53,7 @@ class Pipeline:
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
-        # early receives help host-progressed transports (gloo); on NCCL an early receive would hold up the
-        # later sends queued on the same communicator's stream, so CUDA keeps the placement just before the
-        # consumer unless asked otherwise
-        cuda = mesh.device.type == "cuda"
-        self.recv_ahead = (0 if cuda else 1) if recv_ahead is None else recv_ahead
-        self.recv_before_send = (not cuda) if recv_before_send is None else bool(recv_before_send)
+        self.recv_ahead, self.recv_before_send = receive_placement(mesh.device.type, recv_ahead, recv_before_send)
         # validates recv_ahead up front, before the model is cut
         lowered = lower_communication(self.schedule, recv_ahead=self.recv_ahead,
                                       recv_before_send=self.recv_before_send)

@@ -32,10 +32,12 @@ it has not posted yet. Posting an asynchronous receive early only reserves its b
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from .actions import Action, Schedule
 from .simulate import simulate
 
-__all__ = ["lower_communication", "message_order"]
+__all__ = ["lower_communication", "message_order", "receive_placement"]
 
 
 def _sends_after(a: Action, schedule: Schedule) -> list[tuple[Action, int, Action]]:
@@ -101,6 +103,18 @@ def lower_communication(schedule: Schedule, *, recv_ahead: int = 1, recv_before_
                     split_backward=schedule.split_backward, ranks=tuple(ranks))
 
 
+def receive_placement(device_type: str, recv_ahead: int | None = None,
+                      recv_before_send: bool | None = None) -> tuple[int, bool]:
+    """``(recv_ahead, recv_before_send)`` for a pipeline on ``device_type``; ``None`` takes the default.
+
+    Early receives help transports whose progress runs on the host (gloo: 1 and True). On CUDA (NCCL) a
+    communicator runs its operations in order on one stream, where an early receive would hold up the sends
+    queued after it, so the default there is the placement just before the consumer (0 and False)."""
+    cuda = device_type == "cuda"
+    return ((0 if cuda else 1) if recv_ahead is None else recv_ahead,
+            (not cuda) if recv_before_send is None else bool(recv_before_send))
+
+
 def _post_positions(acts: list[Action], schedule: Schedule, recv_ahead: int, starts: list[float],
                     sent_at: dict[Action, float]) -> dict[int, list[Action]]:
     """Compute-action index on this rank -> the receives to post just before it (in consumer order).
@@ -112,17 +126,17 @@ def _post_positions(acts: list[Action], schedule: Schedule, recv_ahead: int, sta
             continue
         at = max(0, k - recv_ahead)
         if need in sent_at:  # the action running when it is sent: the last one that started before
-            running = [j for j in range(k) if starts[j] < sent_at[need]]
-            at = min(at, running[-1] if running else 0)
+            started = bisect_left(starts, sent_at[need], 0, k)  # a rank's starts increase along its list
+            at = min(at, max(started - 1, 0))
         posts.setdefault(at, []).append(need)
     return posts
 
 
-def _post_through(need: Action | None, r: int, schedule: Schedule, queue: dict[tuple[int, int], list[Action]],
+def _post_through(need: Action, r: int, schedule: Schedule, queue: dict[tuple[int, int], list[Action]],
                   cursor: dict[int, int], posted: set[Action]) -> list[Action]:
     """The receives rank ``r`` must post now so that ``need`` is posted: every not yet posted message from the
     same sender up to ``need``, in that sender's send order (updates ``cursor`` and ``posted``)."""
-    if need is None or need in posted:
+    if need in posted:
         return []
     src = _source_rank(need, schedule)
     q = queue[(src, r)]

@@ -125,20 +125,20 @@ class Interpreter:
         self.shapes[s] = (_DTYPES[code], tuple(int(v) for v in meta[2:2 + ndim]))
 
     def _post_recv(self, a: Action, st: StepState) -> None:
-        boundary = a.stage - 1 if a.kind == "RECV_F" else a.stage  # output of stage `boundary`
+        boundary = _boundary(a)
         if boundary not in self.shapes:
             assert a.kind == "RECV_F", "a backward receive always follows this stage's own forward"
             self._recv_meta(boundary)
         dtype, shape = self.shapes[boundary]
         buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
-        src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
-        st.pending[(a.kind, a.stage, a.microbatch)] = self._irecv(buf, self.schedule.rank_of(src))
+        st.pending[(a.kind, a.stage, a.microbatch)] = self._irecv(buf, self._source(a))
 
     def _source(self, a: Action) -> int:
+        """The rank that sends receive ``a``'s message."""
         return self.schedule.rank_of(a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
 
     def _shape_known(self, a: Action) -> bool:
-        return (a.stage - 1 if a.kind == "RECV_F" else a.stage) in self.shapes
+        return _boundary(a) in self.shapes
 
     def _queue_recv(self, a: Action, st: StepState) -> None:
         """Post ``a`` now, or defer it (see module doc) when its shape is unknown or its sender has a deferred
@@ -274,6 +274,12 @@ class Interpreter:
             h.wait()
         assert not st.outputs and not st.pending and not any(st.deferred.values()), \
             "schedule left work undone (validated schedules never do)"
+
+
+def _boundary(recv: Action) -> int:
+    """The stage whose output a receive carries (forward: the previous stage's; backward: the input gradient
+    of the next stage, shaped like this stage's output): the key of ``Interpreter.shapes``."""
+    return recv.stage - 1 if recv.kind == "RECV_F" else recv.stage
 
 
 def _final_grad_actions(actions: Sequence[Action], kind: str) -> dict[int, int]:
