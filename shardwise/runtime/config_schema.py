@@ -127,6 +127,13 @@ class TrainConfig:
     """Seed of the weights, the data order and per-step RNG."""
     timeout_s: float = 60.0
     """Collective timeout: a dead or hung peer becomes an error after this many seconds."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient: ``stop`` the job naming the step and parameter (weights untouched, the last
+    good checkpoint stays latest), or ``skip`` the step (counted) and stop after ``max_skipped`` in a row."""
+    max_skipped: int = 3
+    """With ``nonfinite = "skip"``: consecutive skipped steps after which the job stops."""
+    max_restarts: int = 0
+    """After a failure, restart all ranks up to this many times, resuming from the latest intact checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +150,10 @@ class DebugConfig:
     """Step at which ``kill_rank`` dies."""
     hang: bool = False
     """``kill_rank`` hangs (sleeps) at ``kill_step`` instead of dying: its peers' collectives time out."""
+    nonfinite_step: int = 0
+    """Make the loss (and so the gradients) of this step NaN on ``nonfinite_rank`` (0 = never)."""
+    nonfinite_rank: int = -1
+    """Rank whose loss ``nonfinite_step`` poisons (-1: every rank)."""
 
 
 @dataclass(frozen=True, kw_only=True)
