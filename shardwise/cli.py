@@ -7,9 +7,11 @@ file only wires them up, importing a module when its command is used (so ``shard
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main"]
 
@@ -33,6 +35,37 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every usage error is one line ``PROG: error: MESSAGE; see PROG --help`` (no usage dump), with a close
+    match suggested for an unknown option or choice; exit code 2. Subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            given, options = choice[1], re.findall(r"'([^']*)'", choice[2])
+            hint = _close(given, options)
+            message = (message[:choice.start()] + f"invalid choice {given!r}; "
+                       + (f"did you mean {hint}? " if hint else "") + "choose from " + ", ".join(options))
+        elif not message.endswith("?"):
+            message += f"; see '{self.prog} --help'"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def unknown_arguments(self, extra: Sequence[str]) -> NoReturn:
+        """Report the first argument this parser does not know, with a close option name if there is one."""
+        first = extra[0]
+        if first.startswith("-") and len(first) > 1:
+            name = first.partition("=")[0]
+            hint = _close(name, [o for o in self._option_string_actions if o.startswith("--") or len(name) == 2])
+            self.error(f"unknown option {name}" + (f"; did you mean {hint}?" if hint else ""))
+        self.error(f"unexpected argument {first!r}")
+
+
+def _close(given: str, options: Sequence[str]) -> str:
+    """The option closest to ``given`` (difflib), or ''."""
+    close = difflib.get_close_matches(given, list(options), n=1, cutoff=0.75)
+    return close[0] if close else ""
+
+
 def _add_module(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
     parser = sub.add_parser(name, help=help_, description=help_)
     try:
@@ -47,7 +80,7 @@ def _add_module(sub: argparse._SubParsersAction, name: str, module: str, help_: 
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise", description="Train one model on many devices as if "
+    parser = _Parser(prog="shardwise", description="Train one model on many devices as if "
                                      "they were one.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only import the module of the command actually used (imports pull in torch).
@@ -67,14 +100,29 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _used_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Parser:
+    """The (sub)parser of the command the arguments selected, e.g. that of ``shardwise bench comm``."""
+    for dest in ("command", "bench"):
+        name = getattr(args, dest, None)
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not name or not subs or name not in subs[0].choices:
+            break
+        parser = subs[0].choices[name]
+    return parser  # type: ignore[return-value]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _used_parser(parser, args).unknown_arguments(extra)
     if getattr(args, "_missing", None):
         print(f"shardwise: '{args._missing}' is not available in this build", file=sys.stderr)
         return 2
     fn = getattr(args, "_main", None)
+    if fn is None and getattr(args, "command", None) == "bench":
+        _used_parser(parser, args).error(f"which benchmark? give a KIND: {', '.join(BENCHES)}")
     if fn is None:
         parser.print_help()
         return 2

@@ -64,6 +64,9 @@ def load_corpus(path: str, fmt: str = "auto") -> "torch.Tensor":
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data.path = {path!r} does not exist; pass a text file or a uint16 .bin file")
+    if p.stat().st_size == 0:
+        raise ValueError(f"data.path = {path!r} is empty (0 bytes); pass a text file or uint16 .bin file with "
+                         f"tokens in it, or drop --data to train on the generated corpus")
     if fmt == "bin" or (fmt == "auto" and p.suffix == ".bin"):
         size = p.stat().st_size
         if size % 2:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from .launch import run_local
 
@@ -20,5 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_local(args.nproc, [args.target, *args.args], module=args.module, nnodes=args.nnodes,
-                     node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    try:
+        if args.nproc < 1:
+            raise ValueError(f"-n/--nproc = {args.nproc} must be >= 1; e.g. shardwise run -n 2 {args.target}")
+        if not args.module and not Path(args.target).is_file():
+            raise ValueError(f"script {args.target!r} does not exist; pass the path of a Python file, or -m MODULE "
+                             f"to run a module")
+        return run_local(args.nproc, [args.target, *args.args], module=args.module, nnodes=args.nnodes,
+                         node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    except ValueError as exc:
+        print(f"shardwise run: error: {exc}", file=sys.stderr)
+        return 2
