@@ -46,6 +46,7 @@ from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
 from .launch import World, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
+from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, held_grads, local_flag, poisoned
 from .pipeline_setup import build_pipeline, load_pipeline_checkpoint, pipeline_checkpoint, pipeline_passes
 
 __all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
@@ -134,6 +135,9 @@ class Trainer:
         self.last_ckpt: Path | None = None
         self.tokens_per_step = cfg.data.global_batch * cfg.model.block_size
         self._beat_fd: int | None = None
+        self.skipped = 0  # non-finite steps skipped (train.nonfinite = skip) in this run, and in a row
+        self.skipped_in_row = 0
+        self.last_skipped = False
 
     def resume(self, path: str | Path) -> None:
         """Load model, optimizer state and data position from a checkpoint of any layout. Local (file reads)."""
@@ -165,13 +169,26 @@ class Trainer:
         batches = self.data.next()
         t["data"] = time.perf_counter() - start
         t["comm"] = 0.0
-        loss_sum = pipeline_passes(self.model, batches, t) if self.pp else self._passes(batches, t, sync)
+        poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
+        host = self.model.interpreter if self.pp else self  # where the step's loss_fn is looked up
+        clean_loss_fn = host.loss_fn
+        if poison:  # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
+            host.loss_fn = poisoned(clean_loss_fn)
+        try:
+            loss_sum = pipeline_passes(self.model, batches, t) if self.pp else self._passes(batches, t, sync)
+        finally:
+            host.loss_fn = clean_loss_fn
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads" and not self.zero and not cfg.parallel.zero_stage:
             for param in self.plain.parameters():
                 if param.grad is not None:
                     param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
-        self.optimizer.step()
+        local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
+        if self._finite(local_loss):  # collective: every rank takes the same branch
+            self.skipped_in_row, self.last_skipped = 0, False
+            self.optimizer.step()
+        else:
+            self._skip(local_loss)  # raises NonFiniteError unless train.nonfinite = skip allows this one
         self.optimizer.zero_grad(set_to_none=True)
         sync()
         t1 = time.perf_counter()
@@ -181,6 +198,26 @@ class Trainer:
         t2 = time.perf_counter()
         t.update(opt=t1 - t0, comm=t["comm"] + t2 - t1, step=t2 - start)
         return value, t
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """Whether this step's loss and every gradient are finite on every rank (``nonfinite.py``): one fused
+        local check, then one ``max`` all-reduce of one number per mesh axis. Collective over the whole mesh."""
+        grads = held_grads(self.model, self.plain, zero=self.zero, pp=self.pp)
+        return not agree(local_flag(loss, grads), self.mesh)
+
+    def _skip(self, loss: torch.Tensor) -> None:
+        """A non-finite step: drop its gradients without an optimizer step (weights, optimizer state and its
+        step count unchanged; the step counter, LR schedule and data position still advance), or raise
+        ``NonFiniteError`` (policy ``stop``, or the ``train.max_skipped``-th skip in a row). Local."""
+        cfg = self.cfg.train
+        if cfg.nonfinite == "skip":
+            self.skipped, self.skipped_in_row, self.last_skipped = self.skipped + 1, self.skipped_in_row + 1, True
+            if self.skipped_in_row < cfg.max_skipped:
+                self.optimizer.zero_grad(set_to_none=True)  # ZeRO/pipeline optimizers zero their flat buffers
+                return
+        where = first_nonfinite(held_grads(self.model, self.plain, zero=self.zero, pp=self.pp))
+        raise NonFiniteError(failure_message(self.step, float(loss), where,
+                                             skipped=self.skipped_in_row if cfg.nonfinite == "skip" else 0))
 
     def _passes(self, batches: Batches, t: dict[str, float], sync: Callable[[], None]) -> torch.Tensor:
         """``grad_accum`` forward/backward passes (gradient sync on the last only); this rank's mean loss."""
@@ -264,7 +301,7 @@ class Trainer:
         return {"step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
                 "step_s": t["step"], "fwd_s": t["fwd"], "bwd_s": t["bwd"], "opt_s": t["opt"], "comm_s": t["comm"],
-                "data_s": t["data"], "overhead_s": overhead, "time": time.time()}
+                "data_s": t["data"], "overhead_s": overhead, "time": time.time(), "skipped": self.last_skipped}
 
     def _summary(self, loss: float, timings: list[dict[str, float]], steps: int, wall: float) -> dict[str, Any]:
         # Medians over the steps after the first two (allocator warm-up, bucket rebuild): robust to the
@@ -277,7 +314,8 @@ class Trainer:
                 "tokens_per_s": self.tokens_per_step / step_s if step_s else 0.0,
                 "wall_tokens_per_s": steps * self.tokens_per_step / wall if wall else 0.0,
                 "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
-                "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None}
+                "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+                "skipped_steps": self.skipped}
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
