@@ -43,6 +43,10 @@ class MeshLayout:
             raise ValueError("a Mesh needs at least one axis, e.g. Mesh(dp=-1)")
         names = tuple(axis_sizes)
         sizes = list(axis_sizes.values())
+        for name in names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"mesh axis name {name!r} is not a valid name; use a short identifier such as "
+                                 f"'dp', 'tp' or 'pp', e.g. Mesh(dp=2, tp=2)")
         for name, size in zip(names, sizes):
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
                 raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints, or -1 for one inferred axis")

@@ -95,7 +95,8 @@ def config_from_dict(tree: Mapping[str, Any], base: Config | None = None) -> Con
         if section not in _SECTIONS:
             raise _unknown("config section", section, list(_SECTIONS))
         if not isinstance(values, Mapping):
-            raise ValueError(f"config section [{section}] must be a table of fields, got {values!r}")
+            raise ValueError(f"config section [{section}] must be a table of fields, got {values!r}; write it as "
+                             f"[{section}] followed by lines like field = value")
         for key, value in values.items():
             flat[f"{section}.{key}"] = value
     return apply_overrides(base or Config(), flat)
@@ -149,7 +150,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         try:
             return tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the syntax there "
+                             f"(tables like [model], lines like n_layer = 2)") from None
 
 
 def load_config(*, path: str | Path | None = None, preset: str | None = None,
@@ -203,11 +205,14 @@ def validate(config: Config) -> Config:
                        ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps)):
         if value < 0:
             meaning = "infer it" if key.startswith("parallel") else "off"
-            raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning})")
+            raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning}); e.g. --{key} 0")
     if not 0 < t.timeout_s <= 3600:
         raise ValueError(f"train.timeout_s = {t.timeout_s} must be in (0, 3600] seconds; e.g. --train.timeout_s 60")
-    if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
-        raise ValueError(f"optimizer.lr = {o.lr}, optimizer.min_lr = {o.min_lr}: need lr > 0 and 0 <= min_lr <= lr")
+    if not o.lr > 0:
+        raise ValueError(f"optimizer.lr = {o.lr} must be > 0; e.g. --optimizer.lr 0.003")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
+                         f"--optimizer.min_lr {o.lr / 10:g}")
     _check_strategies(config)
     nproc = p.nproc or default_nproc()
     dp = p.dp or nproc // (p.tp * p.pp)
@@ -230,7 +235,7 @@ def validate(config: Config) -> Config:
 def _positive(*pairs: tuple[str, int]) -> None:
     for key, value in pairs:
         if value < 1:
-            raise ValueError(f"{key} = {value} must be >= 1")
+            raise ValueError(f"{key} = {value} must be >= 1; e.g. --{key} 1")
 
 
 def _check_strategies(config: Config) -> None:
@@ -243,13 +248,14 @@ def _check_strategies(config: Config) -> None:
             raise ValueError(f"parallel.tp = {p.tp} must divide model.n_head = {m.n_head} (whole heads per rank); "
                              f"use a tp from {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
     if p.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3; e.g. --parallel.zero_stage 1 "
+                         f"(0 = plain data parallelism)")
     if p.zero_stage and not _optional_module("shardwise.parallel.zero"):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero), which this "
                          f"build lacks; use --parallel.zero_stage 0")
     if p.zero_stage and p.tp > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.tp = {p.tp} is not supported by "
-                         f"shardwise train yet; use one of them")
+                         f"shardwise train yet; use --parallel.zero_stage 0 or --parallel.tp 1")
     if p.pp > 1:
         _check_pipeline_hybrids(p)
 

@@ -174,11 +174,20 @@ SCHEDULES: dict[str, tuple[Callable[[int, int, int], Schedule], bool]] = {
 }
 
 
+def _did_you_mean(name: str, choices: "dict[str, object] | list[str]") -> str:
+    """``"; did you mean '1f1b'?"`` for a close schedule name (difflib), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def get_schedule(name: str, *, p: int, m: int, chunks: int = 1) -> Schedule:
     """Build schedule ``name`` for ``p`` ranks and ``m`` micro-batches; bad input raises ``ValueError``."""
     key = name.lower()
     if key not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}"
+                         f"{_did_you_mean(str(name), SCHEDULES)}")
     for label, value in (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{label} must be an integer >= 1, got {value!r}")

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ...mesh import Mesh
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, _did_you_mean
 from .stage import Stage
 
 __all__ = ["check_args", "check_hybrid", "check_keys"]
@@ -48,7 +48,8 @@ def check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn:
     if axis not in mesh.axes:
         raise ValueError(f"pipeline axis {axis!r} is not an axis of {mesh!r}; use one of {list(mesh.axes)}")
     if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules: {', '.join(SCHEDULES)}"
+                         f"{_did_you_mean(str(schedule), SCHEDULES)}")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
