@@ -48,7 +48,8 @@ def parse_costs(text: str, chunks: int = 1) -> Costs:
         try:
             parts = tuple(float(v) for v in raw.split(":"))
         except ValueError:
-            raise ValueError(f"cost {key} must be a number or ':'-separated numbers, got {raw!r}") from None
+            raise ValueError(f"cost {key} must be a number or ':'-separated numbers, got {raw!r}; e.g. --costs "
+                             f"{key}=1 or {key}=1:2:1:1") from None
         values[key] = parts[0] if len(parts) == 1 else parts
     for key in ("F", "B", "W"):
         if chunks > 1 and isinstance(values.get(key), float):
@@ -73,7 +74,13 @@ def main(args: argparse.Namespace) -> int:
     except ScheduleDeadlock as exc:
         print(f"shardwise schedule: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as exc:
+    except OSError as exc:
+        if not args.file:
+            raise
+        print(f"shardwise schedule: error: cannot read --file {args.file!r} ({exc.strerror}); pass a text file with "
+              f"one line of actions per rank, e.g. 'rank 0: 0F0 0F1 0B0 0B1'", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"shardwise schedule: error: {exc}", file=sys.stderr)
         return 2
     print(f"costs: F={costs.F} B={costs.B} W={costs.W} comm={costs.comm}"
