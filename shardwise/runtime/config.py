@@ -208,6 +208,9 @@ def validate(config: Config) -> Config:
             raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning}); e.g. --{key} 0")
     if not 0 < t.timeout_s <= 3600:
         raise ValueError(f"train.timeout_s = {t.timeout_s} must be in (0, 3600] seconds; e.g. --train.timeout_s 60")
+    if not p.bucket_cap_mb > 0:
+        raise ValueError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb} must be > 0 (megabytes); e.g. "
+                         f"--parallel.bucket_cap_mb 25")
     if not o.lr > 0:
         raise ValueError(f"optimizer.lr = {o.lr} must be > 0; e.g. --optimizer.lr 0.003")
     if not 0 <= o.min_lr <= o.lr:
