@@ -2,7 +2,7 @@
 
 On disk (``RUN/checkpoints``)::
 
-    step_000100/index.json          every tensor: global shape, dtype, SBP, mesh, and where each piece lies
+    step_000100/index.json          every tensor: global shape, dtype, SBP, mesh, where each piece lies and its CRC-32
     step_000100/rank00000.safetensors   the pieces this rank owns (replicated tensors: one owner only; a
                                     pipeline rank: its own stages' tensors only)
     step_000100/rank00000.json      this rank's private state (RNG)
@@ -10,7 +10,12 @@ On disk (``RUN/checkpoints``)::
 
 Saving is atomic: pieces go to ``.tmp-step_000100``, files and directory are fsynced, then one ``rename``
 publishes the directory and ``latest`` is swapped with ``os.replace``. A crash before the rename leaves only
-a ``.tmp-*`` directory that loading ignores, so the previous checkpoint stays the loadable one.
+a ``.tmp-*`` directory that loading ignores, so the previous checkpoint stays the loadable one. Nothing
+non-finite is published: the ranks agree first that every floating-point piece is finite.
+
+Integrity (``integrity.py``): every piece's CRC-32 is in the index and checked on every read; piece file
+names are confined to the checkpoint directory; damage is a one-line ``CheckpointError`` naming the file,
+the tensor and the fix; ``latest_intact_checkpoint`` finds the newest checkpoint that verifies.
 
 Resharding: a tensor is described by a ``Piece`` — the global shape of its *view* (head-split QKV weights are
 stored as a (3, nh·hd, ...) view so whole heads are a plain split), one SBP per mesh axis and this rank's mesh
@@ -28,19 +33,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..comm.collectives import barrier
+from ..comm.collectives import all_reduce, barrier
 from ..mesh import Mesh
 from ..sbp.placement import Broadcast, Partial, Placement, format_sbp, parse_sbp
 from ..sbp.spec import local_extent
+from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layout, latest_checkpoint,
+                        latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
+                        verify_checkpoint)
 
-__all__ = ["Piece", "save_checkpoint", "Checkpoint", "latest_checkpoint", "resolve_checkpoint", "CHECKPOINTS"]
-
-CHECKPOINTS = "checkpoints"
-"""Sub-directory of a run directory holding its checkpoints."""
-_LATEST = "latest"
+__all__ = ["Piece", "save_checkpoint", "Checkpoint", "latest_checkpoint", "resolve_checkpoint", "CHECKPOINTS",
+           "CheckpointError", "verify_checkpoint", "latest_intact_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, pieces: Sequence[Piece], *
     state. Collective over every axis of ``mesh``: every rank must call it with its own pieces.
     ``crash_before_rename`` (fault injection for tests) raises after all shards are durable.
     """
+    _refuse_nonfinite(step, pieces, mesh)
     root = Path(ckpt_root)
     name = f"step_{step:06d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -115,14 +120,35 @@ def save_checkpoint(ckpt_root: str | Path, step: int, pieces: Sequence[Piece], *
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(root)
-        pointer = root / f".{_LATEST}.tmp"
+        pointer = root / f".{LATEST}.tmp"
         pointer.write_text(name + "\n")
         _fsync(pointer)
-        os.replace(pointer, root / _LATEST)
+        os.replace(pointer, root / LATEST)
         _fsync(root)
         _prune(root, keep)
     _barrier_all(mesh)
     return final
+
+
+def _first_nonfinite(pieces: Sequence[Piece]) -> str | None:
+    for p in pieces:
+        if p.local.is_floating_point() and not bool(torch.isfinite(p.local.detach()).all()):
+            return p.key
+    return None
+
+
+def _refuse_nonfinite(step: int, pieces: Sequence[Piece], mesh: Mesh) -> None:
+    """Raise ``ValueError`` on every rank (before anything is written) if any rank holds a non-finite piece.
+    Collective: a max over each mesh axis in turn, so every rank takes the same branch."""
+    bad = _first_nonfinite(pieces)
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=mesh.device)
+    for axis in mesh.axes:
+        all_reduce(flag, mesh, axis, op="max")
+    if flag.item() > 0:
+        where = f"{bad!r} on rank {mesh.rank} holds" if bad is not None else "another rank holds a tensor with"
+        raise ValueError(f"checkpoint of step {step} refused: {where} NaN/Inf values; nothing was written and "
+                         f"'latest' is unchanged; the training diverged: resume from the previous checkpoint with a "
+                         f"lower learning rate (or train.nonfinite = \"skip\")")
 
 
 def _write_rank_files(tmp: Path, pieces: Sequence[Piece], rank: int, rank_state: dict[str, Any]) -> None:
@@ -137,7 +163,8 @@ def _write_rank_files(tmp: Path, pieces: Sequence[Piece], rank: int, rank_state:
                  "dtype": str(p.local.dtype).replace("torch.", ""), "sbp": format_sbp(p.sbp), "axes": list(p.axes)}
         if p.owner():
             tensors[p.key] = p.local.detach().to("cpu").contiguous()
-            entry["piece"] = {"file": f"rank{rank:05d}.safetensors", "extent": p.extent()}
+            entry["piece"] = {"file": f"rank{rank:05d}.safetensors", "extent": p.extent(),
+                              "crc32": tensor_crc32(tensors[p.key])}
         entries.append(entry)
     data = tmp / f"rank{rank:05d}.safetensors"
     save_file(tensors, str(data))
@@ -154,7 +181,7 @@ def _write_index(tmp: Path, step: int, mesh: Mesh, state: dict[str, Any]) -> Non
             info = tensors.setdefault(e["key"], {k: e[k] for k in ("view_shape", "full_shape", "dtype", "sbp", "axes")})
             if "piece" in e:
                 info.setdefault("pieces", []).append(e["piece"])
-    index = {"format": "shardwise-sharded-v1", "step": step, "mesh": dict(zip(mesh.axes, mesh.shape)),
+    index = {"format": FORMAT, "step": step, "mesh": dict(zip(mesh.axes, mesh.shape)),
              "world_size": mesh.world_size, "state": state, "tensors": tensors}
     path = tmp / "index.json"
     path.write_text(json.dumps(index, indent=1))
@@ -168,36 +195,12 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` points to under ``run_dir`` (or ``run_dir/checkpoints``), None if there is none."""
-    root = Path(run_dir)
-    if (root / CHECKPOINTS).is_dir():
-        root = root / CHECKPOINTS
-    pointer = root / _LATEST
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "index.json").is_file() else None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a run directory, a checkpoints directory or a checkpoint itself."""
-    p = Path(path)
-    if (p / "index.json").is_file():
-        return p
-    found = latest_checkpoint(p)
-    if found is None:
-        raise ValueError(f"no checkpoint under {str(p)!r}: expected a run directory with checkpoints/latest, or a "
-                         f"checkpoint directory holding index.json; train first or pass the right path")
-    return found
-
-
 class Checkpoint:
     """A saved checkpoint opened for reading (any rank, any layout; reads files only, never communicates)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = resolve_checkpoint(path)
-        self.index = json.loads((self.path / "index.json").read_text())
+        self.index = load_index(self.path)  # CheckpointError: not JSON, unknown format, unconfined file names
         self.step: int = self.index["step"]
         self.state: dict[str, Any] = self.index["state"]
 
@@ -209,19 +212,14 @@ class Checkpoint:
         return json.loads(path.read_text())["state"] if path.is_file() else None
 
     def full(self, key: str) -> torch.Tensor:
-        """The whole tensor under its plain-model shape, assembled from every piece."""
+        """The whole tensor under its plain-model shape, assembled from every piece, each verified as it is
+        read (file present and confined, shape, dtype, checksum; coverage): ``CheckpointError`` otherwise."""
         info = self._info(key)
-        view = torch.empty(info["view_shape"], dtype=getattr(torch, info["dtype"]))
-        covered = 0
+        view = torch.empty(info["view_shape"], dtype=check_layout(self.path, key, info))
         for piece in info.get("pieces", []):
-            with safe_open(str(self.path / piece["file"]), framework="pt") as f:
-                local = f.get_tensor(key)
+            local = read_piece(self.path, key, info, piece)
             index = tuple(slice(s, s + n) for s, n in piece["extent"])
             view[index] = local.reshape(view[index].shape)
-            covered += local.numel()
-        if covered != view.numel():
-            raise ValueError(f"checkpoint {self.path}: pieces of {key!r} cover {covered} of {view.numel()} elements; "
-                             f"the checkpoint is incomplete (a rank's file is missing?)")
         return view.reshape(info["full_shape"])
 
     def load_piece(self, target: Piece) -> torch.Tensor:
