@@ -1,0 +1,230 @@
+"""Bad-input catalogue, command line: each case is ONE error line (exit code 2) that names the offending value and
+the fix, with no Python traceback and nothing written to disk.
+
+Every case calls ``shardwise.cli.main`` in this process (no interpreter start, no rank is ever launched: the
+launchers are replaced by a failing stub), so the whole file runs in seconds. The API cases are in
+``tests/unit/test_bad_inputs_api.py``; README.md "Errors: cause and fix" lists both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from shardwise import cli
+
+Setup = Callable[[Path], None]
+
+
+def _file(name: str, data: bytes | str) -> Setup:
+    def setup(root: Path) -> None:
+        (root / name).write_bytes(data.encode() if isinstance(data, str) else data)
+    return setup
+
+
+def _u16(ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}H", *ids)
+
+
+def _fake_run(name: str = "done", *, steps: int = 5, ckpt_step: int = 5) -> Setup:
+    """A run directory as ``shardwise train`` leaves it (``config.json``, ``checkpoints/latest`` naming a
+    ``step_NNNNNN`` directory with an ``index.json``), without training: the refusals never open a tensor."""
+    def setup(root: Path) -> None:
+        import dataclasses
+
+        from shardwise.runtime.config import Config, TrainConfig
+
+        run = root / "runs" / name
+        ckpt = run / "checkpoints" / f"step_{ckpt_step:06d}"
+        ckpt.mkdir(parents=True)
+        cfg = Config(train=dataclasses.replace(TrainConfig(), name=name, steps=steps))
+        (run / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+        (ckpt / "index.json").write_text(json.dumps({
+            "format": "shardwise-sharded-v1", "step": ckpt_step, "mesh": {"dp": 1, "tp": 1}, "world_size": 1,
+            "state": {}, "tensors": {}}))
+    return setup
+
+
+# (id, argv, setup or None, substrings the one line must contain: the offending value first, then the fix)
+CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
+    # --- config files (TOML) ---
+    ("toml-missing", ["train", "--config", "nope.toml"], None,
+     ("'nope.toml' does not exist", "pass the path of a TOML file")),
+    ("toml-invalid", ["train", "--config", "bad.toml"], _file("bad.toml", "x = [1,\n"),
+     ("'bad.toml' is not valid TOML", "fix the syntax")),
+    ("toml-unknown-section", ["train", "--config", "c.toml"], _file("c.toml", "[modle]\nn_layer = 2\n"),
+     ("'modle'", "did you mean 'model'?")),
+    ("toml-unknown-key", ["train", "--config", "c.toml"], _file("c.toml", "[model]\nn_layr = 2\n"),
+     ("'n_layr'", "did you mean 'n_layer'?")),
+    ("toml-wrong-type", ["train", "--config", "c.toml"], _file("c.toml", "[model]\nn_layer = \"two\"\n"),
+     ("model.n_layer must be a int, got 'two'", "e.g. --model.n_layer 2")),
+    ("toml-bad-enum", ["train", "--config", "c.toml"], _file("c.toml", "[optimizer]\nname = \"adam\"\n"),
+     ("optimizer.name = 'adam'", "choose one of ['adamw', 'sgd']")),
+    ("toml-section-not-table", ["train", "--config", "c.toml"], _file("c.toml", "model = 3\n"),
+     ("[model] must be a table of fields, got 3", "followed by lines like field = value")),
+    ("toml-unknown-preset", ["train", "--config", "c.toml"], _file("c.toml", "preset = \"gpt-smal\"\n"),
+     ("unknown preset 'gpt-smal'", "did you mean 'gpt-small'?")),
+    # --- flags ---
+    ("flag-typo-section", ["train", "--paralel.tp", "2"], None,
+     ("unknown option --paralel.tp", "did you mean --parallel.tp?")),
+    ("flag-typo-field", ["train", "--parallel.tpp=2"], None,
+     ("unknown option --parallel.tpp", "did you mean --parallel.tp?")),
+    ("flag-wrong-type", ["train", "--train.steps", "x"], None,
+     ("train.steps must be a int, got 'x'", "e.g. --train.steps 2")),
+    ("flag-bad-bool", ["train", "--model.bias", "maybe"], None,
+     ("model.bias must be a bool, got 'maybe'", "e.g. --model.bias true")),
+    ("flag-bad-enum", ["train", "--parallel.algorithm", "butterfly"], None,
+     ("'butterfly'", "choose one of ['native', 'ring', 'tree']")),
+    ("flag-bad-format", ["train", "--data.format", "csv"], None,
+     ("data.format = 'csv'", "choose one of ['auto', 'text', 'bin']")),
+    ("preset-typo", ["train", "--preset", "gpt-smal"], None,
+     ("invalid choice 'gpt-smal'", "did you mean gpt-small?")),
+    ("stray-argument", ["train", "extra"], None,
+     ("unexpected argument 'extra'", "see 'shardwise train --help'")),
+    # --- layout and batch arithmetic ---
+    ("world-size", ["train", "--parallel.nproc", "2", "--parallel.dp", "3"], None,
+     ("3 × 1 × 1 = 3 must equal the number of processes parallel.nproc = 2", "set --parallel.nproc 3")),
+    ("tp-heads", ["train", "--parallel.nproc", "3", "--parallel.tp", "3"], None,
+     ("parallel.tp = 3 must divide model.n_head = 2", "use a tp from [1, 2]")),
+    ("zero-stage-5", ["train", "--parallel.zero_stage", "5"], None,
+     ("parallel.zero_stage = 5", "e.g. --parallel.zero_stage 1")),
+    ("zero-with-tp", ["train", "--parallel.nproc", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"], None,
+     ("parallel.zero_stage = 1 with parallel.tp = 2", "use --parallel.zero_stage 0 or --parallel.tp 1")),
+    ("pp-with-zero2", ["train", "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.zero_stage", "2"], None,
+     ("parallel.zero_stage = 2 with parallel.pp = 2", "use --parallel.zero_stage 1, or --parallel.pp 1")),
+    ("pp-with-ring", ["train", "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.algorithm", "ring"], None,
+     ("parallel.algorithm = 'ring' with parallel.pp = 2", "use --parallel.algorithm native")),
+    ("pp-schedule-typo", ["train", "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "1fb1"],
+     None, ("'1fb1'", "did you mean '1f1b'?")),
+    ("pp-field-without-pp", ["train", "--parallel.pp_chunks", "2"], None,
+     ("parallel.pp_chunks = 2 only applies to pipeline parallelism", "set --parallel.pp 2")),
+    ("pp-microbatches", ["train", "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_microbatches", "3"],
+     None, ("parallel.pp_microbatches = 3", "use --parallel.pp_microbatches from [1, 2, 4, 8, 16]")),
+    ("pp-split-unknown", ["train", "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_split", "nope"], None,
+     ("'nope' names no module", "one of ['blocks.0', 'blocks.1', 'ln_f']")),
+    ("global-batch", ["train", "--parallel.nproc", "2", "--data.global_batch", "30"], None,
+     ("global_batch=30 is not a multiple of micro_batch × dp = 16 × 2 = 32", "use global_batch=32")),
+    ("model-shape", ["train", "--model.n_embd", "65"], None,
+     ("model.n_embd (65) must be divisible by n_head (2)", "e.g. n_embd=64")),
+    # --- ranges ---
+    ("negative-grad-accum", ["train", "--parallel.grad_accum", "-1"], None,
+     ("parallel.grad_accum = -1 must be >= 0", "e.g. --parallel.grad_accum 0")),
+    ("negative-micro-batch", ["train", "--parallel.micro_batch", "-2"], None,
+     ("parallel.micro_batch = -2 must be >= 1", "e.g. --parallel.micro_batch 1")),
+    ("steps-zero", ["train", "--train.steps", "0"], None, ("train.steps = 0 must be >= 1", "e.g. --train.steps 1")),
+    ("timeout-zero", ["train", "--train.timeout_s", "0"], None,
+     ("train.timeout_s = 0.0", "e.g. --train.timeout_s 60")),
+    ("bucket-cap-zero", ["train", "--parallel.bucket_cap_mb", "0"], None,
+     ("parallel.bucket_cap_mb = 0.0 must be > 0", "e.g. --parallel.bucket_cap_mb 25")),
+    ("lr-zero", ["train", "--optimizer.lr", "0"], None, ("optimizer.lr = 0.0 must be > 0", "e.g. --optimizer.lr")),
+    ("min-lr-above-lr", ["train", "--optimizer.lr", "0.001", "--optimizer.min_lr", "0.01"], None,
+     ("optimizer.min_lr = 0.01 must be in [0, optimizer.lr = 0.001]", "e.g. --optimizer.min_lr 0.0001")),
+    # --- data files ---
+    ("data-missing", ["train", "--data", "missing.txt"], None,
+     ("missing.txt' does not exist", "pass a text file or a uint16 .bin file")),
+    ("data-empty", ["train", "--data", "empty.txt"], _file("empty.txt", b""),
+     ("empty.txt' is empty (0 bytes)", "drop --data to train on the generated corpus")),
+    ("data-too-small", ["train", "--data", "small.txt"], _file("small.txt", "tiny corpus " * 40),
+     ("small.txt' holds 480 tokens", "use more data or a smaller global batch / block size")),
+    ("data-token-over-vocab", ["train", "--data", "ids.bin"], _file("ids.bin", _u16(list(range(300)) * 10)),
+     ("contains token id 299 but model.vocab_size = 256", "set --model.vocab_size 300 or larger")),
+    ("data-odd-bin", ["train", "--data", "odd.bin"], _file("odd.bin", b"abc"),
+     ("odd.bin' has 3 bytes, not a whole number of uint16 tokens", "ids.astype('<u2').tofile(path)")),
+    # --- run directories and --resume ---
+    ("resume-nothing", ["train", "--resume", "runs/none"], None,
+     ("'runs/none'", "start a fresh run without --resume")),
+    ("checkpoints-without-overwrite", ["train", "--train.name", "done"], _fake_run("done"),
+     ("'runs/done' already holds checkpoints", "continue it with --resume, start over with --overwrite")),
+    ("resume-finished", ["train", "--resume", "runs/done"], _fake_run("done", steps=5, ckpt_step=5),
+     ("is at step 5 and train.steps = 5", "pass --train.steps N with N > 5")),
+    # --- other commands ---
+    ("unknown-command", ["trian"], None, ("invalid choice 'trian'", "did you mean train?")),
+    ("unknown-bench-kind", ["bench", "nope"], None, ("invalid choice 'nope'", "choose from comm, dp, sbp")),
+    ("bench-without-kind", ["bench"], None, ("give a KIND: comm, dp", "see 'shardwise bench --help'")),
+    ("bench-bad-option", ["bench", "comm", "--itres", "3"], None, ("unknown option --itres", "did you mean --iters?")),
+    ("run-n-zero", ["run", "-n", "0", "x.py"], _file("x.py", "print('hi')\n"),
+     ("-n/--nproc = 0 must be >= 1", "e.g. shardwise run -n 2 x.py")),
+    ("run-missing-script", ["run", "missing.py"], None,
+     ("script 'missing.py' does not exist", "pass the path of a Python file")),
+    ("run-bad-int", ["run", "-n", "two", "x.py"], None, ("invalid int value: 'two'", "see 'shardwise run --help'")),
+    ("schedule-bad-name", ["schedule", "-s", "1fb1"], None,
+     ("unknown pipeline schedule '1fb1'", "did you mean '1f1b'?")),
+    ("schedule-bad-cost", ["schedule", "--costs", "F=x"], None, ("got 'x'", "e.g. --costs F=1")),
+    ("schedule-missing-file", ["schedule", "--file", "missing.txt"], None,
+     ("cannot read --file 'missing.txt'", "pass a text file with one line of actions per rank")),
+    ("schedule-zero-ranks", ["schedule", "-p", "0"], None, ("p (pipeline ranks)", "got 0")),
+    ("verify-bad-layout", ["verify", "--parallel.nproc", "3", "--parallel.tp", "3"], None,
+     ("parallel.tp = 3 must divide model.n_head = 2", "use a tp from [1, 2]")),
+    ("verify-steps-zero", ["verify", "--steps", "0"], None, ("--steps = 0 must be >= 1", "--steps")),
+    ("export-no-checkpoint", ["export", "nowhere"], None, ("'nowhere'", "train first or pass the right path")),
+    ("export-missing-path", ["export"], None,
+     ("the following arguments are required: path", "see 'shardwise export --help'")),
+    ("plot-no-run", ["plot", "nowhere"], None, ("'nowhere/metrics.jsonl' does not exist", "pass the directory")),
+]
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, str] | None]:
+    """Every path under ``root``: (size, sha1) of a file, None of a directory."""
+    out: dict[str, tuple[int, str] | None] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = (p.stat().st_size, hashlib.sha1(p.read_bytes()).hexdigest()) if p.is_file() else None
+    return out
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No case may get as far as starting ranks: every launcher function bound in a shardwise module fails."""
+    import inspect
+    import sys
+
+    from shardwise.runtime import run_cmd, train_cmd, verify_cmd  # noqa: F401  (bind their launchers first)
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        pytest.fail("a bad input got as far as launching ranks")
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("shardwise.") and module is not None:
+            for attr in ("run_local", "launch", "launch_ranks", "run_job"):
+                if inspect.isfunction(getattr(module, attr, None)):
+                    monkeypatch.setattr(module, attr, refuse)
+
+
+XFAIL = {
+    "plot-no-run": "needs shardwise/runtime/plot_cmd.py change: main() creates the output directory (out.mkdir) "
+                   "before plot_run checks that RUN/metrics.jsonl exists, so a wrong path leaves an empty directory",
+}
+
+
+@pytest.mark.parametrize("argv,setup,expected", [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.xfail(reason=XFAIL[c[0]], strict=False)] if c[0] in XFAIL else [])
+    for c in CASES])
+def test_bad_input_is_one_line_naming_value_and_fix(argv, setup, expected, tmp_path, monkeypatch, capsys, no_launch):
+    monkeypatch.chdir(tmp_path)
+    if setup is not None:
+        setup(tmp_path)
+    before = _snapshot(tmp_path)
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:  # argparse's usage errors leave through SystemExit
+        rc = exc.code
+    out, err = capsys.readouterr()
+    line = err.strip()
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert line and "\n" not in line, f"not one line:\n{err}"
+    assert line.startswith("shardwise") and ": error: " in line, line
+    for part in expected:
+        assert part in line, f"{part!r} not in {line!r}"
+    assert _snapshot(tmp_path) == before, "a refused command wrote to disk"
+
+
+def test_catalogue_ids_are_distinct() -> None:
+    ids = [c[0] for c in CASES]
+    assert len(set(ids)) == len(ids) and len(ids) >= 40
