@@ -17,7 +17,10 @@ from typing import Literal, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "init", "shutdown", "run_local", "env_flag"]
+__all__ = ["World", "init", "shutdown", "run_local", "env_flag", "bind_to_launcher"]
+
+_LAUNCHER_PID = "SHARDWISE_LAUNCHER_PID"
+"""Set by ``run_local`` for its ranks: the pid of the launcher process, whose death must end them."""
 
 Backend = Literal["gloo", "nccl"]
 
@@ -51,6 +54,7 @@ def init(*, backend: Backend | None = None, timeout_s: float = 60.0, init_method
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    bind_to_launcher()
     if rank is None and "RANK" in os.environ:
         rank = int(os.environ["RANK"])
     if world_size is None and "WORLD_SIZE" in os.environ:
@@ -84,6 +88,45 @@ def _init_process_group(backend: str, timeout: datetime.timedelta, init_method: 
                             world_size=world_size if world_size is not None else -1, timeout=timeout)
 
 
+def bind_to_launcher() -> None:
+    """Under ``run_local`` (``shardwise train``/``run``): make this rank die when its launcher dies, however it
+    dies (``kill -9`` included), so no orphan keeps training or writing checkpoints. torchrun starts each rank
+    in a session of its own, so a signal to the launcher's process group never reaches it. Linux: the kernel
+    sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent pid.
+    A no-op outside ``run_local`` and when called again."""
+    launcher = os.environ.get(_LAUNCHER_PID)
+    if not launcher or getattr(bind_to_launcher, "_bound", False):
+        return
+    bind_to_launcher._bound = True  # type: ignore[attr-defined]
+    if not _pdeathsig():
+        import threading
+
+        threading.Thread(target=_poll_parent, args=(int(launcher),), daemon=True, name="shardwise-parent").start()
+    if os.getppid() != int(launcher):  # the launcher died before the signal was armed
+        os._exit(1)
+
+
+def _pdeathsig() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _poll_parent(launcher: int) -> None:
+    import time
+
+    while os.getppid() == launcher:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def shutdown() -> None:
     """Destroy the process group (safe to call when none exists). Collective when the world has > 1 rank:
     a barrier first, so no rank tears its connections down while a peer still has traffic in flight (that
@@ -98,29 +141,42 @@ def run_local(nproc: int, target: Sequence[str], *, module: bool = False, nnodes
               node_rank: int | None = None, rdzv_endpoint: str | None = None,
               extra: Sequence[str] = ()) -> int:
     """Launch ``target`` (a script and its arguments, or ``-m module ...``) on ``nproc`` local ranks via
-    ``torch.distributed.run``; multi-node options pass straight through. Returns the launcher's exit code."""
+    ``torch.distributed.run``; returns the launcher's exit code. Multi-node: with ``node_rank`` the rendezvous
+    is torchrun's static one at ``rdzv_endpoint`` (HOST:PORT of node 0; global rank = node_rank × nproc +
+    local rank, so every node's ranks are the same on every launch); without it, the elastic c10d rendezvous
+    (ranks assigned in joining order). The ranks die with this process (``bind_to_launcher``)."""
     if nproc < 1:
-        raise ValueError(f"-n/--nproc must be >= 1, got {nproc}")
+        raise ValueError(f"-n/--nproc must be >= 1, got {nproc}; e.g. -n 2")
     from torch.distributed import run as torchrun
 
+    os.environ[_LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks torchrun starts
+    try:
+        torchrun.main(_torchrun_args(nproc, target, module, nnodes, node_rank, rdzv_endpoint, extra))
+    except SystemExit as exc:  # torchrun exits through SystemExit
+        return int(exc.code or 0)
+    except Exception as exc:  # ChildFailedError: the launcher already printed each rank's failure
+        print(f"shardwise run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        os.environ.pop(_LAUNCHER_PID, None)
+    return 0
+
+
+def _torchrun_args(nproc: int, target: Sequence[str], module: bool, nnodes: str | None, node_rank: int | None,
+                   rdzv_endpoint: str | None, extra: Sequence[str]) -> list[str]:
     args = [f"--nproc-per-node={nproc}"]
     if nnodes is not None:
         args.append(f"--nnodes={nnodes}")
-    if node_rank is not None:
-        args.append(f"--node-rank={node_rank}")
-    if rdzv_endpoint is not None:
+    if rdzv_endpoint is not None and node_rank is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint {rdzv_endpoint!r} must be HOST:PORT, e.g. node0.local:29500")
+        args += [f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]
+    elif rdzv_endpoint is not None:
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
     elif nnodes in (None, "1", "1:1"):
         args.append("--standalone")  # picks a free port on this machine
     args += list(extra)
     if module:
         args.append("-m")
-    args += list(target)
-    try:
-        torchrun.main(args)
-    except SystemExit as exc:  # torchrun exits through SystemExit
-        return int(exc.code or 0)
-    except Exception as exc:  # ChildFailedError: the launcher already printed each rank's failure
-        print(f"shardwise run: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return args + list(target)

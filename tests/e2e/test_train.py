@@ -153,10 +153,10 @@ def test_reshard_on_load(baseline, tmp_path, layout):
 ], ids=["tp-heads", "world", "batch", "pp-zero2", "model", "steps", "type", "choice", "data", "toml"])
 def test_bad_configs_are_rejected_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, expected):
     from shardwise import cli as cli_module
-    from shardwise.runtime import train_cmd
+    from shardwise.runtime import job
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_cmd, "run_local", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(job, "run_local", lambda *a, **k: pytest.fail("a rank was started"))
     assert cli_module.main(["train", *flags]) == 2
     err = capsys.readouterr().err
     assert expected in err, err

@@ -147,10 +147,10 @@ def test_pp2_times_dp2_on_4_ranks_trains_like_one_process(runs, tmp_path):
 ], ids=["world", "zero2", "schedule", "microbatches", "split", "stages", "pp1-split"])
 def test_bad_pipeline_configs_are_rejected_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, expected):
     from shardwise import cli as cli_module
-    from shardwise.runtime import train_cmd
+    from shardwise.runtime import job
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_cmd, "run_local", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(job, "run_local", lambda *a, **k: pytest.fail("a rank was started"))
     assert cli_module.main(["train", *FLAGS, *flags]) == 2
     err = capsys.readouterr().err
     assert expected in err, err
