@@ -170,6 +170,10 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
                  ("peak memory per rank", ", ".join(f"r{r['rank']} {format_bytes(r['peak_memory'])}" for r in ranks)),
                  ("checkpoint", str(head["checkpoint"])), ("metrics", str(run_dir / "metrics.jsonl"))):
         table.add_row(k, v)
+    skipped = head.get("skipped_steps", 0)
+    if skipped:  # train.nonfinite = skip: steps whose loss or gradients were not finite, dropped on every rank
+        table.add_row("non-finite", f"skipped {skipped} non-finite step{'s' if skipped != 1 else ''} "
+                                    f"(marked \"skipped\" in metrics.jsonl)")
     Console().print(table)
 
 
@@ -212,6 +216,10 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
         head = "; ".join(errors.values())
     else:
         head = "see the launcher's report above ('Root Cause ... rank: N')"
+    killed = sorted(ranks_dir.glob("rank*.killed")) if ranks_dir.is_dir() else []
+    if killed:
+        head += (f"; {', '.join(f'rank {int(k.stem[4:])}' for k in killed)} did not exit after the failure and "
+                 f"{'was' if len(killed) == 1 else 'were'} killed (SIGKILL)")
     last = latest_checkpoint(run_dir)
     resume = f"; continue with: shardwise train --resume {run_dir}" if last else ""
     verdict = "stopped" if interrupted else f"the job failed (exit code {rc})"

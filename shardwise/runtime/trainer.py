@@ -44,7 +44,7 @@ from ..models.gpt import GPT, GPTConfig, lm_loss
 from .config import Config, OptimizerConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
-from .launch import World, init, shutdown
+from .launch import World, bind_to_launcher, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, held_grads, local_flag, poisoned
 from .pipeline_setup import build_pipeline, load_pipeline_checkpoint, pipeline_checkpoint, pipeline_passes
@@ -330,9 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, help="run directory holding config.json")
     parser.add_argument("--resume", default=None, help="checkpoint to continue from")
     parser.add_argument("--no-save", action="store_true", help="write no checkpoints (shardwise verify)")
+    parser.add_argument("--config", default=None, help="config of this launch (default RUN_DIR/config.json)")
+    parser.add_argument("--attempt", type=int, default=0, help="restart count (debug.* faults fire on attempt 0 only)")
     args = parser.parse_args(argv)
+    bind_to_launcher()  # first: an orphaned rank must never train on
     run_dir = Path(args.run_dir)
-    cfg = load_config(path=run_dir / "config.json")
+    cfg = load_config(path=args.config or run_dir / "config.json")
+    if args.attempt > 0:  # a restarted job resumes past the injected fault instead of meeting it again
+        cfg = dataclasses.replace(cfg, debug=type(cfg.debug)())
     world = init(timeout_s=cfg.train.timeout_s)
     trainer = Trainer(cfg, run_dir, world)
     try:
