@@ -89,7 +89,8 @@ def checkpoint_layers(model: nn.Module, *, every: int = 1, policy: Policy | None
     selected, or when a selected module is already checkpointed (call ``remove_checkpointing`` first).
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"every must be a positive int (checkpoint every k-th block), got {every!r}; e.g. every=1 (every block) or every=2")
+        raise ValueError(f"every must be a positive int (checkpoint every k-th block), got {every!r}; e.g. every=1 "
+                         f"(every block) or every=2")
     selected = _select(model, policy)
     if not selected:
         top = [name for name, _ in model.named_children()]
