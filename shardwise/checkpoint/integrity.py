@@ -10,12 +10,19 @@ write, a truncated copy) with probability 1 - 2⁻³²; a cryptographic hash wou
 deliberate forgery, which a checkpoint next to the code that trains it does not need. Measured on the
 2-core development machine (best of 5, float32 from ``torch.randn``, buffer passed without a copy)::
 
-    python /tmp/hashbench.py   # zlib.crc32 / hashlib.sha256 / hashlib.blake2b of t.numpy().data
+    python - <<'PY'   # also in benchmarks/RESULTS.md, "Checkpoint checksums"
+    import hashlib, time, zlib, torch
+    for mib in (64, 256):
+        buf = torch.randn(mib * 2**18).numpy().data
+        for name, fn in [("zlib.crc32", zlib.crc32), ("hashlib.sha256", lambda b: hashlib.sha256(b).digest()),
+                         ("hashlib.blake2b", lambda b: hashlib.blake2b(b).digest())]:
+            best = min((lambda s: (fn(buf), time.perf_counter() - s)[1])(time.perf_counter()) for _ in range(5))
+            print(f"{mib:4d} MiB {name:16s} {mib * 2**20 / best / 1e9:6.2f} GB/s")
+    PY
      64 MiB  zlib.crc32 3.71 GB/s   hashlib.sha256 1.58 GB/s   hashlib.blake2b 0.82 GB/s
     256 MiB  zlib.crc32 3.62 GB/s   hashlib.sha256 1.57 GB/s   hashlib.blake2b 0.80 GB/s
 
-(the benchmark's source is in ``benchmarks/RESULTS.md``, "Checkpoint checksums"). CRC-32 is the fastest and
-needs no new dependency.
+CRC-32 is the fastest and needs no new dependency.
 
 Confinement: a piece's ``file`` must be a plain ``rankNNNNN.safetensors`` name whose resolved path (symlinks
 followed) lies in the checkpoint directory; ``latest`` must hold a plain ``step_NNNNNN`` name. Anything else
@@ -43,7 +50,9 @@ FORMAT = "shardwise-sharded-v2"
 FORMATS = ("shardwise-sharded-v1", FORMAT)
 """Index formats that load."""
 CHECKPOINTS = "checkpoints"
+"""Sub-directory of a run directory holding its checkpoints."""
 LATEST = "latest"
+"""File in the checkpoints directory naming the newest published checkpoint."""
 _PIECE_FILE = re.compile(r"rank\d+\.safetensors")
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TOP_KEYS = ("format", "step", "mesh", "world_size", "state", "tensors")
