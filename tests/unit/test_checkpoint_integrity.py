@@ -221,3 +221,21 @@ def test_v1_index_without_checksums_still_loads(saved: tuple[Path, Tiny]) -> Non
     _edit_index(ckpt, to_v1)
     verify_checkpoint(ckpt)
     assert torch.equal(Checkpoint(ckpt).full(KEY), model.fc.weight.detach())
+
+
+def test_pieces_must_tile_the_view_exactly(tmp_path: Path) -> None:
+    """Two row halves tile a (4, 3) view; two pieces with the right element count but overlapping leave a hole."""
+    info = {"view_shape": [4, 3], "full_shape": [12], "dtype": "float32", "sbp": "S(0)", "axes": ["dp"],
+            "pieces": [{"file": "rank00000.safetensors", "extent": [[0, 2], [0, 3]]},
+                       {"file": "rank00001.safetensors", "extent": [[2, 2], [0, 3]]}]}
+    assert integrity.check_layout(tmp_path, "k", info) == torch.float32
+    info["pieces"][1]["extent"] = [[1, 2], [0, 3]]
+    with pytest.raises(CheckpointError, match=r"cover 9 of 12"):
+        integrity.check_layout(tmp_path, "k", info)
+    info["pieces"][1]["extent"] = [[3, 2], [0, 3]]
+    with pytest.raises(CheckpointError, match=r"does not lie within the view shape \(4, 3\)"):
+        integrity.check_layout(tmp_path, "k", info)
+
+
+def test_a_run_without_checkpoints_has_no_intact_one(tmp_path: Path) -> None:
+    assert latest_intact_checkpoint(tmp_path) == (None, [])
