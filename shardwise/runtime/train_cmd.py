@@ -158,6 +158,19 @@ def _resume_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple
     return cfg, run_dir, ckpt
 
 
+def _relayout(saved: ParallelConfig, new: ParallelConfig, overrides: dict[str, Any]) -> ParallelConfig:
+    """The resumed layout: sizes the saved run inferred (dp, grad_accum, nproc, pp_microbatches) are inferred
+    afresh unless given now; a new pp drops the saved stage boundaries (and chunks, at pp = 1) unless given."""
+    def given(key: str, default: Any) -> Any:
+        return overrides.get(f"parallel.{key}", default)
+
+    keep = new.pp == saved.pp
+    return dataclasses.replace(new, dp=int(given("dp", 0)), grad_accum=int(given("grad_accum", 0)),
+                               nproc=int(given("nproc", 0)), pp_microbatches=int(given("pp_microbatches", 0)),
+                               pp_split=new.pp_split if keep or "parallel.pp_split" in overrides else (),
+                               pp_chunks=new.pp_chunks if new.pp > 1 or "parallel.pp_chunks" in overrides else 1)
+
+
 def _check_data(cfg: Config) -> None:
     import torch
 
