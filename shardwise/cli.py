@@ -42,7 +42,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:
-            given, options = choice[1], re.findall(r"'([^']*)'", choice[2])
+            given = choice[1]  # the choices are quoted up to Python 3.12, bare after
+            options = re.findall(r"'([^']*)'", choice[2]) or [o.strip() for o in choice[2].split(",")]
             hint = _close(given, options)
             message = (message[:choice.start()] + f"invalid choice {given!r}; "
                        + (f"did you mean {hint}? " if hint else "") + "choose from " + ", ".join(options))
