@@ -200,7 +200,8 @@ def validate(config: Config) -> Config:
         raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
     _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.micro_batch", p.micro_batch),
               ("data.global_batch", config.data.global_batch), ("train.steps", t.steps),
-              ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints))
+              ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints),
+              ("train.max_skipped", t.max_skipped))
     for key, value in (("parallel.nproc", p.nproc), ("parallel.dp", p.dp), ("parallel.grad_accum", p.grad_accum),
                        ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps)):
         if value < 0:
@@ -218,6 +219,9 @@ def validate(config: Config) -> Config:
                          f"--optimizer.min_lr {o.lr / 10:g}")
     _check_strategies(config)
     nproc = p.nproc or default_nproc()
+    if not -1 <= config.debug.nonfinite_rank < nproc:
+        raise ValueError(f"debug.nonfinite_rank = {config.debug.nonfinite_rank} must be -1 (every rank) or a rank in "
+                         f"[0, {nproc}); e.g. --debug.nonfinite_rank 0")
     dp = p.dp or nproc // (p.tp * p.pp)
     if dp * p.tp * p.pp != nproc:
         raise ValueError(f"parallel.dp × parallel.tp × parallel.pp = {dp} × {p.tp} × {p.pp} = {dp * p.tp * p.pp} "
