@@ -32,6 +32,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tp": ("shardwise.parallel.tensor_bench", "tensor-parallel step time vs torch parallelize_module; boxing"),
     "pp": ("shardwise.parallel.pipeline.bench", "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
     "zero": ("shardwise.parallel.zero_bench", "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
+    "faults": ("shardwise.bench.faults", "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
 }
 
 

@@ -29,8 +29,9 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
         raise ValueError(f"{str(path)!r} does not exist; pass the directory of a shardwise train run")
     rows = read_metrics(path)
     if not rows:
-        raise ValueError(f"{str(path)!r} holds no steps yet")
+        raise ValueError(f"{str(path)!r} holds no steps yet; plot after the run has trained at least one step")
     steps = [r["step"] for r in rows]
+    out.mkdir(parents=True, exist_ok=True)  # only once there is something to draw: a failed plot writes nothing
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in rows], label="loss", color="tab:blue")
     ax.set_xlabel("step"), ax.set_ylabel("loss (nats/token)"), ax.set_title(f"{run_dir.name}: training loss")
@@ -62,7 +63,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir
-    out.mkdir(parents=True, exist_ok=True)
     try:
         paths = plot_run(run_dir, out)
     except ValueError as exc:

@@ -196,10 +196,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
                     monkeypatch.setattr(module, attr, refuse)
 
 
-XFAIL = {
-    "plot-no-run": "needs shardwise/runtime/plot_cmd.py change: main() creates the output directory (out.mkdir) "
-                   "before plot_run checks that RUN/metrics.jsonl exists, so a wrong path leaves an empty directory",
-}
+XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("argv,setup,expected", [
