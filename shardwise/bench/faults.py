@@ -1,0 +1,116 @@
+"""``shardwise bench faults``: a seeded fault campaign against real ``shardwise train`` jobs.
+
+    shardwise bench faults --trials 20 --seed 0 --out benchmarks/faults.json --markdown benchmarks/faults.md
+
+Kinds (``--trials`` each, ``--kinds`` for a subset): ``kill-rank`` (SIGKILL a random rank at a random time),
+``kill-in-save`` (SIGKILL a rank while a checkpoint is being written), ``kill-launcher`` (SIGKILL the launcher:
+its ranks must go and nothing be written after), ``sigstop-rank`` (SIGSTOP a rank: the job must end within
+``train.timeout_s`` + 10 s), ``corrupt-piece`` (flip a byte in a finished checkpoint: verify, export and resume
+must notice). One uninterrupted reference run comes first; every resumed trial must reproduce its losses
+exactly. One ``random.Random(seed)`` draws the whole schedule (victims, kill times as fractions of the
+training window, bytes to flip). Trials in ``faults_trials.py``, tables in ``faults_report.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .faults_report import markdown, print_table, summarize
+from .faults_trials import KINDS, TRIALS, Setup, empty_record, run_reference
+
+__all__ = ["add_arguments", "main"]
+
+
+def _kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown kind {bad[0] if bad else text!r}; choose from {', '.join(KINDS)}")
+    return kinds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trials", type=int, default=20, help="trials per kind (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the whole schedule (default 0)")
+    parser.add_argument("--kinds", type=_kinds, default=list(KINDS), metavar="K1,K2",
+                        help=f"comma-separated subset of {', '.join(KINDS)} (default all)")
+    parser.add_argument("--out", default=None, metavar="JSON", help="write every trial, the summary and the machine")
+    parser.add_argument("--markdown", default=None, metavar="MD", help="write the summary as a Markdown table")
+    parser.add_argument("--workdir", default=None, metavar="DIR",
+                        help="where the scratch runs go (default: a temporary directory, removed after)")
+    parser.add_argument("--steps", type=int, default=40, help="train.steps of every run (default 40)")
+    parser.add_argument("--timeout-s", type=float, default=5.0, help="train.timeout_s of every run (default 5)")
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available(), "loadavg_start": list(os.getloadavg())}
+
+
+def _run_trial(setup: Setup, ref: Any, rng: random.Random, kind: str, trial: int, seed: int) -> dict[str, Any]:
+    """One trial; an exception in the harness is recorded (the trial's columns stay n/a), not fatal."""
+    rec = empty_record(kind, trial, seed)
+    t0 = time.monotonic()
+    try:
+        TRIALS[kind](setup, ref, rng, rec)
+    except Exception as exc:  # a harness failure is a result to report, not a crash of the campaign
+        rec["note"] += f"harness error: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    rec["trial_s"] = round(time.monotonic() - t0, 1)
+    print(f"[{kind} {trial}] " + json.dumps({k: v for k, v in rec.items() if k not in ("report", "note")}),
+          flush=True)
+    return rec
+
+
+def _campaign(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The reference run, then every kind's trials in order (one RNG for all)."""
+    setup = Setup(workdir=workdir, steps=args.steps, timeout_s=args.timeout_s)
+    t0 = time.monotonic()
+    ref = run_reference(setup)
+    print(f"reference: {len(ref.losses)} steps in {ref.total_s:.1f} s; fault window {ref.window_s:.2f} s", flush=True)
+    rng = random.Random(args.seed)
+    trials = [_run_trial(setup, ref, rng, kind, i, args.seed) for kind in args.kinds for i in range(args.trials)]
+    return {"setup": {"steps": setup.steps, "ckpt_every": setup.ckpt_every, "kill_in_save_ckpt_every": 1,
+                      "keep_checkpoints": setup.keep, "timeout_s": setup.timeout_s, "nproc": setup.nproc,
+                      "train_argv": setup.train_argv(Path("RUN"))[2:]},
+            "reference": {"steps": len(ref.losses), "total_s": round(ref.total_s, 2),
+                          "window_s": round(ref.window_s, 3), "final_loss": ref.losses.get(setup.steps)},
+            "trials": trials, "summary": summarize(trials, args.kinds), "campaign_s": round(time.monotonic() - t0, 1)}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.trials < 1 or args.steps < 8:
+        print("shardwise bench faults: error: --trials must be >= 1 and --steps >= 8", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {"command": shlex.join(["shardwise", *sys.argv[1:]]), "seed": args.seed,
+                              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                              "machine": _machine()}
+    if args.workdir:
+        result.update(_campaign(args, Path(args.workdir).resolve()))
+    else:
+        with tempfile.TemporaryDirectory(prefix="shardwise-faults-") as tmp:
+            result.update(_campaign(args, Path(tmp)))
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    print_table(result["summary"], f"shardwise bench faults: seed {args.seed}, {args.trials} trial(s) per kind, "
+                                   f"{result['campaign_s']:.0f} s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown(result["summary"]))
+    return 0
