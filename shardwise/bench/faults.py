@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, metavar="DIR",
                         help="where the scratch runs go (default: a temporary directory, removed after)")
     parser.add_argument("--steps", type=int, default=40, help="train.steps of every run (default 40)")
-    parser.add_argument("--timeout-s", type=float, default=5.0, help="train.timeout_s of every run (default 5)")
+    parser.add_argument("--timeout-s", type=float, default=10.0,
+                        help="train.timeout_s of every run (default 10: at 5 s a rank starved by a loaded 2-core "
+                             "machine timed out even in the uninterrupted reference run)")
 
 
 def _machine() -> dict[str, Any]:
@@ -76,20 +78,38 @@ def _run_trial(setup: Setup, ref: Any, rng: random.Random, kind: str, trial: int
     return rec
 
 
-def _campaign(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """The reference run, then every kind's trials in order (one RNG for all)."""
+def _campaign(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
+    """The reference run, then every kind's trials in order (one RNG for all); ``result`` is filled in and
+    written out after every trial (``"complete": false`` until the end), so an interrupted campaign keeps data."""
     setup = Setup(workdir=workdir, steps=args.steps, timeout_s=args.timeout_s)
     t0 = time.monotonic()
-    ref = run_reference(setup)
+    ref, failures = run_reference(setup)
     print(f"reference: {len(ref.losses)} steps in {ref.total_s:.1f} s; fault window {ref.window_s:.2f} s", flush=True)
+    result.update({"setup": {"steps": setup.steps, "ckpt_every": setup.ckpt_every, "kill_in_save_ckpt_every": 1,
+                             "keep_checkpoints": setup.keep, "timeout_s": setup.timeout_s, "nproc": setup.nproc,
+                             "train_argv": setup.train_argv(Path("RUN"))[2:]},
+                   "reference": {"steps": len(ref.losses), "total_s": round(ref.total_s, 2),
+                                 "window_s": round(ref.window_s, 3), "final_loss": ref.losses.get(setup.steps),
+                                 "failed_attempts": failures},
+                   "trials": [], "complete": False})
     rng = random.Random(args.seed)
-    trials = [_run_trial(setup, ref, rng, kind, i, args.seed) for kind in args.kinds for i in range(args.trials)]
-    return {"setup": {"steps": setup.steps, "ckpt_every": setup.ckpt_every, "kill_in_save_ckpt_every": 1,
-                      "keep_checkpoints": setup.keep, "timeout_s": setup.timeout_s, "nproc": setup.nproc,
-                      "train_argv": setup.train_argv(Path("RUN"))[2:]},
-            "reference": {"steps": len(ref.losses), "total_s": round(ref.total_s, 2),
-                          "window_s": round(ref.window_s, 3), "final_loss": ref.losses.get(setup.steps)},
-            "trials": trials, "summary": summarize(trials, args.kinds), "campaign_s": round(time.monotonic() - t0, 1)}
+    for kind in args.kinds:
+        for i in range(args.trials):
+            result["trials"].append(_run_trial(setup, ref, rng, kind, i, args.seed))
+            result["summary"] = summarize(result["trials"], args.kinds)
+            result["campaign_s"] = round(time.monotonic() - t0, 1)
+            _write(args, result)
+    result["complete"] = True
+
+
+def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The JSON (``--out``) and Markdown (``--markdown``) files of ``result`` so far."""
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown and "summary" in result:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown(result["summary"]))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -100,17 +120,12 @@ def main(args: argparse.Namespace) -> int:
                               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                               "machine": _machine()}
     if args.workdir:
-        result.update(_campaign(args, Path(args.workdir).resolve()))
+        _campaign(args, Path(args.workdir).resolve(), result)
     else:
         with tempfile.TemporaryDirectory(prefix="shardwise-faults-") as tmp:
-            result.update(_campaign(args, Path(tmp)))
+            _campaign(args, Path(tmp), result)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     print_table(result["summary"], f"shardwise bench faults: seed {args.seed}, {args.trials} trial(s) per kind, "
                                    f"{result['campaign_s']:.0f} s")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown(result["summary"]))
+    _write(args, result)
     return 0
