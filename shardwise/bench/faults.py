@@ -7,8 +7,8 @@ Kinds (``--trials`` each, ``--kinds`` for a subset): ``kill-rank`` (SIGKILL a ra
 its ranks must go and nothing be written after), ``sigstop-rank`` (SIGSTOP a rank: the job must end within
 ``train.timeout_s`` + 10 s), ``corrupt-piece`` (flip a byte in a finished checkpoint: verify, export and resume
 must notice). One uninterrupted reference run comes first; every resumed trial must reproduce its losses
-exactly. One ``random.Random(seed)`` draws the whole schedule (victims, kill times as fractions of the
-training window, bytes to flip). Trials in ``faults_trials.py``, tables in ``faults_report.py``.
+exactly. One ``random.Random(seed)`` draws the whole schedule (victims, kill times: a step after the first
+checkpoint plus a fraction of a step, bytes to flip). Trials in ``faults_trials.py``, tables in ``faults_report.py``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def _campaign(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -
                              "keep_checkpoints": setup.keep, "timeout_s": setup.timeout_s, "nproc": setup.nproc,
                              "train_argv": setup.train_argv(Path("RUN"))[2:]},
                    "reference": {"steps": len(ref.losses), "total_s": round(ref.total_s, 2),
-                                 "window_s": round(ref.window_s, 3), "final_loss": ref.losses.get(setup.steps),
+                                 "window_s": round(ref.window_s, 3),
+                                 "step_s": round(ref.step_s, 4), "final_loss": ref.losses.get(setup.steps),
                                  "failed_attempts": failures},
                    "trials": [], "complete": False})
     rng = random.Random(args.seed)

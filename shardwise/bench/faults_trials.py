@@ -145,6 +145,8 @@ class Reference:
     losses: dict[int, float]
     window_s: float
     """Seconds from the first published checkpoint to the start of the last step."""
+    step_s: float
+    """Mean seconds per step in that window."""
     total_s: float
     rc: int | None
 
@@ -173,13 +175,15 @@ def _reference(setup: Setup, run_dir: Path) -> Reference:
     if rc != 0:
         raise RuntimeError(f"rc {rc}: {failure_line(launch.stderr)[:300]} (see {launch.stderr})")
     losses = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
-    return Reference(run_dir, losses, max(t_last - t_ckpt, 0.1), time.monotonic() - launch.t0, rc)
+    window = max(t_last - t_ckpt, 0.1)
+    return Reference(run_dir, losses, window, window / (setup.steps - setup.ckpt_every), time.monotonic() - launch.t0,
+                     rc)
 
 
 def empty_record(kind: str, trial: int, seed: int) -> dict[str, Any]:
     """Every column, n/a (None) until the trial fills it in."""
-    return {"kind": kind, "trial": trial, "seed": seed, "victim": None, "kill_frac": None, "kill_at_s": None,
-            "kill_step": None, "exit_s": None, "exit_code": None, "named": None, "loadable": None,
+    return {"kind": kind, "trial": trial, "seed": seed, "victim": None, "target_step": None, "kill_frac": None,
+            "kill_at_s": None, "kill_step": None, "exit_s": None, "exit_code": None, "named": None, "loadable": None,
             "resumed_identical": None, "detected": None, "in_save": None, "quiet_after": None,
             "within_goal": None, "leftovers": None, "report": None, "resume_rc": None, "note": ""}
 
@@ -241,18 +245,21 @@ def _tmp_saves(run_dir: Path) -> list[str]:
         return []
 
 
-def _kill_at_random(setup: Setup, ref: Reference, rng: random.Random, rec: dict[str, Any], *,
+def _kill_at_random(setup: Setup, ref: Reference, rng: random.Random, rec: dict[str, Any], *, watch: int = 0,
                     ckpt_every: int | None = None) -> tuple[Launch, dict[int, int]]:
-    """Start a run, wait for its first checkpoint, then a random fraction of the training window; returns
+    """Start a run and wait until a random point of its training window: rank ``watch`` starting a random step
+    after the first checkpoint, plus a random fraction of the reference's step time (a schedule in steps, not
+    seconds, so a run slower or faster than the reference on a shared machine still gets its fault). Returns
     the launch and its rank pids (the fault is the caller's). The RNG draws come first: a seed fixes them."""
-    frac = rng.random()
-    rec["kill_frac"] = round(frac, 4)
+    every = ckpt_every or setup.ckpt_every
+    target, frac = rng.randint(every + 1, setup.steps - 1), rng.random()
+    rec["target_step"], rec["kill_frac"] = target, round(frac, 4)
     run_dir = setup.workdir / f"{rec['kind']}-{rec['trial']:03d}"
     launch = Launch.start(setup.train_argv(run_dir, ckpt_every=ckpt_every), run_dir, "train")
     pids = launch.ranks(setup.nproc)
-    if not first_checkpoint(launch):
-        raise RuntimeError(f"{run_dir}: no checkpoint was published (rc {launch.proc.poll()})")
-    deadline = time.monotonic() + frac * ref.window_s
+    if not wait_for(lambda: (step_of(run_dir, watch) or 0) >= target, launch):
+        raise RuntimeError(f"{run_dir}: rank {watch} never reached step {target} (rc {launch.proc.poll()})")
+    deadline = time.monotonic() + frac * ref.step_s
     while time.monotonic() < deadline and launch.proc.poll() is None:
         time.sleep(_POLL_S)
     return launch, pids
@@ -263,7 +270,7 @@ def _signal_rank(setup: Setup, ref: Reference, rng: random.Random, rec: dict[str
     """Signal a random rank at a random time; returns (launch, rank pids, the fault's monotonic time)."""
     victim = rng.randrange(setup.nproc)
     rec["victim"] = victim
-    launch, pids = _kill_at_random(setup, ref, rng, rec, ckpt_every=ckpt_every)
+    launch, pids = _kill_at_random(setup, ref, rng, rec, watch=victim, ckpt_every=ckpt_every)
     if sig == signal.SIGKILL and ckpt_every == 1:  # land inside a save: wait (bounded) for one to be in progress
         wait_for(lambda: bool(_tmp_saves(launch.run_dir)), launch, timeout=2.0)
     before = bool(_tmp_saves(launch.run_dir))
