@@ -99,10 +99,15 @@ def launch_ranks(cfg: Config, run_dir: Path, resume: Path | None, *, save: bool 
         target += ["--resume", str(resume)]
     if not save:
         target.append("--no-save")
-    multi = nodes.count > 1
+    multi, codes = nodes.count > 1, {}
     with RankSupervisor(grace_s=KILL_GRACE_S, marker_dir=run_dir / "ranks"):
-        return run_local(nodes.per_node(cfg), target, module=True, nnodes=str(nodes.count) if multi else None,
-                         node_rank=nodes.rank if multi else None, rdzv_endpoint=nodes.endpoint if multi else None)
+        rc = run_local(nodes.per_node(cfg), target, module=True, nnodes=str(nodes.count) if multi else None,
+                       node_rank=nodes.rank if multi else None, rdzv_endpoint=nodes.endpoint if multi else None,
+                       exit_codes=codes)
+    for rank, code in codes.items():  # read by failure_report: who died by its own fault, who was stopped
+        (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        (run_dir / "ranks" / f"rank{rank:05d}.exit").write_text(f"{code}\n")
+    return rc
 
 
 def run_job(cfg: Config, run_dir: Path, resume: Path | None, nodes: Nodes = Nodes()) -> int:

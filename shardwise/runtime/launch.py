@@ -139,12 +139,14 @@ def shutdown() -> None:
 
 def run_local(nproc: int, target: Sequence[str], *, module: bool = False, nnodes: str | None = None,
               node_rank: int | None = None, rdzv_endpoint: str | None = None,
-              extra: Sequence[str] = ()) -> int:
+              extra: Sequence[str] = (), exit_codes: dict[int, int] | None = None) -> int:
     """Launch ``target`` (a script and its arguments, or ``-m module ...``) on ``nproc`` local ranks via
     ``torch.distributed.run``; returns the launcher's exit code. Multi-node: with ``node_rank`` the rendezvous
     is torchrun's static one at ``rdzv_endpoint`` (HOST:PORT of node 0; global rank = node_rank × nproc +
     local rank, so every node's ranks are the same on every launch); without it, the elastic c10d rendezvous
-    (ranks assigned in joining order). The ranks die with this process (``bind_to_launcher``)."""
+    (ranks assigned in joining order). The ranks die with this process (``bind_to_launcher``). After a failure,
+    ``exit_codes`` (if given) receives each failed rank's exit code as torchrun saw it (negative: the signal that
+    ended it; ``-SIGTERM`` marks a rank torchrun itself stopped because another failed)."""
     if nproc < 1:
         raise ValueError(f"-n/--nproc must be >= 1, got {nproc}; e.g. -n 2")
     from torch.distributed import run as torchrun
@@ -155,6 +157,8 @@ def run_local(nproc: int, target: Sequence[str], *, module: bool = False, nnodes
     except SystemExit as exc:  # torchrun exits through SystemExit
         return int(exc.code or 0)
     except Exception as exc:  # ChildFailedError: the launcher already printed each rank's failure
+        if exit_codes is not None:
+            exit_codes.update({int(r): int(f.exitcode) for r, f in getattr(exc, "failures", {}).items()})
         print(f"shardwise run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -180,6 +180,17 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
 _PEER_ERRORS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")
 
 
+def _own_fault(ranks_dir: Path, candidates: list[int]) -> list[int]:
+    """Of ``candidates``, the ranks that did not end by torchrun's own SIGTERM (sent to the survivors once one
+    rank failed), per ``RUN/ranks/rankN.exit``; all of them when that tells nothing apart."""
+    import signal
+
+    codes = {r: (ranks_dir / f"rank{r:05d}.exit").read_text().strip() for r in candidates
+             if (ranks_dir / f"rank{r:05d}.exit").is_file()}
+    own = [r for r in candidates if r in codes and codes[r] != str(-int(signal.SIGTERM))]
+    return own or candidates
+
+
 def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
     """What to tell the user after a failed job: which rank failed first, what it said, and the last complete
     checkpoint (saves are atomic, so it is intact). The culprit is the rank that fell behind (its step file,
@@ -207,7 +218,7 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
     elif raised:
         head = "; ".join(errors[r] for r in raised)
     elif silent or len(behind) < len(steps):
-        culprits = silent if silent else behind
+        culprits = _own_fault(ranks_dir, silent if silent else behind)
         head = (f"{', '.join(f'rank {r}' for r in culprits)} failed first"
                 f"{f' (last step it started: {steps[culprits[0]]})' if culprits[0] in steps else ''}: it died or hung "
                 f"without a Python error (killed, crashed, out of memory, stuck); the other ranks stopped when their "
