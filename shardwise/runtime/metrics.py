@@ -180,6 +180,17 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
 _PEER_ERRORS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")
 
 
+def _merge_errors(errors: dict[int, str]) -> str:
+    """One clause per distinct message: ``rank 0 failed at step 2: X`` and the same from rank 1 read
+    ``ranks 0, 1 failed at step 2: X``."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in sorted(errors.items()):
+        prefix = f"rank {rank} "
+        groups.setdefault(text[len(prefix):] if text.startswith(prefix) else text, []).append(rank)
+    return "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} {rest}" if rest != errors[rs[0]] else rest
+                     for rest, rs in groups.items())
+
+
 def _own_fault(ranks_dir: Path, candidates: list[int]) -> list[int]:
     """Of ``candidates``, the ranks that did not end by torchrun's own SIGTERM (sent to the survivors once one
     rank failed), per ``RUN/ranks/rankN.exit``; all of them when that tells nothing apart."""
@@ -216,7 +227,7 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
     if interrupted:
         head = f"interrupted (Ctrl-C) at step {interrupted[0].read_text().strip()}; no checkpoint was half-written"
     elif raised:
-        head = "; ".join(errors[r] for r in raised)
+        head = _merge_errors({r: errors[r] for r in raised})
     elif silent or len(behind) < len(steps):
         culprits = _own_fault(ranks_dir, silent if silent else behind)
         head = (f"{', '.join(f'rank {r}' for r in culprits)} failed first"
