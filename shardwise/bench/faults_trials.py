@@ -291,6 +291,14 @@ def _finish(setup: Setup, launch: Launch, pids: dict[int, int], t_fault: float, 
     rec["report"] = failure_line(launch.stderr)
     rec["named"] = names_rank(rec["report"], rec["victim"], setup.nproc)
     rec["loadable"] = loadable(launch.run_dir)
+    keep_evidence(launch.run_dir)
+
+
+def keep_evidence(run_dir: Path) -> None:
+    """Copy ``RUN/ranks`` (step, error, ``.killed`` files of the failed attempt) to ``RUN/ranks.fault``: the
+    resume clears it."""
+    if (run_dir / "ranks").is_dir():
+        shutil.copytree(run_dir / "ranks", run_dir / "ranks.fault", dirs_exist_ok=True)
 
 
 def trial_kill_rank(setup: Setup, ref: Reference, rng: random.Random, rec: dict[str, Any]) -> None:
