@@ -248,7 +248,7 @@ def _positive(*pairs: tuple[str, int]) -> None:
 def _check_strategies(config: Config) -> None:
     m, p = config.model, config.parallel
     if p.tp > 1:
-        if not _optional_module("shardwise.parallel.tensor"):
+        if not _optional_module("shardwise.parallel.tensor.api"):
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
         if m.n_head % p.tp:
@@ -257,8 +257,8 @@ def _check_strategies(config: Config) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3; e.g. --parallel.zero_stage 1 "
                          f"(0 = plain data parallelism)")
-    if p.zero_stage and not _optional_module("shardwise.parallel.zero"):
-        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero), which this "
+    if p.zero_stage and not _optional_module("shardwise.parallel.zero.api"):
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero.api), which this "
                          f"build lacks; use --parallel.zero_stage 0")
     if p.zero_stage and p.tp > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.tp = {p.tp} is not supported by "

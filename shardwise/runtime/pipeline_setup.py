@@ -41,7 +41,7 @@ def build_pipeline(cfg: Config, mesh: Mesh, plain: nn.Module,
     p = cfg.parallel
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     if p.tp > 1:
-        from ..parallel.tensor import gpt_plan, parallelize, vocab_parallel_cross_entropy
+        from ..parallel.tensor.api import gpt_plan, parallelize, vocab_parallel_cross_entropy
 
         plain = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
         loss = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)

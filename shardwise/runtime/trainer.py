@@ -44,7 +44,7 @@ from ..models.gpt import GPT, GPTConfig, lm_loss
 from .config import Config, OptimizerConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
-from .launch import World, bind_to_launcher, init, shutdown
+from ..world import World, bind_to_launcher, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, held_grads, local_flag, poisoned
 from .pipeline_setup import build_pipeline, load_pipeline_checkpoint, pipeline_checkpoint, pipeline_passes
@@ -90,23 +90,23 @@ def _build_model(cfg: Config, mesh: Mesh) -> tuple[Any, nn.Module, LossFn, Any]:
         pipe, opt = build_pipeline(cfg, mesh, plain, partial(build_optimizer, o=cfg.optimizer))
         return pipe, plain, loss_fn, opt
     if p.tp > 1:
-        from ..parallel.tensor import gpt_plan, parallelize, vocab_parallel_cross_entropy
+        from ..parallel.tensor.api import gpt_plan, parallelize, vocab_parallel_cross_entropy
 
         plain = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
         loss_fn = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
     if p.activation_checkpointing:
-        from ..parallel.checkpointing import checkpoint_layers
+        from ..parallel.common.activation_checkpointing import checkpoint_layers
 
         checkpoint_layers(plain)
     if p.zero_stage:
-        from ..parallel.zero import zero
+        from ..parallel.zero.api import zero
 
         model, opt = zero(plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
                           optimizer=partial(build_optimizer, o=cfg.optimizer))
         return model, plain, loss_fn, opt
     model: nn.Module = plain
     if p.dp > 1:
-        from ..parallel.data import DataParallel
+        from ..parallel.data.data_parallel import DataParallel
 
         model = DataParallel(plain, mesh, axis="dp", algorithm=p.algorithm, bucket_cap_mb=p.bucket_cap_mb)
     return model, plain, loss_fn, build_optimizer(list(plain.parameters()), cfg.optimizer)

@@ -15,7 +15,7 @@ import torch
 
 from shardwise.runtime import trainer as trainer_mod
 from shardwise.runtime.config import load_config, validate
-from shardwise.runtime.launch import World
+from shardwise.world import World
 from shardwise.runtime.nonfinite import NonFiniteError
 from tests.dist.meshes import mesh
 

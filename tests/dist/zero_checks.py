@@ -16,7 +16,7 @@ import torch.nn as nn
 import shardwise as sw
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
-from shardwise.parallel.mixed_precision import MixedPrecision
+from shardwise.parallel.common.mixed_precision import MixedPrecision
 from tests.dist.meshes import mesh
 
 GLOBAL_B, STEPS, SEQ = 12, 5, 6

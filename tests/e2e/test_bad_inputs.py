@@ -184,7 +184,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     import inspect
     import sys
 
-    from shardwise.runtime import run_cmd, train_cmd, verify_cmd  # noqa: F401  (bind their launchers first)
+    from shardwise.cli import run, train, verify  # noqa: F401  (bind their launchers first)
 
     def refuse(*args: object, **kwargs: object) -> int:
         pytest.fail("a bad input got as far as launching ranks")

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..mixed_precision import LossScaler
-from ..zero_optim import ZeroOptimizer, make_inner_optimizer
+from ..common.mixed_precision import LossScaler
+from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from .communication import lower_communication, receive_placement
 from .executor import Interpreter, run_actions
 from .actions import Action

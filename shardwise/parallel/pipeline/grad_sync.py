@@ -32,8 +32,8 @@ from torch import nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..zero_flat import FlatGroup
-from ..zero_grads import attach_full_grads
+from ..zero.flat import FlatGroup
+from ..zero.grads import attach_full_grads
 
 __all__ = ["DpGradSync", "plan_stage_buckets"]
 
