@@ -44,18 +44,14 @@ _MARK = "_shardwise_tensor_parallel"
 
 
 def gpt_plan(config: object, sequence_parallel: bool = False) -> dict[str, Style]:
-    """The Megatron plan for ``shardwise.models.GPT``: vocab-parallel embedding and (tied) head, head-aware
-    qkv, column → row pairs in attention and MLP; with sequence parallelism also the norms and the position
-    embedding (its (t, h) output sliced on the sequence). ``config``: the model's ``GPTConfig``."""
-    n_head = getattr(config, "n_head")
-    plan: dict[str, Style] = {
-        "wte": VocabParallel(), "lm_head": VocabParallel(),
-        "blocks.*.attn.qkv": QKVParallel(n_head), "blocks.*.attn.proj": RowParallel(),
-        "blocks.*.mlp.fc": ColumnParallel(), "blocks.*.mlp.proj": RowParallel()}
-    if sequence_parallel:
-        plan.update({"wpe": SequenceParallel(slice_output=0), "blocks.*.ln_*": SequenceParallel(),
-                     "ln_f": SequenceParallel()})
-    return plan
+    """The tensor-parallel plan of a model that carries one: ``config`` is a ``GPTConfig`` or a ``GPT`` (anything
+    with ``tensor_parallel_plan(sequence_parallel)``). The plan itself lives with the model
+    (``shardwise.models.gpt``); this name stays for existing callers."""
+    plan_of = getattr(config, "tensor_parallel_plan", None)
+    if not callable(plan_of):
+        raise TypeError(f"gpt_plan expects a GPTConfig or a GPT (something with tensor_parallel_plan()), got "
+                        f"{type(config).__name__}; write the plan as a dict of pattern -> style instead")
+    return plan_of(sequence_parallel=sequence_parallel)
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis: str = "tp",
