@@ -26,6 +26,7 @@ from .comm_report import (BENCH_OPS, PLOT_INSTALL_HINT, BenchRow, bus_factor, fo
                            power_of_two_sizes, print_table, write_json, write_plot)
 from ..comm.calibration import fit_calibration, save_calibration
 from ..comm.ops import ALGORITHMS
+from .harness import add_launch_arguments, run_bench
 
 __all__ = ["add_arguments", "main", "DTYPES", "AXIS"]
 
@@ -69,7 +70,7 @@ def _positive(minimum: int) -> Callable[[str], int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=_positive(1), default=2, help="local ranks to start (default 2)")
+    add_launch_arguments(parser, what="local ranks to start")
     parser.add_argument("--ops", type=_choices(BENCH_OPS, "collective"), default=list(BENCH_OPS),
                         help="comma-separated collectives (default: all_reduce,all_gather,reduce_scatter)")
     parser.add_argument("--algorithms", type=_choices(ALGORITHMS, "algorithm"), default=list(ALGORITHMS),
@@ -90,7 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", metavar="FILE", default=None,
                         help="write the fitted alpha-beta model per collective and algorithm (for the planner)")
     parser.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _validate(args: argparse.Namespace) -> list[int]:
@@ -104,28 +104,9 @@ def _validate(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def _worker_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["--worker", "--ops", ",".join(args.ops), "--algorithms", ",".join(args.algorithms),
-            "--min-bytes", str(args.min), "--max-bytes", str(args.max), "--dtype", args.dtype, "--iters", str(args.iters),
-            "--warmup", str(args.warmup), "--check" if args.check else "--no-check"]
-    for flag in ("json", "plot", "calibrate"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag}", getattr(args, flag)]
-    return argv + (["--plain"] if args.plain else [])
-
-
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    try:
-        _validate(args)
-    except ValueError as exc:
-        print(f"shardwise bench comm: error: {exc}", file=sys.stderr)
-        return 2
-    if args.worker:
-        return _run_worker(args)
-    from ..runtime.launch import run_local
-
-    return run_local(args.nproc, ["shardwise.bench.comm", *_worker_argv(args)], module=True)
+    return run_bench("comm", args, validate=_validate, worker=_run_worker)
 
 
 # -- inside a rank ----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import Mesh
+from .harness import add_launch_arguments, paired_ratio, run_bench
 from .steps import gpt_workload, set_bench_threads, time_steps
 
 __all__ = ["add_arguments", "main"]
@@ -49,7 +50,7 @@ SW_OPTIONS: dict[str, dict[str, object]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="local ranks (default 2)")
+    add_launch_arguments(parser)
     parser.add_argument("--preset", default="gpt-small", help="GPT preset (default gpt-small, ~3.3M params)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
@@ -60,7 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", default="0.25,1,4", help="more bucket_cap_mb values for sw (the sw row is 25; empty: none)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
@@ -77,27 +77,9 @@ def _validate(args: argparse.Namespace) -> list[str]:
     return names + [f"sw-cap={x:g}" for x in sweep]
 
 
-def _worker_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["--worker"]
-    for flag in ("preset", "batch", "seq", "steps", "warmup", "repeats", "variants", "sweep", "threads", "json"):
-        value = getattr(args, flag)
-        if value is not None:
-            argv += [f"--{flag}", str(value)]
-    return argv
-
-
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    try:
-        _validate(args)
-    except ValueError as exc:
-        print(f"shardwise bench dp: error: {exc}", file=sys.stderr)
-        return 2
-    if args.worker:
-        return _run_worker(args)
-    from ..runtime.launch import run_local
-
-    return run_local(args.nproc, ["shardwise.bench.dp", *_worker_argv(args)], module=True)
+    return run_bench("dp", args, validate=_validate, worker=_run_worker)
 
 
 # -- inside a rank ----------------------------------------------------------------------------------
@@ -170,12 +152,6 @@ def _reset_stats(model: nn.Module) -> None:
         model.comm_stats(reset=True)
 
 
-def _paired_ratio(rounds: list[list[float]], ref: list[list[float]] | None) -> float:
-    if ref is None:
-        return 0.0
-    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, ref))
-
-
 def _gather_rows(names: list[str], times: dict[str, list[list[float]]], runs: dict[str, tuple[nn.Module, Step]],
                  mesh: Mesh) -> list[dict[str, object]]:
     """Median step time per variant (maximum over ranks), paired ratio to torch-ddp (mean over ranks), and
@@ -183,7 +159,7 @@ def _gather_rows(names: list[str], times: dict[str, list[list[float]]], runs: di
     import shardwise as sw
 
     med = torch.tensor([statistics.median(t for r in times[n] for t in r) for n in names], dtype=torch.float64)
-    ratio = torch.tensor([_paired_ratio(times[n], times.get("torch-ddp")) for n in names], dtype=torch.float64)
+    ratio = torch.tensor([paired_ratio(times[n], times.get("torch-ddp")) for n in names], dtype=torch.float64)
     hidden = torch.zeros(len(names), 3, dtype=torch.float64)  # comm_ms, exposed_ms, hidden_share
     for k, name in enumerate(names):
         model = runs[name][0]

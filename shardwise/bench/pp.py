@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .harness import add_launch_arguments, run_bench
 from .steps import set_bench_threads, time_steps
 
 __all__ = ["add_arguments", "main"]
@@ -44,7 +45,7 @@ EXTRA = ["interleaved", "zb-h2"]  # opt in with --schedules: two chunks per rank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="local ranks = pipeline stages (default 2)")
+    add_launch_arguments(parser, what="local ranks = pipeline stages")
     parser.add_argument("--preset", default="gpt-small", help="GPT preset (default gpt-small: 4 layers, width 256)")
     parser.add_argument("--layers", type=int, default=0, help="override the preset's n_layer (0: keep it)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step, split into micro-batches (default 8)")
@@ -64,7 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--trace", default=None, metavar="FILE.json", help="Chrome/Perfetto trace of the measured timeline")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="timeline PNG of the measured timings (matplotlib)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -109,23 +109,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    try:
-        _validate(args)
-    except ValueError as exc:
-        print(f"shardwise bench pp: error: {exc}", file=sys.stderr)
-        return 2
-    if args.worker:
-        return _run_worker(args)
-    from ..runtime.launch import run_local
-
-    argv = ["--worker"]
-    for flag in ("preset", "layers", "batch", "seq", "microbatches", "schedules", "steps", "warmup", "repeats",
-                 "threads", "json", "trace", "plot", "recv_ahead"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    argv += ["--no-torch"] if args.no_torch else []
-    argv += ["--late-recv"] if args.late_recv else []
-    return run_local(args.nproc, ["shardwise.bench.pp", *argv], module=True)
+    return run_bench("pp", args, validate=_validate, worker=_run_worker)
 
 
 def output_path(path: str, name: str, names: list[str]) -> str:

@@ -18,24 +18,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .harness import add_launch_arguments, run_bench
+
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="local ranks (default 2)")
+    add_launch_arguments(parser)
     parser.add_argument("--iters", type=int, default=2000, help="timed calls per measurement")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    _worker(args.iters)
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.iters < 1:
-        print(f"shardwise bench sbp: --iters must be >= 1, got {args.iters}", file=sys.stderr)
-        return 2
-    if not args.worker:
-        from ..runtime.launch import run_local
-        return run_local(args.nproc, ["shardwise.bench.sbp", "--worker", "--iters", str(args.iters)], module=True)
-    _worker(args.iters)
-    return 0
+    """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
+    return run_bench("sbp", args, validate=_validate, worker=_run_worker)
 
 
 def _time(fn: Callable[[], object], iters: int) -> float:

@@ -36,13 +36,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .harness import add_launch_arguments, run_bench
+
 __all__ = ["add_arguments", "main"]
 
 VARIANTS = ["sw", "sw-sp", "torch", "torch-sp"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="local ranks = tp size (default 2)")
+    add_launch_arguments(parser, what="local ranks = tp size")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--embd", type=int, default=256, help="hidden width h (default 256)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
@@ -55,7 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
@@ -74,19 +75,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    try:
-        _validate(args)
-    except ValueError as exc:
-        print(f"shardwise bench tp: error: {exc}", file=sys.stderr)
-        return 2
-    if args.worker:
-        return _run_worker(args)
-    from ..runtime.launch import run_local
-
-    argv = ["--worker"] + [x for f in ("layers", "embd", "heads", "batch", "seq", "steps", "warmup", "repeats",
-                                       "iters", "variants", "threads", "json")
-                           if getattr(args, f) is not None for x in (f"--{f}", str(getattr(args, f)))]
-    return run_local(args.nproc, ["shardwise.bench.tp", *argv], module=True)
+    return run_bench("tp", args, validate=_validate, worker=_run_worker)
 
 
 # -- (a) step time -----------------------------------------------------------------------------------

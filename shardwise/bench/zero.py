@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .harness import add_launch_arguments, paired_ratio, run_bench
 from .steps import gpt_workload, set_bench_threads, time_steps
 
 __all__ = ["add_arguments", "main"]
@@ -43,7 +44,7 @@ Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="local ranks (default 2)")
+    add_launch_arguments(parser)
     parser.add_argument("--preset", default="gpt-small", help="GPT preset (default gpt-small, ~3.3M params)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
@@ -53,7 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=",".join(BASE), help="comma list of: " + ", ".join(BASE + EXTRA))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
@@ -69,20 +69,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    try:
-        _validate(args)
-    except ValueError as exc:
-        print(f"shardwise bench zero: error: {exc}", file=sys.stderr)
-        return 2
-    if args.worker:
-        return _run_worker(args)
-    from ..runtime.launch import run_local
-
-    argv = ["--worker"]
-    for flag in ("preset", "batch", "seq", "steps", "warmup", "repeats", "variants", "threads", "json"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag}", str(getattr(args, flag))]
-    return run_local(args.nproc, ["shardwise.bench.zero", *argv], module=True)
+    return run_bench("zero", args, validate=_validate, worker=_run_worker)
 
 
 # -- inside a rank ----------------------------------------------------------------------------------
@@ -193,12 +180,6 @@ def _run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _paired_ratio(rounds: list[list[float]], ref: list[list[float]] | None) -> float:
-    if ref is None:
-        return 0.0
-    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, ref))
-
-
 def _gather_rows(names: list[str], times: dict[str, list[list[float]]], memory: dict[str, tuple[float, float]],
                  mesh: Any) -> list[dict[str, Any]]:
     """Median step (max over ranks), paired ratio to fsdp2 (mean over ranks), memory (max over ranks)."""
@@ -210,7 +191,7 @@ def _gather_rows(names: list[str], times: dict[str, list[list[float]]], memory: 
         return sw.comm.all_reduce(t, mesh, AXIS, op=op).cpu()  # type: ignore[union-attr]
 
     med = reduced([statistics.median(t for r in times[n] for t in r) for n in names], "max")
-    ratio = reduced([_paired_ratio(times[n], times.get("fsdp2")) for n in names], "avg")
+    ratio = reduced([paired_ratio(times[n], times.get("fsdp2")) for n in names], "avg")
     mem = reduced([list(memory[n]) for n in names], "max")
     ref = {n: k for k, n in enumerate(names)}.get("fsdp2")
     return [{"variant": n, "step_ms": 1e3 * float(med[k]), "vs_fsdp2": float(ratio[k]) or None,
