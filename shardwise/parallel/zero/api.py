@@ -254,6 +254,39 @@ class ZeroModel(nn.Module):
     def _note_peak(self, opt: ZeroOptimizer | None) -> None:
         self._peak.note(sum(storage_bytes(self.memory_tensors(opt)).values()))
 
+    # -- ``ZeroGroups`` (what ``ZeroOptimizer`` reads; all local) -----------------------------------------
+    @property
+    def full_grads(self) -> list[torch.Tensor]:
+        """Stage 1: each group's full local gradient buffer (unreduced until the step); else empty."""
+        return list(self._full_grads)
+
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        """Stages 2-3: this rank's averaged gradient shard of each group (indexed like ``groups``); else empty."""
+        return list(self._shard_grads)
+
+    @property
+    def syncing(self) -> bool:
+        """False inside ``no_sync()``."""
+        return self._sync
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        """Gradients accumulated under ``no_sync()`` not reduced by a synchronised backward yet (stages 2-3)."""
+        return self._reducer is not None and self._reducer.unreduced
+
+    def set_grads_prepared(self, prepared: bool) -> None:
+        """Set by the optimizer: while True a backward raises (``_guard_hook``)."""
+        self._grads_reduced = prepared
+
+    def clear_grads(self) -> None:
+        """Zero the gradient buffers in place (what ``ZeroOptimizer.zero_grad`` does to the model)."""
+        self._zero_grads()
+
+    def after_step(self) -> None:
+        """Note the model-state memory peak after an optimizer step."""
+        self._note_peak(self._optimizer)
+
     def memory_tensors(self, opt: ZeroOptimizer | None = None) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank keeps for the model state, by category (for ``sw.memory_report``)."""
         managed = {id(p) for g in self.groups for p in g.params}

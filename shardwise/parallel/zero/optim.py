@@ -23,6 +23,7 @@ from ...mesh import Mesh
 from ..common.mixed_precision import LossScaler
 from .flat import FlatGroup
 from .grads import reduce_full_grads
+from .groups import ZeroGroups
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "make_inner_optimizer"]
 
@@ -51,9 +52,9 @@ def make_inner_optimizer(factory: Any, params: list[torch.nn.Parameter]) -> torc
 class ZeroOptimizer:
     """Returned by ``sw.zero``; drives the inner optimizer on the shards (see module docstring)."""
 
-    def __init__(self, owner: Any, factory: Any, groups: list[FlatGroup], mesh: Mesh, axis: str, *,
+    def __init__(self, owner: ZeroGroups, factory: Any, groups: list[FlatGroup], mesh: Mesh, axis: str, *,
                  stage: int, scaler: LossScaler, reduce_dtype: torch.dtype) -> None:
-        self._owner = owner  # the ZeroModel: its no_sync state and gradient buffers
+        self._owner = owner  # its no_sync state and gradient buffers (``ZeroGroups``: public accessors only)
         self.groups, self.mesh, self.axis, self.stage = groups, mesh, axis, stage
         self.scaler, self.reduce_dtype = scaler, reduce_dtype
         self.optimizer = make_inner_optimizer(factory, [g.master for g in groups])
@@ -81,11 +82,11 @@ class ZeroOptimizer:
     # -- gradients ------------------------------------------------------------------------------------
     def _check_sync(self, what: str) -> None:
         owner = self._owner
-        if not owner._sync:
+        if not owner.syncing:
             raise RuntimeError(f"{what} called inside no_sync(): gradients accumulated there are local to "
                                f"each rank; leave the no_sync() block and run the last micro-batch's "
                                f"backward outside it, then call {what}")
-        if owner._reducer is not None and owner._reducer.unreduced:
+        if owner.has_unreduced_grads:
             raise RuntimeError(f"{what}: gradients accumulated under no_sync() were never reduced; run one "
                                f"backward outside no_sync() (the last micro-batch) before {what}")
 
@@ -96,10 +97,12 @@ class ZeroOptimizer:
         if self._ready:
             return
         if self.stage == 1:
-            shards = reduce_full_grads(self.groups, self._owner._full_grads, self.mesh, self.axis, self.reduce_dtype)
+            shards = reduce_full_grads(self.groups, list(self._owner.full_grads), self.mesh, self.axis,
+                                       self.reduce_dtype)
         else:
-            shards = self._owner._shard_grads
-        for g, shard, full in zip(self.groups, shards, self._owner._full_grads or [None] * len(shards)):
+            shards = list(self._owner.shard_grads)
+        fulls: list[torch.Tensor | None] = list(self._owner.full_grads) or [None] * len(shards)
+        for g, shard, full in zip(self.groups, shards, fulls):
             if self.stage == 1 and shard.dtype == g.master.dtype and full is not None and full.dtype == shard.dtype:
                 # fp32 stage 1: the averaged shard lives in the full buffer's own slice (no extra memory).
                 full[g.lo:g.hi].copy_(shard)
@@ -109,7 +112,7 @@ class ZeroOptimizer:
                 g.master.grad.div_(self.scaler.scale)
         self._overflow = self._check_overflow() if self.scaler.scale != 1.0 else False
         self._ready = True
-        self._owner._grads_reduced = True
+        self._owner.set_grads_prepared(True)
 
     def _check_overflow(self) -> bool:
         local = any(not bool(torch.isfinite(g.master.grad).all()) for g in self.groups if g.master.grad is not None)
@@ -157,7 +160,7 @@ class ZeroOptimizer:
                 for g, h in zip(self.groups, handles):
                     g.finish_gather(h)
         self.scaler.update(overflow)
-        self._owner._note_peak(self)
+        self._owner.after_step()
         self.zero_grad()  # a step consumes its gradients (every stage alike)
         return not overflow
 
@@ -165,11 +168,11 @@ class ZeroOptimizer:
         """Zero the gradient buffers this wrapper keeps (full ones in stage 1, shards in stages 2-3) and
         drop full gradients still held by parameters. ``set_to_none`` is accepted for compatibility: the
         persistent buffers are zeroed in place, never reallocated."""
-        self._owner._zero_grads()
+        self._owner.clear_grads()
         for g in self.groups:
             g.master.grad = None
         self._ready = False
-        self._owner._grads_reduced = False
+        self._owner.set_grads_prepared(False)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's inner optimizer state (its shards only) plus the loss scale. Local."""
