@@ -1,39 +1,121 @@
 """``shardwise`` command line: ``run``, ``bench KIND``, ``schedule`` (more as they land).
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``; this
-file only wires them up, importing a module when its command is used (so ``shardwise --help`` stays fast).
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``
+(``Command``); this file only wires them up through one small loader function per command, which imports the
+module when its command is used (so ``shardwise --help`` stays fast).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import re
 import sys
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Protocol, Sequence
 
 __all__ = ["main"]
 
-# command -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("shardwise.cli.run", "launch a script on N local ranks (torchrun underneath)"),
-    "schedule": ("shardwise.cli.schedule", "print, simulate and plot a pipeline schedule"),
-    "train": ("shardwise.cli.train", "train the reference GPT on local ranks (config, checkpoints, resume)"),
-    "verify": ("shardwise.cli.verify", "check a layout trains to the same losses as one process"),
-    "export": ("shardwise.cli.export", "consolidate a sharded checkpoint into one safetensors file"),
-    "plot": ("shardwise.cli.plot", "draw loss and throughput PNGs of a run"),
+class Command(Protocol):
+    """What a subcommand module provides (``cli/train.py``, ``bench/pp.py``, ...)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def main(self, args: argparse.Namespace) -> int | None: ...
+
+
+# Each loader imports its module only when called: the imports pull in torch, and only the command actually
+# used may pay for that (``shardwise --help`` stays fast). Plain functions, not module-name strings, so readers,
+# IDEs and import checkers see the wiring.
+
+def _run() -> Command:
+    from . import run
+    return run
+
+
+def _schedule() -> Command:
+    from . import schedule
+    return schedule
+
+
+def _train() -> Command:
+    from . import train
+    return train
+
+
+def _verify() -> Command:
+    from . import verify
+    return verify
+
+
+def _export() -> Command:
+    from . import export
+    return export
+
+
+def _plot() -> Command:
+    from . import plot
+    return plot
+
+
+def _bench_comm() -> Command:
+    from ..bench import comm
+    return comm
+
+
+def _bench_dp() -> Command:
+    from ..bench import dp
+    return dp
+
+
+def _bench_sbp() -> Command:
+    from ..bench import sbp
+    return sbp
+
+
+def _bench_tp() -> Command:
+    from ..bench import tp
+    return tp
+
+
+def _bench_pp() -> Command:
+    from ..bench import pp
+    return pp
+
+
+def _bench_zero() -> Command:
+    from ..bench import zero
+    return zero
+
+
+def _bench_faults() -> Command:
+    from ..bench import faults
+    return faults
+
+
+# command -> (loader, one-line help)
+COMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
+    "run": (_run, "launch a script on N local ranks (torchrun underneath)"),
+    "schedule": (_schedule, "print, simulate and plot a pipeline schedule"),
+    "train": (_train, "train the reference GPT on local ranks (config, checkpoints, resume)"),
+    "verify": (_verify, "check a layout trains to the same losses as one process"),
+    "export": (_export, "consolidate a sharded checkpoint into one safetensors file"),
+    "plot": (_plot, "draw loss and throughput PNGs of a run"),
 }
-# bench kind -> (module, one-line help)
-BENCHES: dict[str, tuple[str, str]] = {
-    "comm": ("shardwise.bench.comm", "collective bus bandwidth: native vs ring vs tree, alpha-beta fit"),
-    "dp": ("shardwise.bench.dp", "DataParallel step time vs torch DDP, overlap, buckets"),
-    "sbp": ("shardwise.bench.sbp", "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
-    "tp": ("shardwise.bench.tp", "tensor-parallel step time vs torch parallelize_module; boxing"),
-    "pp": ("shardwise.bench.pp", "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
-    "zero": ("shardwise.bench.zero", "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
-    "faults": ("shardwise.bench.faults", "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
+# bench kind -> (loader, one-line help)
+BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
+    "comm": (_bench_comm, "collective bus bandwidth: native vs ring vs tree, alpha-beta fit"),
+    "dp": (_bench_dp, "DataParallel step time vs torch DDP, overlap, buckets"),
+    "sbp": (_bench_sbp, "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
+    "tp": (_bench_tp, "tensor-parallel step time vs torch parallelize_module; boxing"),
+    "pp": (_bench_pp, "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
+    "zero": (_bench_zero, "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
+    "faults": (_bench_faults, "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
 }
+
+# The packages the loaders import from. An ImportError naming one of them means the command's module is not in
+# this build (a wheel without ``shardwise.bench``); any other missing name is a real error and is raised.
+_COMMAND_PACKAGES = frozenset({__package__ or "shardwise.cli", (__package__ or "shardwise.cli").rpartition(".")[0]
+                               + ".bench"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,12 +150,12 @@ def _close(given: str, options: Sequence[str]) -> str:
     return close[0] if close else ""
 
 
-def _add_module(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+def _add_module(sub: argparse._SubParsersAction, name: str, load: Callable[[], Command], help_: str) -> None:
     parser = sub.add_parser(name, help=help_, description=help_)
     try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not module.startswith(exc.name):
+        mod = load()
+    except ImportError as exc:
+        if exc.name not in _COMMAND_PACKAGES:
             raise
         parser.set_defaults(_missing=name)
         return
@@ -87,16 +169,16 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only import the module of the command actually used (imports pull in torch).
     wanted = [a for a in argv if not a.startswith("-")][:2]
-    for name, (module, help_) in COMMANDS.items():
+    for name, (load, help_) in COMMANDS.items():
         if wanted[:1] == [name]:
-            _add_module(sub, name, module, help_)
+            _add_module(sub, name, load, help_)
         else:
             sub.add_parser(name, help=help_)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
     bench_sub = bench.add_subparsers(dest="bench", metavar="KIND")
-    for name, (module, help_) in BENCHES.items():
+    for name, (load, help_) in BENCHES.items():
         if wanted == ["bench", name]:
-            _add_module(bench_sub, name, module, help_)
+            _add_module(bench_sub, name, load, help_)
         else:
             bench_sub.add_parser(name, help=help_)
     return parser
