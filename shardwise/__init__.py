@@ -1,6 +1,6 @@
 """shardwise: train one PyTorch model on many devices as if they were one.
 
-Public API re-exports only; see DESIGN.md section 5 for the contract.
+Public API re-exports only; the contract is docs/ARCHITECTURE.md, "Public API".
 """
 
 from . import comm, models

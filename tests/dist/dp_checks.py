@@ -479,7 +479,7 @@ def check_gpt(checkpointing: bool) -> dict:
         from shardwise.parallel.common.activation_checkpointing import checkpoint_layers
         checkpoint_layers(net, every=1)
     model = DataParallel(net, m, "dp", bucket_cap_mb=0.05, first_bucket_mb=0.01)
-    opt = make_opt("sgd", model.parameters())  # SGD: tight comparison (DESIGN.md §4 on Adam and float noise)
+    opt = make_opt("sgd", model.parameters())  # SGD: tight comparison (Adam turns float noise into full steps)
     buckets = []
     for k in range(STEPS):
         opt.zero_grad()

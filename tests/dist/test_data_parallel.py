@@ -1,7 +1,7 @@
 """sw.DataParallel on worlds of 2, 3, 4 ranks and a 2×2 mesh, against single-process references.
 
 The rank-side checks live in tests/dist/dp_checks.py; each ``world.run`` covers many configurations.
-Tolerances: fp32, relative 1e-5 against the one-process run (AdamW with eps=1e-5, DESIGN.md §4).
+Tolerances: fp32, relative 1e-5 against the one-process run (AdamW with eps=1e-5).
 """
 
 from __future__ import annotations

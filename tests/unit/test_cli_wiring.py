@@ -27,7 +27,8 @@ def _broken_dependency() -> object:
     raise AssertionError("unreachable")
 
 
-def test_a_command_absent_from_the_build_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+def test_a_command_absent_from_the_build_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]):
     monkeypatch.setitem(cli_main.BENCHES, "ghost", (_absent, "not shipped"))
     assert cli_main.main(["bench", "ghost"]) == 2
     assert capsys.readouterr().err == "shardwise: 'ghost' is not available in this build\n"
