@@ -1,6 +1,6 @@
 """shardwise: train one PyTorch model on many devices as if they were one.
 
-Public API re-exports only; the contract is docs/ARCHITECTURE.md, "Public API".
+Public API re-exports only; the contract is ARCHITECTURE.md, "Public API".
 """
 
 from . import comm, models

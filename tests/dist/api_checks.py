@@ -1,4 +1,4 @@
-"""The public API contract (docs/ARCHITECTURE.md, "Public API") called exactly as written, on a 2×2 mesh of 4 ranks."""
+"""The public API contract (ARCHITECTURE.md, "Public API") called exactly as written, on a 2×2 mesh of 4 ranks."""
 
 from __future__ import annotations
 
