@@ -275,7 +275,7 @@ def _check_strategies(config: Config) -> None:
 
 def _check_pipeline_hybrids(p: ParallelConfig) -> None:
     """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it. Supported: dp, tp inside
-    the stages, ZeRO-1 over dp (with accumulation), activation checkpointing (``pipeline_setup.py``). ZeRO with
+    the stages, ZeRO-1 over dp (with accumulation), activation checkpointing (``runtime/strategy/pipeline.py``). ZeRO with
     tp > 1 is refused for every layout (``_check_strategies``)."""
     if p.zero_stage > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.pp = {p.pp} is not supported: a "

@@ -1,8 +1,9 @@
 """The per-rank side of ``shardwise train``: ``python -m shardwise.runtime.trainer --run-dir DIR [--resume CKPT]``.
 
-The launcher (``train_cmd``) validated the config and wrote it to ``DIR/config.json``; every rank reads it,
-joins the job (``sw.init``), builds the mesh ``(dp, tp)``, the reference GPT with the requested strategies, the
-optimizer and its data shard, then runs the loop: per step ``grad_accum`` forward/backward passes (gradient
+The launcher (``cli/train.py``, ``runtime/job.py``) validated the config and wrote it to ``DIR/launch.json``;
+every rank reads it, joins the job (``sw.init``), builds the mesh ``(dp, tp)`` and asks ``build_strategy``
+(``runtime/strategy/``) for the reference GPT under the requested layout, its optimizer and the step's passes;
+then it runs the loop: per step ``grad_accum`` forward/backward passes (gradient
 sync on the last only), one optimizer step, the mean loss over dp (one all-reduce), metrics, and periodic
 atomic sharded checkpoints. Collective throughout: every rank runs the same steps.
 
