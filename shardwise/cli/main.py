@@ -11,6 +11,7 @@ import argparse
 import difflib
 import re
 import sys
+from functools import partial
 from typing import Callable, NoReturn, Protocol, Sequence
 
 __all__ = ["main"]
@@ -23,93 +24,66 @@ class Command(Protocol):
     def main(self, args: argparse.Namespace) -> int | None: ...
 
 
-# Each loader imports its module only when called: the imports pull in torch, and only the command actually
-# used may pay for that (``shardwise --help`` stays fast). Plain functions, not module-name strings, so readers,
+# Commands are imported only when used: the imports pull in torch, and only the command actually run may pay
+# for that (``shardwise --help`` stays fast). Explicit import statements, not module-name strings, so readers,
 # IDEs and import checkers see the wiring.
 
-def _run() -> Command:
-    from . import run
-    return run
+def _command(name: str) -> Command:
+    if name == "run":
+        from . import run as module
+    elif name == "schedule":
+        from . import schedule as module
+    elif name == "train":
+        from . import train as module
+    elif name == "verify":
+        from . import verify as module
+    elif name == "export":
+        from . import export as module
+    elif name == "plot":
+        from . import plot as module
+    else:
+        raise KeyError(name)
+    return module
 
 
-def _schedule() -> Command:
-    from . import schedule
-    return schedule
-
-
-def _train() -> Command:
-    from . import train
-    return train
-
-
-def _verify() -> Command:
-    from . import verify
-    return verify
-
-
-def _export() -> Command:
-    from . import export
-    return export
-
-
-def _plot() -> Command:
-    from . import plot
-    return plot
-
-
-def _bench_comm() -> Command:
-    from ..bench import comm
-    return comm
-
-
-def _bench_dp() -> Command:
-    from ..bench import dp
-    return dp
-
-
-def _bench_sbp() -> Command:
-    from ..bench import sbp
-    return sbp
-
-
-def _bench_tp() -> Command:
-    from ..bench import tp
-    return tp
-
-
-def _bench_pp() -> Command:
-    from ..bench import pp
-    return pp
-
-
-def _bench_zero() -> Command:
-    from ..bench import zero
-    return zero
-
-
-def _bench_faults() -> Command:
-    from ..bench import faults
-    return faults
+def _bench(name: str) -> Command:
+    if name == "comm":
+        from ..bench import comm as module
+    elif name == "dp":
+        from ..bench import dp as module
+    elif name == "sbp":
+        from ..bench import sbp as module
+    elif name == "tp":
+        from ..bench import tp as module
+    elif name == "pp":
+        from ..bench import pp as module
+    elif name == "zero":
+        from ..bench import zero as module
+    elif name == "faults":
+        from ..bench import faults as module
+    else:
+        raise KeyError(name)
+    return module
 
 
 # command -> (loader, one-line help)
 COMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
-    "run": (_run, "launch a script on N local ranks (torchrun underneath)"),
-    "schedule": (_schedule, "print, simulate and plot a pipeline schedule"),
-    "train": (_train, "train the reference GPT on local ranks (config, checkpoints, resume)"),
-    "verify": (_verify, "check a layout trains to the same losses as one process"),
-    "export": (_export, "consolidate a sharded checkpoint into one safetensors file"),
-    "plot": (_plot, "draw loss and throughput PNGs of a run"),
+    "run": (partial(_command, "run"), "launch a script on N local ranks (torchrun underneath)"),
+    "schedule": (partial(_command, "schedule"), "print, simulate and plot a pipeline schedule"),
+    "train": (partial(_command, "train"), "train the reference GPT on local ranks (config, checkpoints, resume)"),
+    "verify": (partial(_command, "verify"), "check a layout trains to the same losses as one process"),
+    "export": (partial(_command, "export"), "consolidate a sharded checkpoint into one safetensors file"),
+    "plot": (partial(_command, "plot"), "draw loss and throughput PNGs of a run"),
 }
 # bench kind -> (loader, one-line help)
 BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
-    "comm": (_bench_comm, "collective bus bandwidth: native vs ring vs tree, alpha-beta fit"),
-    "dp": (_bench_dp, "DataParallel step time vs torch DDP, overlap, buckets"),
-    "sbp": (_bench_sbp, "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
-    "tp": (_bench_tp, "tensor-parallel step time vs torch parallelize_module; boxing"),
-    "pp": (_bench_pp, "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
-    "zero": (_bench_zero, "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
-    "faults": (_bench_faults, "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
+    "comm": (partial(_bench, "comm"), "collective bus bandwidth: native vs ring vs tree, alpha-beta fit"),
+    "dp": (partial(_bench, "dp"), "DataParallel step time vs torch DDP, overlap, buckets"),
+    "sbp": (partial(_bench, "sbp"), "global-tensor op and boxing overhead vs DTensor; boxing bytes"),
+    "tp": (partial(_bench, "tp"), "tensor-parallel step time vs torch parallelize_module; boxing"),
+    "pp": (partial(_bench, "pp"), "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
+    "zero": (partial(_bench, "zero"), "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
+    "faults": (partial(_bench, "faults"), "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
 }
 
 # The packages the loaders import from. An ImportError naming one of them means the command's module is not in
