@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "init", "shutdown", "env_flag", "bind_to_launcher", "LAUNCHER_PID"]
+__all__ = ["World", "init", "shutdown", "barrier_all", "env_flag", "bind_to_launcher", "LAUNCHER_PID"]
 
 LAUNCHER_PID = "SHARDWISE_LAUNCHER_PID"
 """Set by ``run_local`` for its ranks: the pid of the launcher process, whose death must end them."""
@@ -126,6 +126,15 @@ def _poll_parent(launcher: int) -> None:
     while os.getppid() == launcher:
         time.sleep(0.5)
     os._exit(1)
+
+
+def barrier_all() -> None:
+    """Wait until every rank of the job arrives, under the job's own timeout (``init(timeout_s=...)``), on the
+    default group. ``shardwise train`` joins with a long start-up timeout and trains on meshes with the short
+    ``train.timeout_s``: ranks meet here after start-up and after loading a checkpoint, so skew in process
+    start or checkpoint reads (a loaded machine, a slow filesystem) is not mistaken for a hung peer. Collective."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def shutdown() -> None:

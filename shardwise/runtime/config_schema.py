@@ -111,7 +111,8 @@ class TrainConfig:
     seed: int = 1337
     """Seed of the weights, the data order and per-step RNG."""
     timeout_s: float = 60.0
-    """Collective timeout: a dead or hung peer becomes an error after this many seconds."""
+    """Collective timeout of the training steps: a dead or hung peer becomes an error after this many seconds
+    (start-up and checkpoint loading wait up to max(timeout_s, 300 s))."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient: ``stop`` the job naming the step and parameter (weights untouched, the last
     good checkpoint stays latest), or ``skip`` the step (counted) and stop after ``max_skipped`` in a row."""

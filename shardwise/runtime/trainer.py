@@ -39,7 +39,7 @@ from ..mesh import Mesh
 from .config import Config, OptimizerConfig, ParallelConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
-from ..world import World, bind_to_launcher, init, shutdown
+from ..world import World, barrier_all, bind_to_launcher, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
 from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy
@@ -56,10 +56,18 @@ def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _build_mesh(p: ParallelConfig) -> Mesh:
+STARTUP_TIMEOUT_S = 300.0
+"""Deadline of start-up and checkpoint loading (``world.barrier_all``): process start and checkpoint reads
+can be slow and uneven on a loaded machine or filesystem; training steps use ``train.timeout_s``."""
+
+
+def _build_mesh(p: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     """``(dp, tp)``; with pipeline parallelism ``(pp, dp, tp)``: stages outermost, so a stage's dp/tp peers are
-    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)"""
-    return Mesh(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else Mesh(dp=p.dp, tp=p.tp)
+    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)
+    ``timeout_s``: the collective deadline of the mesh's groups (the training steps)."""
+    if p.pp > 1:
+        return Mesh(pp=p.pp, dp=p.dp, tp=p.tp, timeout_s=timeout_s)
+    return Mesh(dp=p.dp, tp=p.tp, timeout_s=timeout_s)
 
 
 class Trainer:
@@ -69,7 +77,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         p = cfg.parallel
-        self.mesh = _build_mesh(p)
+        self.mesh = _build_mesh(p, cfg.train.timeout_s)
+        barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
         self.strategy: Strategy = build_strategy(cfg, self.mesh)
         tokens = load_corpus(cfg.data.path, cfg.data.format)
         dataset = TokenWindows(tokens, cfg.model.block_size)
@@ -262,11 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(path=args.config or run_dir / "config.json")
     if args.attempt > 0:  # a restarted job resumes past the injected fault instead of meeting it again
         cfg = dataclasses.replace(cfg, debug=type(cfg.debug)())
-    world = init(timeout_s=cfg.train.timeout_s)
+    world = init(timeout_s=max(cfg.train.timeout_s, STARTUP_TIMEOUT_S))  # the default group: start-up only
     trainer = Trainer(cfg, run_dir, world)
     try:
         if args.resume:
             trainer.resume(args.resume)
+            barrier_all()  # ranks read the checkpoint at different speeds; meet before the first timed step
         summary = trainer.run(save=not args.no_save)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (same process group). Saves are atomic, so whatever the ranks were

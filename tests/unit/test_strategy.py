@@ -54,3 +54,10 @@ def test_one_step_through_the_protocol_matches_plain_torch(mesh):
     assert s.mean_loss(loss) == pytest.approx(float(loss))
     names = {k for p in s.pieces() for k in [p.key]}
     assert any(k.startswith("model/") for k in names)
+
+
+def test_mesh_timeout_must_be_positive_and_gives_its_own_groups(mesh):
+    with pytest.raises(ValueError, match=r"timeout_s=0\b.*> 0 seconds"):
+        Mesh(dp=1, timeout_s=0)
+    short = Mesh(dp=1, timeout_s=7.5)
+    assert short.timeout_s == 7.5 and mesh.timeout_s is None
