@@ -1,20 +1,20 @@
 """shardwise: train one PyTorch model on many devices as if they were one.
 
-Public API re-exports only; see DESIGN.md section 5 for the contract.
+Public API re-exports only; the contract is ARCHITECTURE.md, "Public API".
 """
 
 from . import comm, models
 from .checkpoint import full_state_dict
 from .mesh import Mesh, MeshLayout
-from .parallel.checkpointing import checkpoint_layers
-from .parallel.data import DataParallel
-from .parallel.memory import memory_report
-from .parallel.mixed_precision import MixedPrecision
+from .parallel.common.activation_checkpointing import checkpoint_layers
+from .parallel.data.data_parallel import DataParallel
+from .parallel.common.memory import memory_report
+from .parallel.common.mixed_precision import MixedPrecision
 from .parallel.pipeline.api import Pipeline, pipeline
-from .parallel.tensor import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
-from .parallel.zero import zero
+from .parallel.tensor.api import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
+from .parallel.zero.api import zero
 from .sbp import Broadcast, GlobalTensor, Partial, Split, distribute, parse_sbp, to_global
-from .runtime.launch import World, init, shutdown
+from .world import World, init, shutdown
 
 __version__ = "0.1.0"
 

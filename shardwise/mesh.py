@@ -14,6 +14,7 @@ process group per axis, created once and collectively at construction.
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
@@ -115,7 +116,7 @@ class Mesh:
     groups are created here (``torch.distributed.new_group`` is collective over the whole world).
     """
 
-    def __init__(self, *, debug: bool = False, **axis_sizes: int) -> None:
+    def __init__(self, *, debug: bool = False, timeout_s: float | None = None, **axis_sizes: int) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("shardwise.Mesh needs an initialised job: call shardwise.init() first "
                                "(it reads torchrun's environment, or makes a world of size 1)")
@@ -123,6 +124,10 @@ class Mesh:
         self._rank = dist.get_rank()
         self.debug = debug
         """When true, collectives first check that every rank passed matching shapes/dtypes/ops."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"Mesh(timeout_s={timeout_s}): the collective timeout must be > 0 seconds, e.g. 60")
+        self.timeout_s = timeout_s
+        """The deadline of every collective on this mesh's groups; None: the job's (``sw.init(timeout_s=...)``)."""
         self.device = _device_for_backend()
         self._groups: dict[str, dist.ProcessGroup] = {}
         # A second group per axis carries our own point-to-point algorithms (ring/tree), so their messages
@@ -134,8 +139,8 @@ class Mesh:
         for axis in self._layout.axes:
             for ranks in self._layout.group_ranks(axis):
                 # new_group is collective over the world: every rank creates every group, keeps its own.
-                group = _new_group(ranks)
-                p2p_group = dist.new_group(ranks)
+                group = _new_group(ranks, timeout_s)
+                p2p_group = dist.new_group(ranks, timeout=_delta(timeout_s))
                 if self._rank in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks
                     self._p2p_groups[axis] = p2p_group
@@ -216,11 +221,15 @@ class Mesh:
         return f"Mesh({dims})"
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
-    if len(ranks) == dist.get_world_size():
+def _new_group(ranks: list[int], timeout_s: float | None) -> dist.ProcessGroup:
+    if len(ranks) == dist.get_world_size() and timeout_s is None:
         # The whole world along one axis: reuse the default group rather than building a second one.
         return dist.group.WORLD  # type: ignore[return-value]
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=_delta(timeout_s))
+
+
+def _delta(timeout_s: float | None) -> datetime.timedelta | None:
+    return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
 
 
 def _device_for_backend() -> torch.device:

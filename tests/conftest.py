@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from shardwise.runtime.local_world import LocalWorld
+from shardwise.testing.local_world import LocalWorld
 
 
 class Worlds:

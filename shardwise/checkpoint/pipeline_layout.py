@@ -17,11 +17,10 @@ ZeRO-1 inside a pipeline (flat optimizer-state shards per pp coordinate): ``pipe
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from ..parallel.pipeline.api import Pipeline
 from ..sbp.placement import Broadcast
 from .layout import describe, load_optimizer, optimizer_pieces, tied_aliases
 from .sharded import Checkpoint, Piece
@@ -30,7 +29,7 @@ __all__ = ["key_owners", "without_axis", "pipeline_model_pieces", "pipeline_opti
            "load_pipeline"]
 
 
-def key_owners(pipe: Any) -> dict[str, int]:
+def key_owners(pipe: Pipeline) -> dict[str, int]:
     """``{state_dict key: pp coordinate that saves it}`` for every key of the whole model, each storage once
     (a tied weight under its first key, owned by the lowest pp coordinate whose stages use it). Pure."""
     p = pipe.mesh.size(pipe.axis)
@@ -62,12 +61,12 @@ def without_axis(piece: Piece, axis: str) -> Piece:
                  tuple(piece.coords[i] for i in keep))
 
 
-def _mine(pipe: Any) -> set[str]:
+def _mine(pipe: Pipeline) -> set[str]:
     me = pipe.mesh.coord(pipe.axis)
     return {key for key, owner in key_owners(pipe).items() if owner == me}
 
 
-def pipeline_model_pieces(pipe: Any) -> list[Piece]:
+def pipeline_model_pieces(pipe: Pipeline) -> list[Piece]:
     """This rank's stage tensors (the keys its pp coordinate owns) as pieces over the axes without pp. Local."""
     mine = _mine(pipe)
     # describe() reads the layout attributes (tp spec, head split) of the tensor itself; the piece holds an alias
@@ -75,7 +74,7 @@ def pipeline_model_pieces(pipe: Any) -> list[Piece]:
             for k, v in pipe.model.state_dict(keep_vars=True).items() if k in mine]
 
 
-def pipeline_optimizer_pieces(pipe: Any, optimizer: torch.optim.Optimizer) -> list[Piece]:
+def pipeline_optimizer_pieces(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> list[Piece]:
     """This rank's optimizer state for the parameters its pp coordinate owns, under the plain parameter names
     (``named_parameters`` lists a tied parameter under its first key, which is also its state_dict key); state
     shaped like its parameter shares the parameter's tp layout. Local."""
@@ -88,14 +87,14 @@ def pipeline_optimizer_pieces(pipe: Any, optimizer: torch.optim.Optimizer) -> li
     return out
 
 
-def _stage_keys(pipe: Any) -> list[str]:
+def _stage_keys(pipe: Pipeline) -> list[str]:
     """State-dict keys of the modules this rank's stages run (a tied weight under each of its keys)."""
     names = [n for stage in pipe.stages.values() for n in stage.owned_names()]
     return [k for k in pipe.model.state_dict() if any(k.startswith(n + ".") for n in names)]
 
 
 @torch.no_grad()
-def load_pipeline_model(ckpt: Checkpoint, pipe: Any) -> None:
+def load_pipeline_model(ckpt: Checkpoint, pipe: Pipeline) -> None:
     """Load this rank's stage tensors (its tp piece of each) from a checkpoint of any layout. Local (reads
     files only): every checkpoint stores each storage whole under its first key, so a tied alias reads that."""
     model: nn.Module = pipe.model
@@ -107,7 +106,7 @@ def load_pipeline_model(ckpt: Checkpoint, pipe: Any) -> None:
         value.copy_(ckpt.load_piece(target).to(value.device, value.dtype))
 
 
-def load_pipeline(ckpt: Checkpoint, pipe: Any, optimizer: torch.optim.Optimizer) -> None:
+def load_pipeline(ckpt: Checkpoint, pipe: Pipeline, optimizer: torch.optim.Optimizer) -> None:
     """Load this rank's stage tensors and their optimizer state (per-parameter optimizer; for ZeRO-1 see
     ``pipeline_zero.load_pipeline_zero``) from a checkpoint of any layout. Local (file reads)."""
     load_pipeline_model(ckpt, pipe)

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from ..parallel.pipeline.api import Pipeline
+from ..parallel.pipeline.grad_sync import DpGradSync
+from ..parallel.zero.optim import ZeroOptimizer
 from ..sbp.placement import Broadcast, Split
 from .pipeline_layout import load_pipeline_model, without_axis
 from .sharded import Checkpoint, Piece
@@ -29,28 +32,35 @@ from .zero_layout import fill_flat_state, param_state
 __all__ = ["pipeline_zero_groups", "pipeline_zero_pieces", "load_pipeline_zero"]
 
 
-def _names(pipe: Any) -> dict[int, str]:
+def _names(pipe: Pipeline) -> dict[int, str]:
     return {id(q): n for n, q in pipe.model.named_parameters()}
 
 
-def _key(pipe: Any, i: int) -> str:
+def _sync(pipe: Pipeline) -> DpGradSync:
+    """The pipeline's dp gradient buckets: the flat groups ZeRO-1 steps (it exists whenever ZeRO-1 does)."""
+    if pipe.grad_sync is None:
+        raise ValueError("pipeline has no dp gradient buckets: ZeRO-1 needs dp_axis of size > 1 and zero_stage=1")
+    return pipe.grad_sync
+
+
+def _key(pipe: Pipeline, i: int) -> str:
     return f"pp{pipe.mesh.coord(pipe.axis)}.{i}"
 
 
-def pipeline_zero_groups(pipe: Any) -> list[dict[str, Any]]:
+def pipeline_zero_groups(pipe: Pipeline) -> list[dict[str, Any]]:
     """JSON-able description of this rank's flat groups (the same on every dp/tp peer of its pp coordinate)."""
     names = _names(pipe)
     return [{"key": _key(pipe, i), "names": [names[id(q)] for q in g.params], "numels": list(g.layout.numels),
-             "shapes": [list(s) for s in g.shapes]} for i, g in enumerate(pipe.grad_sync.groups)]
+             "shapes": [list(s) for s in g.shapes]} for i, g in enumerate(_sync(pipe).groups)]
 
 
-def pipeline_zero_pieces(pipe: Any, optimizer: Any) -> list[Piece]:
+def pipeline_zero_pieces(pipe: Pipeline, optimizer: ZeroOptimizer) -> list[Piece]:
     """This rank's flat optimizer-state shards (``S(0)`` over dp of each group's length-L state). Local."""
-    mesh, dp = pipe.mesh, pipe.grad_sync.axis
+    mesh, dp = pipe.mesh, _sync(pipe).axis
     coords = tuple(mesh.coord(a) for a in mesh.axes)
     sbp = tuple(Split(0) if a == dp else Broadcast() for a in mesh.axes)
     out: list[Piece] = []
-    for i, g in enumerate(pipe.grad_sync.groups):
+    for i, g in enumerate(_sync(pipe).groups):
         for name, value in optimizer.optimizer.state.get(g.master, {}).items():
             key = f"zero/{_key(pipe, i)}/{name}"
             value = torch.as_tensor(value).detach()
@@ -66,11 +76,11 @@ def pipeline_zero_pieces(pipe: Any, optimizer: Any) -> list[Piece]:
 
 
 @torch.no_grad()
-def load_pipeline_zero(ckpt: Checkpoint, pipe: Any, optimizer: Any) -> None:
+def load_pipeline_zero(ckpt: Checkpoint, pipe: Pipeline, optimizer: ZeroOptimizer) -> None:
     """Load this rank's stage tensors and rebuild its flat optimizer-state shards from a checkpoint of any
     layout (per-parameter state, ZeRO groups, or another pipeline's groups). Local (file reads)."""
     load_pipeline_model(ckpt, pipe)  # the parameters are views of the groups' full buffers: copied in place
     saved, fetch = param_state(ckpt)
     names = _names(pipe)
-    fill_flat_state(optimizer.optimizer, pipe.grad_sync.groups, [[names[id(q)] for q in g.params]
-                                                                 for g in pipe.grad_sync.groups], saved, fetch)
+    groups = _sync(pipe).groups
+    fill_flat_state(optimizer.optimizer, groups, [[names[id(q)] for q in g.params] for g in groups], saved, fetch)

@@ -12,12 +12,15 @@ Parameters are saved through the wrapper's ``full_state_dict()`` (collective) an
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..mesh import Mesh
+from ..parallel.zero.api import ZeroModel
+from ..parallel.zero.flat import FlatGroup
+from ..parallel.zero.optim import ZeroOptimizer
 from ..sbp.placement import Broadcast, Split
 from .sharded import Checkpoint, Piece, replicated_piece
 
@@ -25,7 +28,7 @@ __all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "p
            "load_zero"]
 
 
-def zero_model_pieces(model: Any, mesh: Mesh) -> list[Piece]:
+def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
     """Full parameters (collective: ``full_state_dict``), saved as replicated tensors, each storage once."""
     seen: set[int] = set()
     out: list[Piece] = []
@@ -36,7 +39,7 @@ def zero_model_pieces(model: Any, mesh: Mesh) -> list[Piece]:
     return out
 
 
-def zero_optimizer_pieces(model: Any, optimizer: Any, mesh: Mesh, axis: str = "dp") -> list[Piece]:
+def zero_optimizer_pieces(model: ZeroModel, optimizer: ZeroOptimizer, mesh: Mesh, axis: str = "dp") -> list[Piece]:
     """This rank's flat optimizer-state shards as ``S(0)`` pieces of each group's length-L state. Local."""
     coords = tuple(mesh.coord(a) for a in mesh.axes)
     sbp = tuple(Split(0) if a == axis else Broadcast() for a in mesh.axes)
@@ -52,7 +55,7 @@ def zero_optimizer_pieces(model: Any, optimizer: Any, mesh: Mesh, axis: str = "d
     return out
 
 
-def zero_groups_state(model: Any) -> list[dict[str, Any]]:
+def zero_groups_state(model: ZeroModel) -> list[dict[str, Any]]:
     """JSON-able description of the flat groups (names, element counts, shapes), for the index."""
     return [{"names": list(g.names), "numels": list(g.layout.numels), "shapes": [list(s) for s in g.shapes]}
             for g in model.groups]
@@ -100,7 +103,7 @@ def param_state(ckpt: Checkpoint) -> tuple[dict[str, list[str]], Callable[[str, 
 
 
 @torch.no_grad()
-def fill_flat_state(inner: torch.optim.Optimizer, groups: list[Any], group_names: list[list[str]],
+def fill_flat_state(inner: torch.optim.Optimizer, groups: Sequence[FlatGroup], group_names: list[list[str]],
                     saved: dict[str, list[str]], fetch: Callable[[str, str], torch.Tensor]) -> None:
     """Set ``inner``'s state of each flat group's ``master`` (this rank's ``[lo, hi)`` shard) from full
     per-parameter state (``param_state``); ``group_names``: the plain parameter names of each group. Local."""
@@ -118,7 +121,7 @@ def fill_flat_state(inner: torch.optim.Optimizer, groups: list[Any], group_names
 
 
 @torch.no_grad()
-def load_zero(ckpt: Checkpoint, model: Any, optimizer: Any) -> None:
+def load_zero(ckpt: Checkpoint, model: ZeroModel, optimizer: ZeroOptimizer) -> None:
     """Load parameters (full, any stage) and rebuild this rank's flat optimizer-state shards. Local."""
     plain: nn.Module = model.module
     aliases = ckpt.state.get("aliases", {})

@@ -9,6 +9,11 @@ numbers. Parameter names are part of the contract (plans address modules by name
 ``lm_head.weight`` *is* ``wte.weight`` when ``tie_weights`` is set (one Parameter, two uses), as in GPT-2.
 Shapes below: ``b`` batch, ``t`` sequence length, ``h`` = ``n_embd``, ``nh`` heads, ``hd`` = h / nh,
 ``v`` vocabulary.
+
+The model carries what parallel strategies need to know about it, as plain data: its tensor-parallel plan
+(``GPT.tensor_parallel_plan``) and where it may be cut into pipeline stages (``GPT.pipeline_units``). The
+strategies ask for these (``shardwise.parallel`` never imports this module); the forward pass stays
+single-device code.
 """
 
 from __future__ import annotations
@@ -21,29 +26,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..parallel.pipeline.stage import Unit
+from ..parallel.tensor.styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style,
+                                      VocabParallel)
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "synthetic_batch"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """Shape of a GPT. Frozen and validated at construction; presets via ``GPTConfig.preset(name)``."""
+    """Shape of a GPT. Frozen and validated at construction; presets via ``GPTConfig.preset(name)``.
+
+    Also the ``[model]`` section of the training config (``shardwise.runtime.config_schema.ModelConfig`` is this
+    class): the field docstrings below are what ``shardwise train --help`` lists for ``--model.*``.
+    """
 
     vocab_size: int = 256
-    """Number of token ids (256 = raw bytes, the default tokeniser of ``shardwise.runtime.data``)."""
+    """Token ids; 256 for the byte-level tokeniser, at least max token + 1 for a ``.bin`` file."""
     block_size: int = 64
-    """Longest sequence the model accepts (rows of the position embedding ``wpe``)."""
+    """Sequence length of every training window (and rows of the position embedding)."""
     n_layer: int = 2
-    """Number of transformer blocks."""
+    """Transformer blocks."""
     n_head: int = 2
-    """Attention heads per block; must divide ``n_embd``."""
+    """Attention heads per block; must divide ``n_embd`` and be divisible by ``parallel.tp``."""
     n_embd: int = 64
-    """Hidden width ``h``; the MLP is ``h → 4h → h``."""
+    """Hidden width."""
     dropout: float = 0.0
-    """Dropout probability after embeddings, in attention and on residual branches (training mode only)."""
+    """Dropout probability (0 keeps every layout bit-comparable)."""
     bias: bool = True
-    """Whether Linear and LayerNorm layers carry a bias (``lm_head`` never does)."""
+    """Biases in Linear and LayerNorm layers."""
     tie_weights: bool = True
-    """Share one Parameter between the token embedding ``wte`` and the output projection ``lm_head``."""
+    """Share the token embedding with the output head (GPT-2 style)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -68,6 +81,20 @@ class GPTConfig:
     def to_dict(self) -> dict[str, object]:
         """Plain-data form (for plans, checkpoints and JSON)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, Style]:
+        """The Megatron plan for a GPT of this shape: vocab-parallel embedding and (tied) head, head-aware
+        qkv, column → row pairs in attention and MLP; with sequence parallelism also the norms and the position
+        embedding (its (t, h) output sliced on the sequence). Lives on the config because it depends on the
+        shape only (``n_head``), so a plan can be made before the model is built."""
+        plan: dict[str, Style] = {
+            "wte": VocabParallel(), "lm_head": VocabParallel(),
+            "blocks.*.attn.qkv": QKVParallel(self.n_head), "blocks.*.attn.proj": RowParallel(),
+            "blocks.*.mlp.fc": ColumnParallel(), "blocks.*.mlp.proj": RowParallel()}
+        if sequence_parallel:
+            plan.update({"wpe": SequenceParallel(slice_output=0), "blocks.*.ln_*": SequenceParallel(),
+                         "ln_f": SequenceParallel()})
+        return plan
 
 
 _PRESETS: dict[str, dict[str, object]] = {
@@ -185,6 +212,32 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         """Number of unique parameter elements (a tied weight counts once)."""
         return sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, Style]:
+        """This model's plan for ``sw.parallelize`` (see ``GPTConfig.tensor_parallel_plan``)."""
+        return self.config.tensor_parallel_plan(sequence_parallel)
+
+    def pipeline_units(self) -> list[Unit]:
+        """Where ``sw.pipeline`` may cut this model: ``wte`` runs ``drop(wte(idx) + wpe(arange(t)))`` (modules
+        ``wte``, ``wpe``, ``drop``), then one unit per block ``blocks.0`` ... ``blocks.{n-1}``, then ``ln_f`` runs
+        ``lm_head(ln_f(x))`` (modules ``ln_f``, ``lm_head``): exactly ``forward`` cut at block boundaries.
+
+        Modules are read when called, so a model whose layers were replaced (``sw.parallelize``) is cut with
+        its replacements."""
+        wte, wpe, drop, ln_f, head = self.wte, self.wpe, self.drop, self.ln_f, self.lm_head
+        block_size = self.config.block_size
+
+        def embed(idx: Tensor) -> Tensor:
+            if idx.dim() != 2 or idx.size(1) > block_size:
+                raise ValueError(f"GPT input must be (batch, seq) token ids with seq <= block_size {block_size}, "
+                                 f"got shape {tuple(idx.shape)}")
+            pos = torch.arange(idx.size(1), device=idx.device)
+            return drop(wte(idx) + wpe(pos))  # (b, t, h) + (t, h)
+
+        units = [Unit("wte", embed, (("wte", wte), ("wpe", wpe), ("drop", drop)))]
+        units += [Unit(f"blocks.{i}", blk, ((f"blocks.{i}", blk),)) for i, blk in enumerate(self.blocks)]
+        units.append(Unit("ln_f", lambda x: head(ln_f(x)), (("ln_f", ln_f), ("lm_head", head))))
+        return units
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -90,6 +90,11 @@ def _example(typ: Any) -> str:
 
 def config_from_dict(tree: Mapping[str, Any], base: Config | None = None) -> Config:
     """``base`` (default: all defaults) with the sections of a nested dict applied, types checked."""
+    return apply_overrides(base or Config(), _flatten(tree))
+
+
+def _flatten(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"model": {"n_layer": 2}}`` → ``{"model.n_layer": 2}``; unknown sections and non-tables raise."""
     flat: dict[str, Any] = {}
     for section, values in tree.items():
         if section not in _SECTIONS:
@@ -99,7 +104,7 @@ def config_from_dict(tree: Mapping[str, Any], base: Config | None = None) -> Con
                              f"[{section}] followed by lines like field = value")
         for key, value in values.items():
             flat[f"{section}.{key}"] = value
-    return apply_overrides(base or Config(), flat)
+    return flat
 
 
 def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
@@ -113,7 +118,11 @@ def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
         if name not in types_:
             raise _unknown(f"field of [{section}]", name, list(types_))
         changes.setdefault(section, {})[name] = _coerce(key, value, types_[name])
-    parts = {s: dataclasses.replace(getattr(config, s), **changes.get(s, {})) for s in _SECTIONS}
+    try:
+        parts = {s: dataclasses.replace(getattr(config, s), **changes.get(s, {})) for s in _SECTIONS}
+    except ValueError as exc:
+        # [model] is GPTConfig, which checks its shape when built: name the config keys, not the class
+        raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
     return Config(**parts)
 
 
@@ -164,13 +173,14 @@ def load_config(*, path: str | Path | None = None, preset: str | None = None,
         tree = dict(tree)
         preset = preset or tree.pop("preset", None)
         tree.pop("preset", None)
-    config = base or Config()
-    if preset is not None:
-        if preset not in PRESETS:
-            raise _unknown("preset", preset, list(PRESETS))
-        config = apply_overrides(config, PRESETS[preset])
-    config = config_from_dict(tree, config)
-    return apply_overrides(config, overrides or {})
+    if preset is not None and preset not in PRESETS:
+        raise _unknown("preset", preset, list(PRESETS))
+    # One pass over all layers (later keys win): the [model] section validates its shape when built, so a shape
+    # made valid only by a later layer (TOML n_head, flag n_embd) must not be checked half-applied.
+    flat: dict[str, Any] = dict(PRESETS[preset]) if preset is not None else {}
+    flat.update(_flatten(tree))
+    flat.update(overrides or {})
+    return apply_overrides(base or Config(), flat)
 
 
 def default_nproc() -> int:
@@ -190,14 +200,10 @@ def _optional_module(name: str) -> bool:
 def validate(config: Config) -> Config:
     """Check the whole tree before anything starts; returns it with ``nproc``, ``dp`` and ``grad_accum``
     resolved. Raises ``ValueError`` naming the field, the value and the fix."""
-    from ..models.gpt import GPTConfig
     from .data import BatchPlan
 
+    # config.model (a GPTConfig) checked its own shape when it was built
     m, p, t, o = config.model, config.parallel, config.train, config.optimizer
-    try:
-        GPTConfig(**dataclasses.asdict(m))
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
     _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.micro_batch", p.micro_batch),
               ("data.global_batch", config.data.global_batch), ("train.steps", t.steps),
               ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints),
@@ -248,7 +254,7 @@ def _positive(*pairs: tuple[str, int]) -> None:
 def _check_strategies(config: Config) -> None:
     m, p = config.model, config.parallel
     if p.tp > 1:
-        if not _optional_module("shardwise.parallel.tensor"):
+        if not _optional_module("shardwise.parallel.tensor.api"):
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
         if m.n_head % p.tp:
@@ -257,8 +263,8 @@ def _check_strategies(config: Config) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3; e.g. --parallel.zero_stage 1 "
                          f"(0 = plain data parallelism)")
-    if p.zero_stage and not _optional_module("shardwise.parallel.zero"):
-        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero), which this "
+    if p.zero_stage and not _optional_module("shardwise.parallel.zero.api"):
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero.api), which this "
                          f"build lacks; use --parallel.zero_stage 0")
     if p.zero_stage and p.tp > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.tp = {p.tp} is not supported by "
@@ -269,7 +275,7 @@ def _check_strategies(config: Config) -> None:
 
 def _check_pipeline_hybrids(p: ParallelConfig) -> None:
     """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it. Supported: dp, tp inside
-    the stages, ZeRO-1 over dp (with accumulation), activation checkpointing (``pipeline_setup.py``). ZeRO with
+    the stages, ZeRO-1 over dp (with accumulation), activation checkpointing (``runtime/strategy/pipeline.py``). ZeRO with
     tp > 1 is refused for every layout (``_check_strategies``)."""
     if p.zero_stage > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.pp = {p.pp} is not supported: a "
@@ -331,11 +337,11 @@ def _check_pipeline(config: Config) -> int:
                          f"{exc}") from None
     import torch
 
-    from ..models.gpt import GPT, GPTConfig
+    from ..models.gpt import GPT
     from ..parallel.pipeline.stage import build_stages
 
     with torch.device("meta"):  # names and parameter counts only: nothing is allocated
-        model = GPT(GPTConfig(**dataclasses.asdict(config.model)))
+        model = GPT(config.model)
     try:
         build_stages(model, p.pp * p.pp_chunks, list(p.pp_split) or None)
     except ValueError as exc:

@@ -9,30 +9,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from ..models.gpt import GPTConfig
+
 __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "DebugConfig",
            "Config", "PRESETS", "describe_fields"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the reference GPT (``shardwise.models.GPTConfig``)."""
-
-    vocab_size: int = 256
-    """Token ids; 256 for the byte-level tokeniser, at least max token + 1 for a ``.bin`` file."""
-    block_size: int = 64
-    """Sequence length of every training window (and rows of the position embedding)."""
-    n_layer: int = 2
-    """Transformer blocks."""
-    n_head: int = 2
-    """Attention heads per block; must divide ``n_embd`` and be divisible by ``parallel.tp``."""
-    n_embd: int = 64
-    """Hidden width."""
-    dropout: float = 0.0
-    """Dropout probability (0 keeps every layout bit-comparable)."""
-    bias: bool = True
-    """Biases in Linear and LayerNorm layers."""
-    tie_weights: bool = True
-    """Share the token embedding with the output head (GPT-2 style)."""
+ModelConfig = GPTConfig
+"""The ``[model]`` section *is* the model's own config (one definition: fields, defaults, field docstrings and
+shape validation all live in ``shardwise.models.gpt``), so a trained config builds the model as ``GPT(cfg.model)``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +111,8 @@ class TrainConfig:
     seed: int = 1337
     """Seed of the weights, the data order and per-step RNG."""
     timeout_s: float = 60.0
-    """Collective timeout: a dead or hung peer becomes an error after this many seconds."""
+    """Collective timeout of the training steps: a dead or hung peer becomes an error after this many seconds
+    (start-up and checkpoint loading wait up to max(timeout_s, 300 s))."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient: ``stop`` the job naming the step and parameter (weights untouched, the last
     good checkpoint stays latest), or ``skip`` the step (counted) and stop after ``max_skipped`` in a row."""

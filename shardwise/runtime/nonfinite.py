@@ -2,7 +2,8 @@
 gradient finite on *every* rank? (``train.nonfinite``: ``stop`` raises ``NonFiniteError``, ``skip`` drops the
 step's gradients and leaves weights, optimizer state and its step count untouched.)
 
-What a rank checks is what it holds after the step's passes (gradients synchronised, before the optimizer):
+What a rank checks is what it holds after the step's passes (gradients synchronised, before the optimizer);
+each ``Strategy`` lists it (``grads()``, built with ``param_grads`` / ``flat_grads``):
 
 * plain, ``DataParallel``, tensor parallel: every ``param.grad`` (tp: this rank's shard);
 * ``sw.zero`` stage 1: the full local flat buffer of each group (unreduced; a non-finite element on any
@@ -22,15 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..comm.collectives import all_reduce
 from ..mesh import Mesh
+from ..parallel.zero.flat import FlatGroup
 
-__all__ = ["NonFiniteError", "Grad", "held_grads", "local_flag", "agree", "first_nonfinite", "poisoned",
+__all__ = ["NonFiniteError", "Grad", "names_by_id", "param_grads", "flat_grads", "local_flag", "agree",
+           "first_nonfinite", "poisoned",
            "failure_message"]
 
 
@@ -56,14 +59,20 @@ class Grad:
         return name or self.label or "?"
 
 
-def _ids_to_names(model: nn.Module) -> dict[int, str]:
+def names_by_id(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): its first name in model}`` (a tied parameter under its first name). Pure."""
     out: dict[int, str] = {}
     for n, q in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(q), n)
     return out
 
 
-def _flat(group: Any, buffer: Tensor, names: dict[int, str], label: str, *, shard: bool) -> Grad:
+def param_grads(model: nn.Module) -> list[Grad]:
+    """Every ``param.grad`` of ``model`` under its parameter name (plain, ``DataParallel``, tp). Local."""
+    return [Grad(q.grad, (n,)) for n, q in model.named_parameters() if q.grad is not None]
+
+
+def _flat(group: FlatGroup, buffer: Tensor, names: dict[int, str], label: str, *, shard: bool) -> Grad:
     """A ``FlatGroup``'s full buffer (``shard=False``) or this rank's shard of it, with its parameter names."""
     lay = group.layout
     if not shard:
@@ -74,26 +83,14 @@ def _flat(group: Any, buffer: Tensor, names: dict[int, str], label: str, *, shar
                 tuple(lay.offsets[k] + a - group.lo for k, a, _ in pieces), f"{label} shard")
 
 
-def held_grads(model: Any, plain: nn.Module, *, zero: bool, pp: bool) -> list[Grad]:
-    """Every gradient tensor this rank holds after the step's passes (see module docstring). ``model``: the
-    trainer's model (``ZeroModel`` when ``zero``, ``Pipeline`` when ``pp``), ``plain`` the module whose
-    parameter names are reported. Local (no communication, no host sync)."""
-    if pp:
-        names = _ids_to_names(model.model)
-        out = [Grad(q.grad, (names.get(id(q), "?"),)) for q in model.parameters() if q.grad is not None]
-        sync = model.grad_sync
-        if sync is not None and sync.zero:
-            out += [_flat(b.group, b.shard, names, f"pipeline bucket {k}", shard=True)
-                    for k, b in enumerate(sync.buckets) if b.shard is not None]
-        return out
-    names = _ids_to_names(plain)
-    if zero:
-        if model.stage == 1:
-            return [_flat(g, buf, names, f"ZeRO group {k}", shard=False)
-                    for k, (g, buf) in enumerate(zip(model.groups, model._full_grads))]
-        return [_flat(g, buf, names, f"ZeRO group {k}", shard=True)
-                for k, (g, buf) in enumerate(zip(model.groups, model._shard_grads))]
-    return [Grad(q.grad, (n,)) for n, q in plain.named_parameters() if q.grad is not None]
+def flat_grads(groups: Sequence[FlatGroup], buffers: Sequence[Tensor | None], model: nn.Module, label: str, *,
+               shard: bool) -> list[Grad]:
+    """Flat gradient buffers (one per group; ``None``: none held, skipped) as ``Grad`` s named by ``model``'s
+    parameter names; ``shard``: each buffer is this rank's ``[lo, hi)`` shard of its group, else the full
+    buffer. ``label``: e.g. ``ZeRO group`` (the group index is appended). Local."""
+    names = names_by_id(model)
+    return [_flat(g, buf, names, f"{label} {k}", shard=shard)
+            for k, (g, buf) in enumerate(zip(groups, buffers)) if buf is not None]
 
 
 def local_flag(loss: Tensor, grads: Iterable[Grad]) -> Tensor:

@@ -1,14 +1,15 @@
 """The per-rank side of ``shardwise train``: ``python -m shardwise.runtime.trainer --run-dir DIR [--resume CKPT]``.
 
-The launcher (``train_cmd``) validated the config and wrote it to ``DIR/config.json``; every rank reads it,
-joins the job (``sw.init``), builds the mesh ``(dp, tp)``, the reference GPT with the requested strategies, the
-optimizer and its data shard, then runs the loop: per step ``grad_accum`` forward/backward passes (gradient
+The launcher (``cli/train.py``, ``runtime/job.py``) validated the config and wrote it to ``DIR/launch.json``;
+every rank reads it, joins the job (``sw.init``), builds the mesh ``(dp, tp)`` and asks ``build_strategy``
+(``runtime/strategy/``) for the reference GPT under the requested layout, its optimizer and the step's passes;
+then it runs the loop: per step ``grad_accum`` forward/backward passes (gradient
 sync on the last only), one optimizer step, the mean loss over dp (one all-reduce), metrics, and periodic
 atomic sharded checkpoints. Collective throughout: every rank runs the same steps.
 
 Pipeline parallelism (``parallel.pp > 1``): the mesh is ``(pp, dp, tp)`` and the model runs as
 ``sw.pipeline(..., dp_axis="dp")`` (with tp inside the stages, ZeRO-1 over dp, activation checkpointing:
-``pipeline_setup.py``). Each of the ``grad_accum`` passes is one ``pipe.step`` over the pass's
+``strategy/pipeline.py``). Each of the ``grad_accum`` passes is one ``pipe.step`` over the pass's
 ``micro_batch × dp`` sequences — every rank loads the same ones, each dp replica takes its contiguous slice and
 cuts it into ``pp_microbatches`` pipeline micro-batches; gradients accumulate over the passes (the loss is
 scaled by 1/grad_accum, as the plain loop does) and are averaged over dp inside each ``pipe.step``.
@@ -27,33 +28,23 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 
-from ..checkpoint.layout import load_model, load_optimizer, model_pieces, optimizer_pieces, tied_aliases
+from ..checkpoint.layout import tied_aliases
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
-from ..checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
-from ..comm.collectives import all_reduce
 from ..mesh import Mesh
-from ..models.gpt import GPT, GPTConfig, lm_loss
-from .config import Config, OptimizerConfig, load_config
+from .config import Config, OptimizerConfig, ParallelConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
-from .launch import World, bind_to_launcher, init, shutdown
+from ..world import World, barrier_all, bind_to_launcher, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
-from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, held_grads, local_flag, poisoned
-from .pipeline_setup import build_pipeline, load_pipeline_checkpoint, pipeline_checkpoint, pipeline_passes
+from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
+from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy
 
 __all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
 
 def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
     """Learning rate of optimizer step ``step`` (1-based): linear warmup to ``lr``, then cosine to ``min_lr``."""
@@ -65,71 +56,36 @@ def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``params``. Weight decay applies to every parameter alike, so that ZeRO's flat
-    shards (which mix matrices, biases and norms) optimise the same objective as every other layout."""
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+STARTUP_TIMEOUT_S = 300.0
+"""Deadline of start-up and checkpoint loading (``world.barrier_all``): process start and checkpoint reads
+can be slow and uneven on a loaded machine or filesystem; training steps use ``train.timeout_s``."""
 
 
-def _build_mesh(p: Any) -> Mesh:
+def _build_mesh(p: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     """``(dp, tp)``; with pipeline parallelism ``(pp, dp, tp)``: stages outermost, so a stage's dp/tp peers are
-    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)"""
-    return Mesh(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else Mesh(dp=p.dp, tp=p.tp)
-
-
-def _build_model(cfg: Config, mesh: Mesh) -> tuple[Any, nn.Module, LossFn, Any]:
-    """(the model to call — a ``Pipeline`` when pp > 1 —, the plain model inside, the loss, the optimizer).
-    Same seed → same weights."""
-    torch.manual_seed(cfg.train.seed)
-    plain = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).to(mesh.device)
-    p = cfg.parallel
-    loss_fn: LossFn = lm_loss
-    if p.pp > 1:  # tp, ZeRO-1 and activation checkpointing inside sw.pipeline
-        pipe, opt = build_pipeline(cfg, mesh, plain, partial(build_optimizer, o=cfg.optimizer))
-        return pipe, plain, loss_fn, opt
-    if p.tp > 1:
-        from ..parallel.tensor import gpt_plan, parallelize, vocab_parallel_cross_entropy
-
-        plain = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
-        loss_fn = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
-    if p.activation_checkpointing:
-        from ..parallel.checkpointing import checkpoint_layers
-
-        checkpoint_layers(plain)
-    if p.zero_stage:
-        from ..parallel.zero import zero
-
-        model, opt = zero(plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
-                          optimizer=partial(build_optimizer, o=cfg.optimizer))
-        return model, plain, loss_fn, opt
-    model: nn.Module = plain
-    if p.dp > 1:
-        from ..parallel.data import DataParallel
-
-        model = DataParallel(plain, mesh, axis="dp", algorithm=p.algorithm, bucket_cap_mb=p.bucket_cap_mb)
-    return model, plain, loss_fn, build_optimizer(list(plain.parameters()), cfg.optimizer)
+    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)
+    ``timeout_s``: the collective deadline of the mesh's groups (the training steps)."""
+    if p.pp > 1:
+        return Mesh(pp=p.pp, dp=p.dp, tp=p.tp, timeout_s=timeout_s)
+    return Mesh(dp=p.dp, tp=p.tp, timeout_s=timeout_s)
 
 
 class Trainer:
-    """One rank's training state and loop (see module docstring)."""
+    """One rank's training state and loop (see module docstring). The parallel layout is ``self.strategy``
+    (``strategy/``), chosen once from the config; nothing below depends on which one it is."""
 
     def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         p = cfg.parallel
-        self.mesh = _build_mesh(p)
-        self.model, self.plain, self.loss_fn, self.optimizer = _build_model(cfg, self.mesh)
-        self.pp = p.pp > 1
-        self.zero = p.zero_stage > 0 and not self.pp  # sw.zero; ZeRO-1 inside a pipeline: pipeline_setup.py
+        self.mesh = _build_mesh(p, cfg.train.timeout_s)
+        barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
+        self.strategy: Strategy = build_strategy(cfg, self.mesh)
         tokens = load_corpus(cfg.data.path, cfg.data.format)
         dataset = TokenWindows(tokens, cfg.model.block_size)
-        # pp: every rank loads each pass's micro_batch × dp sequences (pipe.step slices dp itself), so the
-        # sampler is not sharded; its saved position (samples consumed by all ranks) is the same either way
-        dp_data = 1 if self.pp else p.dp
-        sampler = ShardedSampler(len(dataset), dp_size=dp_data, dp_rank=0 if self.pp else self.mesh.coord("dp"),
-                                 shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-        self.data = StepBatches(dataset, sampler, micro_batch=p.micro_batch * p.dp // dp_data,
+        dp_size, dp_rank = self.strategy.data_shard()  # a pipeline loads all of dp's sequences: not sharded
+        sampler = ShardedSampler(len(dataset), dp_size=dp_size, dp_rank=dp_rank, shuffle=cfg.data.shuffle,
+                                 seed=cfg.train.seed)
+        self.data = StepBatches(dataset, sampler, micro_batch=p.micro_batch * p.dp // dp_size,
                                 grad_accum=p.grad_accum, device=self.mesh.device)
         self.step = 0
         self.last_ckpt: Path | None = None
@@ -139,6 +95,25 @@ class Trainer:
         self.skipped_in_row = 0
         self.last_skipped = False
 
+    # The strategy's parts under the trainer's historical names (tests and tools read them).
+    @property
+    def model(self) -> Any:
+        """What the step calls: the plain module, ``DataParallel``, ``ZeroModel`` or ``Pipeline``."""
+        return self.strategy.model
+
+    @property
+    def plain(self) -> torch.nn.Module:
+        return self.strategy.plain
+
+    @property
+    def optimizer(self) -> Any:
+        return self.strategy.optimizer
+
+    @property
+    def zero(self) -> bool:
+        """Whether the layout is ``sw.zero`` (ZeRO-1 inside a pipeline is the pipeline's)."""
+        return isinstance(self.strategy, ZeroStrategy)
+
     def resume(self, path: str | Path) -> None:
         """Load model, optimizer state and data position from a checkpoint of any layout. Local (file reads)."""
         ckpt = Checkpoint(path)
@@ -147,13 +122,7 @@ class Trainer:
             raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not "
                              f"{dataclasses.asdict(self.cfg.model)}; "
                              f"resume with the saved model config (drop the model.* overrides)")
-        if self.zero:
-            load_zero(ckpt, self.model, self.optimizer)
-        elif self.pp:
-            load_pipeline_checkpoint(ckpt, self.model, self.optimizer)
-        else:
-            load_model(ckpt, self.plain, self.mesh)
-            load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
+        self.strategy.load(ckpt)
         self.data.load_state_dict(ckpt.state["data"])
         self.step, self.last_ckpt = ckpt.step, ckpt.path
 
@@ -169,20 +138,12 @@ class Trainer:
         batches = self.data.next()
         t["data"] = time.perf_counter() - start
         t["comm"] = 0.0
+        # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
-        host = self.model.interpreter if self.pp else self  # where the step's loss_fn is looked up
-        clean_loss_fn = host.loss_fn
-        if poison:  # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
-            host.loss_fn = poisoned(clean_loss_fn)
-        try:
-            loss_sum = pipeline_passes(self.model, batches, t) if self.pp else self._passes(batches, t, sync)
-        finally:
-            host.loss_fn = clean_loss_fn
+        loss_sum = self.strategy.passes(batches, t, sync, poison=poison)
         t0 = time.perf_counter()
-        if cfg.debug.bug == "sum_grads" and not self.zero and not cfg.parallel.zero_stage:
-            for param in self.plain.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
+        if cfg.debug.bug == "sum_grads":
+            self.strategy.scale_param_grads(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
         local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
         if self._finite(local_loss):  # collective: every rank takes the same branch
             self.skipped_in_row, self.last_skipped = 0, False
@@ -192,9 +153,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sync()
         t1 = time.perf_counter()
-        if self.mesh.size("dp") > 1 and not self.pp:  # pipe.step's loss is already the mean over dp
-            all_reduce(loss_sum, self.mesh, "dp", op="avg")
-        value = float(loss_sum)
+        value = self.strategy.mean_loss(loss_sum)  # collective over dp (a pipeline's loss is already the mean)
         t2 = time.perf_counter()
         t.update(opt=t1 - t0, comm=t["comm"] + t2 - t1, step=t2 - start)
         return value, t
@@ -202,8 +161,7 @@ class Trainer:
     def _finite(self, loss: torch.Tensor) -> bool:
         """Whether this step's loss and every gradient are finite on every rank (``nonfinite.py``): one fused
         local check, then one ``max`` all-reduce of one number per mesh axis. Collective over the whole mesh."""
-        grads = held_grads(self.model, self.plain, zero=self.zero, pp=self.pp)
-        return not agree(local_flag(loss, grads), self.mesh)
+        return not agree(local_flag(loss, self.strategy.grads()), self.mesh)
 
     def _skip(self, loss: torch.Tensor) -> None:
         """A non-finite step: drop its gradients without an optimizer step (weights, optimizer state and its
@@ -215,42 +173,17 @@ class Trainer:
             if self.skipped_in_row < cfg.max_skipped:
                 self.optimizer.zero_grad(set_to_none=True)  # ZeRO/pipeline optimizers zero their flat buffers
                 return
-        where = first_nonfinite(held_grads(self.model, self.plain, zero=self.zero, pp=self.pp))
+        where = first_nonfinite(self.strategy.grads())
         raise NonFiniteError(failure_message(self.step, float(loss), where,
                                              skipped=self.skipped_in_row if cfg.nonfinite == "skip" else 0))
-
-    def _passes(self, batches: Batches, t: dict[str, float], sync: Callable[[], None]) -> torch.Tensor:
-        """``grad_accum`` forward/backward passes (gradient sync on the last only); this rank's mean loss."""
-        loss_sum = torch.zeros((), device=self.mesh.device)
-        for i, (x, y) in enumerate(batches):
-            last = i == len(batches) - 1
-            with self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else nullcontext():
-                t0 = time.perf_counter()
-                loss = self.loss_fn(self.model(x), y) / len(batches)
-                sync()
-                t1 = time.perf_counter()
-                loss.backward()
-                sync()
-                t["fwd"] += t1 - t0
-                t["bwd"] += time.perf_counter() - t1
-            loss_sum += loss.detach()
-        return loss_sum
 
     def save(self) -> Path:
         """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
         state: dict[str, Any] = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
                                  "aliases": tied_aliases(self.plain)}
-        rank_state: dict[str, Any] = {"rank": self.world.rank}
-        if self.zero:
-            pieces = zero_model_pieces(self.model, self.mesh)  # collective (gathers the parameters)
-            pieces += zero_optimizer_pieces(self.model, self.optimizer, self.mesh)
-            state["zero_groups"] = zero_groups_state(self.model)
-        elif self.pp:  # each rank: its own stages' tensors, under the plain model's keys
-            pieces, shared, own = pipeline_checkpoint(self.model, self.optimizer)
-            state.update(shared)
-            rank_state.update(own)
-        else:
-            pieces = model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
+        pieces = self.strategy.pieces()  # collective for ZeRO (gathers the parameters)
+        state.update(self.strategy.shared_state())
+        rank_state: dict[str, Any] = {"rank": self.world.rank, **self.strategy.rank_state()}
         self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,
                                          rank_state=rank_state, keep=self.cfg.train.keep_checkpoints,
                                          crash_before_rename=self.cfg.debug.crash_in_save == self.step)
@@ -338,11 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(path=args.config or run_dir / "config.json")
     if args.attempt > 0:  # a restarted job resumes past the injected fault instead of meeting it again
         cfg = dataclasses.replace(cfg, debug=type(cfg.debug)())
-    world = init(timeout_s=cfg.train.timeout_s)
+    world = init(timeout_s=max(cfg.train.timeout_s, STARTUP_TIMEOUT_S))  # the default group: start-up only
     trainer = Trainer(cfg, run_dir, world)
     try:
         if args.resume:
             trainer.resume(args.resume)
+            barrier_all()  # ranks read the checkpoint at different speeds; meet before the first timed step
         summary = trainer.run(save=not args.no_save)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (same process group). Saves are atomic, so whatever the ranks were

@@ -3,9 +3,10 @@
 Why ``__torch_function__`` on a plain wrapper (not ``__torch_dispatch__`` on a tensor subclass): it sees the
 op the user called (``F.linear``, ``F.softmax``) before autograd decomposes it, so one rule covers forward
 *and* backward (backward runs on local tensors through ordinary autograd plus the boxing steps' conjugates),
-and the decision for a given (op, input specs, arguments) is computed once and cached — a repeated op costs a
-dict lookup on top of the local kernel. The price: only ops with a rule work on global tensors; anything else
-raises an error that names the op and the inputs' SBPs and suggests ``to_sbp()`` or ``to_local()``.
+and the decision for a given (op, input specs, arguments) is computed once and cached (a bounded LRU) — a
+repeated op costs a dict lookup on top of the local kernel. The price: only ops with a rule work on global
+tensors; anything else raises an error that names the op and the inputs' SBPs and suggests ``to_sbp()`` or
+``to_local()``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from ..comm.autograd import identity_allreduce
 from .boxing import plan_boxing
+from .lru import LRU
 from .placement import Broadcast, Partial, Placement, Split, format_sbp
 from .rules import Candidate, rule_for
 from .spec import TensorSpec
@@ -60,7 +62,13 @@ class _Decision:
     keep the convention that a B tensor's gradient is whole on every rank (Megatron's "f" operator)."""
 
 
-_CACHE: dict[Any, _Decision] = {}
+_CACHE_SIZE = 4096
+"""Entries of each decision cache. One GPT training step meets well under a hundred distinct (op, specs,
+arguments) keys, so a steady loop never evicts; the bound only matters for a process that keeps meeting new
+shapes, where it caps the caches at a few MB (a decision is a few hundred bytes)."""
+
+_CACHE: LRU[Any, _Decision] = LRU(_CACHE_SIZE)
+"""Decisions by (op, input specs, normalised parameters): the slow path's key."""
 
 
 def _params(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -175,16 +183,16 @@ def _fast_key(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) -> 
     return key
 
 
-_FAST: dict[Any, tuple[_Decision, str]] = {}
-_GT: Any = None
+_FAST: LRU[Any, tuple[_Decision, str]] = LRU(_CACHE_SIZE)
+"""Decisions by the raw call (``_fast_key``): skips normalising the parameters on a repeated call."""
 
 
-def dispatch(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
-    """Run ``func`` on global tensors (see module docstring). Collective when inputs need boxing."""
-    global _GT
-    if _GT is None:
-        from .global_tensor import GlobalTensor as _GT  # circular at import time: resolved once
-    GlobalTensor = _GT
+def dispatch(func: Callable[..., Any], args: tuple, kwargs: dict | None, gt: type) -> Any:
+    """Run ``func`` on global tensors (see module docstring). Collective when inputs need boxing.
+
+    ``gt`` is the global tensor class (``GlobalTensor.__torch_function__`` passes itself): injected rather than
+    imported, so this module and ``global_tensor.py`` do not import each other."""
+    GlobalTensor = gt
     kwargs = kwargs or {}
     fast = _fast_key(func, args, kwargs, GlobalTensor)
     hit = _FAST.get(fast) if fast is not None else None
@@ -195,13 +203,11 @@ def dispatch(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     else:
         decision, name, flat, mesh = _slow_decide(func, args, kwargs, GlobalTensor)
         if fast is not None:
-            _FAST[fast] = (decision, name)
+            _FAST.put(fast, (decision, name))
     return _execute(func, name, decision, flat, len(args), list(kwargs), mesh, GlobalTensor)
 
 
 def _slow_decide(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) -> tuple[_Decision, str, list, Any]:
-    from .global_tensor import to_global
-
     entry = OP_NAMES.get(func)
     flat = list(args) + list(kwargs.values())
     globals_ = [x for x in flat if isinstance(x, gt)]
@@ -216,9 +222,8 @@ def _slow_decide(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) 
         if g.mesh is not mesh:
             raise ValueError(f"{name}: inputs live on different meshes ({g.mesh} and {mesh}); move them to one "
                              f"mesh first")
-    replicated = [Broadcast()] * len(mesh.axes)
-    flat = [x if isinstance(x, gt) else to_global(x, mesh, replicated) if isinstance(x, torch.Tensor)
-            else x for x in flat]
+    flat = [x if isinstance(x, gt) else _replicated(x, mesh, gt) if isinstance(x, torch.Tensor) else x
+            for x in flat]
     tensors = [x for x in flat if isinstance(x, gt)]
     scalar = any(isinstance(x, (int, float)) and not isinstance(x, bool) for x in args[1:2])
     params = _params(names, args, kwargs)
@@ -232,8 +237,14 @@ def _slow_decide(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) 
                      for x in flat]
             return func(*metas[:len(args)], **dict(zip(kwargs, metas[len(args):])))
         decision = _decide(name, func, [t.spec for t in tensors], params, meta_call, coords, scalar)
-        _CACHE[key] = decision
+        _CACHE.put(key, decision)
     return decision, name, flat, mesh
+
+
+def _replicated(x: torch.Tensor, mesh: Any, gt: type) -> Any:
+    """A plain tensor operand as a B global tensor (every rank holds it whole), as ``to_global(x, mesh, B...)``."""
+    sbp = tuple(Broadcast() for _ in mesh.axes)
+    return gt(x, TensorSpec(tuple(x.shape), x.dtype, sbp, mesh.axes, mesh.shape), mesh)
 
 
 def _execute(func: Callable[..., Any], name: str, decision: _Decision, flat: list, n_args: int,

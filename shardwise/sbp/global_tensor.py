@@ -92,7 +92,7 @@ class GlobalTensor:
     # -- ops (rules in rules.py, dispatch in dispatch.py) ------------------------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return dispatch(func, tuple(args), kwargs)
+        return dispatch(func, tuple(args), kwargs, GlobalTensor)  # injected: dispatch.py does not import us
 
     def __add__(self, other): return torch.add(self, other)  # noqa: E704
     def __radd__(self, other): return torch.add(self, other)  # noqa: E704

@@ -1,4 +1,4 @@
-"""DESIGN.md §5 — the public API contract — called exactly as written, on a 2×2 mesh of 4 ranks."""
+"""The public API contract (ARCHITECTURE.md, "Public API") called exactly as written, on a 2×2 mesh of 4 ranks."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise.comm import CommCounter
-from shardwise.parallel.data import DataParallel
+from shardwise.parallel.data.data_parallel import DataParallel
 from tests.dist.meshes import mesh
 
 B, STEPS, DIN, DOUT = 3, 5, 8, 4
@@ -347,7 +347,7 @@ def check_batchnorm() -> dict:
 
 def check_hooks() -> dict:
     """bf16/fp16 compression: close to the reference, half the bytes; a custom hook sees every bucket."""
-    from shardwise.parallel.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+    from shardwise.parallel.data.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
     m = mesh(dp=-1)
     out: dict = {}
     for name, hook in (("bf16", bf16_compress_hook), ("fp16", fp16_compress_hook)):
@@ -383,7 +383,7 @@ def check_rebuild() -> dict:
 
 
 def check_centralized() -> dict:
-    from shardwise.parallel.centralized import CentralizedDataParallel
+    from shardwise.parallel.data.centralized import CentralizedDataParallel
     m = mesh(dp=-1)
     n, r = m.size("dp"), m.coord("dp")
     model = CentralizedDataParallel(build("mlp"), m, "dp", optimizer=lambda ps: make_opt("sgd", ps))
@@ -476,10 +476,10 @@ def check_gpt(checkpointing: bool) -> dict:
         ropt.step()
     net = fresh()
     if checkpointing:
-        from shardwise.parallel.checkpointing import checkpoint_layers
+        from shardwise.parallel.common.activation_checkpointing import checkpoint_layers
         checkpoint_layers(net, every=1)
     model = DataParallel(net, m, "dp", bucket_cap_mb=0.05, first_bucket_mb=0.01)
-    opt = make_opt("sgd", model.parameters())  # SGD: tight comparison (DESIGN.md §4 on Adam and float noise)
+    opt = make_opt("sgd", model.parameters())  # SGD: tight comparison (Adam turns float noise into full steps)
     buckets = []
     for k in range(STEPS):
         opt.zero_grad()

@@ -15,7 +15,7 @@ import torch
 
 from shardwise.runtime import trainer as trainer_mod
 from shardwise.runtime.config import load_config, validate
-from shardwise.runtime.launch import World
+from shardwise.world import World
 from shardwise.runtime.nonfinite import NonFiniteError
 from tests.dist.meshes import mesh
 
@@ -51,7 +51,7 @@ def _build(layout: str, extra: dict[str, str], world_rank: int) -> trainer_mod.T
     cfg = validate(load_config(overrides=overrides))
     p = cfg.parallel
     axes = dict(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else dict(dp=p.dp, tp=p.tp)
-    trainer_mod._build_mesh = lambda _p: mesh(**axes)  # the rank's cached meshes: no new process groups
+    trainer_mod._build_mesh = lambda *_: mesh(**axes)  # the rank's cached meshes: no new process groups
     world = World(rank=world_rank, world_size=2, local_rank=world_rank, backend="gloo", device=torch.device("cpu"))
     return trainer_mod.Trainer(cfg, Path(tempfile.mkdtemp()), world)
 

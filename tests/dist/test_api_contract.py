@@ -1,4 +1,4 @@
-"""The public API of DESIGN.md §5 works exactly as written (names, keywords, return shapes)."""
+"""The public API of ARCHITECTURE.md ("Public API") works exactly as written (names, keywords, return shapes)."""
 
 from __future__ import annotations
 

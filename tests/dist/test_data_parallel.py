@@ -1,7 +1,7 @@
 """sw.DataParallel on worlds of 2, 3, 4 ranks and a 2×2 mesh, against single-process references.
 
 The rank-side checks live in tests/dist/dp_checks.py; each ``world.run`` covers many configurations.
-Tolerances: fp32, relative 1e-5 against the one-process run (AdamW with eps=1e-5, DESIGN.md §4).
+Tolerances: fp32, relative 1e-5 against the one-process run (AdamW with eps=1e-5).
 """
 
 from __future__ import annotations
@@ -177,14 +177,14 @@ def test_bad_inputs_raise_before_training(worlds):
 
 
 HAVE_GPT = importlib.util.find_spec("shardwise.models.gpt") is not None
-HAVE_CKPT = importlib.util.find_spec("shardwise.parallel.checkpointing") is not None
+HAVE_CKPT = importlib.util.find_spec("shardwise.parallel.common.activation_checkpointing") is not None
 
 
 @pytest.mark.skipif(not HAVE_GPT, reason="shardwise.models.gpt not available yet")
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gpt_with_and_without_activation_checkpointing(worlds, checkpointing):
     if checkpointing and not HAVE_CKPT:
-        pytest.skip("shardwise.parallel.checkpointing not available yet")
+        pytest.skip("shardwise.parallel.common.activation_checkpointing not available yet")
     results = worlds.get(2).run(dc.check_gpt, checkpointing)
     for res in results:
         assert res["err"] < RTOL, res

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.runtime.local_world import LocalWorld, RankFailure
+from shardwise.testing.local_world import LocalWorld, RankFailure
 from tests.dist import mesh_checks as mc
 
 

@@ -1,8 +1,8 @@
 """sw.zero on worlds of 2 and 4 ranks against one-process plain-PyTorch training of the same weights.
 
 Rank-side checks live in tests/dist/zero_checks.py; each ``world.run`` covers many configurations.
-Tolerance: fp32, per-tensor relative error 1e-5 (as in the DataParallel tests; AdamW with eps=1e-5,
-DESIGN.md section 4). Memory: model-state bytes within 5% of the ZeRO formulas.
+Tolerance: fp32, per-tensor relative error 1e-5 (as in the DataParallel tests; AdamW with eps=1e-5).
+Memory: model-state bytes within 5% of the ZeRO formulas.
 """
 
 from __future__ import annotations

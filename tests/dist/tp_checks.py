@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
-from shardwise.parallel.tensor import gpt_plan, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.api import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -144,7 +144,7 @@ def check_rng_streams(sp: bool) -> dict[str, int]:
 def check_checkpoint_dropout(sp: bool) -> float:
     """With dropout > 0, activation checkpointing replays the same split-region masks: gradients equal the
     un-checkpointed model's. Returns the loss."""
-    from shardwise.parallel.checkpointing import checkpoint_layers
+    from shardwise.parallel.common.activation_checkpointing import checkpoint_layers
 
     m = mesh(tp=2)
     cfg = GPTConfig(**{**TINY, "dropout": 0.2})

@@ -16,12 +16,12 @@ import torch.nn as nn
 import shardwise as sw
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
-from shardwise.parallel.mixed_precision import MixedPrecision
+from shardwise.parallel.common.mixed_precision import MixedPrecision
 from tests.dist.meshes import mesh
 
 GLOBAL_B, STEPS, SEQ = 12, 5, 6
 # No biases: attention key biases get mathematically zero gradients, and Adam turns their float noise
-# into full steps (DESIGN.md section 4); every remaining parameter has a real gradient.
+# into full steps; every remaining parameter has a real gradient.
 TINY = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=12, bias=False)
 SMALL_BUCKETS = dict(bucket_cap_mb=900 / 2**20, first_bucket_mb=300 / 2**20)
 OPTS = {"sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),

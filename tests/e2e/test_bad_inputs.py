@@ -3,7 +3,7 @@ the fix, with no Python traceback and nothing written to disk.
 
 Every case calls ``shardwise.cli.main`` in this process (no interpreter start, no rank is ever launched: the
 launchers are replaced by a failing stub), so the whole file runs in seconds. The API cases are in
-``tests/unit/test_bad_inputs_api.py``; README.md "Errors: cause and fix" lists both.
+``tests/unit/test_bad_inputs_api.py``; docs/failures.md "Errors: cause and fix" lists both.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     import inspect
     import sys
 
-    from shardwise.runtime import run_cmd, train_cmd, verify_cmd  # noqa: F401  (bind their launchers first)
+    from shardwise.cli import run, train, verify  # noqa: F401  (bind their launchers first)
 
     def refuse(*args: object, **kwargs: object) -> int:
         pytest.fail("a bad input got as far as launching ranks")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.parallel.pipeline import Costs, get_schedule, simulate
-from shardwise.parallel.pipeline.bench_analysis import analyse, comm_estimate, measured_bubble, stage_costs
+from shardwise.bench.pp_analysis import analyse, comm_estimate, measured_bubble, stage_costs
 
 REPO = Path(__file__).resolve().parents[2]
 

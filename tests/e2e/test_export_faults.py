@@ -24,7 +24,7 @@ from shardwise.checkpoint.layout import model_pieces, optimizer_pieces, tied_ali
 from shardwise.checkpoint.sharded import save_checkpoint
 from shardwise.cli import main as cli_main
 from shardwise.models import GPT, GPTConfig
-from shardwise.runtime import launch
+from shardwise import world as launch
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
 FILE = "rank00000.safetensors"

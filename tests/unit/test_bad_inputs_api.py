@@ -2,7 +2,7 @@
 the offending value and the fix, before anything communicates or is written.
 
 In-process on a world of one (``sw.init()`` without torchrun's environment); the command-line cases are in
-``tests/e2e/test_bad_inputs.py``; README.md "Errors: cause and fix" lists both. Ranks that disagree on a
+``tests/e2e/test_bad_inputs.py``; docs/failures.md "Errors: cause and fix" lists both. Ranks that disagree on a
 collective under ``Mesh(debug=True)`` need several processes: ``tests/dist/test_comm.py::
 test_debug_mode_turns_mismatch_into_error`` covers that case.
 """

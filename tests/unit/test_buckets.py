@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.parallel.buckets import BucketPlan, default_order, observed_order, plan_buckets
+from shardwise.parallel.common.buckets import BucketPlan, default_order, observed_order, plan_buckets
 
 F32 = (torch.float32, "cpu")
 BF16 = (torch.bfloat16, "cpu")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardwise.comm.bench_report import bus_factor, parse_size, power_of_two_sizes
+from shardwise.bench.comm_report import bus_factor, parse_size, power_of_two_sizes
 from shardwise.comm.calibration import (AlphaBeta, Calibration, fit_alpha_beta, fit_calibration,
                                         load_calibration, save_calibration)
 

@@ -21,7 +21,7 @@ from shardwise import checkpoint as ckpt_pkg
 from shardwise.checkpoint.layout import model_pieces
 from shardwise.checkpoint.sharded import (Checkpoint, CheckpointError, latest_checkpoint, latest_intact_checkpoint,
                                           save_checkpoint, verify_checkpoint)
-from shardwise.runtime import launch
+from shardwise import world as launch
 
 KEY = "model/fc.weight"
 FILE = "rank00000.safetensors"

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.models import GPT, GPTConfig, lm_loss, synthetic_batch
-from shardwise.parallel.checkpointing import (activation_memory, checkpoint_layers, checkpoint_report,
+from shardwise.parallel.common.activation_checkpointing import (activation_memory, checkpoint_layers, checkpoint_report,
                                               checkpointed_modules, remove_checkpointing)
 
 CFG = GPTConfig(n_layer=4)

@@ -152,7 +152,7 @@ def test_pp_split_from_a_flag_or_a_toml_list(tmp_path):
 
 
 def test_resume_relayout_infers_sizes_again_and_drops_a_stale_split():
-    from shardwise.runtime.train_cmd import _relayout
+    from shardwise.cli.train import _relayout
 
     saved = ParallelConfig(nproc=2, dp=1, pp=2, grad_accum=2, pp_microbatches=4, pp_split=("blocks.1",))
     to_one = _relayout(saved, dataclasses.replace(saved, pp=1, nproc=1), {"parallel.pp": "1", "parallel.nproc": "1"})
@@ -177,7 +177,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_compare_losses_tolerance():
-    from shardwise.runtime.verify_cmd import compare_losses
+    from shardwise.cli.verify import compare_losses
 
     assert compare_losses([5.0, 4.0], [5.0 + 4e-4, 4.1], rtol=1e-4, atol=1e-5) == [True, False]
 

@@ -116,3 +116,22 @@ def test_synthetic_batch_targets_are_next_tokens_and_reproducible() -> None:
     assert idx.dtype == torch.int64 and idx.shape == targets.shape == (2, 10)
     assert torch.equal(idx[:, 1:], targets[:, :-1])
     assert int(idx.max()) < 50 and int(idx.min()) >= 0
+
+
+def test_gpt_carries_its_pipeline_units_and_tensor_plan():
+    """The pipeline asks the model (PipelineCuttable) for its cut points; running the units in order is forward."""
+    from shardwise.parallel.pipeline.stage import PipelineCuttable, model_units
+    from shardwise.parallel.tensor.api import gpt_plan
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3)).eval()
+    assert isinstance(model, PipelineCuttable)
+    units = model_units(model)
+    assert [u.name for u in units] == ["wte", "blocks.0", "blocks.1", "blocks.2", "ln_f"]
+    idx, _ = synthetic_batch(2, 8, model.config.vocab_size)
+    x = idx
+    for u in units:
+        x = u.fn(x)
+    assert torch.equal(x, model(idx))
+    assert gpt_plan(model.config, sequence_parallel=True) == model.tensor_parallel_plan(sequence_parallel=True)
+    assert "blocks.*.attn.qkv" in gpt_plan(model)

@@ -8,9 +8,9 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.tensor import gpt_plan
-from shardwise.parallel.tensor_rng import RNGStreams, split_seed
-from shardwise.parallel.tensor_styles import check_style, match_plan
+from shardwise.parallel.tensor.api import gpt_plan
+from shardwise.parallel.tensor.rng import RNGStreams, split_seed
+from shardwise.parallel.tensor.styles import check_style, match_plan
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32)
 

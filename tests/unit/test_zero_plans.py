@@ -7,10 +7,10 @@ import torch
 import torch.nn as nn
 
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.memory import storage_bytes
-from shardwise.parallel.mixed_precision import LossScaler, MixedPrecision
-from shardwise.parallel.zero_flat import flat_layout
-from shardwise.parallel.zero_stage3 import default_units
+from shardwise.parallel.common.memory import storage_bytes
+from shardwise.parallel.common.mixed_precision import LossScaler, MixedPrecision
+from shardwise.parallel.zero.flat import flat_layout
+from shardwise.parallel.zero.stage3 import default_units
 
 
 def test_flat_layout_follows_the_shard_sizes_rule():
@@ -89,7 +89,7 @@ def test_storage_bytes_counts_each_storage_once():
 def test_bench_zero_rejects_bad_arguments_before_launching(capsys):
     import argparse
 
-    from shardwise.parallel import zero_bench
+    from shardwise.bench import zero as zero_bench
 
     parser = argparse.ArgumentParser()
     zero_bench.add_arguments(parser)

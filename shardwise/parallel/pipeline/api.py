@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..mixed_precision import LossScaler
-from ..zero_optim import ZeroOptimizer, make_inner_optimizer
+from ..common.mixed_precision import LossScaler
+from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from .communication import lower_communication, receive_placement
 from .executor import Interpreter, run_actions
 from .actions import Action
 from .schedules import get_schedule
 from .clip import clip_pipeline_grads, counted
-from .grad_sync import DpGradSync
+from .grad_sync import DpGradSync, PipelineZeroGroups
 from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
 from .stage import Stage, build_stages
@@ -198,7 +198,7 @@ class Pipeline:
             seen.update(id(q) for _, q in out[s])
         return out
 
-    def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer]) -> Any:
+    def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer | ZeroOptimizer:
         """The optimizer for this rank's stage parameters: ``factory(list(pipe.parameters()))`` — or, with
         ``zero_stage=1``, a ``ZeroOptimizer`` running ``factory`` on this rank's dp shard of each gradient
         bucket (optimizer state 1/dp; ``step()`` all-gathers the updated parameters over dp, collective).
@@ -209,7 +209,7 @@ class Pipeline:
         dtype = sync.buckets[0].grads.dtype if sync.buckets else torch.float32
         # ZeroOptimizer's stage-2 path takes gradient shards that are already averaged: DpGradSync's
         # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
-        return ZeroOptimizer(_ZeroOwner(sync), factory, sync.groups, self.mesh, sync.axis, stage=2,
+        return ZeroOptimizer(PipelineZeroGroups(sync), factory, sync.groups, self.mesh, sync.axis, stage=2,
                              scaler=LossScaler(None), reduce_dtype=dtype)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -258,28 +258,6 @@ class Pipeline:
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
         return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
-
-
-class _ZeroOwner:
-    """The owner interface ``ZeroOptimizer`` reads (its ``sw.zero`` wrapper normally), backed by the
-    pipeline's dp gradient buckets."""
-
-    def __init__(self, sync: DpGradSync) -> None:
-        self.sync, self._sync, self._reducer, self._grads_reduced = sync, True, None, False
-
-    @property
-    def _full_grads(self) -> list[Tensor]:
-        return [b.grads for b in self.sync.buckets]
-
-    @property
-    def _shard_grads(self) -> list[Tensor]:
-        return self.sync.shard_grads()
-
-    def _zero_grads(self) -> None:
-        self.sync.zero_grads()
-
-    def _note_peak(self, opt: Any) -> None:
-        pass
 
 
 def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Parameter, int]]:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ... import comm
 from ...mesh import Mesh
 from ...sbp.placement import Split
-from ..tensor import global_view
+from ..tensor.api import global_view
 
 __all__ = ["clip_pipeline_grads"]
 

@@ -32,10 +32,10 @@ from torch import nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..zero_flat import FlatGroup
-from ..zero_grads import attach_full_grads
+from ..zero.flat import FlatGroup
+from ..zero.grads import attach_full_grads
 
-__all__ = ["DpGradSync", "plan_stage_buckets"]
+__all__ = ["DpGradSync", "PipelineZeroGroups", "plan_stage_buckets"]
 
 
 def plan_stage_buckets(numels: Sequence[int], cap_elems: int) -> list[list[int]]:
@@ -162,9 +162,58 @@ class DpGradSync:
                 b.shard = torch.zeros(b.group.hi - b.group.lo, dtype=b.grads.dtype, device=b.grads.device)
         return [b.shard for b in self.buckets]  # type: ignore[misc]
 
+    def held_shards(self) -> list[torch.Tensor | None]:
+        """ZeRO-1: each bucket's averaged gradient shard if this step produced one, else None (no allocation,
+        unlike ``shard_grads``: for inspecting what a rank holds, e.g. the non-finite guard). Local."""
+        return [b.shard for b in self.buckets]
+
+    @property
+    def full_grads(self) -> list[torch.Tensor]:
+        """Each bucket's full flat gradient buffer (the parameters' ``.grad`` are views of it). Local."""
+        return [b.grads for b in self.buckets]
+
     @torch.no_grad()
     def zero_grads(self) -> None:
         for b in self.buckets:
             b.grads.zero_()
             b.shard = None
             attach_full_grads(b.group, b.grads)
+
+
+class PipelineZeroGroups:
+    """``ZeroGroups`` over a pipeline's dp gradient buckets (ZeRO-1 inside ``sw.pipeline``), for
+    ``ZeroOptimizer``'s stage-2 path: the shards are already averaged by ``DpGradSync.finish``. A pipeline has
+    no ``no_sync()`` (accumulation is repeated ``pipe.step`` s, each reducing), so it always syncs. Local."""
+
+    def __init__(self, sync: DpGradSync) -> None:
+        self.sync = sync
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return self.sync.groups
+
+    @property
+    def full_grads(self) -> list[torch.Tensor]:
+        return self.sync.full_grads
+
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's averaged shard of each bucket (zeros for a bucket no step reduced yet)."""
+        return self.sync.shard_grads()
+
+    @property
+    def syncing(self) -> bool:
+        return True
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        return False
+
+    def set_grads_prepared(self, prepared: bool) -> None:
+        """Nothing to guard: a backward can only run inside ``pipe.step``, which resets the buckets."""
+
+    def clear_grads(self) -> None:
+        self.sync.zero_grads()
+
+    def after_step(self) -> None:
+        """No memory peak is tracked for a pipeline's optimizer."""

@@ -4,10 +4,8 @@ A **unit** is the smallest piece a stage boundary can fall between: a callable `
 named modules whose parameters it uses. How a model becomes units (``model_units``):
 
 * ``nn.Sequential``: one unit per child, named after the child (``"0"``, ``"1"``, ... or its given name).
-* the reference ``GPT`` (``shardwise.models.gpt``): the embedding unit ``wte`` runs
-  ``drop(wte(idx) + wpe(arange(t)))`` (modules ``wte``, ``wpe``, ``drop``); then one unit per block
-  ``blocks.0`` ... ``blocks.{n-1}``; then the head unit ``ln_f`` runs ``lm_head(ln_f(x))`` (modules ``ln_f``,
-  ``lm_head``). This is exactly ``GPT.forward`` cut at block boundaries.
+* a model that knows its own cut points (``PipelineCuttable``: it has ``pipeline_units()``), such as the
+  reference ``GPT`` (``shardwise.models.gpt``, cut at block boundaries): the units it returns.
 * any other model with a ``blocks`` ``nn.ModuleList``: the children registered before ``blocks`` are applied
   one after the other as the first unit, each block is a unit, the children after ``blocks`` are applied in
   order as the last unit. This is right only when the model's ``forward`` is that plain chain.
@@ -21,13 +19,13 @@ stage that uses it holds a copy). Pure: no communication here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Unit", "Stage", "model_units", "balance_by_params", "resolve_split", "build_stages"]
+__all__ = ["Unit", "PipelineCuttable", "Stage", "model_units", "balance_by_params", "resolve_split", "build_stages"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +43,18 @@ class Unit:
         return sum(seen.values())
 
 
+@runtime_checkable
+class PipelineCuttable(Protocol):
+    """A model that says where it may be cut: its ``forward`` must equal running ``pipeline_units()`` in order.
+
+    The model carries this knowledge (it alone knows what its ``forward`` does between submodules); the
+    pipeline only asks, so ``shardwise.parallel`` never imports a model class."""
+
+    def pipeline_units(self) -> Sequence[Unit]:
+        """The ordered units; boundaries of ``split`` name them."""
+        ...
+
+
 def _chain(mods: Sequence[nn.Module]) -> Callable[[Tensor], Tensor]:
     def run(x: Tensor) -> Tensor:
         for mod in mods:
@@ -53,29 +63,10 @@ def _chain(mods: Sequence[nn.Module]) -> Callable[[Tensor], Tensor]:
     return run
 
 
-def _gpt_units(model: nn.Module) -> list[Unit]:
-    wte, wpe, drop, ln_f, head = model.wte, model.wpe, model.drop, model.ln_f, model.lm_head
-    block_size = model.config.block_size
-
-    def embed(idx: Tensor) -> Tensor:
-        if idx.dim() != 2 or idx.size(1) > block_size:
-            raise ValueError(f"GPT input must be (batch, seq) token ids with seq <= block_size {block_size}, "
-                             f"got shape {tuple(idx.shape)}")
-        pos = torch.arange(idx.size(1), device=idx.device)
-        return drop(wte(idx) + wpe(pos))  # (b, t, h) + (t, h)
-
-    units = [Unit("wte", embed, (("wte", wte), ("wpe", wpe), ("drop", drop)))]
-    units += [Unit(f"blocks.{i}", blk, ((f"blocks.{i}", blk),)) for i, blk in enumerate(model.blocks)]
-    units.append(Unit("ln_f", lambda x: head(ln_f(x)), (("ln_f", ln_f), ("lm_head", head))))
-    return units
-
-
 def model_units(model: nn.Module) -> list[Unit]:
     """The ordered units of ``model`` (see module doc); ``TypeError`` for a model of no supported shape."""
-    from ...models.gpt import GPT  # models hold no parallel code; the adapter lives here
-
-    if isinstance(model, GPT):
-        return _gpt_units(model)
+    if isinstance(model, PipelineCuttable):
+        return list(model.pipeline_units())
     if isinstance(model, nn.Sequential):
         # _modules, not named_children(): a module listed twice runs twice (named_children skips repeats)
         return [Unit(name, child, ((name, child),)) for name, child in model._modules.items() if child is not None]

@@ -1,0 +1,107 @@
+"""``shardwise verify``: does the requested layout train to the same losses as one process?
+
+Takes the same flags as ``shardwise train``. Runs the first ``--steps`` steps twice — once on a single
+process (dp = tp = 1, no ZeRO; the same global batch through more accumulation steps) and once on the
+requested layout — prints both losses side by side and exits 1 when any step differs by more than
+``atol + rtol·|reference|``. Same seed → same weights and same samples per step (the sampler's order does not
+depend on the layout), so only floating-point summation order may differ. Pipeline layouts (``--parallel.pp``,
+with dp, tp inside the stages, ZeRO-1, activation checkpointing) are compared with the same single process
+(pp = 1, the pipeline fields reset).
+
+Note: Adam normalises each gradient by its own running scale, so a bug that scales every gradient by a
+constant (e.g. summing instead of averaging over dp) barely moves Adam's losses; use ``--optimizer.name sgd``
+to make such bugs visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from ..runtime.config import Config, DebugConfig, load_config, validate
+from ..runtime.metrics import read_metrics
+from .train import add_config_arguments, config_overrides, launch, write_config
+
+__all__ = ["add_arguments", "main", "compare_losses"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=8, help="steps to compare (default 8; overrides train.steps)")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance per step (default 1e-4)")
+    parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance per step (default 1e-5)")
+    add_config_arguments(parser)
+
+
+def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
+    cfg = load_config(path=args.config, preset=args.preset, overrides=config_overrides(args))
+    if args.steps < 1:
+        raise ValueError(f"--steps = {args.steps} must be >= 1")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.steps, ckpt_every=0))
+    layout = validate(cfg)
+    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, zero_stage=0, grad_accum=0,
+                                 pp_microbatches=0, pp_chunks=1, pp_split=())  # the pipeline fields need pp > 1
+    reference = validate(dataclasses.replace(cfg, parallel=single, debug=DebugConfig()))
+    root = cfg.run_dir() / "verify"
+    return (dataclasses.replace(reference, train=dataclasses.replace(reference.train, out_dir=str(root / "reference"))),
+            dataclasses.replace(layout, train=dataclasses.replace(layout.train, out_dir=str(root / "layout"))), root)
+
+
+def compare_losses(reference: list[float], layout: list[float], *, rtol: float, atol: float) -> list[bool]:
+    """Per step: ``|layout − reference| <= atol + rtol·|reference|``. Pure."""
+    return [abs(b - a) <= atol + rtol * abs(a) for a, b in zip(reference, layout)]
+
+
+def _describe(cfg: Config) -> str:
+    p = cfg.parallel
+    zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
+    ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
+    if p.pp > 1:
+        return (f"pp={p.pp} × dp={p.dp} × tp={p.tp}{zero}{ckpt}, {p.pp_schedule}, micro {p.micro_batch} × accum "
+                f"{p.grad_accum} in {p.pp_microbatches} pipeline micro-batches")
+    return f"dp={p.dp} × tp={p.tp}{zero}{ckpt}, micro {p.micro_batch} × accum {p.grad_accum}"
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        reference, layout, root = _configs(args)
+    except ValueError as exc:
+        print(f"shardwise verify: error: {exc}", file=sys.stderr)
+        return 2
+    losses: list[list[float]] = []
+    for name, cfg in (("reference", reference), ("layout", layout)):
+        run_dir = Path(cfg.train.out_dir)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        write_config(cfg, run_dir)
+        print(f"shardwise verify: {name}: {cfg.parallel.nproc} process(es), {_describe(cfg)}", flush=True)
+        rc = launch(cfg, run_dir, None, save=False)
+        if rc != 0:
+            print(f"shardwise verify: the {name} run failed (exit code {rc}); see its output above", file=sys.stderr)
+            return rc
+        losses.append([r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")])
+    return _report(losses[0], losses[1], args, layout)
+
+
+def _report(ref: list[float], lay: list[float], args: argparse.Namespace, layout: Config) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    ok = compare_losses(ref, lay, rtol=args.rtol, atol=args.atol)
+    table = Table(title=f"shardwise verify: 1 process vs {_describe(layout)}")
+    for col in ("step", "1 process", "layout", "|diff|", ""):
+        table.add_column(col, justify="right")
+    for i, (a, b, good) in enumerate(zip(ref, lay, ok), start=1):
+        table.add_row(str(i), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}", "ok" if good else "[red]DIFFERS[/red]")
+    Console().print(table)
+    if len(ref) != len(lay) or len(ref) != args.steps:
+        print(f"shardwise verify: FAILED: got {len(ref)} reference and {len(lay)} layout losses, expected {args.steps}",
+              file=sys.stderr)
+        return 1
+    if not all(ok):
+        first = ok.index(False) + 1
+        print(f"shardwise verify: FAILED: losses differ beyond atol={args.atol:g} + rtol={args.rtol:g}·|loss| from "
+              f"step {first} on; this layout does not compute what one process computes", file=sys.stderr)
+        return 1
+    print(f"shardwise verify: OK: {len(ref)} steps agree within atol={args.atol:g} + rtol={args.rtol:g}·|loss|")
+    return 0

@@ -1,0 +1,1 @@
+"""Pieces every strategy shares: gradient buckets, mixed precision, activation checkpointing, memory reports."""

@@ -1,0 +1,223 @@
+"""``sw.parallelize``: tensor (model) parallelism from a declarative plan (module-name pattern → style).
+
+    plan = sw.parallel.tensor.gpt_plan(config, sequence_parallel=True)
+    model = sw.parallelize(GPT(config), mesh, plan, axis="tp", sequence_parallel=True)
+    logits = model(idx)                              # (b, t, V/tp): vocab-sharded, never gathered
+    loss = vocab_parallel_cross_entropy(logits, targets, mesh=mesh, axis="tp")
+    loss.backward(); opt.step()                      # optimizer built *after* parallelize
+
+Planned modules are replaced by the modules of ``tensor_modules.py``, which hold this rank's shard as an
+ordinary ``nn.Parameter`` under the original name (state_dict keys unchanged). Each sharded parameter carries
+its global description (``sbp.params.annotate``: ``as_global(p)`` is its ``GlobalTensor`` view), and
+``sw.full_state_dict(model)`` returns the full tensors under the single-device keys. Tied parameters (the LM
+head and the embedding) stay one Parameter: both uses must shard it the same way.
+
+``parallelize`` never communicates: it validates the whole plan first (``ValueError``/``TypeError`` naming
+the module, the constraint and the fix), then slices locally. It assumes every tp rank holds the same full
+model (build it from the same seed). Forward and backward of the model are collective over ``axis``.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from ...comm.collectives import all_reduce
+from ...mesh import Mesh
+from ...sbp.global_tensor import GlobalTensor, to_global
+from ...sbp.params import as_global
+from ...sbp.placement import Broadcast, Split
+from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
+                             VocabParallelHead, shard_heads, shard_param)
+from .rng import RNGStreams
+from .styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style, VocabParallel,
+                            check_style, match_plan)
+from .vocab_loss import vocab_parallel_cross_entropy
+
+__all__ = ["parallelize", "gpt_plan", "vocab_parallel_cross_entropy", "global_view", "ColumnParallel",
+           "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel"]
+
+_MARK = "_shardwise_tensor_parallel"
+
+
+def gpt_plan(config: object, sequence_parallel: bool = False) -> dict[str, Style]:
+    """The tensor-parallel plan of a model that carries one: ``config`` is a ``GPTConfig`` or a ``GPT`` (anything
+    with ``tensor_parallel_plan(sequence_parallel)``). The plan itself lives with the model
+    (``shardwise.models.gpt``); this name stays for existing callers."""
+    plan_of = getattr(config, "tensor_parallel_plan", None)
+    if not callable(plan_of):
+        raise TypeError(f"gpt_plan expects a GPTConfig or a GPT (something with tensor_parallel_plan()), got "
+                        f"{type(config).__name__}; write the plan as a dict of pattern -> style instead")
+    return plan_of(sequence_parallel=sequence_parallel)
+
+
+def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis: str = "tp",
+                sequence_parallel: bool = False, seed: int | None = None) -> nn.Module:
+    """Shard ``model`` in place over ``axis`` of ``mesh`` following ``plan``; returns it (see module doc).
+
+    ``sequence_parallel``: activations outside column→row pairs are split on the sequence dim (dim 1);
+    every trainable parameter outside the sharded layers must then be covered by ``SequenceParallel()``
+    (its gradient is a partial sum, all-reduced over ``axis`` by a gradient hook). ``seed``: mixed with a
+    draw from the shared stream and the tp coord to seed each split region's dropout (``tensor_rng.py``;
+    default ``torch.initial_seed()``). Local (no communication); raises before changing anything.
+    """
+    _check_call(model, mesh, axis)
+    names = [n for n, _ in model.named_modules()]
+    matched = match_plan(names, plan)
+    modules = dict(model.named_modules())
+    tp = mesh.size(axis)
+    for name, style in matched.items():
+        check_style(name, modules[name], modules.get(name.rpartition(".")[0]), style, tp, sequence_parallel)
+    _check_coverage(model, matched, sequence_parallel)
+    rng = RNGStreams(mesh.device, torch.initial_seed() if seed is None else seed, mesh.coord(axis))
+    ctx = TPContext(mesh, axis, sequence_parallel, rng)
+    shared: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, style in matched.items():
+        _apply(model, name, modules[name], style, ctx, shared)
+    model.register_forward_pre_hook(lambda *_: rng.enter_split() if sequence_parallel else rng.leave_split())
+    model.register_forward_hook(lambda *_: rng.leave_split(), always_call=True)
+    setattr(model, _MARK, ctx)
+    model.full_state_dict = types.MethodType(_full_state_dict, model)  # type: ignore[method-assign]
+    return model
+
+
+def _check_call(model: nn.Module, mesh: Mesh, axis: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axes:
+        raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {list(mesh.axes)}")
+    if getattr(model, _MARK, None) is not None:
+        raise ValueError(f"{type(model).__name__} is already tensor-parallel; parallelize the plain model once")
+    if getattr(model, "_shardwise_data_parallel", False) or isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(f"{type(model).__name__} is a wrapper; call parallelize on the plain model first, then "
+                         f"wrap it (e.g. sw.DataParallel(sw.parallelize(model, ...), mesh, axis='dp'))")
+
+
+def _sharded_params(module: nn.Module, style: Style) -> list[str]:
+    """Names (in ``module``) of the parameters that ``style`` shards (SequenceParallel: none)."""
+    if isinstance(style, SequenceParallel):
+        return []
+    if isinstance(style, RowParallel):
+        return ["weight"]  # its bias stays replicated
+    return [n for n in ("weight", "bias") if getattr(module, n, None) is not None]
+
+
+def _check_coverage(model: nn.Module, matched: dict[str, Style], sequence_parallel: bool) -> None:
+    """Every use of a sharded (possibly tied) parameter must be by a planned module that shards it; with
+    sequence parallelism every other trainable parameter needs ``SequenceParallel``. Pure."""
+    owners: dict[int, list[str]] = {}
+    for full_name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(full_name)
+    sharded: set[str] = set()
+    covered: set[str] = set()
+    for name, style in matched.items():
+        module = model.get_submodule(name)
+        sharded |= {f"{name}.{p}" for p in _sharded_params(module, style)}
+        covered |= {f"{name}.{p}" for p, _ in module.named_parameters()}
+    for uses in owners.values():
+        hit = [u for u in uses if u in sharded]
+        if hit and len(hit) != len(uses):
+            missing = [u for u in uses if u not in sharded]
+            raise ValueError(f"parameter {hit[0]!r} is shared with {missing} (tied weights), which the plan leaves "
+                             f"unsharded; give those modules a style that shards it the same way")
+    if sequence_parallel:
+        loose = [n for n, p in model.named_parameters() if p.requires_grad and n not in covered]
+        if loose:
+            raise ValueError(f"with sequence_parallel=True every trainable parameter outside the sharded layers "
+                             f"acts on sequence-split activations and needs SequenceParallel() in the plan; "
+                             f"uncovered: {loose[:6]}{' ...' if len(loose) > 6 else ''}")
+
+
+def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TPContext,
+           shared: dict[int, tuple[str, nn.Parameter]]) -> None:
+    """Replace (or hook) one planned module. Local."""
+    if isinstance(style, SequenceParallel):
+        _sequence_parallel(module, style, ctx)
+        return
+    tp = ctx.mesh.size(ctx.axis)
+
+    def shard(p: torch.Tensor | None, dim: int | None, key: str) -> nn.Parameter | None:
+        if p is None:
+            return None
+        if id(p) in shared:
+            if shared[id(p)][0] != key:
+                raise ValueError(f"{name}: a tied parameter is sharded two ways ({shared[id(p)][0]} and {key}); "
+                                 f"tied uses must split it identically")
+            return shared[id(p)][1]
+        if isinstance(style, QKVParallel):
+            new = shard_heads(p, ctx, 3, style.n_head)
+        else:
+            new = shard_param(p, ctx, dim)
+        shared[id(p)] = (key, new)
+        return new
+
+    if isinstance(module, nn.Embedding):
+        new: nn.Module = VocabParallelEmbedding(shard(module.weight, 0, "S(0)"), ctx, module.num_embeddings,
+                                                module.padding_idx)
+    elif isinstance(style, RowParallel):
+        bias = shard(module.bias, None, "B")
+        if bias is not None and ctx.sequence_parallel:
+            _sum_partial_grad(bias, ctx)  # added to sequence-split activations: partial gradient
+        new = RowParallelLinear(shard(module.weight, 1, "S(1)"), bias, ctx, module.in_features)
+    else:
+        cls = VocabParallelHead if isinstance(style, VocabParallel) else ColumnParallelLinear
+        key = f"heads/{tp}" if isinstance(style, QKVParallel) else "S(0)"
+        new = cls(shard(module.weight, 0, key), shard(module.bias, 0, key), ctx, module.out_features)
+        if isinstance(style, QKVParallel):
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, style.head_attr, style.n_head // tp)
+    new.train(module.training)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
+
+
+def _sequence_parallel(module: nn.Module, style: SequenceParallel, ctx: TPContext) -> None:
+    """Hook gradients of replicated parameters (partial over tp → all-reduce) and, with ``slice_output``,
+    keep this rank's sequence slice of the module's output."""
+    for p in module.parameters():
+        _sum_partial_grad(p, ctx)
+    if style.slice_output is not None:
+        dim = style.slice_output
+
+        def keep_slice(_m: nn.Module, _inp: object, out: torch.Tensor) -> torch.Tensor:
+            start, length = ctx.split_sequence(out.size(dim))
+            return out.narrow(dim, start, length)  # backward: zeros elsewhere -> partial gradient
+        module.register_forward_hook(keep_slice)
+
+
+def _sum_partial_grad(p: nn.Parameter, ctx: TPContext) -> None:
+    """Sum ``p``'s gradient over tp as it is produced (a tensor hook runs before accumulation into ``.grad``,
+    so data-parallel hooks that read ``.grad`` afterwards see the summed value). Collective in backward."""
+    if p.requires_grad:
+        mesh, axis = ctx.mesh, ctx.axis
+        p.register_hook(lambda g: all_reduce(g.clone(), mesh, axis, op="sum"))
+
+
+def global_view(param: torch.Tensor) -> GlobalTensor | None:
+    """The ``GlobalTensor`` of a parallelized parameter. Head-split (QKV) parameters are presented as their
+    (3, nh·hd, ...) view split S(1), the one layout in which whole heads are a plain split. None if plain."""
+    heads = getattr(param, "_shardwise_heads", None)
+    if heads is None:
+        return as_global(param)
+    mesh, axis, fused, full_shape = heads
+    rest = tuple(full_shape[1:])
+    sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
+    return to_global(param.reshape(fused, -1, *rest), mesh, sbp, shape=(fused, full_shape[0] // fused, *rest))
+
+
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors under the single-device keys (installed as ``model.full_state_dict``; used by
+    ``sw.full_state_dict``). Collective over the mesh: every rank must call it."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        heads = getattr(value, "_shardwise_heads", None)
+        g = global_view(value) if isinstance(value, torch.Tensor) else None
+        full = g.full().detach() if g is not None else value.detach()
+        out[key] = full.reshape(heads[3]) if heads is not None else full
+    return out
+

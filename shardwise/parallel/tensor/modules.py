@@ -1,0 +1,168 @@
+"""The modules ``sw.parallelize`` puts in place of ``nn.Linear``/``nn.Embedding``: each holds this rank's shard
+as an ordinary ``nn.Parameter`` under the original name (``weight``, ``bias``), so state_dict keys, optimizers
+and hooks are unchanged. Every forward and backward is collective over the tp axis (see each class).
+
+Shapes: ``b`` batch, ``t`` sequence, ``t_r`` this rank's sequence slice, ``i``/``o`` in/out features,
+``o_r``/``i_r`` this rank's slice of them, ``v_r`` this rank's vocabulary slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...comm import autograd as cag
+from ...comm.ops import shard_offsets, shard_sizes
+from ...mesh import Mesh
+from ...sbp.params import annotate
+from ...sbp.placement import Broadcast, Split
+from .rng import RNGStreams
+
+__all__ = ["TPContext", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SEQ_DIM"]
+
+SEQ_DIM = 1
+"""The sequence dim of activations (b, t, h) in sequence-parallel mode."""
+
+
+@dataclass
+class TPContext:
+    """What the parallel modules of one model share: mesh, axis, mode, RNG streams, and the sequence-piece
+    sizes of the current forward (set where the sequence is first split, read by the all-gathers)."""
+
+    mesh: Mesh
+    axis: str
+    sequence_parallel: bool
+    rng: RNGStreams
+    seq_sizes: list[int] | None = field(default=None)
+
+    def sbp(self, dim: int | None) -> list:
+        """One placement per mesh axis: ``Split(dim)`` on the tp axis (B when ``dim`` is None), B elsewhere."""
+        return [Split(dim) if a == self.axis and dim is not None else Broadcast() for a in self.mesh.axes]
+
+    def split_sequence(self, t: int) -> tuple[int, int]:
+        """Record the pieces of a length-``t`` sequence; return this rank's (start, length)."""
+        n, c = self.mesh.size(self.axis), self.mesh.coord(self.axis)
+        self.seq_sizes = shard_sizes(t, n)
+        return shard_offsets(t, n)[c], self.seq_sizes[c]
+
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Input of a column-parallel layer: B (identity; backward all-reduce) or S(seq) → B (all-gather;
+        backward reduce-scatter)."""
+        if self.sequence_parallel:
+            return cag.allgather_reducescatter(x, self.mesh, self.axis, dim=SEQ_DIM, sizes=self.seq_sizes)
+        return cag.identity_allreduce(x, self.mesh, self.axis)
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """Partial output: P → B (all-reduce; backward identity) or P → S(seq) (reduce-scatter; backward
+        all-gather)."""
+        if self.sequence_parallel:
+            return cag.reducescatter_allgather(y, self.mesh, self.axis, dim=SEQ_DIM)
+        return cag.allreduce_identity(y, self.mesh, self.axis)
+
+
+def shard_param(full: torch.Tensor, ctx: TPContext, dim: int | None) -> nn.Parameter:
+    """This rank's piece of ``full`` along ``dim`` (whole when None), annotated with its global description."""
+    n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
+    local = full.detach() if dim is None else full.detach().split(shard_sizes(full.size(dim), n), dim=dim)[c]
+    p = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+    annotate(p, ctx.mesh, ctx.sbp(dim), shape=tuple(full.shape))
+    return p
+
+
+def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int) -> nn.Parameter:
+    """Whole heads of a fused projection: ``full`` (fused·nh·hd, ...) viewed as (fused, nh, hd, ...); this rank
+    keeps heads [c·nh/tp, (c+1)·nh/tp) of every chunk → (fused·nh/tp·hd, ...). Not a contiguous block of
+    ``full``, so it carries ``_shardwise_heads`` (used by ``full_state_dict``) instead of an SBP annotation."""
+    n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
+    per = n_head // n
+    rest = tuple(full.shape[1:])
+    view = full.detach().reshape(fused, n_head, -1, *rest)
+    local = view[:, c * per:(c + 1) * per].reshape(-1, *rest)
+    p = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+    p._shardwise_heads = (ctx.mesh, ctx.axis, fused, tuple(full.shape))  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x · W_rᵀ + b_r with W (o, i) split S(0): output (b, t, o_r), S(-1). Input B, or S(seq) gathered
+    first in sequence-parallel mode. Collective: backward all-reduce (or forward all-gather + backward
+    reduce-scatter with SP). Ends the shared-RNG region (its output is split)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext, out_features: int) -> None:
+        super().__init__()
+        self.weight, self.bias, self.ctx = weight, bias, ctx
+        self.in_features, self.out_features = weight.size(1), out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        y = F.linear(ctx.gather_input(x), self.weight, self.bias)  # (b, t, i) @ (i, o_r) -> (b, t, o_r)
+        if not ctx.sequence_parallel:  # with SP the whole forward is one split region (entered at the root)
+            ctx.rng.enter_split()
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} (local {self.weight.size(0)}), axis={self.ctx.axis}"
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """An LM head column-parallel over the vocabulary; its logits (b, t, v_r) carry their global shape (so
+    ``vocab_parallel_cross_entropy`` finds V)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        annotate(y, self.ctx.mesh, self.ctx.sbp(y.dim() - 1), shape=(*y.shape[:-1], self.out_features))
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_r x_r · W_rᵀ + b with W (o, i) split S(1): input (b, t, i_r), S(-1); the partial product is
+    all-reduced (SP: reduce-scattered on the sequence) and the replicated bias added after. Collective:
+    forward all-reduce (SP: forward reduce-scatter + backward all-gather). Starts a shared-RNG region."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext, in_features: int) -> None:
+        super().__init__()
+        self.weight, self.bias, self.ctx = weight, bias, ctx
+        self.in_features, self.out_features = in_features, weight.size(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if not ctx.sequence_parallel:
+            ctx.rng.leave_split()
+        y = ctx.reduce_output(F.linear(x, self.weight))  # (b, t, i_r) @ (i_r, o) -> partial (b, t, o)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features} (local {self.weight.size(1)}), out={self.out_features}, axis={self.ctx.axis}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Lookup in a table split S(0) on the vocabulary: ids outside this rank's rows give zeros, the partial
+    (b, t, h) is all-reduced (SP: reduce-scattered to (b, t_r, h)). Collective: forward all-reduce (SP:
+    forward reduce-scatter + backward all-gather)."""
+
+    def __init__(self, weight: nn.Parameter, ctx: TPContext, num_embeddings: int, padding_idx: int | None) -> None:
+        super().__init__()
+        self.weight, self.ctx, self.num_embeddings = weight, ctx, num_embeddings
+        n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
+        self.start = shard_offsets(num_embeddings, n)[c]
+        self.stop = self.start + weight.size(0)
+        local_pad = None if padding_idx is None else padding_idx - self.start
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < weight.size(0) else None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        outside = (idx < self.start) | (idx >= self.stop)
+        local = (idx - self.start).masked_fill(outside, 0)
+        if self.weight.size(0) == 0:
+            out = self.weight.new_zeros((*idx.shape, self.weight.size(1)))
+        else:
+            out = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        if ctx.sequence_parallel and idx.dim() >= 2:
+            ctx.split_sequence(idx.size(SEQ_DIM))
+        return ctx.reduce_output(out)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} (local [{self.start}, {self.stop})), {self.weight.size(1)}, axis={self.ctx.axis}"

@@ -1,0 +1,362 @@
+"""``sw.zero``: data parallelism with sharded optimizer state (stage 1), gradients (2) and parameters (3).
+
+    model, opt = sw.zero(model, mesh, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    loss_fn(model(x_local), y_local).backward()
+    opt.clip_grad_norm_(1.0)          # optional: over the global norm
+    opt.step()                        # consumes the gradients (zero_grad() is optional)
+
+SBP view over ``axis``: the batch is ``S(0)``; optimizer state is ``S(0)`` of the flat parameter buffers
+(stage >= 1); gradients come out of backward as ``P`` and are reduce-scattered to ``S(0)`` (stage 2-3:
+during backward, bucketed and overlapped; stage 1: at the step); parameters are ``B`` (stages 1-2:
+all-gathered after each step) or ``S(0)`` gathered to ``B`` only around each unit's forward and backward
+(stage 3). Per-rank model-state bytes with fp32 Adam (Ψ parameters, N ranks): stage 1 ``8Ψ + 8Ψ/N``,
+stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``; with bf16/fp16 compute and fp32 master
+(``mixed_precision=MixedPrecision()``): ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``.
+
+Gradient accumulation: backwards without a step accumulate (as in plain PyTorch); stages 2-3 reduce each
+backward unless it ran inside ``model.no_sync()``, which keeps full local gradients and defers the
+reduction to the next backward outside it. ``step()``/``clip_grad_norm_()`` inside ``no_sync()``, or with
+unreduced local gradients, raise ``RuntimeError``; stage 1 never communicates in backward (it reduces at
+the step). A backward after ``clip_grad_norm_`` but before ``step()`` raises (the clipped gradients would
+silently mix with new ones).
+
+Collective calls: ``sw.zero`` (checks and a broadcast from coordinate 0), every forward and backward in
+stage 3, every synchronised backward in stage 2-3, ``step``, ``clip_grad_norm_``, ``full_state_dict``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ... import comm
+from ...mesh import Mesh
+from ..common.buckets import default_order, plan_buckets
+from ..common.memory import PeakTracker, storage_bytes
+from ..common.mixed_precision import LossScaler, MixedPrecision
+from ..data.replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
+from .flat import FlatGroup
+from .grads import ShardGradReducer, attach_full_grads
+from .optim import OptimizerFactory, ZeroOptimizer
+from .stage3 import Stage3Runtime, default_units
+
+__all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
+
+STAGES = (1, 2, 3)
+
+
+def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactory, axis: str = "dp",
+         mixed_precision: MixedPrecision | None = None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+         units: Sequence[Sequence[str]] | None = None, prefetch: bool = True,
+         overlap: bool = True) -> tuple["ZeroModel", ZeroOptimizer]:
+    """Wrap ``model`` for ZeRO ``stage`` over ``axis`` and build ``optimizer(shard_params)`` on this rank's
+    shards. Returns ``(model, opt)``; use ``opt`` instead of an optimizer over ``model.parameters()``.
+
+    ``optimizer``: a factory such as ``functools.partial(torch.optim.AdamW, lr=1e-3)``. ``bucket_cap_mb``
+    / ``first_bucket_mb``: gradient bucket sizes of stages 1-2 (MB = 2**20 bytes). ``units`` (stage 3):
+    lists of module names gathered together, in forward order (default: each element of ``blocks``; the
+    remaining parameters form one more unit). ``prefetch``: gather the next unit while the current one
+    computes. ``overlap``: start a group's reduce-scatter as soon as its gradients are ready.
+    Collective (every rank of the axis calls it with the same model structure).
+    """
+    wrapped = ZeroModel(model, mesh, axis=axis, stage=stage, mixed_precision=mixed_precision,
+                        bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, units=units,
+                        prefetch=prefetch, overlap=overlap)
+    opt = ZeroOptimizer(wrapped, optimizer, wrapped.groups, mesh, axis, stage=stage, scaler=wrapped.scaler,
+                        reduce_dtype=wrapped.reduce_dtype)
+    wrapped._optimizer = opt
+    return wrapped, opt
+
+
+def _check_inputs(model: Any, mesh: Mesh, axis: str, stage: Any, bucket_cap_mb: float, first_bucket_mb: float,
+                  mixed_precision: Any) -> None:
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {list(STAGES)}, got {stage!r}; 1 shards optimizer state, "
+                         f"2 also gradients, 3 also parameters")
+    if getattr(model, "_shardwise_zero", False):
+        raise ValueError(f"{type(model).__name__} is already wrapped by sw.zero (or is its wrapper); wrap the "
+                         f"plain model once")
+    check_module(model, mesh, axis)
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0 (megabytes), got {value!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a shardwise MixedPrecision or None, got "
+                        f"{type(mixed_precision).__name__}")
+    kinds = {(p.dtype, p.device) for _, p in trainable(model)}
+    if len(kinds) > 1:
+        found = sorted(f"{d} on {dev}" for d, dev in kinds)
+        raise ValueError(f"ZeRO flattens all trainable parameters into flat buffers of one dtype on one device, "
+                         f"found {found}; convert the model first, e.g. model.to(torch.float32), and use "
+                         f"mixed_precision=MixedPrecision(...) for low-precision compute")
+
+
+class ZeroModel(nn.Module):
+    """The model half of ``sw.zero`` (see module docstring). ``module`` is the user's model."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, *, axis: str, stage: int,
+                 mixed_precision: MixedPrecision | None, bucket_cap_mb: float, first_bucket_mb: float,
+                 units: Sequence[Sequence[str]] | None, prefetch: bool, overlap: bool) -> None:
+        _check_inputs(module, mesh, axis, stage, bucket_cap_mb, first_bucket_mb, mixed_precision)
+        super().__init__()
+        self.module, self.mesh, self.axis, self.stage = module, mesh, axis, stage
+        self.mixed_precision = mixed_precision
+        check_replicas_agree(module, mesh, axis)
+        broadcast_coalesced([*module.parameters(), *module.buffers()], mesh, axis, src=0)
+        named = trainable(module)
+        self.compute_dtype = mixed_precision.param_dtype if mixed_precision else named[0][1].dtype
+        self.reduce_dtype = (mixed_precision.reduce_dtype or self.compute_dtype) if mixed_precision else self.compute_dtype
+        self.scaler = LossScaler(mixed_precision)
+        self._sync = True
+        self._grads_reduced = False
+        self._optimizer: ZeroOptimizer | None = None
+        self._peak = PeakTracker(mesh.device)
+        self._full_grads: list[torch.Tensor] = []
+        self._shard_grads: list[torch.Tensor] = []
+        self._reducer: ShardGradReducer | None = None
+        self._stage3: Stage3Runtime | None = None
+        if stage == 3:
+            self._build_stage3(named, units, prefetch, overlap)
+        else:
+            self._build_stage12(named, bucket_cap_mb, first_bucket_mb, overlap)
+        self._cast_the_rest()
+        for g in self.groups:
+            for p in g.params:
+                p.register_post_accumulate_grad_hook(self._guard_hook)
+        module._shardwise_zero = True  # type: ignore[assignment]
+        self._shardwise_zero = True
+
+    # -- construction -----------------------------------------------------------------------------------
+    def _group(self, named: list[tuple[str, nn.Parameter]], sharded: bool) -> FlatGroup:
+        return FlatGroup([n for n, _ in named], [p for _, p in named], self.mesh, self.axis,
+                         compute_dtype=self.compute_dtype, sharded_params=sharded)
+
+    def _build_stage12(self, named: list[tuple[str, nn.Parameter]], cap_mb: float, first_mb: float,
+                       overlap: bool) -> None:
+        # Buckets in the order backward produces gradients (reverse registration): the launch order.
+        size = torch.empty(0, dtype=self.compute_dtype).element_size()
+        plan = plan_buckets([p.numel() * size for _, p in named], [0] * len(named),
+                            cap_bytes=max(1, int(cap_mb * 2**20)), first_cap_bytes=max(1, int(first_mb * 2**20)),
+                            order=default_order(len(named)))
+        self.groups = [self._group([named[i] for i in sorted(bucket)], sharded=False) for bucket in plan.buckets]
+        if self.stage == 1:
+            self._full_grads = [torch.zeros(g.layout.total, dtype=self.compute_dtype, device=self.mesh.device)
+                                for g in self.groups]
+            for g, buf in zip(self.groups, self._full_grads):
+                attach_full_grads(g, buf)
+        else:
+            self._make_reducer(self.groups, overlap, on_launched=None, on_end=None)
+
+    def _make_reducer(self, launch: list[FlatGroup], overlap: bool, on_launched: Any, on_end: Any) -> None:
+        self._shard_grads = [torch.zeros(g.hi - g.lo, dtype=self.reduce_dtype, device=self.mesh.device)
+                             for g in launch]
+        self._reducer = ShardGradReducer(launch, list(self._shard_grads), self.mesh, self.axis,
+                                         reduce_dtype=self.reduce_dtype, overlap=overlap,
+                                         on_launched=on_launched, on_backward_end=on_end)
+
+    def _build_stage3(self, named: list[tuple[str, nn.Parameter]], units: Sequence[Sequence[str]] | None,
+                      prefetch: bool, overlap: bool) -> None:
+        names = [list(u) for u in (default_units(self.module) if units is None else units)]
+        owners: dict[int, set[int]] = {}
+        unit_modules = []
+        for k, unit in enumerate(names):
+            mods = [_submodule(self.module, n) for n in unit]
+            unit_modules.append(mods)
+            for m in mods:
+                for p in m.parameters():
+                    owners.setdefault(id(p), set()).add(k)
+        # A parameter used by two units (a tie) or by none belongs to the rest unit.
+        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in names]
+        rest: list[tuple[str, nn.Parameter]] = []
+        for n, p in named:
+            ks = owners.get(id(p), set())
+            (per_unit[next(iter(ks))] if len(ks) == 1 else rest).append((n, p))
+        kept = [(mods, ps) for mods, ps in zip(unit_modules, per_unit) if ps]
+        self.groups = ([self._group(rest, sharded=True)] if rest else []) + \
+                      [self._group(ps, sharded=True) for _, ps in kept]
+        self._stage3 = Stage3Runtime(self.module, self.groups, [mods for mods, _ in kept], has_rest=bool(rest),
+                                     prefetch=prefetch)
+        # Backward meets the units in reverse forward order; the rest unit (embeddings) finishes last.
+        first = 1 if rest else 0
+        order = list(range(len(self.groups) - 1, first - 1, -1)) + ([0] if rest else [])
+        runtime = self._stage3
+
+        def launched(j: int) -> None:
+            if order[j] >= first:
+                runtime.free(order[j])
+        self._make_reducer([self.groups[k] for k in order], overlap, on_launched=launched, on_end=runtime.free_all)
+        # Shard gradients are indexed like the groups everywhere else.
+        self._shard_grads[:] = [self._shard_grads[order.index(k)] for k in range(len(self.groups))]
+
+    def _cast_the_rest(self) -> None:
+        """Mixed precision: frozen parameters and floating buffers compute in the compute dtype too."""
+        if self.mixed_precision is None:
+            return
+        managed = {id(p) for g in self.groups for p in g.params}
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if id(t) not in managed and t.is_floating_point():
+                t.data = t.data.to(self.compute_dtype)
+
+    def _guard_hook(self, _param: torch.Tensor) -> None:
+        if self._grads_reduced:
+            raise RuntimeError("ZeRO: a backward ran after the gradients were prepared for the step "
+                               "(clip_grad_norm_) and before step(); call step() first, or clip after the "
+                               "last backward of the step")
+
+    # -- running ----------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward (stage 3: collective — it gathers parameters)."""
+        if self._reducer is not None and torch.is_grad_enabled():
+            self._reducer.prepare_forward(sync=self._sync)
+        if self.mixed_precision is not None:
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def _cast_input(self, x: Any) -> Any:
+        return x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards of forwards run inside keep full local gradients and do not communicate (stages
+        2-3); the next backward outside reduces the sum. ``step()`` inside raises. Local."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as the ZeRO optimizer's ``zero_grad()``: zero the gradient buffers this wrapper keeps."""
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none)
+        else:
+            self._zero_grads()
+
+    @torch.no_grad()
+    def _zero_grads(self) -> None:
+        for buf in self._full_grads:
+            buf.zero_()
+        for g, buf in zip(self.groups, self._full_grads):
+            attach_full_grads(g, buf)
+        for buf in self._shard_grads:
+            buf.zero_()
+        if self.stage != 1:
+            for g in self.groups:
+                for p in g.params:
+                    p.grad = None
+            if self._reducer is not None:
+                self._reducer.unreduced = False
+
+    def _note_peak(self, opt: ZeroOptimizer | None) -> None:
+        self._peak.note(sum(storage_bytes(self.memory_tensors(opt)).values()))
+
+    # -- ``ZeroGroups`` (what ``ZeroOptimizer`` reads; all local) -----------------------------------------
+    @property
+    def full_grads(self) -> list[torch.Tensor]:
+        """Stage 1: each group's full local gradient buffer (unreduced until the step); else empty."""
+        return list(self._full_grads)
+
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        """Stages 2-3: this rank's averaged gradient shard of each group (indexed like ``groups``); else empty."""
+        return list(self._shard_grads)
+
+    @property
+    def syncing(self) -> bool:
+        """False inside ``no_sync()``."""
+        return self._sync
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        """Gradients accumulated under ``no_sync()`` not reduced by a synchronised backward yet (stages 2-3)."""
+        return self._reducer is not None and self._reducer.unreduced
+
+    def set_grads_prepared(self, prepared: bool) -> None:
+        """Set by the optimizer: while True a backward raises (``_guard_hook``)."""
+        self._grads_reduced = prepared
+
+    def clear_grads(self) -> None:
+        """Zero the gradient buffers in place (what ``ZeroOptimizer.zero_grad`` does to the model)."""
+        self._zero_grads()
+
+    def after_step(self) -> None:
+        """Note the model-state memory peak after an optimizer step."""
+        self._note_peak(self._optimizer)
+
+    def memory_tensors(self, opt: ZeroOptimizer | None = None) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank keeps for the model state, by category (for ``sw.memory_report``)."""
+        managed = {id(p) for g in self.groups for p in g.params}
+        params = [t for g in self.groups for t in (g.full, g.master, g.shard)]
+        params += [p for p in self.module.parameters() if id(p) not in managed]
+        grads = [*self._full_grads, *self._shard_grads]
+        grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [g.master.grad for g in self.groups if g.master.grad is not None]
+        state = [v for s in (opt.optimizer.state.values() if opt is not None else [])
+                 for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"params": params, "grads": grads, "optimizer": state}
+
+    # -- checkpoints: the plain model's keys, full tensors ----------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded tensors (master precision) under the unwrapped model's keys. Collective."""
+        value: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            full = _gather_master(g)
+            for p, v in zip(g.params, g.views(full)):
+                value[id(p)] = v.clone()
+        out: dict[str, torch.Tensor] = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            out[key] = value[id(t)] if id(t) in value else t.detach().clone()
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Same as ``full_state_dict()`` (collective): checkpoints load into any stage and world size."""
+        return self.full_state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a *full* state dict (the plain model's keys) into any stage and world size. Local: every
+        rank passes the same dict. Raises ``ValueError`` for missing/unexpected keys or wrong shapes."""
+        keys = {k: t for k, t in self.module.state_dict(keep_vars=True).items()}
+        missing = sorted(set(keys) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(keys))
+        if strict and (missing or unexpected):
+            raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}; "
+                             f"pass a full state dict of the unwrapped model (sw.full_state_dict)")
+        by_id = {id(t): k for k, t in keys.items() if k in state_dict}
+        for g in self.groups:
+            values = []
+            for name, p, shape in zip(g.names, g.params, g.shapes):
+                v = state_dict[by_id[id(p)]] if id(p) in by_id else None
+                if v is None or tuple(v.shape) != tuple(shape):
+                    raise ValueError(f"parameter {name!r}: expected shape {tuple(shape)}, got "
+                                     f"{None if v is None else tuple(v.shape)}")
+                values.append(v)
+            g.load_full(values)
+        managed = {id(p) for g in self.groups for p in g.params}
+        for k, t in keys.items():
+            if id(t) not in managed and k in state_dict:
+                t.copy_(state_dict[k])
+        return None
+
+
+def _gather_master(g: FlatGroup) -> torch.Tensor:
+    return comm.all_gather(g.master.detach(), g.mesh, g.axis, sizes=list(g.layout.shard_sizes))  # type: ignore[return-value]
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"stage-3 unit names a module {name!r} that the model does not have; use names "
+                         f"from model.named_modules(), e.g. 'blocks.0'") from None
+    if type(module).forward is nn.Module.forward:
+        # Units are gathered by forward hooks; a container (ModuleList/ModuleDict) is never called.
+        raise ValueError(f"stage-3 unit module {name!r} is a {type(module).__name__}, which is never called, "
+                         f"so its hooks would never gather it; list the modules inside it, e.g. "
+                         f"[['{name}.0'], ['{name}.1'], ...]")
+    return module

@@ -1,0 +1,109 @@
+"""The ``Strategy`` protocol: one parallel layout of ``shardwise train``, chosen once per run.
+
+A strategy owns what differs between layouts — how the model is built and wrapped, how one step's
+accumulation passes run and synchronise, which gradient tensors a rank holds (the non-finite guard), and
+how its tensors are laid out in a checkpoint — so the trainer (``trainer.py``) and the checkpoint code hold
+no per-layout branches. Implementations: ``PlainStrategy`` (single process, data and tensor parallelism:
+every rank holds whole per-parameter gradients), ``ZeroStrategy`` (``sw.zero``) and ``PipelineStrategy``
+(``sw.pipeline`` with its dp/tp/ZeRO-1 hybrids); ``build_strategy`` (``__init__.py``) picks one from the config.
+
+Also here: what the implementations share — the optimizer factory of the config and the tensor-parallel setup
+(``sw.parallelize`` plus the vocab-parallel loss), used by the plain path and inside pipeline stages alike.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from ...checkpoint.sharded import Checkpoint, Piece
+from ...mesh import Mesh
+from ...models.gpt import GPT, lm_loss
+from ..config import Config, OptimizerConfig
+from ..nonfinite import Grad
+
+__all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Timings = dict[str, float]
+"""Phase times of one step in seconds (``fwd``, ``bwd``, ``comm``, ...); ``passes`` adds to them."""
+
+
+class Strategy(Protocol):
+    """One parallel layout of the trainer (see module docstring). Attributes: ``model`` — what the step calls
+    (the wrapper: ``DataParallel``, ``ZeroModel``, ``Pipeline``, or the plain module); ``plain`` — the plain
+    module inside (its names and keys are the checkpoint's); ``optimizer`` — steps what ``model`` holds."""
+
+    model: Any
+    plain: nn.Module
+    optimizer: Any
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(dp size, dp rank)`` the data sampler shards over (a pipeline shards inside ``pipe.step``). Local."""
+        ...
+
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor | float:
+        """The step's ``grad_accum`` forward/backward passes with gradient synchronisation; returns this rank's
+        loss of the step (already the dp mean for a pipeline). ``poison``: multiply the loss by NaN (debug
+        fault). Adds phase times to ``t``; ``sync`` waits for queued device work. Collective."""
+        ...
+
+    def mean_loss(self, loss: torch.Tensor | float) -> float:
+        """The step's loss averaged over dp, as a float. Collective over dp (where not already averaged)."""
+        ...
+
+    def grads(self) -> list[Grad]:
+        """Every gradient tensor this rank holds after the passes (``nonfinite.py``). Local, no host sync."""
+        ...
+
+    def scale_param_grads(self, factor: float) -> None:
+        """Multiply per-parameter gradients by ``factor`` (debug fault ``sum_grads``); no-op for layouts whose
+        gradients live in ZeRO's flat buffers. Local."""
+        ...
+
+    def pieces(self) -> list[Piece]:
+        """This rank's checkpoint pieces (model, then optimizer state) with their SBP. Collective for ZeRO
+        (gathers the parameters); local otherwise — call it on every rank."""
+        ...
+
+    def shared_state(self) -> dict[str, Any]:
+        """JSON entries this layout adds to the checkpoint index state. Local."""
+        ...
+
+    def rank_state(self) -> dict[str, Any]:
+        """JSON entries this layout adds to this rank's file of the checkpoint. Local."""
+        ...
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Load model and optimizer state from a checkpoint of any layout. Local (file reads)."""
+        ...
+
+    def memory(self) -> dict[str, int]:
+        """This rank's model-state bytes: ``params``, ``grads``, ``optimizer``, ``peak`` (``sw.memory_report``).
+        Local."""
+        ...
+
+
+def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over ``params``. Weight decay applies to every parameter alike, so that ZeRO's flat
+    shards (which mix matrices, biases and norms) optimise the same objective as every other layout."""
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def tensor_parallel(cfg: Config, mesh: Mesh, plain: GPT) -> tuple[nn.Module, LossFn]:
+    """``(model, loss)``: with ``parallel.tp > 1`` the GPT ``sw.parallelize``-d over ``tp`` (in place) and the
+    vocab-parallel cross-entropy (the logits stay vocab-sharded); else ``plain`` and ``lm_loss``. The one
+    tensor-parallel setup of the trainer: the plain path and a pipeline's stages both use it. Collective only
+    as ``sw.parallelize`` is."""
+    if cfg.parallel.tp <= 1:
+        return plain, lm_loss
+    from ...parallel.tensor.api import gpt_plan, parallelize, vocab_parallel_cross_entropy
+
+    model = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
+    return model, partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)

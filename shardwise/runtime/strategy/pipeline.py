@@ -1,0 +1,135 @@
+"""``PipelineStrategy``: the pipeline side of ``shardwise train`` (``parallel.pp > 1``) — ``sw.pipeline`` with its
+hybrids, one step's accumulation passes, and the checkpoint layout a pipeline rank saves and loads.
+
+Hybrids (``config._check_pipeline_hybrids`` lists what stays rejected):
+
+* dp: ``dp_axis="dp"`` — every rank passes each pass's ``micro_batch × dp`` sequences, each replica takes its
+  slice; gradients averaged over dp inside ``pipe.step`` (bucketed, started inside the last backward);
+* tp: the GPT is ``sw.parallelize``-d over ``tp`` *before* pipelining (each stage runs its tp shards) and the
+  last stage's loss is the vocab-parallel cross-entropy, as without pp (``base.tensor_parallel``);
+* ZeRO-1: ``zero_stage=1`` — ``pipe.build_optimizer`` gives a ``ZeroOptimizer`` over the dp gradient buckets of
+  this rank's stages (optimizer state 1/dp); its checkpoint layout: ``checkpoint/pipeline_zero.py``;
+* activation checkpointing: ``checkpoint=True`` (each unit keeps only its input, recomputed in backward).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from ...checkpoint.pipeline_layout import load_pipeline, pipeline_model_pieces, pipeline_optimizer_pieces
+from ...checkpoint.pipeline_zero import load_pipeline_zero, pipeline_zero_groups, pipeline_zero_pieces
+from ...checkpoint.sharded import Checkpoint, Piece
+from ...mesh import Mesh
+from ...models.gpt import GPT
+from ...parallel.common.memory import storage_bytes
+from ...parallel.pipeline.api import Pipeline, pipeline
+from ...parallel.zero.optim import ZeroOptimizer
+from ..config import Config
+from ..nonfinite import Grad, flat_grads, names_by_id, poisoned
+from .base import Batches, Timings, build_optimizer, tensor_parallel
+
+__all__ = ["PipelineStrategy"]
+
+
+class PipelineStrategy:
+    """``sw.pipeline`` over ``pp`` with dp, tp, ZeRO-1 and activation checkpointing inside (``Strategy``).
+    Building is collective only as ``sw.parallelize`` is (``sw.pipeline`` itself is pure)."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
+        p = cfg.parallel
+        module, loss = tensor_parallel(cfg, mesh, plain)
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return loss(logits, targets) / p.grad_accum  # one pass of grad_accum, like the plain loop's scaling
+
+        self.plain, self.mesh = module, mesh
+        self.model: Pipeline = pipeline(
+            module, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
+            split=list(p.pp_split) or None, chunks=p.pp_chunks, dp_axis="dp", zero_stage=p.zero_stage,
+            checkpoint=p.activation_checkpointing, bucket_cap_mb=p.bucket_cap_mb)
+        self.optimizer = self.model.build_optimizer(partial(build_optimizer, o=cfg.optimizer))
+        # ZeRO-1 over dp only with dp > 1 (at dp = 1 the optimizer is a plain one); the ``sum_grads`` fault
+        # follows the config's zero_stage, as it does without pp.
+        self.zero1 = isinstance(self.optimizer, ZeroOptimizer)
+        self.flat_buffers = p.zero_stage > 0
+
+    def data_shard(self) -> tuple[int, int]:
+        """Not sharded: every rank loads each pass's ``micro_batch × dp`` sequences (``pipe.step`` slices dp
+        itself); the saved position (samples consumed by all ranks) is the same either way."""
+        return 1, 0
+
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> float:
+        """One ``pipe.step`` per accumulation pass; the step's mean loss (same on every rank). Times: this rank's
+        F actions → fwd, B and W → bwd, the rest of ``pipe.step`` (waiting for neighbours — bubble and
+        transfers —, tied-weight exchange, dp reduction) → comm. On CUDA the split is of launch times unless
+        ``pipe.interpreter.synchronize_timings`` is set; the step time is exact (``step`` syncs). Collective."""
+        pipe, total = self.model, 0.0
+        clean = pipe.interpreter.loss_fn  # the last stage looks its loss up here, per micro-batch
+        if poison:
+            pipe.interpreter.loss_fn = poisoned(clean)
+        try:
+            for x, y in batches:
+                start = time.perf_counter()
+                total += pipe.step(x, y)  # mean over micro-batches and dp of lm_loss / grad_accum
+                elapsed = time.perf_counter() - start
+                fwd = sum(end - begin for a, begin, end in pipe.last_events if a.kind == "F")
+                bwd = sum(end - begin for a, begin, end in pipe.last_events if a.kind != "F")
+                t["fwd"], t["bwd"] = t["fwd"] + fwd, t["bwd"] + bwd
+                t["comm"] += max(0.0, elapsed - fwd - bwd)
+        finally:
+            pipe.interpreter.loss_fn = clean
+        return total
+
+    def mean_loss(self, loss: torch.Tensor | float) -> float:
+        """Local: ``pipe.step``'s loss is already the mean over dp."""
+        return float(loss)
+
+    def grads(self) -> list[Grad]:
+        """Its stages' ``param.grad`` (with dp: views of the averaged buckets); with ZeRO-1 also each bucket's
+        averaged shard (the optimizer's gradient) besides the replica's own full buffer."""
+        names = names_by_id(self.model.model)
+        out = [Grad(q.grad, (names.get(id(q), "?"),)) for q in self.model.parameters() if q.grad is not None]
+        sync = self.model.grad_sync
+        if self.zero1 and sync is not None:
+            out += flat_grads(sync.groups, sync.held_shards(), self.model.model, "pipeline bucket", shard=True)
+        return out
+
+    def scale_param_grads(self, factor: float) -> None:
+        if not self.flat_buffers:
+            for param in self.plain.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+
+    def pieces(self) -> list[Piece]:
+        """Its own stages' tensors under the plain model's keys, and their optimizer state — per parameter, or
+        ZeRO-1's flat shards. Local."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            return pipeline_model_pieces(self.model) + pipeline_zero_pieces(self.model, self.optimizer)
+        return pipeline_model_pieces(self.model) + pipeline_optimizer_pieces(self.model, self.optimizer)
+
+    def shared_state(self) -> dict[str, Any]:
+        return {"pipeline_zero_groups": True} if self.zero1 else {}
+
+    def rank_state(self) -> dict[str, Any]:
+        """With ZeRO-1: this rank's group list (no rank knows the other pp coordinates' groups)."""
+        return {"zero_groups": pipeline_zero_groups(self.model)} if self.zero1 else {}
+
+    def load(self, ckpt: Checkpoint) -> None:
+        if isinstance(self.optimizer, ZeroOptimizer):
+            load_pipeline_zero(ckpt, self.model, self.optimizer)
+        else:
+            load_pipeline(ckpt, self.model, self.optimizer)
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        sync = self.model.grad_sync
+        grads = [q.grad for q in params] + ([*sync.full_grads, *sync.held_shards()] if sync is not None else [])
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        counts = storage_bytes({"params": params, "grads": grads, "optimizer": state})
+        device = self.mesh.device
+        peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else sum(counts.values())
+        return {**counts, "peak": peak}

@@ -1,0 +1,115 @@
+"""``PlainStrategy``: one process, data parallelism (``DataParallel``) and tensor parallelism — every rank holds
+a whole gradient per parameter (its tp shard), in ``param.grad``; the optimizer is per parameter.
+
+Also the accumulation loop and the dp loss mean that ``ZeroStrategy`` shares (``accumulate``, ``dp_mean``).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ...checkpoint.layout import load_model, load_optimizer, model_pieces, optimizer_pieces
+from ...checkpoint.sharded import Checkpoint, Piece
+from ...comm.collectives import all_reduce
+from ...mesh import Mesh
+from ...models.gpt import GPT
+from ...parallel.common.memory import memory_report
+from ..config import Config
+from ..nonfinite import Grad, param_grads, poisoned
+from .base import Batches, LossFn, Timings, build_optimizer, tensor_parallel
+
+__all__ = ["PlainStrategy", "accumulate", "dp_mean", "checkpointed"]
+
+
+def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
+    """``model`` with activation checkpointing per block when ``parallel.activation_checkpointing``. Local."""
+    if cfg.parallel.activation_checkpointing:
+        from ...parallel.common.activation_checkpointing import checkpoint_layers
+
+        checkpoint_layers(model)
+    return model
+
+
+def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: Callable[[], None],
+               device: torch.device) -> torch.Tensor:
+    """``len(batches)`` forward/backward passes, each loss scaled by ``1/len(batches)``; gradient sync on the
+    last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). This rank's loss of the
+    step. Collective as the wrapper's synchronised backward is."""
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext():
+            t0 = time.perf_counter()
+            loss = loss_fn(model(x), y) / len(batches)
+            sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            sync()
+            t["fwd"] += t1 - t0
+            t["bwd"] += time.perf_counter() - t1
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def dp_mean(loss: torch.Tensor | float, mesh: Mesh) -> float:
+    """This rank's step loss averaged over dp (in place; one all-reduce when dp > 1). Collective over dp."""
+    if mesh.size("dp") > 1:
+        all_reduce(loss, mesh, "dp", op="avg")
+    return float(loss)
+
+
+class PlainStrategy:
+    """Single process, ``DataParallel`` over ``dp`` and/or ``sw.parallelize`` over ``tp`` (``Strategy``).
+    Building is collective (``DataParallel`` broadcasts the weights; ``parallelize``)."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
+        p = cfg.parallel
+        self.mesh = mesh
+        module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
+        self.plain: nn.Module = checkpointed(cfg, module)
+        self.model: nn.Module = self.plain
+        if p.dp > 1:
+            from ...parallel.data.data_parallel import DataParallel
+
+            self.model = DataParallel(self.plain, mesh, axis="dp", algorithm=p.algorithm,
+                                      bucket_cap_mb=p.bucket_cap_mb)
+        self.optimizer: torch.optim.Optimizer = build_optimizer(list(self.plain.parameters()), cfg.optimizer)
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.mesh.size("dp"), self.mesh.coord("dp")
+
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
+        loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
+        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device)
+
+    def mean_loss(self, loss: torch.Tensor | float) -> float:
+        return dp_mean(loss, self.mesh)
+
+    def grads(self) -> list[Grad]:
+        return param_grads(self.plain)
+
+    def scale_param_grads(self, factor: float) -> None:
+        for param in self.plain.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
+    def pieces(self) -> list[Piece]:
+        return model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)
+
+    def shared_state(self) -> dict[str, Any]:
+        return {}
+
+    def rank_state(self) -> dict[str, Any]:
+        return {}
+
+    def load(self, ckpt: Checkpoint) -> None:
+        load_model(ckpt, self.plain, self.mesh)
+        load_optimizer(ckpt, self.plain, self.optimizer, self.mesh)
+
+    def memory(self) -> dict[str, int]:
+        return memory_report(self.plain, self.optimizer)

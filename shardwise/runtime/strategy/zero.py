@@ -1,0 +1,76 @@
+"""``ZeroStrategy``: ``sw.zero`` over ``dp`` (stages 1-3; tensor parallelism and activation checkpointing inside,
+built like the plain path). Gradients live in ZeRO's flat buffers; the optimizer steps this rank's shards;
+checkpoints hold full parameters and the flat optimizer-state shards (``checkpoint/zero_layout.py``)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from ...checkpoint.sharded import Checkpoint, Piece
+from ...checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
+from ...mesh import Mesh
+from ...models.gpt import GPT
+from ...parallel.common.memory import memory_report
+from ...parallel.zero.api import ZeroModel, zero
+from ...parallel.zero.optim import ZeroOptimizer
+from ..config import Config
+from ..nonfinite import Grad, flat_grads, poisoned
+from .base import Batches, Timings, build_optimizer, tensor_parallel
+from .plain import accumulate, checkpointed, dp_mean
+
+__all__ = ["ZeroStrategy"]
+
+
+class ZeroStrategy:
+    """``sw.zero(stage=parallel.zero_stage)`` over ``dp`` (``Strategy``). Building is collective over dp."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
+        p = cfg.parallel
+        self.mesh = mesh
+        module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
+        self.plain = checkpointed(cfg, module)
+        model, optimizer = zero(self.plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
+                                optimizer=partial(build_optimizer, o=cfg.optimizer))
+        self.model: ZeroModel = model
+        self.optimizer: ZeroOptimizer = optimizer
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.mesh.size("dp"), self.mesh.coord("dp")
+
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
+        loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
+        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device)
+
+    def mean_loss(self, loss: torch.Tensor | float) -> float:
+        return dp_mean(loss, self.mesh)
+
+    def grads(self) -> list[Grad]:
+        """Stage 1: each group's full local buffer (unreduced: a non-finite element on any replica would make
+        the averaged shard non-finite, and the flag's agreement carries it everywhere); stages 2-3: this
+        rank's averaged shard of each group, the only gradient it keeps."""
+        m = self.model
+        if m.stage == 1:
+            return flat_grads(m.groups, m.full_grads, self.plain, "ZeRO group", shard=False)
+        return flat_grads(m.groups, m.shard_grads, self.plain, "ZeRO group", shard=True)
+
+    def scale_param_grads(self, factor: float) -> None:
+        """No-op: the ``sum_grads`` fault targets per-parameter gradients, which ZeRO does not keep."""
+
+    def pieces(self) -> list[Piece]:
+        return zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.optimizer,
+                                                                                 self.mesh)
+
+    def shared_state(self) -> dict[str, Any]:
+        return {"zero_groups": zero_groups_state(self.model)}
+
+    def rank_state(self) -> dict[str, Any]:
+        return {}
+
+    def load(self, ckpt: Checkpoint) -> None:
+        load_zero(ckpt, self.model, self.optimizer)
+
+    def memory(self) -> dict[str, int]:
+        return memory_report(self.model, self.optimizer)

@@ -1,0 +1,63 @@
+"""``build_strategy`` picks one layout from the config, and each strategy answers the protocol on a world of
+one process (the multi-rank behaviour is covered against one device in tests/dist and tests/e2e)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardwise import world
+from shardwise.mesh import Mesh
+from shardwise.models.gpt import GPT
+from shardwise.runtime.config import Config, validate
+from shardwise.runtime.strategy import PlainStrategy, ZeroStrategy, build_strategy
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    world.init(backend="gloo")
+    yield Mesh(dp=1, tp=1)
+    world.shutdown()
+
+
+def _cfg(**parallel) -> Config:
+    cfg = Config()
+    return validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc=1, **parallel)))
+
+
+@pytest.mark.parametrize("zero_stage, kind", [(0, PlainStrategy), (1, ZeroStrategy), (3, ZeroStrategy)])
+def test_build_picks_the_layout_and_reports_memory(mesh, zero_stage, kind):
+    cfg = _cfg(zero_stage=zero_stage)
+    s = build_strategy(cfg, mesh)
+    assert isinstance(s, kind)
+    assert all(callable(getattr(s, m)) for m in ("passes", "mean_loss", "grads", "pieces", "load", "memory"))
+    with torch.device("meta"):  # the model's size from its config (ZeRO-3 releases the plain module's storage)
+        numel = sum(p.numel() for p in GPT(cfg.model).parameters())
+    mem = s.memory()
+    assert set(mem) >= {"params", "grads", "optimizer", "peak"}
+    assert mem["params"] >= 4 * numel  # fp32 weights, held whole on a world of one
+    # before any step: no optimizer state; gradients none (plain) or ZeRO's preallocated fp32 flat buffer
+    assert mem["optimizer"] == 0 and mem["grads"] == (0 if kind is PlainStrategy else 4 * numel)
+
+
+def test_one_step_through_the_protocol_matches_plain_torch(mesh):
+    s = build_strategy(_cfg(), mesh)
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 64))
+    batches = [(x, torch.roll(x, -1, 1))]
+    times = {"fwd": 0.0, "bwd": 0.0, "comm": 0.0}
+    loss = s.passes(batches, times, lambda: None, poison=False)
+    grads = s.grads()
+    assert grads and all(torch.isfinite(g.tensor).all() for g in grads)
+    assert s.mean_loss(loss) == pytest.approx(float(loss))
+    names = {k for p in s.pieces() for k in [p.key]}
+    assert any(k.startswith("model/") for k in names)
+
+
+def test_mesh_timeout_must_be_positive_and_gives_its_own_groups(mesh):
+    with pytest.raises(ValueError, match=r"timeout_s=0\b.*> 0 seconds"):
+        Mesh(dp=1, timeout_s=0)
+    short = Mesh(dp=1, timeout_s=7.5)
+    assert short.timeout_s == 7.5 and mesh.timeout_s is None
