@@ -25,10 +25,17 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from .faults_corrupt import trial_corrupt_piece
 from .faults_report import markdown, print_table, summarize
-from .faults_trials import KINDS, TRIALS, Setup, empty_record, run_reference
+from .faults_trials import (KINDS, Reference, Setup, empty_record, run_reference, trial_kill_in_save, trial_kill_launcher,
+                            trial_kill_rank, trial_sigstop_rank)
+
+TRIALS: dict[str, Callable[[Setup, Reference, random.Random, dict[str, Any]], None]] = {
+    "kill-rank": trial_kill_rank, "kill-in-save": trial_kill_in_save, "kill-launcher": trial_kill_launcher,
+    "sigstop-rank": trial_sigstop_rank, "corrupt-piece": trial_corrupt_piece,
+}
 
 __all__ = ["add_arguments", "main"]
 
