@@ -42,7 +42,7 @@ from .data import ShardedSampler, TokenWindows
 from ..world import World, barrier_all, bind_to_launcher, init, shutdown
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
-from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy
+from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy, mesh_axes
 
 __all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
 
@@ -62,12 +62,8 @@ can be slow and uneven on a loaded machine or filesystem; training steps use ``t
 
 
 def _build_mesh(p: ParallelConfig, timeout_s: float | None = None) -> Mesh:
-    """``(dp, tp)``; with pipeline parallelism ``(pp, dp, tp)``: stages outermost, so a stage's dp/tp peers are
-    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)
-    ``timeout_s``: the collective deadline of the mesh's groups (the training steps)."""
-    if p.pp > 1:
-        return Mesh(pp=p.pp, dp=p.dp, tp=p.tp, timeout_s=timeout_s)
-    return Mesh(dp=p.dp, tp=p.tp, timeout_s=timeout_s)
+    """The layout's mesh (``mesh_axes``); ``timeout_s``: the collective deadline of its groups (the steps)."""
+    return Mesh(**mesh_axes(p), timeout_s=timeout_s)
 
 
 class Trainer:

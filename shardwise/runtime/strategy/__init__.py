@@ -9,14 +9,20 @@ import torch
 
 from ...mesh import Mesh
 from ...models.gpt import GPT, GPTConfig
-from ..config import Config
+from ..config import Config, ParallelConfig
 from .base import Strategy, build_optimizer, tensor_parallel
 from .pipeline import PipelineStrategy
 from .plain import PlainStrategy
 from .zero import ZeroStrategy
 
-__all__ = ["Strategy", "build_strategy", "build_optimizer", "tensor_parallel", "PlainStrategy", "ZeroStrategy",
+__all__ = ["Strategy", "build_strategy", "mesh_axes", "build_optimizer", "tensor_parallel", "PlainStrategy", "ZeroStrategy",
            "PipelineStrategy"]
+
+
+def mesh_axes(p: ParallelConfig) -> dict[str, int]:
+    """``(dp, tp)``; with pipeline parallelism ``(pp, dp, tp)``: stages outermost, so a stage's dp/tp peers are
+    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)"""
+    return dict(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else dict(dp=p.dp, tp=p.tp)
 
 
 def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:
