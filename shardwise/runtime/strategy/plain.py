@@ -63,7 +63,27 @@ def dp_mean(loss: torch.Tensor | float, mesh: Mesh) -> float:
     return float(loss)
 
 
-class PlainStrategy:
+class DataParallelSteps:
+    """The step shared by every layout whose ranks each run whole forward/backward passes over their dp shard of
+    the batch (plain, DataParallel, tensor parallel, ZeRO): ``grad_accum`` passes, then the mean loss over dp.
+    Needs ``mesh``, ``model`` and ``loss_fn``."""
+
+    mesh: Mesh
+    model: Any
+    loss_fn: LossFn
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.mesh.size("dp"), self.mesh.coord("dp")
+
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
+        loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
+        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device)
+
+    def mean_loss(self, loss: torch.Tensor | float) -> float:
+        return dp_mean(loss, self.mesh)
+
+
+class PlainStrategy(DataParallelSteps):
     """Single process, ``DataParallel`` over ``dp`` and/or ``sw.parallelize`` over ``tp`` (``Strategy``).
     Building is collective (``DataParallel`` broadcasts the weights; ``parallelize``)."""
 
@@ -79,16 +99,6 @@ class PlainStrategy:
             self.model = DataParallel(self.plain, mesh, axis="dp", algorithm=p.algorithm,
                                       bucket_cap_mb=p.bucket_cap_mb)
         self.optimizer: torch.optim.Optimizer = build_optimizer(list(self.plain.parameters()), cfg.optimizer)
-
-    def data_shard(self) -> tuple[int, int]:
-        return self.mesh.size("dp"), self.mesh.coord("dp")
-
-    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
-        loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
-        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device)
-
-    def mean_loss(self, loss: torch.Tensor | float) -> float:
-        return dp_mean(loss, self.mesh)
 
     def grads(self) -> list[Grad]:
         return param_grads(self.plain)

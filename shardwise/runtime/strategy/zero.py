@@ -5,9 +5,7 @@ checkpoints hold full parameters and the flat optimizer-state shards (``checkpoi
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
@@ -17,14 +15,14 @@ from ...parallel.common.memory import memory_report
 from ...parallel.zero.api import ZeroModel, zero
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
-from ..nonfinite import Grad, flat_grads, poisoned
-from .base import Batches, Timings, build_optimizer, tensor_parallel
-from .plain import accumulate, checkpointed, dp_mean
+from ..nonfinite import Grad, flat_grads
+from .base import build_optimizer, tensor_parallel
+from .plain import DataParallelSteps, checkpointed
 
 __all__ = ["ZeroStrategy"]
 
 
-class ZeroStrategy:
+class ZeroStrategy(DataParallelSteps):
     """``sw.zero(stage=parallel.zero_stage)`` over ``dp`` (``Strategy``). Building is collective over dp."""
 
     def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
@@ -36,16 +34,6 @@ class ZeroStrategy:
                                 optimizer=partial(build_optimizer, o=cfg.optimizer))
         self.model: ZeroModel = model
         self.optimizer: ZeroOptimizer = optimizer
-
-    def data_shard(self) -> tuple[int, int]:
-        return self.mesh.size("dp"), self.mesh.coord("dp")
-
-    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
-        loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
-        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device)
-
-    def mean_loss(self, loss: torch.Tensor | float) -> float:
-        return dp_mean(loss, self.mesh)
 
     def grads(self) -> list[Grad]:
         """Stage 1: each group's full local buffer (unreduced: a non-finite element on any replica would make
