@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_faults_one_trial(tmp_path: Path) -> None:
     out, md = tmp_path / "faults.json", tmp_path / "faults.md"
     res = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "faults", "--trials", "1", "--kinds",
-                          "corrupt-piece", "--seed", "3", "--workdir", str(tmp_path / "runs"),
+                          "corrupt-piece", "--seed", "3", "--steps", "12", "--workdir", str(tmp_path / "runs"),
                           "--out", str(out), "--markdown", str(md)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

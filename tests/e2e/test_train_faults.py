@@ -67,7 +67,7 @@ def test_restarts_used_up_report_the_failure(tmp_path):
 
 
 def test_sigstopped_rank_ends_the_job_within_timeout_plus_10s_named(tmp_path):
-    timeout_s = 6
+    timeout_s = 4
     launcher = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *TINY, "--train.name", "stop",
                                  "--train.steps", "100000", "--train.timeout_s", str(timeout_s)],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -168,10 +168,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_launchers_train_like_one_node(tmp_path):
+def test_two_launchers_train_like_one_node(reference, tmp_path):
     """``--nnodes 2`` with two launchers on this machine (one rank each, a shared run directory) gives the
-    losses of one node with the same world size. One intra-op thread everywhere: torchrun sets it for several
-    ranks per node only, and the thread count changes float summation order."""
+    losses of one node with the same world size (the reference run: 2 ranks on one node). One intra-op thread:
+    torchrun sets it only for several ranks per node, and the thread count changes float summation order."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *TINY, "--train.name", "mn",
@@ -180,9 +180,7 @@ def test_two_launchers_train_like_one_node(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (1, 0)]
     outs = [p.communicate(timeout=150) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs
-    one = cli(tmp_path, "train", *TINY, "--train.name", "one", env=env)
-    assert one.returncode == 0, one.stderr
-    assert losses(tmp_path / "runs" / "mn") == losses(tmp_path / "runs" / "one")
+    assert losses(tmp_path / "runs" / "mn") == losses(reference)
     assert Checkpoint(tmp_path / "runs" / "mn").index["world_size"] == 2
 
 
