@@ -30,3 +30,19 @@ def worlds() -> Iterator[Worlds]:
     w = Worlds()
     yield w
     w.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh() -> Iterator["object"]:
+    """A ``Mesh(dp=1, tp=1)`` in a world of this one process (``sw.init`` without torchrun), for checks that
+    need an initialised job but no peers; left initialised if it already was."""
+    import torch
+
+    from shardwise import world
+    from shardwise.mesh import Mesh
+
+    was = torch.distributed.is_initialized()
+    world.init(backend="gloo")
+    yield Mesh(dp=1, tp=1)
+    if not was:
+        world.shutdown()

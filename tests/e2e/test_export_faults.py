@@ -12,7 +12,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -24,7 +24,6 @@ from shardwise.checkpoint.layout import model_pieces, optimizer_pieces, tied_ali
 from shardwise.checkpoint.sharded import save_checkpoint
 from shardwise.cli import main as cli_main
 from shardwise.models import GPT, GPTConfig
-from shardwise import world as launch
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
 FILE = "rank00000.safetensors"
@@ -33,12 +32,8 @@ PREVIOUS = b"an earlier export, to be kept"
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[sw.Mesh]:
-    was = torch.distributed.is_initialized()
-    launch.init(backend="gloo")
-    yield sw.Mesh(dp=1, tp=1)
-    if not was:
-        launch.shutdown()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 @pytest.fixture(scope="module")

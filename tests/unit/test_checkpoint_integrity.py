@@ -8,7 +8,6 @@ import json
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from shardwise import checkpoint as ckpt_pkg
 from shardwise.checkpoint.layout import model_pieces
 from shardwise.checkpoint.sharded import (Checkpoint, CheckpointError, latest_checkpoint, latest_intact_checkpoint,
                                           save_checkpoint, verify_checkpoint)
-from shardwise import world as launch
 
 KEY = "model/fc.weight"
 FILE = "rank00000.safetensors"
@@ -36,12 +34,8 @@ class Tiny(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[sw.Mesh]:
-    was = torch.distributed.is_initialized()
-    launch.init(backend="gloo")
-    yield sw.Mesh(dp=1, tp=1)
-    if not was:
-        launch.shutdown()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def _save(mesh: sw.Mesh, root: Path, step: int, model: nn.Module) -> Path:

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise import world
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT
 from shardwise.runtime.config import Config, validate
@@ -16,10 +15,8 @@ from shardwise.runtime.strategy import PlainStrategy, ZeroStrategy, build_strate
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    world.init(backend="gloo")
-    yield Mesh(dp=1, tp=1)
-    world.shutdown()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def _cfg(**parallel) -> Config:
