@@ -1,0 +1,12 @@
+"""The planner: what a layout will cost before it runs. Pure — no processes, no communication.
+
+``Hardware`` (presets and calibrations), ``ModelSpec`` (analytic GPT / Llama, or traced from any module),
+``Plan`` (a layout as plain data), ``predict`` (step time, memory, TF/s, MFU, with a breakdown).
+"""
+
+from .hardware import PRESETS, Hardware, Link
+from .plan import Plan
+from .predict import Prediction, predict
+from .spec import Gemm, Layer, ModelSpec
+
+__all__ = ["Hardware", "Link", "PRESETS", "ModelSpec", "Layer", "Gemm", "Plan", "Prediction", "predict"]

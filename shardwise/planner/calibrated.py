@@ -1,0 +1,105 @@
+"""``Hardware`` from a calibration file of the user's own machine (written by ``shardwise calibrate``).
+
+The file holds what ran *with every rank busy at once* (ranks share the host's cores and memory bus, as they do
+in training): GEMM throughput per rank for a sweep of shapes, elementwise bandwidth, the cost of one tiny op,
+and fitted alpha–beta models of the collectives for each group size measured. From them:
+
+* ``peak_flops[dtype]`` = the best GEMM throughput measured, ``gemm_curve`` = every shape's throughput over that
+  peak, keyed by the shape's cube-root size (so the roofline of ``Hardware.gemm_time`` reproduces each probe);
+* the intra-node ``Link`` from the native all-reduce of the largest group (``β`` → bus bandwidth
+  ``2(n-1)/n / β``, ``α`` → ``α / 2(n-1)`` per step); a one-node calibration knows no inter-node link, so it
+  reuses the intra one (said in ``source``);
+* ``collectives`` keeps the fitted models themselves, which ``Hardware.collective_time`` prefers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..comm.calibration import Calibration
+from .hardware import Hardware, Link
+
+__all__ = ["hardware_from_calibration"]
+
+_FORMAT = "shardwise-hardware/1"
+_TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _need(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise ValueError(f"{where} lacks field {key!r}; regenerate it with `shardwise calibrate --out FILE`")
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"{where}: field {key!r} must be {getattr(kind, '__name__', kind)}, got {value!r}; "
+                         f"regenerate it with `shardwise calibrate --out FILE`")
+    return value
+
+
+def _curve(points: list[Any], where: str) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """``(peak, curve)`` from ``[[m, n, k, flop_per_s], ...]``."""
+    rows = []
+    for p in points:
+        if not (isinstance(p, (list, tuple)) and len(p) == 4 and all(isinstance(x, (int, float)) for x in p)
+                and min(p) > 0):
+            raise ValueError(f"{where}: every GEMM probe must be [m, n, k, flop_per_s] with positive numbers, "
+                             f"got {p!r}; regenerate it with `shardwise calibrate --out FILE`")
+        m, n, k, f = (float(x) for x in p)
+        rows.append(((m * n * k) ** (1.0 / 3.0), f))
+    if not rows:
+        raise ValueError(f"{where}: no GEMM probes; regenerate it with `shardwise calibrate --out FILE`")
+    peak = max(f for _, f in rows)
+    by_size: dict[float, list[float]] = {}
+    for d, f in rows:
+        by_size.setdefault(round(d, 3), []).append(f / peak)
+    # Several shapes of one size: their mean (the curve is by size only).
+    curve = tuple(sorted((d, sum(e) / len(e)) for d, e in by_size.items()))
+    return peak, curve
+
+
+def _intra_link(collectives: Mapping[int, Calibration]) -> Link:
+    size = max(collectives)
+    cal = collectives[size]
+    model = cal.model("all_reduce", "native")
+    beta_s = model.beta_us_per_byte * 1e-6
+    bus = 2.0 * (size - 1) / size / beta_s if beta_s > 0 else 1e12
+    return Link(alpha_s=model.alpha_us * 1e-6 / (2 * (size - 1)), bus_bandwidth_Bps=bus)
+
+
+def hardware_from_calibration(data: Any, where: str = "calibration") -> Hardware:
+    """Build ``Hardware`` from a parsed calibration file; ``ValueError`` naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} holds a {type(data).__name__}, expected an object; regenerate it with "
+                         f"`shardwise calibrate --out FILE`")
+    fmt = data.get("format")
+    if fmt != _FORMAT:
+        raise ValueError(f"{where} has format {fmt!r}, expected {_FORMAT!r}; regenerate it with "
+                         f"`shardwise calibrate --out FILE`")
+    probe = _need(data, "probe", dict, where)
+    gemm = _need(probe, "gemm", dict, f"{where} probe")
+    peaks: dict[str, float] = {}
+    curves: dict[str, tuple[tuple[float, float], ...]] = {}
+    for ours, theirs in _TORCH_DTYPE.items():
+        if theirs in gemm:
+            peaks[ours], curves[ours] = _curve(_need(gemm, theirs, list, f"{where} probe.gemm"), where)
+    if "fp32" not in peaks:
+        raise ValueError(f"{where}: probe.gemm lacks 'float32'; regenerate it with `shardwise calibrate --out FILE`")
+    peaks.setdefault("bf16", peaks["fp32"])
+    raw = _need(data, "collectives", dict, where)
+    collectives = {}
+    for size, cal in raw.items():
+        try:
+            collectives[int(size)] = Calibration.from_json(cal)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{where}: collectives[{size!r}] is not a calibration ({exc}); regenerate it with "
+                             f"`shardwise calibrate --out FILE`") from None
+    if not collectives:
+        raise ValueError(f"{where}: no collectives measured; regenerate it with `shardwise calibrate --out FILE`")
+    link = _intra_link(collectives)
+    return Hardware(
+        name=str(data.get("name", "calibrated")), peak_flops=peaks,
+        memory_bytes=float(_need(data, "memory_bytes", (int, float), where)),
+        memory_bandwidth_Bps=float(_need(probe, "memory_bandwidth_Bps", (int, float), f"{where} probe")),
+        devices_per_node=int(_need(data, "devices_per_node", int, where)), intra=link, inter=link,
+        gemm_curve=curves["fp32"], op_overhead_s=float(_need(probe, "op_overhead_s", (int, float), f"{where} probe")),
+        p2p_alpha_s=link.alpha_s * 2, collectives=collectives,
+        source=f"calibration {where} (one node: the inter-node link is the intra-node one)")

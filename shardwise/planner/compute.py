@@ -1,0 +1,109 @@
+"""Time of one micro-batch through one layer on one tensor-parallel group: forward ``F``, input gradient ``B``,
+weight gradient ``W`` and the recomputation that activation checkpointing adds to backward.
+
+GEMMs cost ``Hardware.gemm_time`` at their tensor-parallel shape; memory-bound kernels cost their traffic at
+the memory bandwidth. Backward of a weight GEMM is two GEMMs of the same FLOPs (input and weight gradient,
+Narayanan et al. 2021 App.; Qi et al. 2023 Table 1: ``B ≈ W ≈ F`` per GEMM); the attention core has no
+weight and a backward of twice its forward. Memory-bound backward moves twice the forward traffic.
+The exposed tensor-parallel all-reduces (Megatron's ``f``/``g`` pair: two per block in forward, two in backward,
+none overlapped with compute) are returned separately so the breakdown can name them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+from .plan import Plan
+from .spec import Gemm, Layer
+
+__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes"]
+
+
+def act_bytes(plan: Plan) -> int:
+    """Bytes of one kept activation element under the plan's compute precision."""
+    return 4 if plan.precision == "fp32" else 2
+
+
+def param_bytes(plan: Plan) -> int:
+    """Bytes of one weight element as the GEMMs read it (bf16 autocast casts fp32 weights to 2 bytes)."""
+    return 4 if plan.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds for one micro-batch; ``tp_*`` are the exposed tensor-parallel collectives inside F and B."""
+
+    F: float
+    B: float
+    W: float
+    recompute: float
+    tp_fwd: float
+    tp_bwd: float
+    flops_fwd: float
+    """Forward GEMM FLOPs of the micro-batch on this device (attention counted in full, Megatron's way)."""
+    flops_attn: float
+    """Of which the attention core (what selective recomputation repeats)."""
+
+
+def _shape(g: Gemm, b: int, t: int) -> tuple[float, float, float, float]:
+    """``(m, n, k, batch)`` of gemm ``g`` for ``b`` sequences on one of ``t`` tensor-parallel ranks."""
+    m, n, k, batch = float(g.rows * b), float(g.n), float(g.k), float(g.batch)
+    if g.split == "col":
+        n /= t
+    elif g.split == "row":
+        k /= t
+    elif g.split == "heads":
+        batch /= t
+    return m, n, k, batch
+
+
+def _gemms(layer: Layer, plan: Plan, hw: Hardware, flash: bool) -> tuple[float, float, float, float, float, float]:
+    """Forward, input-gradient and weight-gradient GEMM seconds, the attention core's share of forward,
+    and the FLOPs (all, attention)."""
+    dtype = "fp32" if plan.precision == "fp32" else "bf16"
+    eb = param_bytes(plan)
+    f = bw = ww = attn = flops = attn_flops = 0.0
+    for g in layer.gemms:
+        m, n, k, batch = _shape(g, plan.micro_batch, plan.tp)
+        fwd = hw.gemm_time(m, n, k, dtype=dtype, batch=batch, elem_bytes=eb)
+        full_flops = 2.0 * m * n * k * batch
+        flops += full_flops
+        if not g.weight:
+            # a fused causal kernel skips the masked half (both ways); its backward recomputes the scores
+            scale = 0.5 if (g.causal and flash) else 1.0
+            fwd = hw.gemm_time(m, n, k, dtype=dtype, batch=batch * scale, elem_bytes=eb)
+            f += fwd
+            attn += fwd
+            attn_flops += full_flops
+            bw += (2.5 if flash else 2.0) * fwd
+            continue
+        f += fwd
+        bw += hw.gemm_time(m, k, n, dtype=dtype, batch=batch, elem_bytes=eb)
+        ww += hw.gemm_time(k, n, m, dtype=dtype, batch=batch, elem_bytes=eb)
+    return f, bw, ww, attn, flops, attn_flops
+
+
+def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_node: int) -> LayerTime:
+    """Times of ``layer`` for one micro-batch of ``plan.micro_batch`` sequences (see module doc)."""
+    t, b = plan.tp, plan.micro_batch
+    f_gemm, b_gemm, w_gemm, f_attn, flops, attn_flops = _gemms(layer, plan, hw, flash)
+    rep = layer.ew_rep / (t if plan.sequence_parallel else 1)
+    ew_bytes = (rep + layer.ew_tp / t) * b * act_bytes(plan)
+    f_ew = hw.memory_time(ew_bytes, layer.ops)
+    b_ew = hw.memory_time(2 * ew_bytes, 2 * layer.ops)
+    tp_one = 0.0
+    if t > 1 and layer.tp_allreduces:
+        nbytes = layer.hidden * b * act_bytes(plan)
+        tp_one = layer.tp_allreduces * hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node)
+    F = f_gemm + f_ew + tp_one
+    recompute = 0.0
+    if plan.activation_checkpointing == "full" and layer.kind == "block":
+        recompute = F
+    elif plan.activation_checkpointing == "selective" and layer.kind == "block":
+        # the attention core and its softmax traffic (about two passes over the kept scores)
+        recompute = f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)
+    return LayerTime(F=F, B=b_gemm + b_ew + tp_one + recompute, W=w_gemm, recompute=recompute,
+                     tp_fwd=tp_one, tp_bwd=tp_one + (tp_one if recompute and plan.activation_checkpointing == "full"
+                                                     else 0.0),
+                     flops_fwd=flops, flops_attn=attn_flops)

@@ -1,0 +1,220 @@
+"""What a device and its links can do, as plain data: peak FLOP/s, achievable GEMM efficiency, memory,
+bandwidth and an alpha–beta model of every collective per link.
+
+Two sources: named presets from public spec sheets (``Hardware.preset("a100-80g-sxm")``) and a calibration
+of the user's own machine written by ``shardwise calibrate`` (``Hardware.load(path)``).
+
+The time of one GEMM ``(m × k) @ (k × n)`` is a roofline with a size-dependent efficiency:
+``max(2mnk / (peak · eff(d)), bytes / memory_bandwidth) + op_overhead`` with ``d = (m·n·k)^(1/3)`` and
+``eff(d)`` interpolated in ``log d`` from ``gemm_curve``: small GEMMs do not fill the device's units (tiles,
+waves, cores), large ones reach ``eff_max``.
+
+Collectives follow the Hockney (alpha–beta) model in the nccl-tests "bus bandwidth" convention: a ring
+all-reduce of ``S`` bytes over ``n`` ranks moves ``2(n-1)/n · S`` bytes through each rank's link and pays
+``2(n-1)`` latencies; all-gather and reduce-scatter half of that. A group that spans nodes is limited by the
+slower of the intra-node fabric and its members' share of the inter-node NICs (see ``group_bus_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..comm.calibration import Calibration
+
+__all__ = ["Link", "Hardware", "PRESETS"]
+
+_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: a per-step latency and the bus bandwidth one device gets through it."""
+
+    alpha_s: float
+    """Latency of one message step (seconds)."""
+    bus_bandwidth_Bps: float
+    """Achieved bus bandwidth per device (bytes/s), nccl-tests convention."""
+
+    def __post_init__(self) -> None:
+        if not (self.alpha_s >= 0 and self.bus_bandwidth_Bps > 0):
+            raise ValueError(f"Link needs alpha_s >= 0 and bus_bandwidth_Bps > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device type and its interconnect. Every field is per device unless it says otherwise."""
+
+    name: str
+    peak_flops: Mapping[str, float]
+    """Dense peak FLOP/s per compute precision (``fp32``, ``bf16``)."""
+    memory_bytes: float
+    """Device memory usable by one rank."""
+    memory_bandwidth_Bps: float
+    """Achievable bandwidth of memory-bound (elementwise) kernels."""
+    devices_per_node: int
+    intra: Link
+    """Within a node (NVLink/NVSwitch; shared memory on a CPU host)."""
+    inter: Link
+    """Across nodes, per device (its NIC share)."""
+    gemm_curve: tuple[tuple[float, float], ...] = ((256.0, 0.35), (1024.0, 0.65), (4096.0, 0.80))
+    """``(d, efficiency)`` points, ``d`` = cube root of m·n·k; efficiency of the dense peak."""
+    op_overhead_s: float = 5e-6
+    """Fixed cost of launching one kernel (dispatch, launch latency)."""
+    p2p_alpha_s: float = 2e-5
+    """Latency of one point-to-point send/recv pair between pipeline stages."""
+    collectives: Mapping[int, Calibration] = field(default_factory=dict)
+    """Measured alpha–beta models by group size (calibrated machines only); preferred over ``intra``."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        missing = [d for d in _DTYPES if d not in self.peak_flops]
+        if missing or any(not v > 0 for v in self.peak_flops.values()):
+            raise ValueError(f"Hardware {self.name!r} needs a positive peak_flops for {list(_DTYPES)}, got "
+                             f"{dict(self.peak_flops)}")
+        if not (self.memory_bytes > 0 and self.memory_bandwidth_Bps > 0 and self.devices_per_node >= 1):
+            raise ValueError(f"Hardware {self.name!r} needs memory_bytes > 0, memory_bandwidth_Bps > 0 and "
+                             f"devices_per_node >= 1")
+        if not self.gemm_curve or any(not (d > 0 and 0 < e <= 1) for d, e in self.gemm_curve):
+            raise ValueError(f"Hardware {self.name!r}: gemm_curve needs (d > 0, 0 < efficiency <= 1) points, "
+                             f"got {self.gemm_curve}")
+
+    # -- construction ------------------------------------------------------------------------------------
+    @staticmethod
+    def preset(name: str, *, devices_per_node: int | None = None) -> "Hardware":
+        """A named preset (``a100-80g-sxm``, ``h100-80g-sxm``); ``ValueError`` listing them otherwise."""
+        if name not in PRESETS:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(PRESETS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PRESETS)}{hint}, or pass a "
+                             f"calibration file written by `shardwise calibrate --out FILE`")
+        hw = PRESETS[name]
+        return hw if devices_per_node is None else replace(hw, devices_per_node=devices_per_node)
+
+    @staticmethod
+    def resolve(name_or_path: str, *, devices_per_node: int | None = None) -> "Hardware":
+        """A preset name, or else the path of a calibration file."""
+        if name_or_path in PRESETS or not (name_or_path.endswith(".json") or Path(name_or_path).exists()):
+            return Hardware.preset(name_or_path, devices_per_node=devices_per_node)
+        hw = Hardware.load(name_or_path)
+        return hw if devices_per_node is None else replace(hw, devices_per_node=devices_per_node)
+
+    @staticmethod
+    def load(path: str | Path) -> "Hardware":
+        """Read a calibration written by ``shardwise calibrate --out FILE``."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"hardware file {str(path)!r} does not exist; create it with "
+                             f"`shardwise calibrate --out {path}` or use a preset: {sorted(PRESETS)}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hardware file {str(path)!r} is not valid JSON ({exc}); regenerate it with "
+                             f"`shardwise calibrate --out {path}`") from None
+        from .calibrated import hardware_from_calibration
+
+        return hardware_from_calibration(data, str(path))
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["collectives"] = {str(k): v.to_json() for k, v in self.collectives.items()}
+        return out
+
+    # -- costs -------------------------------------------------------------------------------------------
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of the dense peak a GEMM of this shape reaches (interpolated in log size)."""
+        d = max(m * n * k, 1.0) ** (1.0 / 3.0)
+        pts = sorted(self.gemm_curve)
+        if d <= pts[0][0]:
+            return pts[0][1] * d / pts[0][0]  # below the table: proportionally less
+        for (d0, e0), (d1, e1) in zip(pts, pts[1:]):
+            if d <= d1:
+                w = math.log(d / d0) / math.log(d1 / d0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def gemm_time(self, m: float, n: float, k: float, *, dtype: str, batch: float = 1.0,
+                  elem_bytes: int = 2) -> float:
+        """Seconds for ``batch`` GEMMs of ``(m × k) @ (k × n)``: roofline plus one launch."""
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k * batch
+        compute = flops / (self.peak_flops[dtype] * self.gemm_efficiency(m, n, k))
+        traffic = elem_bytes * (m * k + k * n + m * n) * batch / self.memory_bandwidth_Bps
+        return max(compute, traffic) + self.op_overhead_s
+
+    def memory_time(self, nbytes: float, ops: float = 0.0) -> float:
+        """Seconds for memory-bound kernels moving ``nbytes`` in ``ops`` launches."""
+        return nbytes / self.memory_bandwidth_Bps + ops * self.op_overhead_s
+
+    def group_bus_bandwidth(self, size: int, per_node: int) -> tuple[float, float]:
+        """``(bus bandwidth per device, per-step latency)`` of a group of ``size`` ranks with ``per_node`` of
+        them on each node. Within one node: the intra link. Across nodes the ring's node-crossing traffic is
+        spread over the NICs of the group's members on a node, so the group gets ``per_node ×`` one device's
+        NIC share, never more than the intra fabric (NCCL puts one ring channel through each NIC)."""
+        if size <= per_node or per_node >= size:
+            return self.intra.bus_bandwidth_Bps, self.intra.alpha_s
+        bw = min(self.intra.bus_bandwidth_Bps, per_node * self.inter.bus_bandwidth_Bps)
+        return bw, max(self.intra.alpha_s, self.inter.alpha_s)
+
+    def collective_time(self, op: str, nbytes: float, size: int, *, per_node: int | None = None) -> float:
+        """Seconds of one ``op`` (all_reduce, all_gather, reduce_scatter, broadcast) on a full buffer of
+        ``nbytes`` over ``size`` ranks, ``per_node`` of them per node (default: packed)."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        per_node = min(size, self.devices_per_node) if per_node is None else per_node
+        measured = self._measured(op, nbytes, size, per_node)
+        if measured is not None:
+            return measured
+        bw, alpha = self.group_bus_bandwidth(size, per_node)
+        factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "broadcast": 1.0}[op]
+        steps = factor * (size - 1)
+        return factor * (size - 1) / size * nbytes / bw + steps * alpha
+
+    def p2p_time(self, nbytes: float, *, cross_node: bool) -> float:
+        """Seconds to send ``nbytes`` to one peer (pipeline stage boundary)."""
+        if nbytes <= 0:
+            return 0.0
+        link = self.inter if cross_node else self.intra
+        return self.p2p_alpha_s + nbytes / link.bus_bandwidth_Bps
+
+    def _measured(self, op: str, nbytes: float, size: int, per_node: int) -> float | None:
+        if not self.collectives or per_node < size:
+            return None
+        cal = self.collectives.get(size)
+        if cal is None or op not in cal.models:
+            return None
+        algorithm = cal.best_algorithm(op, nbytes)
+        return cal.predict_us(op, algorithm, nbytes) * 1e-6
+
+
+# Spec-sheet numbers. A100: NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 312 TF/s dense BF16/FP16,
+# 19.5 TF/s FP32, 2,039 GB/s HBM2e, NVLink 600 GB/s); Selene (Narayanan et al. 2021, §5): 8 GPUs per node,
+# 8 × 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU). H100: NVIDIA H100 Tensor Core GPU datasheet (SXM:
+# 989 TF/s dense BF16, 67 TF/s FP32, 3.35 TB/s HBM3, NVLink 900 GB/s), DGX H100: 8 × 400 Gb/s NDR per node
+# (50 GB/s per GPU). Achieved all-reduce bus bandwidth within a node: A100 ≈ 230 GB/s, H100 ≈ 370 GB/s
+# (nccl-tests issues #149, #212, maintainers' figures). Inter-node: 90 % of the NIC line rate. Memory
+# bandwidth: 85 % of the HBM peak, a typical STREAM-like figure for large elementwise kernels.
+# The GEMM curve (same shape for both) is the one set of efficiency constants the model has; see
+# ``docs/planner.md`` for how its top value was fitted and on what.
+_GEMM_CURVE = ((128.0, 0.20), (512.0, 0.55), (1024.0, 0.68), (2048.0, 0.74), (8192.0, 0.78))
+
+PRESETS: dict[str, Hardware] = {
+    "a100-80g-sxm": Hardware(
+        name="a100-80g-sxm", peak_flops={"fp32": 19.5e12, "bf16": 312e12}, memory_bytes=80e9,
+        memory_bandwidth_Bps=0.85 * 2.039e12, devices_per_node=8,
+        intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=230e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=22.5e9),
+        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
+        source="NVIDIA A100 80GB SXM datasheet; Selene interconnect (Narayanan et al. 2021 §5); nccl-tests"),
+    "h100-80g-sxm": Hardware(
+        name="h100-80g-sxm", peak_flops={"fp32": 67e12, "bf16": 989e12}, memory_bytes=80e9,
+        memory_bandwidth_Bps=0.85 * 3.35e12, devices_per_node=8,
+        intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
+        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
+        source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests"),
+}

@@ -1,0 +1,123 @@
+"""Memory per device: model states (Rajbhandari et al. 2019, "ZeRO", §3 and Table 1) and activations
+(Korthikanti et al. 2022, "Reducing Activation Recomputation", §4) for one pipeline rank.
+
+Model states per parameter element held by a rank (after tensor and pipeline parallelism):
+
+=============  ==========  =====  ==================================================
+precision      parameters  grads  optimizer (AdamW)
+=============  ==========  =====  ==================================================
+fp32           4           4      8 (m, v)
+bf16           4           4      8 — autocast keeps fp32 weights; GEMMs read 2-byte casts (``buffers``)
+bf16-mixed     2           2      12 (fp32 master, m, v) — the ZeRO paper's 2Ψ + 2Ψ + KΨ, K = 12
+=============  ==========  =====  ==================================================
+
+ZeRO over ``dp`` divides the optimizer state (stage ≥ 1), the gradients (≥ 2) and the parameters (3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .compute import act_bytes
+from .plan import Plan
+from .spec import Layer
+
+__all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown"]
+
+_PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: int) -> StateBytes:
+    """Bytes of parameters, gradients and AdamW state for ``n_params`` elements on one rank of ``dp``."""
+    p, g, o = _PER_ELEMENT[precision]
+    return StateBytes(params=p * n_params / (dp if zero_stage >= 3 else 1),
+                      grads=g * n_params / (dp if zero_stage >= 2 else 1),
+                      optimizer=o * n_params / (dp if zero_stage >= 1 else 1))
+
+
+def local_params(layer: Layer, tp: int) -> float:
+    """Parameter elements of ``layer`` on one tensor-parallel rank."""
+    return layer.tp_params / tp + (layer.params - layer.tp_params)
+
+
+def layer_activation_bytes(layer: Layer, plan: Plan) -> tuple[float, float]:
+    """``(kept, transient)`` bytes of one micro-batch through ``layer`` on one rank: what backward needs under
+    the plan's recomputation, and the full set that exists again while this layer is recomputed."""
+    t, b, eb = plan.tp, plan.micro_batch, act_bytes(plan)
+    rep = layer.act_rep / (t if plan.sequence_parallel else 1)
+    full = (rep + layer.act_tp / t + layer.act_attn / t) * b * eb + layer.act_fp32 / t * b * 4
+    if layer.kind != "block" or plan.activation_checkpointing == "none":
+        return full, 0.0
+    if plan.activation_checkpointing == "full":
+        kept = layer.hidden * b * eb / (t if plan.sequence_parallel else 1)  # the block's input only
+        return kept, full
+    kept = full - layer.act_attn / t * b * eb  # selective: the attention core is recomputed
+    return kept, layer.act_attn / t * b * eb
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on the most loaded device, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    """Communication buffers, gathered ZeRO-3 units, autocast weight casts, the loss gradient."""
+    capacity: float
+    rank: int = 0
+    """Pipeline rank the numbers are for (the one with the highest total)."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def largest(self) -> str:
+        terms = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                 "activations": self.activations, "buffers": self.buffers}
+        return max(terms, key=lambda k: terms[k])
+
+    def to_json(self) -> dict[str, float | int | str | bool]:
+        return {"total_bytes": self.total, "params": self.params, "grads": self.grads,
+                "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
+                "capacity_bytes": self.capacity, "largest": self.largest, "pipeline_rank": self.rank}
+
+
+def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Plan,
+                capacity: float, *, bucket_bytes: float, rank: int = 0) -> MemoryBreakdown:
+    """Memory of one pipeline rank holding ``layers`` (its chunks' layers in ``chunk_layers``), with
+    ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count)."""
+    names = {layer.name for layer in layers}
+    n = sum(local_params(layer, plan.tp) - (layer.shared / plan.tp if layer.tied in names else 0)
+            for layer in layers)
+    states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.dp)
+    per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
+    transient = max((layer_activation_bytes(layer, plan)[1] for layer in layers), default=0.0)
+    activations = in_flight * (sum(per_chunk) / len(per_chunk)) + transient
+    buffers = bucket_bytes
+    if plan.precision == "bf16":
+        buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
+    if plan.zero_stage == 3:
+        biggest = max((local_params(layer, plan.tp) for layer in layers), default=0.0)
+        buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)  # current + prefetched unit
+    loss = max((layer.act_fp32 / plan.tp * plan.micro_batch * 4 for layer in layers), default=0.0)
+    return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
+                           activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank)

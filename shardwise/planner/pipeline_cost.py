@@ -1,0 +1,63 @@
+"""Stages and their timeline: which layers each pipeline stage runs, and the step of one flush from the
+project's own schedule simulator (``shardwise.parallel.pipeline.simulate``) fed with per-stage F/B/W and
+boundary transfer costs.
+
+Simulating a flush of thousands of micro-batches action by action is slow and unnecessary: once every rank is
+in its steady state, one more micro-batch adds exactly the bottleneck rank's work. So the flush is simulated
+with ``m' = min(m, 4p)`` micro-batches (a multiple of p for interleaved) and extended linearly; the activation
+sets in flight come from the same simulation (GPipe holds all ``m``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..parallel.pipeline.schedules import get_schedule
+from ..parallel.pipeline.simulate import Costs, simulate
+from ..parallel.pipeline.stage import balance_by_params
+from .spec import Layer
+
+__all__ = ["split_stages", "Flush", "simulate_flush"]
+
+
+def split_stages(layers: Sequence[Layer], stages: int, weights: Sequence[float] | None = None) -> list[list[Layer]]:
+    """Contiguous stages minimising the heaviest one, by parameters (what ``sw.pipeline`` does by default) or by
+    the given ``weights`` (e.g. predicted time); ``ValueError`` when there are fewer layers than stages."""
+    if stages > len(layers):
+        raise ValueError(f"pp × chunks = {stages} stages need at least {stages} layers; the model has {len(layers)} "
+                         f"({[layer.name for layer in layers][:6]}...); use fewer pipeline stages")
+    w = [int(x) for x in (weights if weights is not None else [layer.params for layer in layers])]
+    starts = balance_by_params(w, stages)
+    bounds = list(zip(starts, starts[1:] + [len(layers)]))
+    return [list(layers[a:b]) for a, b in bounds]
+
+
+@dataclass(frozen=True)
+class Flush:
+    """One pipeline flush."""
+
+    time: float
+    busy: tuple[float, ...]
+    """Compute of each rank over the flush."""
+    in_flight: tuple[int, ...]
+    """Activation sets (one chunk × one micro-batch) each rank holds at its peak."""
+
+
+def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float], B: Sequence[float],
+                   W: Sequence[float], comm: Sequence[float]) -> Flush:
+    """Time of one flush of ``m`` micro-batches; ``F``, ``B``, ``W`` per stage (``p × chunks``), ``comm`` per
+    boundary. Schedules that do not split backward run ``B + W`` as one action."""
+    if p == 1:
+        per = sum(F) + sum(B) + sum(W)
+        return Flush(time=m * per, busy=(m * per,), in_flight=(1,))
+    cap = 4 * p
+    small = m if m <= cap else cap
+    sched = get_schedule(schedule, p=p, m=small, chunks=chunks)
+    result = simulate(sched, Costs(F=tuple(F), B=tuple(B), W=tuple(W), comm=tuple(comm)))
+    per_rank = [sum(F[s] + B[s] + W[s] for s in range(r, p * chunks, p)) for r in range(p)]
+    extra = m - small
+    time = result.makespan + extra * max(per_rank)
+    busy = tuple(b + extra * w for b, w in zip(result.busy, per_rank))
+    held = tuple(m * chunks if schedule == "gpipe" else k for k in result.peak_in_flight)
+    return Flush(time=time, busy=busy, in_flight=held)

@@ -1,0 +1,132 @@
+"""A parallel layout as plain data: ``Plan`` (round-trips through JSON; field names are the training config's
+``parallel`` section where both have them).
+
+Batch arithmetic (Megatron's convention): one *micro-batch* is ``micro_batch`` sequences through one forward
+and backward; a data-parallel replica runs ``microbatches`` of them per pipeline flush (pp > 1) and
+``grad_accum`` flushes (or, without a pipeline, passes) per optimizer step:
+``global_batch = dp × grad_accum × micro_batch × microbatches``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+__all__ = ["Plan", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+CHECKPOINTING = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How one training step is laid out over ``dp × tp × pp`` devices."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    """ZeRO stage over dp: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    micro_batch: int = 1
+    """Sequences per forward/backward (per pipeline micro-batch)."""
+    grad_accum: int = 0
+    """Passes (pp = 1) or pipeline flushes (pp > 1) per optimizer step; 0 = inferred from the global batch."""
+    microbatches: int = 0
+    """Pipeline micro-batches per flush (pp > 1); 0 = inferred (one flush per step)."""
+    schedule: str = "1f1b"
+    chunks: int = 1
+    """Model chunks per pipeline rank (``interleaved``)."""
+    activation_checkpointing: str = "none"
+    """``none``, ``full`` (keep each layer's input, recompute the layer) or ``selective`` (recompute only the
+    attention core, Korthikanti et al. 2022)."""
+    sequence_parallel: bool = False
+    precision: str = "fp32"
+    """``fp32``; ``bf16``: autocast over fp32 weights (what ``shardwise train`` runs); ``bf16-mixed``: bf16
+    weights and gradients with fp32 master copies in the optimizer (ZeRO/Megatron accounting 2 + 2 + 12)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Plan.{name} must be an int >= 1, got {value!r}")
+        for name in ("grad_accum", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Plan.{name} must be an int >= 0 (0 = inferred), got {value!r}")
+        if self.activation_checkpointing is True or self.activation_checkpointing is False:
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        for name, allowed in (("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
+                              ("precision", PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Plan.{name} = {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"Plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.schedule == "interleaved" and self.pp > 1 and self.chunks < 2:
+            raise ValueError(f"Plan.schedule 'interleaved' needs chunks >= 2, got {self.chunks}; use '1f1b' for one "
+                             f"chunk per rank")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise ValueError(f"Plan.chunks = {self.chunks} needs schedule 'interleaved', got {self.schedule!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def resolved(self, global_batch: int) -> "Plan":
+        """This plan with ``grad_accum`` (and ``microbatches`` for pp > 1) inferred from ``global_batch``;
+        ``ValueError`` naming the fix when the batch does not divide."""
+        per_replica, rest = divmod(global_batch, self.dp * self.micro_batch)
+        if global_batch < 1 or rest or per_replica < 1:
+            raise ValueError(f"global_batch = {global_batch} must be a positive multiple of dp × micro_batch = "
+                             f"{self.dp} × {self.micro_batch} = {self.dp * self.micro_batch}; use a global batch of "
+                             f"{max(1, global_batch // (self.dp * self.micro_batch) or 1) * self.dp * self.micro_batch}"
+                             f" or another micro_batch")
+        if self.pp == 1:
+            accum = self.grad_accum or per_replica
+            if accum != per_replica:
+                raise ValueError(f"grad_accum = {self.grad_accum} disagrees with global_batch = {global_batch} = "
+                                 f"dp × micro_batch × grad_accum = {self.dp} × {self.micro_batch} × {per_replica}")
+            return replace(self, grad_accum=accum, microbatches=1)
+        m = self.microbatches or (per_replica // self.grad_accum if self.grad_accum else per_replica)
+        accum = self.grad_accum or per_replica // m
+        if m * accum != per_replica:
+            raise ValueError(f"microbatches × grad_accum = {m} × {accum} must equal global_batch / (dp × micro_batch) "
+                             f"= {per_replica}")
+        if self.schedule == "interleaved" and m % self.pp:
+            raise ValueError(f"schedule 'interleaved' needs the micro-batches per flush ({m}) to be a multiple of "
+                             f"pp = {self.pp}; use a global batch that is a multiple of dp × micro_batch × pp = "
+                             f"{self.dp * self.micro_batch * self.pp}")
+        return replace(self, grad_accum=accum, microbatches=m)
+
+    def describe(self) -> str:
+        """One line, e.g. ``dp=8 tp=8 pp=16 zero=1 mb=1 interleaved×2 ckpt=full sp bf16``."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.zero_stage:
+            parts.append(f"zero={self.zero_stage}")
+        parts.append(f"mb={self.micro_batch}")
+        if self.pp > 1:
+            parts.append(f"{self.schedule}" + (f"×{self.chunks}" if self.chunks > 1 else ""))
+        if self.activation_checkpointing != "none":
+            parts.append(f"ckpt={self.activation_checkpointing}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(self.precision)
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any] | str) -> "Plan":
+        """Parse ``to_json``'s dictionary (or its JSON text); ``ValueError`` naming unknown fields."""
+        if isinstance(data, str):
+            data = json.loads(data)
+        known = {f.name for f in fields(Plan)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Plan has no field(s) {unknown}; known fields: {sorted(known)}")
+        return Plan(**dict(data))

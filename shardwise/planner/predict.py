@@ -1,0 +1,206 @@
+"""``predict(spec, plan, hardware, global_batch=...)``: step time and memory of a layout before it runs.
+
+One step = ``grad_accum`` pipeline flushes (or passes) + the exposed data-parallel / ZeRO communication + the
+optimizer. A flush is simulated with per-stage costs (``pipeline_cost``); a stage's costs are its layers'
+(``compute``); memory is the most loaded pipeline rank's (``memory``). FLOP counts follow Megatron-LM:
+``tflops_per_device`` counts what the devices execute, recomputation included (Narayanan et al. 2021, Eq. 3,
+attention counted in full), ``mfu`` counts model FLOPs only (3 × forward, Korthikanti et al. 2022 App. A)
+over the dense peak of the compute precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .compute import LayerTime, act_bytes, layer_time
+from .hardware import Hardware
+from .memory import MemoryBreakdown, local_params, rank_memory
+from .pipeline_cost import Flush, simulate_flush, split_stages
+from .plan import Plan
+from .spec import ModelSpec
+
+__all__ = ["Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What ``predict`` says about one plan."""
+
+    plan: Plan
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    memory: MemoryBreakdown
+    breakdown: dict[str, float]
+    """Seconds per step: compute, tp_comm, pipeline_bubble, dp_comm, optimizer (they sum to the step)."""
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    """Per pipeline stage: layers, F/B/W seconds per micro-batch."""
+    hardware: str = ""
+    model: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def dominant(self) -> str:
+        """The largest term of the step-time breakdown."""
+        return max(self.breakdown, key=lambda k: self.breakdown[k])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "fits": self.fits,
+                "memory": self.memory.to_json(), "breakdown": dict(self.breakdown), "dominant": self.dominant,
+                "plan": self.plan.to_json(), "stages": self.stages, "hardware": self.hardware, "model": self.model}
+
+
+def _check(spec: ModelSpec, plan: Plan, hw: Hardware) -> None:
+    if plan.tp > 1:
+        if not spec.tp_divisors:
+            raise ValueError(f"tp = {plan.tp}: model {spec.name!r} has no tensor-parallel plan the planner knows "
+                             f"(a traced model); use tp = 1")
+        bad = [d for d in spec.tp_divisors if d % plan.tp]
+        if bad:
+            raise ValueError(f"tp = {plan.tp} must divide the model's heads / widths {list(spec.tp_divisors)} "
+                             f"({bad} do not divide); use a tp that divides all of them")
+    if plan.pp * plan.chunks > len(spec.layers):
+        raise ValueError(f"pp × chunks = {plan.pp} × {plan.chunks} stages exceed the model's {len(spec.layers)} "
+                         f"layers; use fewer stages")
+    if plan.sequence_parallel and plan.tp == 1:
+        raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
+
+
+def _stage_costs(stages: list[list[Any]], plan: Plan, hw: Hardware, flash: bool) -> list[list[LayerTime]]:
+    tp_per_node = min(plan.tp, hw.devices_per_node)
+    return [[layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node) for layer in st] for st in stages]
+
+
+def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool) -> Flush:
+    F = [sum(c.F for c in st) for st in costs]
+    B = [sum(c.B for c in st) for st in costs]
+    W = [sum(c.W for c in st) for st in costs]
+    # One boundary carries the micro-batch's hidden state; Megatron's scatter/gather sends 1/t of it per rank
+    # across and all-gathers it inside the receiving tensor-parallel group.
+    crosses = plan.tp * plan.dp >= hw.devices_per_node and plan.devices > hw.devices_per_node
+    comm = []
+    for st in stages[:-1]:
+        nbytes = st[-1].hidden * plan.micro_batch * act_bytes(plan)
+        one = hw.p2p_time(nbytes / plan.tp, cross_node=crosses)
+        if plan.tp > 1:
+            one += hw.collective_time("all_gather", nbytes, plan.tp, per_node=min(plan.tp, hw.devices_per_node))
+        comm.append(one)
+    if blocking and len(stages) > 1:
+        # sends and receives hold the rank's stream: F waits for its input and its send, B likewise
+        for s in range(len(stages)):
+            edge = (comm[s - 1] if s > 0 else 0.0) + (comm[s] if s < len(comm) else 0.0)
+            F[s] += edge
+            B[s] += edge
+    m = plan.microbatches if plan.pp > 1 else 1
+    return simulate_flush(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+
+
+def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool) -> float:
+    """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers)."""
+    if plan.dp == 1:
+        return 0.0
+    per_node = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
+    grad_b = 2 if plan.precision == "bf16-mixed" else 4
+    param_b = 2 if plan.precision == "bf16-mixed" else 4
+    coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node)  # noqa: E731
+    if plan.zero_stage <= 1:
+        reduce = coll("all_reduce", n_local * grad_b)
+    else:
+        reduce = coll("reduce_scatter", n_local * grad_b)
+    gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
+    if plan.zero_stage == 3:
+        # every pass gathers the parameters for forward and again for backward (prefetch hides what compute
+        # covers), and reduce-scatters the gradients during backward
+        passes = plan.grad_accum
+        fwd = coll("all_gather", n_local * param_b)
+        exposed_f = max(fwd - forward, fwd / 8)
+        exposed_b = max(fwd + reduce - backward, (fwd + reduce) / 8)
+        return passes * (exposed_f + exposed_b)
+    if not overlap:
+        return reduce + gather
+    # buckets start during the last pass's backward; the last bucket (1/8 at least) cannot overlap
+    return max(reduce - backward, reduce / 8) + gather
+
+
+def _optimizer(plan: Plan, hw: Hardware, n_local: float, tensors: int) -> float:
+    shard = n_local / (plan.dp if plan.zero_stage >= 1 else 1)
+    # AdamW reads param, grad, m, v and writes param, m, v (4 bytes each), plus the gradient-norm pass
+    return hw.memory_time(shard * (7 * 4 + 4), 12 + tensors)
+
+
+def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,
+            runtime: str = "shardwise") -> Prediction:
+    """Predict one training step of ``spec`` laid out by ``plan`` on ``hardware`` (see module doc).
+
+    ``runtime`` names the implementation that runs the plan: ``shardwise`` (gradient buckets reduce during the
+    last backward; pipeline sends and receives are asynchronous) or ``megatron`` (Megatron-LM as published in
+    2021: the data-parallel reduction runs after the flush, pipeline transfers block the compute stream). ``ValueError`` when the plan does not fit the model or the
+    batch; a plan that does not fit in memory is *not* an error: ``prediction.fits`` is False.
+    """
+    if seq_len is not None:
+        spec = spec.with_seq_len(seq_len)
+    plan = plan.resolved(global_batch)
+    _check(spec, plan, hardware)
+    n_stages = plan.pp * plan.chunks
+    stages = split_stages(spec.layers, n_stages)
+    flash = spec.attention == "flash"
+    costs = _stage_costs(stages, plan, hardware, flash)
+    if runtime not in ("shardwise", "megatron"):
+        raise ValueError(f"runtime must be 'shardwise' or 'megatron', got {runtime!r}")
+    flush = _flush(plan, costs, stages, hardware, blocking=runtime == "megatron")
+    ranks = [[s for s in range(n_stages) if s % plan.pp == r] for r in range(plan.pp)]
+    # the bottleneck rank sets the data-parallel window and the memory
+    bottleneck = max(range(plan.pp), key=lambda r: flush.busy[r])
+    rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(plan.pp)]
+    n_local = max(sum(local_params(layer, plan.tp) for layer in rl) for rl in rank_layers)
+    tensors = max(len(rl) for rl in rank_layers) * 12
+    last_b = sum(c.B + c.W for s in ranks[bottleneck] for c in costs[s])
+    last_f = sum(c.F for s in ranks[bottleneck] for c in costs[s])
+    dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise")
+    opt = _optimizer(plan, hardware, n_local, tensors)
+    step = plan.grad_accum * flush.time + dp + opt
+    return _assemble(spec, plan, hardware, stages, costs, flush, ranks, rank_layers, step, dp, opt, global_batch)
+
+
+def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]], costs: list[list[LayerTime]],
+              flush: Flush, ranks: list[list[int]], rank_layers: list[list[Any]], step: float, dp: float,
+              opt: float, global_batch: int) -> Prediction:
+    m = plan.microbatches if plan.pp > 1 else 1
+    r = max(range(plan.pp), key=lambda i: flush.busy[i])
+    tp = plan.grad_accum * m * sum(c.tp_fwd + c.tp_bwd for s in ranks[r] for c in costs[s])
+    busy = plan.grad_accum * flush.busy[r]
+    breakdown = {"compute": busy - tp, "tp_comm": tp, "pipeline_bubble": plan.grad_accum * flush.time - busy,
+                 "dp_comm": dp, "optimizer": opt}
+    # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward)
+    fwd = sum(c.flops_fwd for st in costs for c in st) * plan.tp  # the whole model, one micro-batch
+    attn = sum(c.flops_attn for st in costs for c in st) * plan.tp
+    blocks_fwd = sum(c.flops_fwd for st, lst in zip(costs, stages) for c, layer in zip(st, lst)
+                     if layer.kind == "block") * plan.tp
+    recompute = {"none": 0.0, "full": blocks_fwd, "selective": attn}[plan.activation_checkpointing]
+    micro_batches = global_batch / plan.micro_batch
+    model_flops = 3 * fwd * micro_batches
+    hw_flops = (3 * fwd + recompute) * micro_batches
+    peak = hw.peak_flops["fp32" if plan.precision == "fp32" else "bf16"]
+    memories = []
+    for i in range(plan.pp):
+        chunk_layers = [stages[s] for s in ranks[i]]
+        memories.append(rank_memory(rank_layers[i], chunk_layers, flush.in_flight[i], plan, hw.memory_bytes,
+                                    bucket_bytes=_bucket_bytes(plan), rank=i))
+    memory = max(memories, key=lambda mb: mb.total)
+    stage_rows = [{"stage": s, "layers": [layer.name for layer in stages[s]], "F_s": sum(c.F for c in costs[s]),
+                   "B_s": sum(c.B for c in costs[s]), "W_s": sum(c.W for c in costs[s])} for s in range(len(stages))]
+    return Prediction(plan=plan, step_time_s=step, tokens_per_s=global_batch * spec.seq_len / step,
+                      tflops_per_device=hw_flops / step / plan.devices / 1e12,
+                      mfu=model_flops / step / plan.devices / peak, memory=memory, breakdown=breakdown,
+                      stages=stage_rows, hardware=hw.name, model=spec.name)
+
+
+def _bucket_bytes(plan: Plan) -> float:
+    """Gradient buckets in flight (two of 25 MB) when data parallelism reduces; pipeline p2p buffers are small."""
+    return 2 * 25e6 if plan.dp > 1 and plan.zero_stage < 3 else 0.0

@@ -1,0 +1,196 @@
+"""What a model costs, layer by layer, as plain data: parameters, GEMM shapes, memory-bound traffic and the
+activations backward keeps — per *sequence* of ``seq_len`` tokens, so that a plan's micro-batch multiplies it.
+
+Three sources: the reference GPT (``ModelSpec.gpt``, analytic), a Llama-style decoder (``ModelSpec.llama``:
+grouped-query attention, SwiGLU MLP, RMSNorm, untied head) and any ``nn.Module`` traced on the meta device
+(``ModelSpec.trace`` in ``trace.py``). Tensor parallelism is described per GEMM (``split``) and per
+activation (``act_tp`` vs ``act_rep``), in Megatron's pairing (column then row).
+
+Activations follow Korthikanti et al. 2022 (arXiv 2205.05198) §4, Table 2, counted in *elements* (the
+compute dtype's size multiplies them): a transformer layer keeps ``s·h·(5 + 12/t)`` plus ``2.5·a·s²/t`` for
+unfused attention with dropout (their ``34 + 5as/h`` bytes at 16 bits), less without dropout masks or with
+a fused (flash) attention kernel that keeps only ``O(s)`` statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+__all__ = ["Gemm", "Layer", "ModelSpec"]
+
+Split = Literal["col", "row", "heads", "none"]
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``batch`` matrix products ``(rows × k) @ (k × n)`` per sequence."""
+
+    name: str
+    rows: int
+    k: int
+    n: int
+    split: Split = "none"
+    """How tensor parallelism divides it: ``col`` splits n, ``row`` splits k, ``heads`` splits batch."""
+    batch: int = 1
+    weight: bool = True
+    """A weight GEMM (backward = input gradient + weight gradient); attention cores have no weight."""
+    causal: bool = False
+    """A causal attention core: a fused kernel skips the masked half."""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.k * self.n * self.batch
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One cuttable unit (embedding, a block, the head), per sequence."""
+
+    name: str
+    kind: str
+    """``embedding``, ``block``, ``head`` or ``other``."""
+    params: int
+    tp_params: int = 0
+    """Parameters tensor parallelism splits (the rest are replicated over tp)."""
+    gemms: tuple[Gemm, ...] = ()
+    ew_rep: float = 0.0
+    """Elements read + written by memory-bound kernels in forward, not split by tp (split by sequence
+    parallelism)."""
+    ew_tp: float = 0.0
+    """... split by tp."""
+    ops: int = 0
+    """Non-GEMM kernel launches in forward."""
+    act_rep: float = 0.0
+    """Activation elements kept for backward, replicated over tp (split by sequence parallelism)."""
+    act_tp: float = 0.0
+    """Activation elements kept for backward, split by tp."""
+    act_attn: float = 0.0
+    """Attention-core elements (softmax/dropout, ``O(s²)``), split by tp; selective recomputation drops them."""
+    act_fp32: float = 0.0
+    """Elements kept in fp32 whatever the precision (e.g. log-softmax of the loss), split by tp."""
+    hidden: int = 0
+    """Elements of the layer's output per sequence (``s·h``): pipeline p2p and tensor-parallel all-reduces."""
+    tp_allreduces: int = 0
+    """All-reduces of ``hidden`` elements per forward under tensor parallelism (backward has as many)."""
+    tied: str = ""
+    """Name of the layer whose weight this one shares (the tied head)."""
+    shared: int = 0
+    """Parameters of ``params`` that are the tied layer's (counted once when both sit on one device)."""
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs per sequence (GEMMs)."""
+        return sum(g.flops for g in self.gemms)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it."""
+
+    name: str
+    seq_len: int
+    layers: tuple[Layer, ...]
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    vocab: int = 0
+    attention: str = "flash"
+    """``flash`` (fused kernel, causal half skipped, O(s) kept) or ``unfused`` (scores materialised)."""
+    tp_divisors: tuple[int, ...] = ()
+    """What tensor parallelism must divide (heads, kv heads, ffn width, vocab); empty: no tp plan."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params - layer.shared for layer in self.layers)
+
+    @property
+    def blocks(self) -> int:
+        return sum(1 for layer in self.layers if layer.kind == "block")
+
+    def flops_per_sequence(self) -> float:
+        """Forward GEMM FLOPs of one sequence (model FLOPs: × 3 for forward + backward)."""
+        return sum(layer.flops for layer in self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_seq_len(self, seq_len: int) -> "ModelSpec":
+        """The same analytic model at another sequence length (traced specs cannot be rescaled)."""
+        builder = self.meta.get("builder")
+        if seq_len == self.seq_len:
+            return self
+        if builder == "gpt":
+            return ModelSpec.gpt(**{**self.meta["args"], "seq_len": seq_len})
+        if builder == "llama":
+            return ModelSpec.llama(**{**self.meta["args"], "seq_len": seq_len})
+        raise ValueError(f"model spec {self.name!r} was traced at seq_len={self.seq_len}; trace it again with "
+                         f"inputs of length {seq_len}")
+
+    # -- constructors ------------------------------------------------------------------------------------
+    @staticmethod
+    def gpt(config: Any = None, *, n_layer: int = 0, n_embd: int = 0, n_head: int = 0, vocab_size: int = 0,
+            seq_len: int = 0, block_size: int = 0, tie_weights: bool = True, bias: bool = True,
+            dropout: bool | None = None, attention: str = "flash", name: str = "gpt") -> "ModelSpec":
+        """The reference GPT (``shardwise.models.gpt``) from its config or from the numbers.
+
+        ``attention="unfused"`` with ``dropout=True`` is Megatron-LM's 2021 GPT (the published tables);
+        the default describes ``shardwise.models.GPT`` (fused SDPA, dropout as configured)."""
+        if config is not None:
+            n_layer, n_embd, n_head = config.n_layer, config.n_embd, config.n_head
+            vocab_size, block_size = config.vocab_size, config.block_size
+            tie_weights, bias = config.tie_weights, config.bias
+            dropout = config.dropout > 0 if dropout is None else dropout
+        args = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, block_size=block_size,
+                    tie_weights=tie_weights, bias=bias, dropout=bool(dropout), attention=attention, name=name)
+        s = seq_len or block_size
+        for key, value in (("n_layer", n_layer), ("n_embd", n_embd), ("n_head", n_head),
+                           ("vocab_size", vocab_size), ("seq_len", s)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.gpt needs a positive int {key}, got {value!r}")
+        if n_embd % n_head:
+            raise ValueError(f"ModelSpec.gpt: n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        from .builders import gpt_layers
+
+        layers = gpt_layers(n_layer=n_layer, h=n_embd, a=n_head, v=vocab_size, s=s, positions=block_size or s,
+                            tie=tie_weights, bias=bias, dropout=bool(dropout), attention=attention)
+        return ModelSpec(name=name, seq_len=s, layers=layers, hidden=n_embd, heads=n_head, kv_heads=n_head,
+                         vocab=vocab_size, attention=attention, tp_divisors=(n_head, vocab_size),
+                         meta={"builder": "gpt", "args": {**args, "seq_len": s}})
+
+    @staticmethod
+    def llama(*, n_layer: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
+              vocab_size: int, seq_len: int, tie_weights: bool = False, attention: str = "flash",
+              name: str = "llama") -> "ModelSpec":
+        """A Llama-style decoder: RMSNorm, rotary positions (no position table), grouped-query attention with
+        ``kv_heads`` key/value heads, SwiGLU MLP of width ``ffn`` (default ``8/3·hidden`` rounded up to 256),
+        no biases, untied head."""
+        kv_heads = kv_heads or heads
+        ffn = ffn or 256 * -(-int(8 * hidden / 3) // 256)
+        for key, value in (("n_layer", n_layer), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
+                           ("ffn", ffn), ("vocab_size", vocab_size), ("seq_len", seq_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.llama needs a positive int {key}, got {value!r}")
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"ModelSpec.llama: heads ({heads}) must divide hidden ({hidden}) and kv_heads "
+                             f"({kv_heads}) must divide heads")
+        from .builders import llama_layers
+
+        layers = llama_layers(n_layer=n_layer, h=hidden, a=heads, kv=kv_heads, f=ffn, v=vocab_size, s=seq_len,
+                              tie=tie_weights, attention=attention)
+        args = dict(n_layer=n_layer, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                    vocab_size=vocab_size, seq_len=seq_len, tie_weights=tie_weights, attention=attention, name=name)
+        return ModelSpec(name=name, seq_len=seq_len, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                         vocab=vocab_size, attention=attention, tp_divisors=(kv_heads, ffn, vocab_size),
+                         meta={"builder": "llama", "args": args})
+
+    @staticmethod
+    def trace(module: Any, example_inputs: Any, *, loss_fn: Any = None, name: str = "") -> "ModelSpec":
+        """Trace any ``nn.Module`` on the meta device (see ``shardwise.planner.trace``)."""
+        from .trace import trace_module
+
+        return trace_module(module, example_inputs, loss_fn=loss_fn, name=name)
+
+    def rename(self, name: str) -> "ModelSpec":
+        return replace(self, name=name)
