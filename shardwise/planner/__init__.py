@@ -4,9 +4,11 @@
 ``Plan`` (a layout as plain data), ``predict`` (step time, memory, TF/s, MFU, with a breakdown).
 """
 
-from .hardware import PRESETS, Hardware, Link
+from .hardware import PRESETS, Hardware
+from .link import Link
 from .plan import Plan
 from .predict import Prediction, predict
-from .spec import Gemm, Layer, ModelSpec
+from .layers import Gemm, Layer
+from .spec import ModelSpec
 
 __all__ = ["Hardware", "Link", "PRESETS", "ModelSpec", "Layer", "Gemm", "Plan", "Prediction", "predict"]

@@ -7,7 +7,7 @@ which kernel they come from, so that a reader can check them against the model c
 
 from __future__ import annotations
 
-from .spec import Gemm, Layer
+from .layers import Gemm, Layer
 
 __all__ = ["gpt_layers", "llama_layers"]
 

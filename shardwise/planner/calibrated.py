@@ -1,4 +1,4 @@
-"""``Hardware`` from a calibration file of the user's own machine (written by ``shardwise calibrate``).
+"""``Hardware`` fields from a calibration file of the user's own machine (written by ``shardwise calibrate``).
 
 The file holds what ran *with every rank busy at once* (ranks share the host's cores and memory bus, as they do
 in training): GEMM throughput per rank for a sweep of shapes, elementwise bandwidth, the cost of one tiny op,
@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..comm.calibration import Calibration
-from .hardware import Hardware, Link
+from .link import Link
 
-__all__ = ["hardware_from_calibration"]
+__all__ = ["hardware_fields"]
 
 _FORMAT = "shardwise-hardware/1"
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
@@ -65,8 +65,8 @@ def _intra_link(collectives: Mapping[int, Calibration]) -> Link:
     return Link(alpha_s=model.alpha_us * 1e-6 / (2 * (size - 1)), bus_bandwidth_Bps=bus)
 
 
-def hardware_from_calibration(data: Any, where: str = "calibration") -> Hardware:
-    """Build ``Hardware`` from a parsed calibration file; ``ValueError`` naming the first bad field."""
+def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
+    """``Hardware`` keyword arguments from a parsed calibration file; ``ValueError`` naming the first bad field."""
     if not isinstance(data, dict):
         raise ValueError(f"{where} holds a {type(data).__name__}, expected an object; regenerate it with "
                          f"`shardwise calibrate --out FILE`")
@@ -95,7 +95,7 @@ def hardware_from_calibration(data: Any, where: str = "calibration") -> Hardware
     if not collectives:
         raise ValueError(f"{where}: no collectives measured; regenerate it with `shardwise calibrate --out FILE`")
     link = _intra_link(collectives)
-    return Hardware(
+    return dict(
         name=str(data.get("name", "calibrated")), peak_flops=peaks,
         memory_bytes=float(_need(data, "memory_bytes", (int, float), where)),
         memory_bandwidth_Bps=float(_need(probe, "memory_bandwidth_Bps", (int, float), f"{where} probe")),

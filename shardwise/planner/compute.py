@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .hardware import Hardware
 from .plan import Plan
-from .spec import Gemm, Layer
+from .layers import Gemm, Layer
 
 __all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes"]
 

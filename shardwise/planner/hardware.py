@@ -24,24 +24,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..comm.calibration import Calibration
+from .calibrated import hardware_fields
+from .link import Link
 
 __all__ = ["Link", "Hardware", "PRESETS"]
 
 _DTYPES = ("fp32", "bf16")
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: a per-step latency and the bus bandwidth one device gets through it."""
-
-    alpha_s: float
-    """Latency of one message step (seconds)."""
-    bus_bandwidth_Bps: float
-    """Achieved bus bandwidth per device (bytes/s), nccl-tests convention."""
-
-    def __post_init__(self) -> None:
-        if not (self.alpha_s >= 0 and self.bus_bandwidth_Bps > 0):
-            raise ValueError(f"Link needs alpha_s >= 0 and bus_bandwidth_Bps > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -116,9 +104,7 @@ class Hardware:
         except json.JSONDecodeError as exc:
             raise ValueError(f"hardware file {str(path)!r} is not valid JSON ({exc}); regenerate it with "
                              f"`shardwise calibrate --out {path}`") from None
-        from .calibrated import hardware_from_calibration
-
-        return hardware_from_calibration(data, str(path))
+        return Hardware(**hardware_fields(data, str(path)))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

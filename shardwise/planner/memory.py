@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .compute import act_bytes
 from .plan import Plan
-from .spec import Layer
+from .layers import Layer
 
 __all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown"]
 

@@ -16,7 +16,7 @@ from typing import Sequence
 from ..parallel.pipeline.schedules import get_schedule
 from ..parallel.pipeline.simulate import Costs, simulate
 from ..parallel.pipeline.stage import balance_by_params
-from .spec import Layer
+from .layers import Layer
 
 __all__ = ["split_stages", "Flush", "simulate_flush"]
 

@@ -15,74 +15,12 @@ a fused (flash) attention kernel that keeps only ``O(s)`` statistics.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
+
+from .builders import gpt_layers, llama_layers
+from .layers import Gemm, Layer
 
 __all__ = ["Gemm", "Layer", "ModelSpec"]
-
-Split = Literal["col", "row", "heads", "none"]
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """``batch`` matrix products ``(rows × k) @ (k × n)`` per sequence."""
-
-    name: str
-    rows: int
-    k: int
-    n: int
-    split: Split = "none"
-    """How tensor parallelism divides it: ``col`` splits n, ``row`` splits k, ``heads`` splits batch."""
-    batch: int = 1
-    weight: bool = True
-    """A weight GEMM (backward = input gradient + weight gradient); attention cores have no weight."""
-    causal: bool = False
-    """A causal attention core: a fused kernel skips the masked half."""
-
-    @property
-    def flops(self) -> float:
-        return 2.0 * self.rows * self.k * self.n * self.batch
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One cuttable unit (embedding, a block, the head), per sequence."""
-
-    name: str
-    kind: str
-    """``embedding``, ``block``, ``head`` or ``other``."""
-    params: int
-    tp_params: int = 0
-    """Parameters tensor parallelism splits (the rest are replicated over tp)."""
-    gemms: tuple[Gemm, ...] = ()
-    ew_rep: float = 0.0
-    """Elements read + written by memory-bound kernels in forward, not split by tp (split by sequence
-    parallelism)."""
-    ew_tp: float = 0.0
-    """... split by tp."""
-    ops: int = 0
-    """Non-GEMM kernel launches in forward."""
-    act_rep: float = 0.0
-    """Activation elements kept for backward, replicated over tp (split by sequence parallelism)."""
-    act_tp: float = 0.0
-    """Activation elements kept for backward, split by tp."""
-    act_attn: float = 0.0
-    """Attention-core elements (softmax/dropout, ``O(s²)``), split by tp; selective recomputation drops them."""
-    act_fp32: float = 0.0
-    """Elements kept in fp32 whatever the precision (e.g. log-softmax of the loss), split by tp."""
-    hidden: int = 0
-    """Elements of the layer's output per sequence (``s·h``): pipeline p2p and tensor-parallel all-reduces."""
-    tp_allreduces: int = 0
-    """All-reduces of ``hidden`` elements per forward under tensor parallelism (backward has as many)."""
-    tied: str = ""
-    """Name of the layer whose weight this one shares (the tied head)."""
-    shared: int = 0
-    """Parameters of ``params`` that are the tied layer's (counted once when both sit on one device)."""
-
-    @property
-    def flops(self) -> float:
-        """Forward FLOPs per sequence (GEMMs)."""
-        return sum(g.flops for g in self.gemms)
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -151,8 +89,6 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.gpt needs a positive int {key}, got {value!r}")
         if n_embd % n_head:
             raise ValueError(f"ModelSpec.gpt: n_embd ({n_embd}) must be divisible by n_head ({n_head})")
-        from .builders import gpt_layers
-
         layers = gpt_layers(n_layer=n_layer, h=n_embd, a=n_head, v=vocab_size, s=s, positions=block_size or s,
                             tie=tie_weights, bias=bias, dropout=bool(dropout), attention=attention)
         return ModelSpec(name=name, seq_len=s, layers=layers, hidden=n_embd, heads=n_head, kv_heads=n_head,
@@ -175,8 +111,6 @@ class ModelSpec:
         if hidden % heads or heads % kv_heads:
             raise ValueError(f"ModelSpec.llama: heads ({heads}) must divide hidden ({hidden}) and kv_heads "
                              f"({kv_heads}) must divide heads")
-        from .builders import llama_layers
-
         layers = llama_layers(n_layer=n_layer, h=hidden, a=heads, kv=kv_heads, f=ffn, v=vocab_size, s=seq_len,
                               tie=tie_weights, attention=attention)
         args = dict(n_layer=n_layer, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
