@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
+from ..common.autocast import check_autocast
 from ..common.mixed_precision import LossScaler
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from .communication import lower_communication, receive_placement
@@ -47,8 +48,9 @@ class Pipeline:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
                  bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int | None = None,
-                 recv_before_send: bool | None = None) -> None:
+                 recv_before_send: bool | None = None, autocast: torch.dtype | None = None) -> None:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
+        check_autocast(autocast)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
@@ -73,7 +75,7 @@ class Pipeline:
         self.zero_stage = zero_stage
         self.actions = lowered.ranks[me]
         self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
-                                       loss_fn=loss_fn)
+                                       loss_fn=loss_fn, autocast=autocast)
         self.grad_sync: DpGradSync | None = None
         if dp_axis is not None and mesh.size(dp_axis) > 1:
             self.grad_sync = DpGradSync(self._stage_params(), mesh, dp_axis, zero=zero_stage == 1,
@@ -285,7 +287,8 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
              loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
              checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True,
-             recv_ahead: int | None = None, recv_before_send: bool | None = None) -> Pipeline:
+             recv_ahead: int | None = None, recv_before_send: bool | None = None,
+             autocast: torch.dtype | None = None) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -308,9 +311,11 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     stream, where an early receive would hold up later sends; the CUDA path is not verified either way).
     Tensor parallelism inside a stage: pass a model already ``sw.parallelize``-d over another axis and a
     tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
+    ``autocast=torch.bfloat16``: every forward action (stage and ``loss_fn``) runs under ``torch.autocast`` on the
+    mesh's device type; parameters, gradients and optimizer state keep their dtype (fp32 master weights).
     Bad input raises ``ValueError`` / ``TypeError`` before any communication.
     """
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
                     chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
                     bucket_cap_mb=bucket_cap_mb, release=release, recv_ahead=recv_ahead,
-                    recv_before_send=recv_before_send)
+                    recv_before_send=recv_before_send, autocast=autocast)

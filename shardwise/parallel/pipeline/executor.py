@@ -9,6 +9,7 @@ Per action (stage ``s``, micro-batch ``i``):
 * ``F``: run the stage; the input of a stage > 0 is a leaf that requires grad, so backward leaves the input
   gradient in ``x.grad``. The last stage applies ``loss_fn`` and keeps ``loss / m`` as the tensor to
   differentiate (the step's loss is the mean over micro-batches, as one device computes it on the whole batch).
+  With ``autocast`` (bf16) the stage and the loss run under ``torch.autocast``, as one device's forward would.
 * ``B`` without split backward: ``torch.autograd.backward(out, grad)`` — input and weight gradients at once.
 * ``B`` with split backward (zero-bubble): the input gradient plus dL/dy for each weight-owning module's
   output (``weight_grad.WeightCapture``); ``W`` later runs each module's local weight backward
@@ -16,6 +17,9 @@ Per action (stage ``s``, micro-batch ``i``):
 * ``SEND_F`` / ``SEND_B``: start an asynchronous send; every send is waited for at the end of the step.
 
 Shapes: the first message on each stage boundary is preceded by a small metadata message (dtype and shape).
+Under autocast the dtype is whatever the stage returned: the reference GPT's residual stream stays fp32 (a bf16
+branch added to an fp32 residual promotes), a stage ending in a bare Linear sends bf16; either way the
+gradient coming back has the output's dtype, which is what the backward receive buffer is allocated with.
 Both ends cache it, so later steps send only activations; a new micro-batch input shape resets the cache on
 every rank at once (every rank receives the same step arguments). Gradients need no metadata: a stage knows
 its own output's shape.
@@ -34,6 +38,7 @@ from ... import comm
 from ...comm.counter import record_collective
 from ...comm.p2p import AxisLink
 from ...mesh import Mesh
+from ..common.autocast import compute_autocast
 from .actions import Action, Schedule
 from .stage import Stage
 from .weight_grad import WeightCapture, weight_gradients
@@ -71,8 +76,11 @@ class Interpreter:
     """Runs lowered action lists for the stages this rank holds (``stages[s]`` for local ``s``)."""
 
     def __init__(self, *, schedule: Schedule, stages: dict[int, Stage], mesh: Mesh, axis: str,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: torch.dtype | None = None) -> None:
         self.schedule, self.stages, self.mesh, self.axis, self.loss_fn = schedule, stages, mesh, axis, loss_fn
+        self.autocast = autocast
+        """Dtype of the forward's ``torch.autocast`` (stage and loss; ``None``: none). Parameters and gradients
+        stay in their own dtype; recomputation (activation checkpointing) restores the same autocast state."""
         self.shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # boundary s -> s+1: output of s
         self.shape_key: tuple | None = None
         self.last = schedule.num_stages - 1
@@ -171,15 +179,16 @@ class Interpreter:
         else:
             x = self._take("RECV_F", s, i, st)
             x.requires_grad_(x.is_floating_point())  # a leaf: backward leaves dL/dx in x.grad
-        capture = self.captures.get(s)
-        if capture is None:
-            out = self.stages[s](x)
-        else:
-            out, captured = capture.run(self.stages[s], x)
-            if captured is not None:
-                st.captured[(s, i)] = captured
-        if s == self.last:
-            loss = self.loss_fn(out, st.targets[i])
+        with compute_autocast(self.mesh.device, self.autocast):
+            capture = self.captures.get(s)
+            if capture is None:
+                out = self.stages[s](x)
+            else:
+                out, captured = capture.run(self.stages[s], x)
+                if captured is not None:
+                    st.captured[(s, i)] = captured
+            loss = self.loss_fn(out, st.targets[i]) if s == self.last else None
+        if loss is not None:
             st.losses.append(loss.detach())
             out = loss / len(st.inputs)  # d(mean over micro-batches) / d(loss_i) = 1/m
         st.inputs_kept[(s, i)], st.outputs[(s, i)] = x, out

@@ -9,6 +9,11 @@ parameters directly; B asks autograd for dL/dy alongside dL/dx (no weight-gradie
   module per micro-batch, whose fixed cost dominates small CPU matmuls (see ``shardwise bench pp``);
 * any other module by its local backward ``grad(y, own params, dL/dy)``.
 
+Under bf16 autocast a Linear's output ``y`` (so dL/dy) is bf16 while its input and weight are fp32: autocast ran
+the matmul on bf16 casts, so W does too (``x`` cast to dL/dy's dtype, the product cast to the weight's dtype on
+accumulation — what autograd's cast backward does); a LayerNorm whose input dtype differs from its weight's uses
+the local autograd backward instead.
+
 When the capture is not exact (a parameter used twice in the stage, a module that owns parameters but whose
 forward did not run, e.g. a Linear whose weight a parent applies functionally) W differentiates the whole
 stage output again instead. A stage with activation checkpointing keeps no inputs (that would undo the
@@ -82,10 +87,11 @@ class WeightCapture:
 
 # -- closed-form weight gradients: (module, input x, dL/dy) -> [(parameter, its gradient contribution)] ----------
 def _linear(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
-    # y = x W^T + b: x (..., in), g (..., out) -> dW = g^T x (out, in), db = sum of g over rows (out,)
-    g2, x2 = g.reshape(-1, g.size(-1)), x.reshape(-1, x.size(-1))
+    # y = x W^T + b: x (..., in), g (..., out) -> dW = g^T x (out, in), db = sum of g over rows (out,).
+    # Autocast: g is bf16, the forward multiplied bf16(x): the same kernel here, cast up in _accumulate.
+    g2, x2 = g.reshape(-1, g.size(-1)), x.reshape(-1, x.size(-1)).to(g.dtype)
     w = m.weight
-    if w.requires_grad and w.grad is not None and w.grad.is_contiguous():
+    if w.requires_grad and w.grad is not None and w.grad.is_contiguous() and w.grad.dtype == g2.dtype:
         w.grad.addmm_(g2.t(), x2)  # later micro-batches: accumulate in the matmul, no temporary (out, in)
         out = []
     else:
@@ -107,7 +113,7 @@ def _layer_norm(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor
 
 def _embedding(m: nn.Module, idx: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
     # y = W[idx]: idx (...), g (..., dim) -> dW rows idx accumulate g (rows not looked up get zero)
-    dw = torch.zeros_like(m.weight).index_add_(0, idx.reshape(-1), g.reshape(-1, g.size(-1)))
+    dw = torch.zeros_like(m.weight).index_add_(0, idx.reshape(-1), g.reshape(-1, g.size(-1)).to(m.weight.dtype))
     return [(m.weight, dw)]
 
 
@@ -117,7 +123,7 @@ def _rule(m: nn.Module, x: Tensor | None) -> Callable[..., list[tuple[Tensor, Te
         return None
     if type(m) is nn.Linear and x.is_floating_point():
         return _linear
-    if type(m) is nn.LayerNorm and m.elementwise_affine and x.is_floating_point():
+    if type(m) is nn.LayerNorm and m.elementwise_affine and x.dtype == m.weight.dtype:
         return _layer_norm
     if (type(m) is nn.Embedding and m.padding_idx is None and m.max_norm is None and not m.scale_grad_by_freq
             and not m.sparse and not x.is_floating_point()):
@@ -126,6 +132,7 @@ def _rule(m: nn.Module, x: Tensor | None) -> Callable[..., list[tuple[Tensor, Te
 
 
 def _accumulate(q: Tensor, gq: Tensor) -> None:
+    gq = gq.to(q.dtype)  # autocast: a bf16 weight gradient lands in the fp32 parameter's .grad, as autograd's would
     q.grad = gq if q.grad is None else q.grad.add_(gq)
 
 

@@ -106,4 +106,11 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: GPT) -> tuple[nn.Module, Los
     from ...parallel.tensor.api import gpt_plan, parallelize, vocab_parallel_cross_entropy
 
     model = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
-    return model, partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
+    vocab_ce = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Under bf16 autocast (train.precision) the logits are bf16. One process's F.cross_entropy is on
+        # autocast's fp32 list: it casts them to fp32 and returns an fp32 loss; a custom autograd function is
+        # not on that list, so cast here, or the loss would come back rounded to bf16 (~3 digits). No-op in fp32.
+        return vocab_ce(logits.float(), targets)
+    return model, loss

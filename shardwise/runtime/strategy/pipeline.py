@@ -9,7 +9,8 @@ Hybrids (``config._check_pipeline_hybrids`` lists what stays rejected):
   last stage's loss is the vocab-parallel cross-entropy, as without pp (``base.tensor_parallel``);
 * ZeRO-1: ``zero_stage=1`` — ``pipe.build_optimizer`` gives a ``ZeroOptimizer`` over the dp gradient buckets of
   this rank's stages (optimizer state 1/dp); its checkpoint layout: ``checkpoint/pipeline_zero.py``;
-* activation checkpointing: ``checkpoint=True`` (each unit keeps only its input, recomputed in backward).
+* activation checkpointing: ``checkpoint=True`` (each unit keeps only its input, recomputed in backward);
+* bf16 autocast (``train.precision``): ``autocast=torch.bfloat16`` — each forward action under ``torch.autocast``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...checkpoint.pipeline_zero import load_pipeline_zero, pipeline_zero_groups
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
 from ...models.gpt import GPT
+from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.memory import storage_bytes
 from ...parallel.pipeline.api import Pipeline, pipeline
 from ...parallel.zero.optim import ZeroOptimizer
@@ -50,7 +52,8 @@ class PipelineStrategy:
         self.model: Pipeline = pipeline(
             module, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
             split=list(p.pp_split) or None, chunks=p.pp_chunks, dp_axis="dp", zero_stage=p.zero_stage,
-            checkpoint=p.activation_checkpointing, bucket_cap_mb=p.bucket_cap_mb)
+            checkpoint=p.activation_checkpointing, bucket_cap_mb=p.bucket_cap_mb,
+            autocast=precision_dtype(cfg.train.precision))
         self.optimizer = self.model.build_optimizer(partial(build_optimizer, o=cfg.optimizer))
         # ZeRO-1 over dp only with dp > 1 (at dp = 1 the optimizer is a plain one); the ``sum_grads`` fault
         # follows the config's zero_stage, as it does without pp.

@@ -18,6 +18,7 @@ from ...checkpoint.sharded import Checkpoint, Piece
 from ...comm.collectives import all_reduce
 from ...mesh import Mesh
 from ...models.gpt import GPT
+from ...parallel.common.autocast import compute_autocast, precision_dtype
 from ...parallel.common.memory import memory_report
 from ..config import Config
 from ..nonfinite import Grad, param_grads, poisoned
@@ -36,16 +37,18 @@ def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
 
 
 def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: Callable[[], None],
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, autocast: torch.dtype | None = None) -> torch.Tensor:
     """``len(batches)`` forward/backward passes, each loss scaled by ``1/len(batches)``; gradient sync on the
-    last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). This rank's loss of the
-    step. Collective as the wrapper's synchronised backward is."""
+    last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). ``autocast``: forward and
+    loss under ``torch.autocast`` in that dtype (``train.precision``; backward outside it, as autograd wants).
+    This rank's loss of the step (fp32). Collective as the wrapper's synchronised backward is."""
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         with model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext():
             t0 = time.perf_counter()
-            loss = loss_fn(model(x), y) / len(batches)
+            with compute_autocast(device, autocast):
+                loss = loss_fn(model(x), y) / len(batches)
             sync()
             t1 = time.perf_counter()
             loss.backward()
@@ -71,13 +74,15 @@ class DataParallelSteps:
     mesh: Mesh
     model: Any
     loss_fn: LossFn
+    autocast: torch.dtype | None = None
+    """``train.precision``'s autocast dtype (None: fp32); set by the subclass from the config."""
 
     def data_shard(self) -> tuple[int, int]:
         return self.mesh.size("dp"), self.mesh.coord("dp")
 
     def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
         loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
-        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device)
+        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device, self.autocast)
 
     def mean_loss(self, loss: torch.Tensor | float) -> float:
         return dp_mean(loss, self.mesh)
@@ -89,7 +94,7 @@ class PlainStrategy(DataParallelSteps):
 
     def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
         p = cfg.parallel
-        self.mesh = mesh
+        self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
         self.plain: nn.Module = checkpointed(cfg, module)
         self.model: nn.Module = self.plain

@@ -11,6 +11,7 @@ from ...checkpoint.sharded import Checkpoint, Piece
 from ...checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
 from ...mesh import Mesh
 from ...models.gpt import GPT
+from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.memory import memory_report
 from ...parallel.zero.api import ZeroModel, zero
 from ...parallel.zero.optim import ZeroOptimizer
@@ -27,7 +28,7 @@ class ZeroStrategy(DataParallelSteps):
 
     def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
         p = cfg.parallel
-        self.mesh = mesh
+        self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
         self.plain = checkpointed(cfg, module)
         model, optimizer = zero(self.plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
