@@ -83,6 +83,8 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("'butterfly'", "choose one of ['native', 'ring', 'tree']")),
     ("flag-bad-format", ["train", "--data.format", "csv"], None,
      ("data.format = 'csv'", "choose one of ['auto', 'text', 'bin']")),
+    ("flag-bad-precision", ["train", "--train.precision", "fp16"], None,
+     ("train.precision = 'fp16'", "choose one of ['fp32', 'bf16']")),
     ("preset-typo", ["train", "--preset", "gpt-smal"], None,
      ("invalid choice 'gpt-smal'", "did you mean gpt-small?")),
     ("stray-argument", ["train", "extra"], None,

@@ -102,6 +102,8 @@ CASES: list[tuple[str, Call, type[Exception], tuple[str, ...]]] = [
      ("pipeline axis 'pp' is not an axis", "use one of ['dp', 'tp']")),
     ("pp-zero-stage-3", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, loss_fn=_loss, zero_stage=3), ValueError,
      ("got 3", "use sw.zero without a pipeline")),
+    ("pp-autocast-fp16", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, loss_fn=_loss, autocast=torch.float16),
+     ValueError, ("got torch.float16", "fp16 needs loss scaling")),
     # --- ZeRO, data parallelism, checkpointing, mixed precision ---
     ("zero-stage-4", lambda e: sw.zero(nn.Linear(2, 2), e.m, stage=4, optimizer=_SGD), ValueError,
      ("ZeRO stage must be one of [1, 2, 3], got 4", "1 shards optimizer state")),
