@@ -4,7 +4,8 @@ boundary transfer costs.
 
 Simulating a flush of thousands of micro-batches action by action is slow and unnecessary: once every rank is
 in its steady state, one more micro-batch adds exactly the bottleneck rank's work. So the flush is simulated
-with ``m' = min(m, 4p)`` micro-batches (a multiple of p for interleaved) and extended linearly; the activation
+with ``m' = min(m, 4p)`` and ``m' + p`` micro-batches and extended by the period this measures (exact
+once the schedule is periodic); the activation
 sets in flight come from the same simulation (GPipe holds all ``m``).
 """
 
@@ -52,12 +53,16 @@ def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float
         per = sum(F) + sum(B) + sum(W)
         return Flush(time=m * per, busy=(m * per,), in_flight=(1,))
     cap = 4 * p
-    small = m if m <= cap else cap
-    sched = get_schedule(schedule, p=p, m=small, chunks=chunks)
-    result = simulate(sched, Costs(F=tuple(F), B=tuple(B), W=tuple(W), comm=tuple(comm)))
+    costs = Costs(F=tuple(F), B=tuple(B), W=tuple(W), comm=tuple(comm))
+    run = lambda k: simulate(get_schedule(schedule, p=p, m=k, chunks=chunks), costs)  # noqa: E731
+    result = run(min(m, cap))
     per_rank = [sum(F[s] + B[s] + W[s] for s in range(r, p * chunks, p)) for r in range(p)]
-    extra = m - small
-    time = result.makespan + extra * max(per_rank)
+    time, extra = result.makespan, 0
+    if m > cap:
+        # the steady state repeats every p micro-batches: measure one period and extend by it
+        period = run(cap + p).makespan - result.makespan
+        extra = m - cap
+        time = result.makespan + extra * period / p
     busy = tuple(b + extra * w for b, w in zip(result.busy, per_rank))
     held = tuple(m * chunks if schedule == "gpipe" else k for k in result.peak_in_flight)
     return Flush(time=time, busy=busy, in_flight=held)

@@ -19,6 +19,7 @@ from typing import Any
 
 from .builders import gpt_layers, llama_layers
 from .layers import Gemm, Layer
+from .trace import trace_fields
 
 __all__ = ["Gemm", "Layer", "ModelSpec"]
 
@@ -121,10 +122,9 @@ class ModelSpec:
 
     @staticmethod
     def trace(module: Any, example_inputs: Any, *, loss_fn: Any = None, name: str = "") -> "ModelSpec":
-        """Trace any ``nn.Module`` on the meta device (see ``shardwise.planner.trace``)."""
-        from .trace import trace_module
-
-        return trace_module(module, example_inputs, loss_fn=loss_fn, name=name)
+        """Any ``nn.Module`` traced on the meta device with ``example_inputs`` (see ``shardwise.planner.trace``)."""
+        fields_ = trace_fields(module, example_inputs, loss_fn=loss_fn)
+        return ModelSpec(name=name or type(module).__name__, attention="flash", meta={"builder": "trace"}, **fields_)
 
     def rename(self, name: str) -> "ModelSpec":
         return replace(self, name=name)

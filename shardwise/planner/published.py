@@ -1,0 +1,78 @@
+"""Published measurements the planner is checked against (numbers only; each row cites its table).
+
+Used by the unit tests and by ``shardwise bench planner`` (which regenerates the table in
+``benchmarks/RESULTS.md``). Assumptions the papers do not state are named where they are made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+from .plan import Plan
+from .predict import Prediction, predict
+from .spec import ModelSpec
+
+__all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "gpt3_days",
+           "ZERO_TABLE1"]
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float
+    """Measured TF/s per GPU (Eq. 3 FLOPs, full recomputation)."""
+
+
+# Narayanan et al. 2021 (arXiv 2104.04473), Table 1: A100-80GB (Selene), seq 2048, vocab 51,200, full activation
+# recomputation, interleaved schedule, mixed precision.
+MEGATRON_TABLE1 = (
+    MegatronRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), MegatronRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    MegatronRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142), MegatronRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    MegatronRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), MegatronRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    MegatronRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), MegatronRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    MegatronRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    MegatronRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+GPT3_175B_DAYS = 34.0
+"""Narayanan et al. 2021 §5.1: GPT-3 175B, 300B tokens, 1024 A100s, batch 1536 → about 34 days."""
+
+ZERO_TABLE1 = {"params": 7.5e9, "dp": 64, "gb": {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}}
+"""Rajbhandari et al. 2019 (arXiv 1910.02054) Table 1: model-state GB per device, 7.5B params, N_d = 64, K = 12."""
+
+
+def megatron_spec(layers: int, hidden: int, heads: int) -> ModelSpec:
+    """Megatron-LM's 2021 GPT: unfused attention with dropout, vocab 51,200, seq 2048."""
+    return ModelSpec.gpt(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=51200, seq_len=2048,
+                         block_size=2048, attention="unfused", dropout=True, name=f"gpt-{hidden}x{layers}")
+
+
+def megatron_plan(layers: int, tp: int, pp: int, gpus: int) -> Plan:
+    """The row's layout. Not in the table, assumed: micro-batch 1, two model chunks per pipeline rank (three
+    when the layers per rank do not split in two), bf16-mixed precision (2 + 2 + 12 bytes per parameter)."""
+    chunks = 1 if pp == 1 else (2 if layers % (2 * pp) == 0 else 3)
+    return Plan(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, schedule="interleaved" if pp > 1 else "1f1b",
+                chunks=chunks, activation_checkpointing="full", precision="bf16-mixed")
+
+
+def megatron_prediction(row: MegatronRow, hw: Hardware | None = None) -> Prediction:
+    """The planner's prediction for one Table 1 row on the ``a100-80g-sxm`` preset."""
+    hw = hw or Hardware.preset("a100-80g-sxm")
+    return predict(megatron_spec(row.layers, row.hidden, row.heads), megatron_plan(row.layers, row.tp, row.pp, row.gpus),
+                   hw, global_batch=row.batch, runtime="megatron")
+
+
+def gpt3_days(hw: Hardware | None = None) -> tuple[float, Prediction]:
+    """Predicted days to train GPT-3 175B on 300B tokens with 1024 A100s (tp 8, pp 8, dp 16, batch 1536)."""
+    hw = hw or Hardware.preset("a100-80g-sxm")
+    pred = predict(megatron_spec(96, 12288, 96), megatron_plan(96, 8, 8, 1024), hw, global_batch=1536,
+                   runtime="megatron")
+    return 300e9 / pred.tokens_per_s / 86400, pred
