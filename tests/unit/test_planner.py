@@ -173,3 +173,18 @@ def test_collective_time_follows_the_ring_formula():
     # one member per node: the NIC share bounds it
     across = hw.collective_time("all_reduce", size, 16, per_node=1)
     assert across > 8 * t
+
+
+def test_saved_tensor_peak_counts_each_storage_once_and_frees_after_backward():
+    from shardwise.parallel.common.saved_memory import SavedTensorPeak
+
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    tracker = SavedTensorPeak()
+    with tracker:
+        h = torch.tanh(x @ w)      # saves x (8 KiB) and the weight (a parameter: not counted), tanh's output
+        y = (h * h).sum()          # saves h twice: one storage
+        live_before = tracker.live
+        y.backward()
+    assert live_before == 2 * 32 * 64 * 4 and tracker.peak == live_before
+    assert tracker.live == 0
