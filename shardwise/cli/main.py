@@ -41,6 +41,10 @@ def _command(name: str) -> Command:
         from . import export as module
     elif name == "plot":
         from . import plot as module
+    elif name == "predict":
+        from . import predict as module
+    elif name == "calibrate":
+        from . import calibrate as module
     else:
         raise KeyError(name)
     return module
@@ -61,6 +65,8 @@ def _bench(name: str) -> Command:
         from ..bench import zero as module
     elif name == "faults":
         from ..bench import faults as module
+    elif name == "planner":
+        from ..bench import planner as module
     else:
         raise KeyError(name)
     return module
@@ -74,6 +80,10 @@ COMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "verify": (partial(_command, "verify"), "check a layout trains to the same losses as one process"),
     "export": (partial(_command, "export"), "consolidate a sharded checkpoint into one safetensors file"),
     "plot": (partial(_command, "plot"), "draw loss and throughput PNGs of a run"),
+    "predict": (partial(_command, "predict"), "step time, throughput and memory of a config on given hardware, "
+                "before it runs (the planner)"),
+    "calibrate": (partial(_command, "calibrate"), "measure this machine (GEMM, bandwidth, collectives) into a "
+                  "hardware JSON for the planner and algorithm=auto"),
 }
 # bench kind -> (loader, one-line help)
 BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
@@ -84,6 +94,7 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
     "pp": (partial(_bench, "pp"), "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
     "zero": (partial(_bench, "zero"), "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
     "faults": (partial(_bench, "faults"), "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
+    "planner": (partial(_bench, "planner"), "planner predictions vs published tables and vs measured layouts"),
 }
 
 # The packages the loaders import from. An ImportError naming one of them means the command's module is not in

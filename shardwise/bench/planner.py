@@ -1,0 +1,178 @@
+"""``shardwise bench planner``: the planner's predictions against published tables and against measurement.
+
+``--published``: Megatron-LM Table 1 (TF/s per GPU), the GPT-3 175B training time, ZeRO Table 1 (model states),
+all on the ``a100-80g-sxm`` preset — pure, seconds.
+``--measured --hardware FILE``: trains every layout of ``LAYOUTS`` briefly with ``shardwise train`` (one
+subprocess each, the layouts one after another on an otherwise idle machine), reads each run's per-rank
+summaries (median step time; model states + the saved-tensor high-water mark per rank), predicts the same
+layout with the calibration ``FILE`` and prints both, the errors, and the Kendall τ of the two rankings.
+``--markdown FILE`` writes the tables for ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "main", "LAYOUTS", "kendall_tau"]
+
+MODEL = ["--preset", "gpt-small", "--model.n_layer", "6", "--data.global_batch", "16", "--parallel.micro_batch", "4"]
+"""The measured model: gpt-small widened to 6 blocks (so 4 pipeline ranks × 2 chunks have units to cut)."""
+
+LAYOUTS: list[tuple[str, list[str]]] = [
+    ("dp2", ["--parallel.nproc", "2"]),
+    ("tp2", ["--parallel.nproc", "2", "--parallel.tp", "2"]),
+    ("pp2 1f1b", ["--parallel.nproc", "2", "--parallel.pp", "2"]),
+    ("dp2 zero1", ["--parallel.nproc", "2", "--parallel.zero_stage", "1"]),
+    ("dp2 zero3", ["--parallel.nproc", "2", "--parallel.zero_stage", "3"]),
+    ("dp2 ckpt", ["--parallel.nproc", "2", "--parallel.activation_checkpointing", "true"]),
+    ("dp4", ["--parallel.nproc", "4"]),
+    ("dp4 zero2", ["--parallel.nproc", "4", "--parallel.zero_stage", "2"]),
+    ("dp2 tp2", ["--parallel.nproc", "4", "--parallel.tp", "2"]),
+    ("tp4", ["--parallel.nproc", "4", "--parallel.tp", "4"]),
+    ("pp2 dp2 1f1b", ["--parallel.nproc", "4", "--parallel.pp", "2"]),
+    ("pp4 gpipe", ["--parallel.nproc", "4", "--parallel.pp", "4", "--parallel.pp_schedule", "gpipe"]),
+    ("pp4 1f1b", ["--parallel.nproc", "4", "--parallel.pp", "4"]),
+    ("pp4 zb-h1", ["--parallel.nproc", "4", "--parallel.pp", "4", "--parallel.pp_schedule", "zb-h1"]),
+    ("pp2 interleaved", ["--parallel.nproc", "4", "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved",
+                         "--parallel.pp_chunks", "2"]),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--published", action="store_true", help="compare with the published tables (pure)")
+    parser.add_argument("--measured", action="store_true", help="train every layout briefly and compare")
+    parser.add_argument("--hardware", default=None, help="calibration FILE for --measured (shardwise calibrate)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per measured layout (default 12)")
+    parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    parser.add_argument("--markdown", default=None, metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's τ-a of two equally long sequences (1: same order, -1: reversed). Pure."""
+    n = len(a)
+    pairs = concordant = discordant = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            pairs += 1
+            s = (a[i] - a[j]) * (b[i] - b[j])
+            concordant += s > 0
+            discordant += s < 0
+    return (concordant - discordant) / pairs if pairs else 1.0
+
+
+def _published() -> tuple[list[str], dict[str, Any]]:
+    from ..planner.memory import model_state_bytes
+    from ..planner.published import MEGATRON_TABLE1, ZERO_TABLE1, gpt3_days, megatron_prediction
+
+    lines = ["| params | tp | pp | GPUs | batch | published TF/s | predicted TF/s | error | bubble | tp comm |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for r in MEGATRON_TABLE1:
+        p = megatron_prediction(r)
+        err = p.tflops_per_device / r.tflops - 1
+        share = {k: v / p.step_time_s for k, v in p.breakdown.items()}
+        rows.append({"params_b": r.params_b, "published": r.tflops, "predicted": p.tflops_per_device, "error": err})
+        lines.append(f"| {r.params_b}B | {r.tp} | {r.pp} | {r.gpus} | {r.batch} | {r.tflops} | "
+                     f"{p.tflops_per_device:.1f} | {err:+.1%} | {share['pipeline_bubble']:.1%} | {share['tp_comm']:.1%} |")
+    days, pred = gpt3_days()
+    lines += ["", f"GPT-3 175B, 300B tokens, 1024 A100 (tp 8, pp 8, dp 16, batch 1536): predicted {days:.1f} days "
+                  f"at {pred.tflops_per_device:.1f} TF/s per GPU (published: 34 days from 140 TF/s measured).", "",
+              "| ZeRO stage | published GB | predicted GB |", "|---|---|---|"]
+    for stage, gb in ZERO_TABLE1["gb"].items():
+        got = model_state_bytes(ZERO_TABLE1["params"], precision="bf16-mixed", zero_stage=stage, dp=ZERO_TABLE1["dp"])
+        lines.append(f"| {stage} | {gb} | {got.total / 1e9:.2f} |")
+    errs = [abs(r["error"]) for r in rows]
+    lines.insert(0, f"Megatron-LM Table 1: max |error| {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
+    return lines, {"megatron": rows, "gpt3_days": days}
+
+
+def _run_layout(name: str, flags: list[str], steps: int, root: Path) -> dict[str, Any]:
+    out = root / name.replace(" ", "_")
+    argv = [sys.executable, "-m", "shardwise", "train", *MODEL, *flags, "--train.steps", str(steps),
+            "--train.ckpt_every", "0", "--train.log_every", str(steps), "--train.out_dir", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"layout {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    ranks = [json.loads(f.read_text()) for f in sorted((out / "ranks").glob("rank*.json"))]
+    step = statistics.median(r["step_s"] for r in ranks)
+    mem = max(r.get("model_state_bytes", 0) + r.get("activation_peak_bytes", 0) for r in ranks)
+    return {"step_s": step, "memory": mem, "config": json.loads((out / "config.json").read_text())}
+
+
+def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    from ..planner import Hardware, ModelSpec, predict
+    from ..runtime.config import config_from_dict
+    from ..runtime.prediction import plan_from_config
+
+    hw = Hardware.resolve(args.hardware)
+    wanted = {s.strip() for s in args.only.split(",") if s.strip()}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sw-bench-planner-") as tmp:
+        for name, flags in LAYOUTS:
+            if wanted and name not in wanted:
+                continue
+            got = _run_layout(name, flags, args.steps, Path(tmp))
+            cfg = config_from_dict(got["config"])
+            pred = predict(ModelSpec.gpt(cfg.model), plan_from_config(cfg), hw, global_batch=cfg.data.global_batch)
+            # compare like with like: the measured side has no communication buffers
+            pmem = pred.memory.total - pred.memory.buffers + _autocast_casts(pred)
+            rows.append({"layout": name, "measured_s": got["step_s"], "predicted_s": pred.step_time_s,
+                         "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": pred.dominant})
+            print(f"{name:18s} measured {got['step_s'] * 1e3:8.1f} ms  predicted {pred.step_time_s * 1e3:8.1f} ms  "
+                  f"mem {got['memory'] / 1e6:7.1f} / {pmem / 1e6:7.1f} MB", flush=True)
+    return _measured_table(rows), {"measured": rows}
+
+
+def _autocast_casts(pred: Any) -> float:
+    return 0.0  # bf16 weight casts are saved tensors: the measured side counts them as activations
+
+
+def _measured_table(rows: list[dict[str, Any]]) -> list[str]:
+    t_err = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+    m_err = [r["predicted_mem"] / r["measured_mem"] - 1 for r in rows if r["measured_mem"]]
+    tau = kendall_tau([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
+    lines = ["| layout | measured step (ms) | predicted (ms) | error | measured memory (MB) | predicted (MB) | error | dominant |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r, e in zip(rows, t_err):
+        me = r["predicted_mem"] / r["measured_mem"] - 1 if r["measured_mem"] else float("nan")
+        lines.append(f"| {r['layout']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {e:+.1%} | "
+                     f"{r['measured_mem'] / 1e6:.1f} | {r['predicted_mem'] / 1e6:.1f} | {me:+.1%} | {r['dominant']} |")
+    abs_t = [abs(e) for e in t_err]
+    abs_m = [abs(e) for e in m_err] or [float("nan")]
+    lines.insert(0, f"Step time: median |error| {statistics.median(abs_t):.1%}, worst {max(abs_t):.1%}; memory: median "
+                    f"|error| {statistics.median(abs_m):.1%}, worst {max(abs_m):.1%}; Kendall τ of the step-time "
+                    f"ranking {tau:.2f} ({len(rows)} layouts).\n")
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    if not (args.published or args.measured):
+        raise ValueError("choose --published and/or --measured (with --hardware FILE from `shardwise calibrate`)")
+    if args.measured and not args.hardware:
+        raise ValueError("--measured needs --hardware FILE: run `shardwise calibrate --nproc 4 --out FILE` first")
+    lines: list[str] = []
+    data: dict[str, Any] = {}
+    if args.published:
+        more, d = _published()
+        lines += more
+        data.update(d)
+    if args.measured:
+        more, d = _measured(args)
+        lines += [""] + more
+        data.update(d)
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    return 0
