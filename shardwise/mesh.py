@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,9 +114,14 @@ class Mesh:
     ``Mesh(dp=2, tp=2)`` — axes outermost → innermost; one axis may be ``-1`` (inferred from the world size).
     Collective: every rank must construct the same meshes in the same order, because each axis' process
     groups are created here (``torch.distributed.new_group`` is collective over the whole world).
+
+    ``calibration``: fitted collective costs (``shardwise.comm.calibration.Calibration``, or several of them,
+    one per group size) that ``algorithm="auto"`` consults; ``with_calibration`` attaches them later. Every
+    rank must attach the same ones, or "auto" could pick different algorithms on different ranks.
     """
 
-    def __init__(self, *, debug: bool = False, timeout_s: float | None = None, **axis_sizes: int) -> None:
+    def __init__(self, *, debug: bool = False, timeout_s: float | None = None, calibration: Any = None,
+                 **axis_sizes: int) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("shardwise.Mesh needs an initialised job: call shardwise.init() first "
                                "(it reads torchrun's environment, or makes a world of size 1)")
@@ -129,6 +134,7 @@ class Mesh:
         self.timeout_s = timeout_s
         """The deadline of every collective on this mesh's groups; None: the job's (``sw.init(timeout_s=...)``)."""
         self.device = _device_for_backend()
+        self._calibrations = _calibrations_by_size(calibration)
         self._groups: dict[str, dist.ProcessGroup] = {}
         # A second group per axis carries our own point-to-point algorithms (ring/tree), so their messages
         # never share tags or ordering with the backend's collectives issued on the first one.
@@ -202,13 +208,35 @@ class Mesh:
         sub = object.__new__(Mesh)
         sub._layout = MeshLayout(axes=tuple(axes), shape=tuple(self.size(a) for a in axes))
         sub._rank = self._rank
-        sub.debug, sub.device = self.debug, self.device
+        sub.debug, sub.device, sub.timeout_s = self.debug, self.device, self.timeout_s
+        sub._calibrations = self._calibrations
         sub._groups = {a: self._groups[a] for a in axes}
         sub._p2p_groups = {a: self._p2p_groups[a] for a in axes}
         sub._ranks = {a: self._ranks[a] for a in axes}
         sub._sub_coords = {a: self.coord(a) for a in axes}
         sub._coords = sub._sub_coords
         return sub
+
+    # -- calibration ---------------------------------------------------------------------------------
+    def calibration_for(self, group_size: int) -> Any:
+        """The attached calibration measured on groups of ``group_size`` ranks, or ``None``."""
+        return self._calibrations.get(group_size)
+
+    @property
+    def calibrations(self) -> dict[int, Any]:
+        """Every attached calibration by group size (empty: ``algorithm="auto"`` means ``native``)."""
+        return dict(self._calibrations)
+
+    def with_calibration(self, calibration: Any) -> "Mesh":
+        """This mesh with ``calibration`` attached instead (a calibration, several, or ``None``): the same
+        process groups and communication threads, no communication."""
+        other = object.__new__(Mesh)
+        # The comm worker threads and their queues are shared, so both views keep one order per axis.
+        self.__dict__.setdefault("_comm_workers", {})
+        self.__dict__.setdefault("_comm_last", {})
+        other.__dict__.update(self.__dict__)
+        other._calibrations = _calibrations_by_size(calibration)
+        return other
 
     def __getitem__(self, axis: str) -> "Mesh":
         return self.sub(axis)
@@ -219,6 +247,24 @@ class Mesh:
     def __repr__(self) -> str:
         dims = ", ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
         return f"Mesh({dims})"
+
+
+def _calibrations_by_size(calibration: Any) -> dict[int, Any]:
+    """``None``, one calibration or an iterable of them → ``{group size: calibration}``; ``TypeError`` otherwise."""
+    if calibration is None:
+        return {}
+    items = [calibration] if hasattr(calibration, "world_size") else calibration
+    if not isinstance(items, Iterable) or isinstance(items, (str, bytes, Mapping)):
+        raise TypeError(f"Mesh(calibration=...) takes a Calibration, a list of them or None, got "
+                        f"{type(calibration).__name__}; load one with shardwise.comm.calibration.load_calibration")
+    out: dict[int, Any] = {}
+    for cal in items:
+        size = getattr(cal, "world_size", None)
+        if not isinstance(size, int) or not callable(getattr(cal, "best_algorithm", None)):
+            raise TypeError(f"Mesh(calibration=...) got a {type(cal).__name__}, not a Calibration (with world_size "
+                            f"and best_algorithm); load one with shardwise.comm.calibration.load_calibration")
+        out[size] = cal
+    return out
 
 
 def _new_group(ranks: list[int], timeout_s: float | None) -> dist.ProcessGroup:

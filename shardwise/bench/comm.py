@@ -22,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from .comm_report import (BENCH_OPS, PLOT_INSTALL_HINT, BenchRow, bus_factor, format_size, parse_size,
+from .comm_report import (ALL_OPS, BENCH_OPS, PLOT_INSTALL_HINT, BenchRow, bus_factor, format_size, parse_size,
                            power_of_two_sizes, print_table, write_json, write_plot)
 from ..comm.calibration import fit_calibration, save_calibration
 from ..comm.ops import ALGORITHMS
 from .harness import add_launch_arguments, run_bench
 
-__all__ = ["add_arguments", "main", "DTYPES", "AXIS"]
+__all__ = ["add_arguments", "main", "bench_op", "DTYPES", "AXIS"]
 
 AXIS = "world"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -71,8 +71,9 @@ def _positive(minimum: int) -> Callable[[str], int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser, what="local ranks to start")
-    parser.add_argument("--ops", type=_choices(BENCH_OPS, "collective"), default=list(BENCH_OPS),
-                        help="comma-separated collectives (default: all_reduce,all_gather,reduce_scatter)")
+    parser.add_argument("--ops", type=_choices(ALL_OPS, "collective"), default=list(BENCH_OPS),
+                        help="comma-separated collectives: all_reduce,all_gather,reduce_scatter (the default), "
+                             "broadcast (from coordinate 0)")
     parser.add_argument("--algorithms", type=_choices(ALGORITHMS, "algorithm"), default=list(ALGORITHMS),
                         help="comma-separated algorithms (default: native,ring,tree)")
     # --min-bytes/--max-bytes spell the same flags for torchrun command lines: torchrun's own parser takes
@@ -128,6 +129,8 @@ def _expected(op: str, count: int, n: int, rank: int, device: torch.device) -> t
     """The exact result this rank must get (float64)."""
     if op == "all_reduce":
         return _summed_pattern(count, n, device)
+    if op == "broadcast":  # everyone ends with the source's (coordinate 0's) pattern
+        return _pattern(count, 0, torch.float64, device)
     shard = count // n
     if op == "all_gather":  # block r of the output is rank r's pattern of length `shard`
         idx = torch.arange(count, device=device)
@@ -138,7 +141,7 @@ def _expected(op: str, count: int, n: int, rank: int, device: torch.device) -> t
 def _count_for(op: str, nbytes: int, n: int, itemsize: int) -> int:
     """Elements of the full buffer for a requested size; all-gather/reduce-scatter need a multiple of ``n``."""
     count = max(1, nbytes // itemsize)
-    return count if op == "all_reduce" else max(n, count // n * n)
+    return count if op in ("all_reduce", "broadcast") else max(n, count // n * n)
 
 
 def _make_call(op: str, algorithm: str, data: torch.Tensor, mesh: object) -> Callable[[], torch.Tensor]:
@@ -148,6 +151,8 @@ def _make_call(op: str, algorithm: str, data: torch.Tensor, mesh: object) -> Cal
         return lambda: c.all_reduce(data, mesh, AXIS, algorithm=algorithm)  # type: ignore[return-value]
     if op == "all_gather":
         return lambda: c.all_gather(data, mesh, AXIS, algorithm=algorithm)  # type: ignore[return-value]
+    if op == "broadcast":
+        return lambda: c.broadcast(data, mesh, AXIS, algorithm=algorithm)  # type: ignore[return-value]
     return lambda: c.reduce_scatter(data, mesh, AXIS, algorithm=algorithm)  # type: ignore[return-value]
 
 
@@ -197,7 +202,9 @@ def _machine(device: torch.device) -> dict[str, object]:
     return info
 
 
-def _bench_op(op: str, sizes: list[int], mesh: object, args: argparse.Namespace) -> list[BenchRow]:
+def bench_op(op: str, sizes: list[int], mesh: object, args: argparse.Namespace) -> list[BenchRow]:
+    """Measure ``op`` with every ``args.algorithms`` at every size on ``mesh``'s axis ``world`` (settings from
+    ``args``: ``dtype``, ``iters``, ``warmup``, ``check``). Collective over that axis."""
     n = mesh.size(AXIS)  # type: ignore[attr-defined]
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -234,7 +241,7 @@ def _run_worker(args: argparse.Namespace) -> int:
               f"warmup {args.warmup}, iters {args.iters}", flush=True)
     rows: list[BenchRow] = []
     for op in args.ops:
-        op_rows = _bench_op(op, sizes, mesh, args)
+        op_rows = bench_op(op, sizes, mesh, args)
         if lead:
             print_table(op, op_rows, n, plain=args.plain)
         rows += op_rows

@@ -7,7 +7,8 @@ Bandwidths follow nccl-tests (``doc/PERFORMANCE.md`` there): ``algbw = bytes / t
 sustain, so numbers are comparable across world sizes and against the hardware's peak:
 
 * all-reduce: ``2(n-1)/n`` (a reduce-scatter then an all-gather, each moving ``(n-1)/n`` of the buffer);
-* all-gather and reduce-scatter: ``(n-1)/n``.
+* all-gather and reduce-scatter: ``(n-1)/n``;
+* broadcast: 1 (every rank must receive the whole buffer once).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-__all__ = ["BenchRow", "BENCH_OPS", "bus_factor", "parse_size", "format_size", "power_of_two_sizes",
+__all__ = ["BenchRow", "BENCH_OPS", "ALL_OPS", "bus_factor", "parse_size", "format_size", "power_of_two_sizes",
            "print_table", "write_json", "write_plot", "PLOT_INSTALL_HINT"]
 
 BENCH_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
+"""What ``shardwise bench comm`` measures by default."""
+ALL_OPS: tuple[str, ...] = (*BENCH_OPS, "broadcast")
+"""What it can measure (``--ops``); ``shardwise calibrate`` measures all of them."""
 PLOT_INSTALL_HINT = "pip install 'shardwise[plot]' (or: pip install matplotlib)"
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -54,7 +58,9 @@ def bus_factor(op: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
-    raise ValueError(f"unknown collective {op!r}; choose one of {list(BENCH_OPS)}")
+    if op == "broadcast":
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; choose one of {list(ALL_OPS)}")
 
 
 def parse_size(text: str) -> int:
@@ -138,7 +144,7 @@ def write_plot(path: str | Path, rows: Sequence[BenchRow], title: str) -> None:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    ops = [op for op in BENCH_OPS if any(r.op == op for r in rows)]
+    ops = [op for op in ALL_OPS if any(r.op == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for algo in sorted({r.algorithm for r in rows if r.op == op}):

@@ -58,14 +58,15 @@ def _flag_words(action: argparse.Action, flag: str, value: Any) -> list[str]:
 
 
 def run_bench(name: str, args: argparse.Namespace, *, validate: Callable[[argparse.Namespace], object],
-              worker: Callable[[argparse.Namespace], int]) -> int:
-    """Validate, then be one rank (``--worker``) or launch ``args.nproc`` local ranks of ``shardwise.bench.NAME``."""
+              worker: Callable[[argparse.Namespace], int], prog: str | None = None) -> int:
+    """Validate, then be one rank (``--worker``) or launch ``args.nproc`` local ranks of ``shardwise.bench.NAME``.
+    ``prog`` names the command in error lines (default ``shardwise bench NAME``)."""
     try:
         if args.nproc < 1:
             raise ValueError(f"-n/--nproc must be >= 1, got {args.nproc}; e.g. -n 2")
         validate(args)
     except ValueError as exc:
-        print(f"shardwise bench {name}: error: {exc}", file=sys.stderr)
+        print(f"{prog or f'shardwise bench {name}'}: error: {exc}", file=sys.stderr)
         return 2
     if args.worker:
         return worker(args)

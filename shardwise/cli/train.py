@@ -22,6 +22,7 @@ from ..checkpoint.sharded import (CHECKPOINTS, Checkpoint, CheckpointError, late
                                   verify_checkpoint)
 from ..runtime.config import (PRESETS, Config, DebugConfig, ParallelConfig, config_from_dict, default_nproc, describe_fields,
                      load_config, validate)
+from ..runtime.calibration import calibration_file, check_calibration_setting
 from ..runtime.job import LAUNCH_CONFIG, Nodes, atomic_json, launch_ranks, publish_config, run_job
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "publish_config", "add_config_arguments",
@@ -84,6 +85,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     if cfg.data.path:  # ranks (and a later --resume from another directory) read it by absolute path
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     _check_data(cfg)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                calibration=check_calibration_setting(cfg.parallel)))
     if resume is None and nodes.leader and latest_checkpoint(run_dir) is not None:
         if not args.overwrite:
             raise ValueError(f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume, "
@@ -219,6 +222,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"shardwise train: error: {exc}", file=sys.stderr)
         return 2
     print(_header(cfg, run_dir, resume), flush=True)
+    calibration = calibration_file(cfg.parallel, "cuda" if _cuda() else "cpu", cfg.parallel.nproc)
+    if calibration is not None:
+        print(f"shardwise train: algorithm auto: collectives chosen per message size from {calibration}", flush=True)
     if cfg.train.ckpt_every == 0:
         print(f"shardwise train: warning: train.ckpt_every = 0: the only checkpoint is the final one (step "
               f"{cfg.train.steps}); a failure before it loses all progress; e.g. --train.ckpt_every 100",

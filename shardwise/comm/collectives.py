@@ -6,7 +6,9 @@ small native all-gather of each call's signature runs first and a mismatch raise
 rank instead of hanging or returning garbage.
 
 ``algorithm`` picks the implementation: ``"native"`` (the backend's own: gloo or NCCL), ``"ring"``
-(bandwidth-optimal, ``ring.py``) or ``"tree"`` (latency-optimal, ``tree.py``). Uneven sizes follow
+(bandwidth-optimal, ``ring.py``), ``"tree"`` (latency-optimal, ``tree.py``) or ``"auto"`` (per call, the one
+with the lowest fitted cost in the mesh's calibration for the group's size; ``native`` without one:
+``auto.py``). Counters and the debug check see the implementation that ran. Uneven sizes follow
 ``shard_sizes``: the first ``L % n`` ranks hold one extra row.
 """
 
@@ -19,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import Mesh
+from .auto import resolve_algorithm
 from .counter import record_collective
 from .handles import Handle, worker_for
-from .ops import ALGORITHMS, check_algorithm, check_dtype, check_op, shard_sizes
+from .ops import ALGORITHM_CHOICES, check_algorithm, check_dtype, check_op, shard_sizes
 from .p2p import AxisLink
 from .ring import DEFAULT_PIECE_BYTES, ring_all_gather, ring_all_reduce, ring_broadcast, ring_reduce_scatter
 from .signature import check_agreement
@@ -57,8 +60,9 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", algor
                async_op: bool = False, piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
     """Reduce ``t`` across ``axis`` **in place** and return it (or a ``Handle`` whose ``wait()`` returns it).
     ``op``: ``sum | avg | max | min`` (``avg`` needs a floating dtype). Collective."""
-    check_algorithm(algorithm, ALGORITHMS, "all_reduce")
+    check_algorithm(algorithm, ALGORITHM_CHOICES, "all_reduce")
     check_op(op, t.dtype)
+    algorithm = resolve_algorithm(algorithm, mesh, axis, "all_reduce", t.numel() * t.element_size(), t.dtype)
     check_dtype(t.dtype, algorithm)
     n = mesh.size(axis)
     record_collective("all_reduce", algorithm, axis, t.numel() * t.element_size(), n)
@@ -99,14 +103,16 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: S
                piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
     """Concatenate every rank's ``t`` along ``dim`` (a new tensor). ``sizes[j]`` is rank ``j``'s size along
     ``dim`` when they differ (default: all equal to this rank's). Conjugate of ``reduce_scatter``. Collective."""
-    check_algorithm(algorithm, ALGORITHMS, "all_gather")
-    check_dtype(t.dtype, algorithm)
+    check_algorithm(algorithm, ALGORITHM_CHOICES, "all_gather")
     n, i = mesh.size(axis), mesh.coord(axis)
     x = _rows_first(t, dim)
     rows = list(sizes) if sizes is not None else [x.shape[0]] * n
     if len(rows) != n or rows[i] != x.shape[0]:
         raise ValueError(f"all_gather sizes {rows} must have one entry per rank of axis {axis!r} ({n}) and "
                          f"entry {i} must equal this rank's size {x.shape[0]} along dim {dim}")
+    algorithm = resolve_algorithm(algorithm, mesh, axis, "all_gather",
+                                  sum(rows) * math.prod(x.shape[1:]) * x.element_size(), t.dtype)
+    check_dtype(t.dtype, algorithm)
     record_collective("all_gather", algorithm, axis, x.numel() * x.element_size(), n)
     if mesh.debug:
         check_agreement(mesh, axis, "all_gather", x, algorithm=algorithm, sizes=rows)
@@ -166,8 +172,9 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", d
                    piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
     """Reduce ``t`` across ``axis`` and return this rank's shard along ``dim`` (rows per ``shard_sizes``).
     ``t`` is not modified. Conjugate of ``all_gather``. Collective."""
-    check_algorithm(algorithm, ALGORITHMS, "reduce_scatter")
+    check_algorithm(algorithm, ALGORITHM_CHOICES, "reduce_scatter")
     check_op(op, t.dtype)
+    algorithm = resolve_algorithm(algorithm, mesh, axis, "reduce_scatter", t.numel() * t.element_size(), t.dtype)
     check_dtype(t.dtype, algorithm)
     n, i = mesh.size(axis), mesh.coord(axis)
     x = _rows_first(t, dim)
@@ -217,7 +224,8 @@ def _native_reduce_scatter(buf: torch.Tensor, rows: list[int], inner: int, i: in
 def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, *, src: int = 0, algorithm: str = "native",
               async_op: bool = False, piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
     """Copy the tensor of the rank at coordinate ``src`` along ``axis`` into every rank's ``t`` (in place)."""
-    check_algorithm(algorithm, ALGORITHMS, "broadcast")
+    check_algorithm(algorithm, ALGORITHM_CHOICES, "broadcast")
+    algorithm = resolve_algorithm(algorithm, mesh, axis, "broadcast", t.numel() * t.element_size(), t.dtype)
     check_dtype(t.dtype, algorithm)
     n = mesh.size(axis)
     if not 0 <= src < n:

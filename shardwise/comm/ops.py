@@ -6,13 +6,17 @@ from typing import Literal
 
 import torch
 
-__all__ = ["ReduceOp", "Algorithm", "REDUCE_OPS", "ALGORITHMS", "SUPPORTED_DTYPES",
+__all__ = ["ReduceOp", "Algorithm", "REDUCE_OPS", "ALGORITHMS", "ALGORITHM_CHOICES", "SUPPORTED_DTYPES",
            "shard_sizes", "shard_offsets", "check_op", "check_algorithm", "check_dtype", "reduce_into"]
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
-Algorithm = Literal["native", "ring", "tree"]
+Algorithm = Literal["native", "ring", "tree", "auto"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree")
+"""The implementations (what a call finally runs, what ``shardwise bench comm`` measures)."""
+ALGORITHM_CHOICES: tuple[str, ...] = (*ALGORITHMS, "auto")
+"""What the collectives accept: an implementation, or ``auto`` — the cheapest by the mesh's calibration
+(``auto.py``), ``native`` without one."""
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
 

@@ -282,10 +282,10 @@ def _check_pipeline_hybrids(p: ParallelConfig) -> None:
                          f"pipeline shards only the optimizer state over dp (ZeRO-1); stages 2-3 would shard the "
                          f"gradients/parameters that every micro-batch of the schedule needs; use "
                          f"--parallel.zero_stage 1, or --parallel.pp 1")
-    if p.algorithm != "native":
+    if p.algorithm not in ("native", "auto"):  # auto: the pipeline's dp buckets stay native
         raise ValueError(f"parallel.algorithm = {p.algorithm!r} with parallel.pp = {p.pp} is not supported by "
                          f"shardwise train (the pipeline reduces its dp gradient buckets with the native "
-                         f"collective); use --parallel.algorithm native, or --parallel.pp 1")
+                         f"collective); use --parallel.algorithm native or auto, or --parallel.pp 1")
 
 
 def _pp_microbatches(p: ParallelConfig) -> int:

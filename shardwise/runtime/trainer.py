@@ -36,6 +36,7 @@ import torch
 from ..checkpoint.layout import tied_aliases
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from ..mesh import Mesh
+from .calibration import mesh_calibrations
 from .config import Config, OptimizerConfig, ParallelConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
@@ -61,9 +62,10 @@ STARTUP_TIMEOUT_S = 300.0
 can be slow and uneven on a loaded machine or filesystem; training steps use ``train.timeout_s``."""
 
 
-def _build_mesh(p: ParallelConfig, timeout_s: float | None = None) -> Mesh:
-    """The layout's mesh (``mesh_axes``); ``timeout_s``: the collective deadline of its groups (the steps)."""
-    return Mesh(**mesh_axes(p), timeout_s=timeout_s)
+def _build_mesh(p: ParallelConfig, timeout_s: float | None = None, calibration: Sequence[Any] = ()) -> Mesh:
+    """The layout's mesh (``mesh_axes``); ``timeout_s``: the collective deadline of its groups (the steps);
+    ``calibration``: the collective models ``algorithm = "auto"`` picks from (``runtime/calibration.py``)."""
+    return Mesh(**mesh_axes(p), timeout_s=timeout_s, calibration=list(calibration))
 
 
 class Trainer:
@@ -73,7 +75,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         p = cfg.parallel
-        self.mesh = _build_mesh(p, cfg.train.timeout_s)
+        calibration = mesh_calibrations(p, world.device, world.rank, world.world_size)
+        self.mesh = _build_mesh(p, cfg.train.timeout_s, calibration)
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
         self.strategy: Strategy = build_strategy(cfg, self.mesh)
         tokens = load_corpus(cfg.data.path, cfg.data.format)

@@ -240,3 +240,30 @@ def bad_input(case: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def check_auto_algorithm() -> dict[str, object]:
+    """``algorithm="auto"`` on a (dp=2, tp=2) mesh whose calibration covers groups of 2 only (tree below 64 KiB,
+    ring above): which implementation each call ran (CommCounter) and whether it equals native's result."""
+    from tests.unit.test_hardware_calibration import crossover_calibration
+
+    m = mesh(dp=2, tp=2).with_calibration(crossover_calibration(2))
+    out: dict[str, object] = {"same": True}
+    for name, length in (("small", 256), ("large", 64 << 10)):  # 1 KiB and 256 KiB of float32
+        x = rank_input(7, m.rank, (length,), torch.float32)
+        want = sw.comm.all_reduce(x.clone(), m, "tp", algorithm="native")
+        with CommCounter() as c:
+            got = sw.comm.all_reduce(x.clone(), m, "tp", algorithm="auto")
+            h = sw.comm.all_reduce(x.clone(), m, "tp", algorithm="auto", async_op=True)
+            got_async = h.wait()
+        out[name] = [r.algorithm for r in c.records]
+        out["messages_" + name] = c.messages_sent
+        out["same"] = out["same"] and torch.equal(got, want) and torch.equal(got_async, want)
+    with CommCounter() as c:  # no model for all_gather, none for this mesh, none for a 4-rank axis: native
+        sw.comm.all_gather(torch.ones(4), m, "tp", algorithm="auto")
+        sw.comm.all_reduce(torch.ones(4), mesh(dp=2, tp=2), "tp", algorithm="auto")
+        sw.comm.all_reduce(torch.ones(4), mesh(dp=-1).with_calibration(crossover_calibration(2)), "dp",
+                           algorithm="auto")
+    out["fallback"] = [r.algorithm for r in c.records]
+    out["sub"] = m.sub("tp").calibration_for(2) is m.calibration_for(2)
+    return out

@@ -103,3 +103,11 @@ def test_bad_input_is_a_clear_error(worlds, case, words):
         assert msg != "no error"
         for word in words:
             assert word in msg, (word, msg)
+
+
+def test_auto_runs_the_cheapest_calibrated_algorithm(worlds):
+    for r in worlds.get(4).run(cc.check_auto_algorithm):
+        assert r["small"] == ["tree", "tree"] and r["large"] == ["ring", "ring"], r
+        assert r["messages_small"] > 0 and r["messages_large"] > 0, r  # point-to-point traffic: really ours
+        assert r["same"] and r["sub"], r
+        assert r["fallback"] == ["native"] * 3, r

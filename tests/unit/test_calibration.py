@@ -99,5 +99,6 @@ def test_bus_factors():
     assert bus_factor("all_gather", 4) == pytest.approx(0.75)
     assert bus_factor("reduce_scatter", 2) == pytest.approx(0.5)
     assert bus_factor("all_reduce", 1) == 0.0
+    assert bus_factor("broadcast", 4) == 1.0
     with pytest.raises(ValueError):
-        bus_factor("broadcast", 2)
+        bus_factor("gossip", 2)

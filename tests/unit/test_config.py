@@ -49,7 +49,7 @@ def test_parse_overrides_both_spellings():
     ("parallel.tp", "x", "parallel.tp must be a int, got 'x'"),
     ("model.bias", "maybe", "model.bias must be a bool"),
     ("optimizer.lr", "fast", "optimizer.lr must be a float"),
-    ("parallel.algorithm", "butterfly", "choose one of ['native', 'ring', 'tree']"),
+    ("parallel.algorithm", "butterfly", "choose one of ['native', 'ring', 'tree', 'auto']"),
     ("parallel.tpp", "2", "did you mean 'tp'"),
     ("paralel.tp", "2", "unknown config key 'paralel.tp'"),
 ])

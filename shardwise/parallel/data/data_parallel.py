@@ -24,7 +24,7 @@ from typing import Any, Iterator, Literal, Mapping
 import torch
 import torch.nn as nn
 
-from ...comm.ops import ALGORITHMS
+from ...comm.ops import ALGORITHM_CHOICES
 from ...mesh import Mesh
 from .comm_hooks import CommHook
 from .centralized import CentralizedDataParallel
@@ -42,8 +42,8 @@ def _check_options(bucket_cap_mb: float, first_bucket_mb: float, algorithm: str,
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a number > 0 (megabytes), got {value!r}; e.g. {name}=25")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+    if algorithm not in ALGORITHM_CHOICES:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
     if average not in AVERAGES:
         raise ValueError(f"unknown average {average!r}; choose 'gradients' (all-reduce every backward) or "
                          f"'parameters' (local SGD: average the parameters every `period` optimizer steps)")
@@ -59,7 +59,8 @@ class DataParallel(nn.Module):
 
     ``bucket_cap_mb``/``first_bucket_mb``: gradient bucket sizes (MB = 2**20 bytes). ``overlap``: start a
     bucket's all-reduce during backward as soon as its gradients are ready (else all after backward).
-    ``algorithm``: ``native | ring | tree`` collective. ``find_unused_parameters``: parameters without a
+    ``algorithm``: ``native | ring | tree | auto`` collective (``auto``: per bucket, the cheapest by the mesh's
+    calibration; native without one). ``find_unused_parameters``: parameters without a
     gradient in a backward contribute zero instead of raising. ``broadcast_buffers``: copy coordinate 0's
     buffers to every replica at each forward. ``average``: ``"gradients"`` or ``"parameters"`` (local SGD,
     every ``period`` calls of ``average_parameters()``). ``grad_views``: ``param.grad`` aliases the buckets.
@@ -67,7 +68,8 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, axis: str = "dp", *, bucket_cap_mb: float = 25,
-                 first_bucket_mb: float = 1, overlap: bool = True, algorithm: Literal["native", "ring", "tree"] = "native",
+                 first_bucket_mb: float = 1, overlap: bool = True,
+                 algorithm: Literal["native", "ring", "tree", "auto"] = "native",
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  average: Literal["gradients", "parameters"] = "gradients", period: int = 1,
                  grad_views: bool = True) -> None:

@@ -1,0 +1,132 @@
+"""The compute probe of ``shardwise calibrate``: GEMM throughput, memory bandwidth and per-op overhead.
+
+Measured the way training runs: every rank of the job probes at the same time (a barrier before each
+measurement), so ``nproc`` ranks on one machine share its cores, memory bus or GPU as they do in a step. Each
+number is per rank: the median over ranks of that rank's median time per call. On CUDA every timed call is
+bracketed by ``torch.cuda.synchronize``. Repetitions are agreed between ranks (from the slowest warm-up call)
+so they all stay busy for the same stretch; a GEMM whose predicted time exceeds ``max_call_s`` (bfloat16 on a
+CPU without bfloat16 units is ~50× slower than float32) is skipped, and so are the larger ones after it.
+
+``run_probe(mesh, quick)`` is collective over the mesh's single axis ``world``; the rest is pure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProbeSettings", "probe_settings", "gemm_shapes", "run_probe"]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    squares: tuple[int, ...]
+    """Square GEMM sizes ``m = n = k``."""
+    skinny: tuple[tuple[int, int, int], ...]
+    """``(m, n, k)`` with many rows and narrow ``n, k``: a linear layer over a batch of tokens."""
+    dtypes: tuple[str, ...]
+    budget_s: float
+    """Time to spend per measurement (repetitions = budget / one call, within [min_reps, max_reps])."""
+    min_reps: int
+    max_reps: int
+    max_call_s: float
+    """Skip a GEMM predicted to take longer than this per call."""
+    bandwidth_elements: int
+    """float32 elements of the bandwidth probe ``y = a·x + b``."""
+
+
+def probe_settings(quick: bool) -> ProbeSettings:
+    if quick:
+        return ProbeSettings(squares=(64, 128, 256, 512), skinny=((4096, 64, 64), (4096, 256, 256)),
+                             dtypes=("float32", "bfloat16"), budget_s=0.04, min_reps=3, max_reps=20,
+                             max_call_s=0.1, bandwidth_elements=8 << 20)
+    return ProbeSettings(squares=(64, 128, 256, 512, 1024, 2048),
+                         skinny=((4096, 64, 64), (4096, 256, 256), (4096, 256, 1024), (16384, 128, 128)),
+                         dtypes=("float32", "bfloat16"), budget_s=0.3, min_reps=3, max_reps=50, max_call_s=2.0,
+                         bandwidth_elements=32 << 20)
+
+
+def gemm_shapes(settings: ProbeSettings) -> list[tuple[int, int, int]]:
+    """The GEMM sweep in increasing FLOP order: squares then skinny shapes. Pure."""
+    shapes = [(s, s, s) for s in settings.squares] + list(settings.skinny)
+    return sorted(dict.fromkeys(shapes), key=lambda s: (s[0] * s[1] * s[2], s))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _agreed_max(value: float, group: Any, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t[0])
+
+
+def _median_over_ranks(value: float, group: Any, device: torch.device) -> float:
+    n = dist.get_world_size(group)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    out = torch.empty(n, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(out, t, group=group)
+    return float(statistics.median(out.tolist()))
+
+
+def timed(call: Callable[[], object], mesh: Any, settings: ProbeSettings, inner: int = 1) -> float:
+    """Seconds per call of ``call``: each rank's median over agreed repetitions (each ``inner`` calls back to
+    back), the median of that over ranks. All ranks run it at once. Collective."""
+    group, device = mesh.group("world"), mesh.device
+    call()  # warm-up (allocations, kernel selection)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(inner):
+        call()
+    _sync(device)
+    one = _agreed_max(time.perf_counter() - start, group, device)
+    reps = min(settings.max_reps, max(settings.min_reps, math.ceil(settings.budget_s / max(one, 1e-9))))
+    dist.barrier(group=group)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            call()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / inner)
+    return _median_over_ranks(statistics.median(samples), group, device)
+
+
+def _gemm(dtype_name: str, shapes: list[tuple[int, int, int]], mesh: Any,
+          settings: ProbeSettings) -> list[list[float]]:
+    dtype, device = getattr(torch, dtype_name), mesh.device
+    rows: list[list[float]] = []
+    for m, n, k in shapes:
+        flop = 2.0 * m * n * k
+        if rows and flop / rows[-1][3] > settings.max_call_s:
+            break  # every rank skips alike: the prediction comes from the agreed median
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        seconds = timed(lambda: torch.mm(a, b, out=out), mesh, settings)
+        rows.append([m, n, k, flop / seconds])
+    return rows
+
+
+def run_probe(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
+    """The ``probe`` object of the hardware file, measured on every rank at once. Collective over ``world``."""
+    device = mesh.device
+    shapes = gemm_shapes(settings)
+    gemm = {name: _gemm(name, shapes, mesh, settings) for name in settings.dtypes}
+    x = torch.rand(settings.bandwidth_elements, device=device)
+    y, bias = torch.empty_like(x), torch.tensor(0.5, device=device)
+    # y = a·x + b: one read and one write of every element (one kernel; b is a 0-d tensor)
+    seconds = timed(lambda: torch.add(bias, x, alpha=1.5, out=y), mesh, settings)
+    bandwidth = 2 * x.numel() * x.element_size() / seconds
+    del x, y
+    one, res = torch.ones(1, device=device), torch.empty(1, device=device)
+    overhead = timed(lambda: torch.add(one, one, out=res), mesh, settings, inner=200)
+    return {"gemm": gemm, "memory_bandwidth_Bps": bandwidth, "op_overhead_s": overhead}
