@@ -197,9 +197,15 @@ def _optional_module(name: str) -> bool:
         return False
 
 
-def validate(config: Config) -> Config:
+def validate(config: Config, *, launch: bool = True) -> Config:
     """Check the whole tree before anything starts; returns it with ``nproc``, ``dp`` and ``grad_accum``
-    resolved. Raises ``ValueError`` naming the field, the value and the fix."""
+    resolved. Raises ``ValueError`` naming the field, the value and the fix.
+
+    ``launch=False`` (``shardwise predict``: a layout on devices that are not here) skips what only a launch
+    on this machine needs: ``parallel.nproc`` is not inferred from the local devices (give it, or dp), and with
+    pp > 1 the batch is read with the planner's Megatron semantics (``runtime/prediction.py``), so neither
+    train's pass-cutting of ``micro_batch`` into ``pp_microbatches`` nor its batch arithmetic is checked
+    (``grad_accum`` and ``pp_microbatches`` stay as given; the planner checks its own)."""
     from .data import BatchPlan
 
     # config.model (a GPTConfig) checked its own shape when it was built
@@ -224,7 +230,10 @@ def validate(config: Config) -> Config:
         raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
                          f"--optimizer.min_lr {o.lr / 10:g}")
     _check_strategies(config)
-    nproc = p.nproc or default_nproc()
+    nproc = p.nproc or (default_nproc() if launch else p.dp * p.tp * p.pp)
+    if not nproc:
+        raise ValueError("parallel.nproc = 0 (infer it) needs local devices, but nothing is launched here; give the "
+                         "device count, e.g. --parallel.nproc 8")
     if not -1 <= config.debug.nonfinite_rank < nproc:
         raise ValueError(f"debug.nonfinite_rank = {config.debug.nonfinite_rank} must be -1 (every rank) or a rank in "
                          f"[0, {nproc}); e.g. --debug.nonfinite_rank 0")
@@ -233,15 +242,17 @@ def validate(config: Config) -> Config:
         raise ValueError(f"parallel.dp × parallel.tp × parallel.pp = {dp} × {p.tp} × {p.pp} = {dp * p.tp * p.pp} "
                          f"must equal the number of processes parallel.nproc = {nproc}; set --parallel.nproc "
                          f"{max(dp, 1) * p.tp * p.pp} or pick dp/tp/pp whose product is {nproc}")
-    try:
-        gb = config.data.global_batch
-        plan = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp) if p.grad_accum
-                else BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp))
-    except ValueError as exc:
-        raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
-                         f"{exc}") from None
-    m = _check_pipeline(config)
-    return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=plan.grad_accum,
+    accum = p.grad_accum
+    if launch or p.pp == 1:
+        try:
+            gb = config.data.global_batch
+            accum = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp).grad_accum
+                     if p.grad_accum else BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp).grad_accum)
+        except ValueError as exc:
+            raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
+                             f"{exc}") from None
+    m = _check_pipeline(config, cut=launch)
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=accum,
                                                                     pp_microbatches=m))
 
 
@@ -310,9 +321,10 @@ def _pp_microbatches(p: ParallelConfig) -> int:
     return max(fits)
 
 
-def _check_pipeline(config: Config) -> int:
+def _check_pipeline(config: Config, *, cut: bool = True) -> int:
     """Validate the pipeline fields with ``sw.pipeline``'s own checks (schedule, micro-batches, stages; pure, the
-    model is built on the meta device); returns the resolved ``pp_microbatches`` (0 when pp == 1)."""
+    model is built on the meta device); returns the resolved ``pp_microbatches`` (0 when pp == 1). ``cut=False``
+    (``validate(launch=False)``): ``pp_microbatches`` is not derived from cutting ``micro_batch`` (0 stays 0)."""
     from ..parallel.pipeline.schedules import SCHEDULES, get_schedule
 
     p = config.parallel
@@ -328,9 +340,9 @@ def _check_pipeline(config: Config) -> int:
             raise ValueError(f"parallel.{given[0][0]} = {given[0][1]!r} only applies to pipeline parallelism, but "
                              f"parallel.pp = 1; set --parallel.pp 2 (or more), or drop parallel.{given[0][0]}")
         return 0
-    m = _pp_microbatches(p)
+    m = _pp_microbatches(p) if cut else p.pp_microbatches
     try:
-        get_schedule(p.pp_schedule, p=p.pp, m=m, chunks=p.pp_chunks)
+        get_schedule(p.pp_schedule, p=p.pp, m=m or p.pp, chunks=p.pp_chunks)  # m unknown yet (0): pp checks the rest
     except ValueError as exc:
         raise ValueError(f"parallel.pp_schedule = {p.pp_schedule!r} with parallel.pp = {p.pp}, parallel.pp_chunks = "
                          f"{p.pp_chunks}, parallel.pp_microbatches = {m} (p = pp, m = pp_microbatches): "

@@ -1,0 +1,125 @@
+"""``shardwise predict``: what a training config will cost — step time, throughput, memory per device — on
+given hardware, before anything runs (the planner, ``shardwise.planner``; nothing is started or written).
+
+    shardwise predict --preset gpt-small --parallel.nproc 8 --parallel.tp 2 --hardware a100-80g-sxm
+    shardwise predict --config run.toml --parallel.nproc 1024 --hardware my-cluster.json --json
+
+The flags are ``shardwise train``'s (``--preset``, ``--config``, ``--section.field VALUE``), checked the same
+way except for what only a launch on this machine needs; ``parallel.nproc`` is the device count. With
+pp > 1, ``parallel.micro_batch`` is one pipeline micro-batch (Megatron's reading; see
+``plan_from_config`` in ``shardwise/runtime/prediction.py``). A plan that does not fit in memory is not an
+error: ``fits`` is false and the largest memory term is named. Bad input: one error line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_arguments", "main", "run_prediction"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .train import add_config_arguments
+
+    parser.add_argument("--hardware", default=None, metavar="NAME|FILE",
+                        help="a preset (a100-80g-sxm, h100-80g-sxm) or a calibration file of `shardwise calibrate` "
+                             "(default: this machine's calibration for parallel.nproc ranks, if there is one)")
+    parser.add_argument("--devices-per-node", type=int, default=None, metavar="N",
+                        help="devices per node (default: the hardware's own)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (and nothing else) on stdout")
+    add_config_arguments(parser)
+
+
+def run_prediction(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``(validated config, hardware, prediction)``; ``ValueError`` (one line) for every bad input."""
+    import torch
+
+    from ..planner import ModelSpec, predict
+    from ..runtime.config import load_config, validate
+    from ..runtime.prediction import plan_from_config, resolve_hardware
+    from .train import config_overrides
+
+    cfg = validate(load_config(path=args.config, preset=args.preset, overrides=config_overrides(args)), launch=False)
+    hw = resolve_hardware(args.hardware, device="cuda" if torch.cuda.is_available() else "cpu",
+                          nproc=cfg.parallel.nproc, devices_per_node=args.devices_per_node)
+    plan = plan_from_config(cfg)
+    return cfg, hw, predict(ModelSpec.gpt(cfg.model), plan, hw, global_batch=cfg.data.global_batch)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg, hw, pred = run_prediction(args)
+    except ValueError as exc:
+        message = str(exc).splitlines()[0] if str(exc).strip() else repr(exc)
+        print(f"shardwise predict: error: {message}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {**pred.to_json(), "devices": cfg.parallel.nproc, "global_batch": cfg.data.global_batch,
+               "seq_len": cfg.model.block_size}
+        print(json.dumps(out))
+    else:
+        _print_tables(cfg, hw, pred)
+    return 0
+
+
+_GB = 1e9
+
+
+def _summary_rows(cfg: Any, hw: Any, pred: Any) -> list[tuple[str, str]]:
+    mem, plan = pred.memory, pred.plan
+    m = plan.microbatches if plan.pp > 1 else 1
+    unit = ("flush" if plan.pp > 1 else "pass") + ("es" if plan.grad_accum != 1 else "")
+    batch = (f"{cfg.data.global_batch} × {cfg.model.block_size} tokens = dp {plan.dp} × {plan.grad_accum} {unit} × "
+             + (f"{m} micro-batches × " if plan.pp > 1 else "") + f"micro-batch {plan.micro_batch}")
+    fits = (f"yes: {mem.total / _GB:.1f} GB of {mem.capacity / _GB:.1f} GB" if mem.fits
+            else f"NO: {mem.total / _GB:.1f} GB > {mem.capacity / _GB:.1f} GB; largest term: {mem.largest} "
+                 f"({getattr(mem, mem.largest) / _GB:.1f} GB)")
+    return [("devices", f"{cfg.parallel.nproc} × {hw.name} ({hw.devices_per_node} per node)"),
+            ("plan", plan.describe()), ("global batch", batch),
+            ("step time", f"{pred.step_time_s:.4g} s (dominant: {pred.dominant})"),
+            ("tokens/s", f"{pred.tokens_per_s:,.0f}"), ("TF/s per device", f"{pred.tflops_per_device:.1f}"),
+            ("MFU", f"{pred.mfu:.1%}"), ("fits", fits + f" (pipeline rank {mem.rank})")]
+
+
+def _stage_label(layers: list[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} … {layers[-1]} ({len(layers)})"
+
+
+def _print_tables(cfg: Any, hw: Any, pred: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(title=f"shardwise predict: {pred.model}, {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}",
+                 show_header=False)
+    for k, v in _summary_rows(cfg, hw, pred):
+        head.add_row(k, v)
+    console.print(head)
+    mem = pred.memory
+    memory = Table(title="memory per device (the most loaded pipeline rank)")
+    for col in ("term", "GB", "share"):
+        memory.add_column(col, justify="left" if col == "term" else "right")
+    terms = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "activations": mem.activations,
+             "buffers": mem.buffers}
+    for name, value in terms.items():
+        marker = "  ← largest" if name == mem.largest else ""
+        memory.add_row(name + marker, f"{value / _GB:.2f}", f"{value / max(mem.total, 1):.0%}")
+    memory.add_row("total", f"{mem.total / _GB:.2f}", f"of {mem.capacity / _GB:.1f} GB")
+    time_ = Table(title="time per step")
+    for col in ("term", "s", "%"):
+        time_.add_column(col, justify="left" if col == "term" else "right")
+    for name, value in pred.breakdown.items():
+        time_.add_row(name, f"{value:.4g}", f"{value / pred.step_time_s:.1%}")
+    time_.add_row("step", f"{pred.step_time_s:.4g}", "100%")
+    console.print(memory, time_)
+    stages = Table(title="pipeline stages: seconds per micro-batch (F forward, B input grad, W weight grad)")
+    for col in ("stage", "pp rank", "layers", "F ms", "B ms", "W ms"):
+        stages.add_column(col, justify="left" if col == "layers" else "right")
+    for st in pred.stages:  # stage s runs on pipeline rank s % pp (interleaved: several chunks per rank)
+        stages.add_row(str(st["stage"]), str(st["stage"] % pred.plan.pp), _stage_label(st["layers"]),
+                       f"{st['F_s'] * 1e3:.3g}",
+                       f"{st['B_s'] * 1e3:.3g}", f"{st['W_s'] * 1e3:.3g}")
+    console.print(stages)

@@ -1,0 +1,219 @@
+"""What the planner says about a training config: its ``Plan``, the hardware it runs on, and the records the
+launcher writes (``shardwise predict`` and the prediction ``shardwise train`` prints before it starts).
+
+``plan_from_config`` is pure. ``resolve_hardware`` reads a preset or a calibration file. ``quick_probe_hardware``
+times a few kernels in this process (well under a second) for a machine that has no calibration yet.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
+from .config import Config
+
+__all__ = ["plan_from_config", "local_calibration", "resolve_hardware", "quick_probe_hardware", "predict_launch",
+           "prediction_record", "prediction_line"]
+
+_PRECISION = {"fp32": "fp32", "bf16": "bf16"}
+"""``train.precision`` → ``Plan.precision``: ``bf16`` is autocast over fp32 weights in both."""
+
+# Plan field → the config key it comes from, so that a Plan error names what the user typed.
+_KEYS = (("Plan.schedule", "parallel.pp_schedule"), ("Plan.chunks", "parallel.pp_chunks"),
+         ("Plan.microbatches", "parallel.pp_microbatches"), ("Plan.micro_batch", "parallel.micro_batch"),
+         ("Plan.grad_accum", "parallel.grad_accum"), ("Plan.zero_stage", "parallel.zero_stage"),
+         ("Plan.precision", "train.precision"), ("Plan.", "parallel."))
+
+
+def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Plan:
+    """The ``Plan`` of a validated config (``validate``: ``nproc`` and ``dp`` resolved).
+
+    Field by field: ``dp``, ``tp``, ``pp``, ``zero_stage`` as they are; ``activation_checkpointing`` true →
+    ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
+    (bf16 autocast over fp32 weights); no sequence parallelism (train has none).
+
+    The batch with pp = 1: ``micro_batch`` sequences per pass, ``grad_accum`` passes (0: inferred by
+    ``Plan.resolved`` from the global batch).
+
+    The batch with pp > 1 has two readings:
+
+    * default (``shardwise predict``; Megatron's semantics, the planner's): ``parallel.micro_batch`` is the
+      sequences of ONE pipeline micro-batch, ``parallel.pp_microbatches`` the micro-batches per flush (0: every
+      micro-batch of the step in one flush), ``parallel.grad_accum`` the flushes per step (0: inferred);
+      ``global_batch = dp × grad_accum × micro_batch × pp_microbatches``.
+    * ``train_passes=True`` (what ``shardwise train`` runs today, on a config ``validate`` resolved):
+      ``parallel.micro_batch`` is the sequences of one pipeline *pass* of a dp replica, cut into
+      ``pp_microbatches`` equal micro-batches, ``grad_accum`` passes per step; so the plan's micro-batch is
+      ``micro_batch / pp_microbatches``. (Should train adopt Megatron's reading, this keyword goes away.)
+
+    ``ValueError`` naming the config key when the layout is not one the planner knows.
+    """
+    p = cfg.parallel
+    dp = p.dp or p.nproc // (p.tp * p.pp)
+    fields: dict[str, Any] = dict(
+        dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, grad_accum=p.grad_accum,
+        activation_checkpointing="full" if p.activation_checkpointing else "none",
+        precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
+        schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1)
+    if p.pp == 1:
+        fields.update(micro_batch=p.micro_batch)
+    elif train_passes:
+        m = p.pp_microbatches
+        if m < 1 or p.micro_batch % m:
+            raise ValueError(f"parallel.pp_microbatches = {m} must be >= 1 and divide parallel.micro_batch = "
+                             f"{p.micro_batch} (validate the config first)")
+        fields.update(micro_batch=p.micro_batch // m, microbatches=m)
+    else:
+        fields.update(micro_batch=p.micro_batch, microbatches=p.pp_microbatches)
+    try:
+        return Plan(**fields)
+    except ValueError as exc:
+        text = str(exc)
+        for ours, theirs in _KEYS:
+            text = text.replace(ours, theirs)
+        raise ValueError(text) from None
+
+
+def local_calibration(device: str, nproc: int) -> Path | None:
+    """``default_calibration_path(device, nproc)`` (``shardwise calibrate``'s file) when it exists, else None
+    (also when this build's ``shardwise.comm`` has no calibration files)."""
+    try:
+        from ..comm.hardware import default_calibration_path
+    except ImportError:
+        return None
+    path = default_calibration_path(device, nproc)
+    return path if path.is_file() else None
+
+
+def resolve_hardware(name_or_path: str | None, *, device: str, nproc: int,
+                     devices_per_node: int | None = None) -> Hardware:
+    """A preset name or a calibration file; ``None``: this machine's calibration for ``nproc`` ranks on
+    ``device``. ``ValueError`` (one line, listing the presets) when there is none or the file is bad."""
+    if devices_per_node is not None and devices_per_node < 1:
+        raise ValueError(f"--devices-per-node {devices_per_node} must be >= 1; e.g. --devices-per-node 8")
+    if name_or_path is None:
+        path = local_calibration(device, nproc)
+        if path is None:
+            raise ValueError(f"no --hardware given and no calibration of this machine for {nproc} {device} ranks; "
+                             f"pass --hardware with one of {sorted(PRESETS)} or a calibration file "
+                             f"(`shardwise calibrate --out FILE`)")
+        name_or_path = str(path)
+    try:
+        return Hardware.resolve(name_or_path, devices_per_node=devices_per_node)
+    except (OSError, TypeError, KeyError) as exc:
+        raise ValueError(f"hardware file {name_or_path!r} cannot be read as a calibration "
+                         f"({type(exc).__name__}: {exc}); regenerate it with `shardwise calibrate --out FILE`") from None
+
+
+# The intra-node link of CPU ranks over gloo, from benchmarks/calibration_cpu_4ranks.json (4 ranks on a
+# 2-core VM): the native all-reduce's alpha = 2.1 ms over 2(n-1) = 6 steps, beta = 1.73e-3 us/B, i.e. a bus
+# bandwidth of 2(n-1)/n / beta = 0.87 GB/s. Hard-coded: nothing reads repository files at run time.
+_CPU_LINK = Link(alpha_s=3.5e-4, bus_bandwidth_Bps=0.87e9)
+# NCCL within a node when nothing was measured: a modest PCIe-class figure (NVLink machines are faster).
+_CUDA_LINK = Link(alpha_s=1e-5, bus_bandwidth_Bps=20e9)
+
+
+def _per_call(fn: Callable[[], Any], sync: Callable[[], None], budget_s: float = 0.03) -> float:
+    """Seconds per call of ``fn`` (one warm-up call, then as many as fit in ``budget_s``, at most 200)."""
+    fn()
+    sync()
+    calls, start = 0, time.perf_counter()
+    while calls < 200 and (calls < 2 or time.perf_counter() - start < budget_s):
+        fn()
+        calls += 1
+    sync()
+    return max((time.perf_counter() - start) / calls, 1e-9)
+
+
+def _threads_per_rank(nproc: int, cores: int) -> int:
+    """Threads one rank computes with: ``OMP_NUM_THREADS`` when set, else torchrun's default (1 for several
+    ranks per node, all cores for one)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else (1 if nproc > 1 else cores)
+
+
+def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
+    """This machine as ``nproc`` training ranks see it, from a probe of well under a second in THIS process:
+    fp32 matmuls of 64..512 (the GEMM curve and peak), one large elementwise op (memory bandwidth) and one
+    tiny op (per-op overhead).
+
+    On the CPU the ranks share the cores. The probe runs on ONE thread (what torchrun gives each of several
+    ranks, and steady on a loaded machine); a rank's rate is that times ``min(threads per rank, cores /
+    nproc)``: e.g. 2 ranks on 2 cores run at the one-thread rate each, 4 ranks on 2 cores at half of it (the
+    throughput of all cores divided among the ranks sharing them). Memory bandwidth is scaled alike, and each
+    rank gets ``1/nproc`` of the physical memory. The link is a default gloo one (hard-coded, from a 4-rank
+    calibration); bf16 is taken to run at the fp32 rate. A first-order estimate: ``shardwise calibrate``
+    measures all of it with every rank busy. On ``device="cuda"`` the probe runs on this process's GPU (one
+    per rank, nothing shared) with a default NCCL link."""
+    import torch
+
+    cuda, cores = device == "cuda", os.cpu_count() or 1
+    dev = torch.device("cuda" if cuda else "cpu")
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    scale = 1.0 if cuda else min(float(_threads_per_rank(nproc, cores)), cores / max(nproc, 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        for n in ((256, 512, 1024, 2048) if cuda else (64, 128, 256, 512)):
+            a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+            rows.append((float(n), 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)))
+        x = torch.empty(1 << 23, device=dev)  # 32 MiB: beyond the caches
+        bandwidth = 2 * x.numel() * 4 / _per_call(lambda: x.add_(1.0), sync)
+        tiny = torch.zeros(1, device=dev)
+        overhead = _per_call(lambda: tiny.add_(1.0), sync, budget_s=0.005)
+    finally:
+        torch.set_num_threads(threads)
+    peak = max(f for _, f in rows)
+    if cuda:
+        memory = float(torch.cuda.get_device_properties(dev).total_memory)
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
+    link = _CUDA_LINK if cuda else _CPU_LINK
+    return Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": peak * scale},
+                    memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
+                    intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
+                    op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s,
+                    source=f"quick probe of this machine ({nproc} rank{'s' * (nproc > 1)}"
+                           f"{'' if cuda else f' on {cores} cores'}, default link)")
+
+
+def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction, str]:
+    """``(prediction, where the hardware numbers come from)`` for a config ``validate`` resolved, as
+    ``shardwise train`` runs it (``train_passes``) with ``nproc`` ranks on this node: the local calibration
+    if there is one, else ``quick_probe_hardware``."""
+    path = local_calibration(device, nproc)
+    if path is not None:
+        hw, where = Hardware.load(path), f"calibration {path}"
+    else:
+        hw = quick_probe_hardware(nproc, device=device)
+        where = f"a {hw.source}; `shardwise calibrate` measures it properly"
+    plan = plan_from_config(cfg, train_passes=True)
+    return predict(ModelSpec.gpt(cfg.model), plan, hw, global_batch=cfg.data.global_batch), where
+
+
+def _states(memory: dict[str, Any]) -> float:
+    return float(memory["params"] + memory["grads"] + memory["optimizer"])
+
+
+def prediction_record(pred: Prediction, where: str, *, step: int) -> dict[str, Any]:
+    """The ``{"kind": "prediction"}`` record of ``metrics.jsonl``: written before the ranks start, ``step``
+    being the step training starts from."""
+    memory = pred.memory.to_json()
+    return {"kind": "prediction", "step": step, "step_time_s": pred.step_time_s,
+            "peak_memory_bytes": memory["total_bytes"], "model_state_bytes": _states(memory),
+            "tokens_per_s": pred.tokens_per_s, "fits": pred.fits, "memory": memory,
+            "breakdown": dict(pred.breakdown), "plan": pred.plan.to_json(), "hardware": pred.hardware,
+            "hardware_source": where, "time": time.time()}
+
+
+def prediction_line(record: dict[str, Any]) -> str:
+    """One line for the launcher's output."""
+    from .metrics import format_bytes
+
+    return (f"shardwise train: predicted {record['step_time_s']:.3g} s/step, peak memory "
+            f"{format_bytes(record['peak_memory_bytes'])} per rank (model states "
+            f"{format_bytes(record['model_state_bytes'])}) from {record['hardware_source']}")
