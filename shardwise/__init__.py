@@ -3,7 +3,7 @@
 Public API re-exports only; the contract is ARCHITECTURE.md, "Public API".
 """
 
-from . import comm, models
+from . import comm, models, planner
 from .checkpoint import full_state_dict
 from .mesh import Mesh, MeshLayout
 from .parallel.common.activation_checkpointing import checkpoint_layers
@@ -28,4 +28,6 @@ __all__ = [
     "QKVParallel", "SequenceParallel", "zero", "MixedPrecision", "pipeline", "Pipeline",
     # state and accounting
     "full_state_dict", "memory_report", "models", "__version__",
+    # planning (pure: no processes)
+    "planner",
 ]
