@@ -209,6 +209,25 @@ def _header(cfg: Config, run_dir: Path, resume: Path | None) -> str:
             f"{stages}; {cfg.train.steps} steps → {run_dir}{start}")
 
 
+def _prediction(cfg: Config, run_dir: Path, resume: Path | None, nodes: Nodes) -> dict[str, Any] | None:
+    """Predict the step (``runtime/prediction.py``), print it in one line and write its record to
+    ``metrics.jsonl``; a prediction that fails is one line on stderr and never stops the run."""
+    try:
+        from ..runtime.metrics import append_record
+        from ..runtime.prediction import predict_launch, prediction_line, prediction_record
+
+        pred, where = predict_launch(cfg, device="cuda" if _cuda() else "cpu", nproc=nodes.per_node(cfg))
+        step = Checkpoint(resume).step if resume is not None else 0
+        record = prediction_record(pred, where, step=step)
+        append_record(run_dir, record, truncate_after=step)
+    except Exception as exc:  # noqa: BLE001 - the prediction is advice; training goes on without it
+        print(f"shardwise train: prediction skipped: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr,
+              flush=True)
+        return None
+    print(prediction_line(record), flush=True)
+    return record
+
+
 def _cuda() -> bool:
     import torch
 
@@ -230,13 +249,16 @@ def main(args: argparse.Namespace) -> int:
               f"{cfg.train.steps}); a failure before it loses all progress; e.g. --train.ckpt_every 100",
               file=sys.stderr, flush=True)
     nodes = Nodes.from_args(args)
+    prediction = _prediction(cfg, run_dir, resume, nodes) if nodes.leader else None
     rc = run_job(cfg, run_dir, resume, nodes)
     if rc != 0:
         return rc
     if nodes.leader:
-        from ..runtime.metrics import print_summary
+        from ..runtime.metrics import append_record, print_summary
 
-        print_summary(cfg, run_dir)
+        record = print_summary(cfg, run_dir, prediction)
+        if record is not None:
+            append_record(run_dir, record)
     else:
         print(f"shardwise train: node {nodes.rank} finished; node 0 prints the summary")
     return 0

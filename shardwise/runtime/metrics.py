@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = ["MetricsWriter", "ProgressReporter", "flops_per_token", "peak_flops", "peak_memory_bytes",
-           "read_metrics", "format_bytes"]
+           "read_metrics", "append_record", "summary_record", "format_bytes"]
 
 # Dense FP32 (no tensor cores) peak FLOP/s: ``shardwise train`` computes in float32 with TF32 off (torch's
 # default for matmuls). First matching substring of torch.cuda.get_device_name() wins (most specific first).
@@ -66,7 +66,7 @@ class MetricsWriter:
         self.path = run_dir / "metrics.jsonl"
         if truncate_after is not None and self.path.is_file():
             # Resuming from step k: steps after k were trained by the crashed run and are trained again.
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= truncate_after]
+            kept = [r for r in read_metrics(self.path, kind=None) if r.get("step", 0) <= truncate_after]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file: TextIO = self.path.open("a")
         self._tb: Any = None
@@ -91,15 +91,32 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
+def read_metrics(path: str | Path, *, kind: str | None = "step") -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a torn last line from a crash is skipped): one per step (no ``kind``
+    field) by default; ``kind="prediction"`` / ``"summary"``: the launcher's records (``append_record``);
+    ``kind=None``: all of them, in file order."""
     out: list[dict[str, Any]] = []
     for line in Path(path).read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if kind is None or record.get("kind", "step") == kind:
+            out.append(record)
     return out
+
+
+def append_record(run_dir: Path, record: dict[str, Any], *, truncate_after: int | None = None) -> None:
+    """Append one launcher record (``{"kind": "prediction" | "summary", "step": N, ...}``) to ``metrics.jsonl``.
+    ``truncate_after``: first drop what a run from that step replaces, as the trainer's ``MetricsWriter`` does on
+    resuming (records after that step), and earlier records of this kind at that very step (a relaunch)."""
+    path = run_dir / "metrics.jsonl"
+    if truncate_after is not None and path.is_file():
+        kept = [r for r in read_metrics(path, kind=None) if r.get("step", 0) < truncate_after
+                or (r.get("step", 0) == truncate_after and r.get("kind") != record.get("kind"))]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 class ProgressReporter:
@@ -141,8 +158,52 @@ def _rank_summaries(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def print_summary(cfg: Any, run_dir: Path) -> None:
-    """The end-of-run table, from the ranks' summary files (``RUN/ranks/``) and the config."""
+def _model_states(memory: dict[str, Any]) -> int | None:
+    parts = [memory.get(k) for k in ("params", "grads", "optimizer")]
+    return int(sum(parts)) if all(isinstance(v, (int, float)) for v in parts) else None
+
+
+def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``{"kind": "summary"}`` record of ``metrics.jsonl``: the step time (rank 0's median over the steps
+    after the first two) and each rank's memory (its strategy's ``memory()`` report: model states and peak)
+    measured, next to ``prediction`` (``runtime/prediction.py``'s record, or None when it was skipped).
+    None when no rank left a summary."""
+    ranks = _rank_summaries(run_dir)
+    if not ranks:
+        return None
+    head, memory = ranks[0], [r.get("memory") or {} for r in ranks]
+    pred = prediction or {}
+    return {"kind": "summary", "step": cfg.train.steps, "steps": head["steps"], "final_loss": head["final_loss"],
+            "device": head["device"], "predicted_step_s": pred.get("step_time_s"), "measured_step_s": head["step_s"],
+            "predicted_peak_memory_bytes": pred.get("peak_memory_bytes"),
+            "measured_peak_memory_bytes": [m.get("peak") for m in memory],
+            "predicted_model_state_bytes": pred.get("model_state_bytes"),
+            "measured_model_state_bytes": [_model_states(m) for m in memory],
+            "hardware": pred.get("hardware_source"), "time": time.time()}
+
+
+def _comparison_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """Predicted next to measured, for the summary table (nothing when there was no prediction)."""
+    if record.get("predicted_step_s") is None:
+        return []
+    pred, meas = record["predicted_step_s"], record["measured_step_s"]
+    ratio = f"; measured/predicted {meas / pred:.2f}" if pred > 0 else ""
+    rows = [("step time vs prediction", f"{pred:.3g} s predicted, {meas:.3g} s measured (median after 2 steps){ratio}")]
+    fmt = lambda values: ", ".join(f"r{i} {format_bytes(v)}" for i, v in enumerate(values) if v is not None)  # noqa: E731
+    if record["device"].startswith("cuda"):
+        rows.append(("memory vs prediction", f"peak {format_bytes(record['predicted_peak_memory_bytes'])} predicted; "
+                                        f"allocator peak measured {fmt(record['measured_peak_memory_bytes'])}"))
+    else:  # no allocator statistic on the CPU: the strategy reports model states only
+        rows.append(("memory vs prediction", f"model states {format_bytes(record['predicted_model_state_bytes'])} "
+                                        f"predicted (peak {format_bytes(record['predicted_peak_memory_bytes'])} with "
+                                        f"activations and buffers); model states measured "
+                                        f"{fmt(record['measured_model_state_bytes'])}"))
+    return rows
+
+
+def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The end-of-run table, from the ranks' summary files (``RUN/ranks/``) and the config, with the
+    prediction made before the launch next to what was measured; returns ``summary_record``."""
     from rich.console import Console
     from rich.table import Table
 
@@ -151,7 +212,7 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
     ranks = _rank_summaries(run_dir)
     if not ranks:
         print(f"shardwise train: finished, but no rank summaries in {run_dir / 'ranks'}")
-        return
+        return None
     head = ranks[0]
     with torch.device("meta"):
         n_params = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).num_params()
@@ -170,11 +231,15 @@ def print_summary(cfg: Any, run_dir: Path) -> None:
                  ("peak memory per rank", ", ".join(f"r{r['rank']} {format_bytes(r['peak_memory'])}" for r in ranks)),
                  ("checkpoint", str(head["checkpoint"])), ("metrics", str(run_dir / "metrics.jsonl"))):
         table.add_row(k, v)
+    record = summary_record(cfg, run_dir, prediction)
+    for k, v in _comparison_rows(record or {}):
+        table.add_row(k, v)
     skipped = head.get("skipped_steps", 0)
     if skipped:  # train.nonfinite = skip: steps whose loss or gradients were not finite, dropped on every rank
         table.add_row("non-finite", f"skipped {skipped} non-finite step{'s' if skipped != 1 else ''} "
                                     f"(marked \"skipped\" in metrics.jsonl)")
     Console().print(table)
+    return record
 
 
 _PEER_ERRORS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")

@@ -177,8 +177,8 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
                     memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
                     intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
                     op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s,
-                    source=f"quick probe of this machine ({nproc} rank{'s' * (nproc > 1)}"
-                           f"{'' if cuda else f' on {cores} cores'}, default link)")
+                    source=f"quick probe ({nproc} rank{'s' * (nproc > 1)}{'' if cuda else f' on {cores} cores'}, "
+                           f"default link)")
 
 
 def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction, str]:
@@ -190,7 +190,7 @@ def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction,
         hw, where = Hardware.load(path), f"calibration {path}"
     else:
         hw = quick_probe_hardware(nproc, device=device)
-        where = f"a {hw.source}; `shardwise calibrate` measures it properly"
+        where = f"{hw.source[:-1]}; `shardwise calibrate` measures it)"
     plan = plan_from_config(cfg, train_passes=True)
     return predict(ModelSpec.gpt(cfg.model), plan, hw, global_batch=cfg.data.global_batch), where
 
@@ -214,6 +214,6 @@ def prediction_line(record: dict[str, Any]) -> str:
     """One line for the launcher's output."""
     from .metrics import format_bytes
 
-    return (f"shardwise train: predicted {record['step_time_s']:.3g} s/step, peak memory "
-            f"{format_bytes(record['peak_memory_bytes'])} per rank (model states "
-            f"{format_bytes(record['model_state_bytes'])}) from {record['hardware_source']}")
+    return (f"shardwise train: predicted {record['step_time_s']:.3g} s/step, {format_bytes(record['peak_memory_bytes'])}"
+            f" peak per rank (model states {format_bytes(record['model_state_bytes'])}); hardware: "
+            f"{record['hardware_source']}")

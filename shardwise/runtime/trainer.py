@@ -93,6 +93,8 @@ class Trainer:
         self.skipped = 0  # non-finite steps skipped (train.nonfinite = skip) in this run, and in a row
         self.skipped_in_row = 0
         self.last_skipped = False
+        self.memory: dict[str, int] | None = None
+        """The strategy's memory report (``Strategy.memory``) where it is fullest: after the first optimizer step."""
 
     # The strategy's parts under the trainer's historical names (tests and tools read them).
     @property
@@ -147,6 +149,8 @@ class Trainer:
         if self._finite(local_loss):  # collective: every rank takes the same branch
             self.skipped_in_row, self.last_skipped = 0, False
             self.optimizer.step()
+            if self.memory is None:  # the first step: parameters, gradients and optimizer state all live
+                self.memory = self._memory()
         else:
             self._skip(local_loss)  # raises NonFiniteError unless train.nonfinite = skip allows this one
         self.optimizer.zero_grad(set_to_none=True)
@@ -235,6 +239,13 @@ class Trainer:
                 "step_s": t["step"], "fwd_s": t["fwd"], "bwd_s": t["bwd"], "opt_s": t["opt"], "comm_s": t["comm"],
                 "data_s": t["data"], "overhead_s": overhead, "time": time.time(), "skipped": self.last_skipped}
 
+    def _memory(self) -> dict[str, int]:
+        """``Strategy.memory`` (local); a report that fails must not fail the run: then empty."""
+        try:
+            return {k: int(v) for k, v in self.strategy.memory().items()}
+        except Exception:  # noqa: BLE001 - a measurement only
+            return {}
+
     def _summary(self, loss: float, timings: list[dict[str, float]], steps: int, wall: float) -> dict[str, Any]:
         # Medians over the steps after the first two (allocator warm-up, bucket rebuild): robust to the
         # pauses of a shared machine, which a mean would charge to the framework.
@@ -242,12 +253,19 @@ class Trainer:
         step_s = statistics.median(t["step"] for t in steady) if steady else 0.0
         outside = [t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"] for t in steady]
         overhead = statistics.median(outside) if outside else 0.0
+        memory = _fullest(self.memory or {}, self._memory())  # the strategy's report: model states and peak
         return {"rank": self.world.rank, "final_loss": loss, "steps": steps, "wall_s": wall,
                 "tokens_per_s": self.tokens_per_step / step_s if step_s else 0.0,
                 "wall_tokens_per_s": steps * self.tokens_per_step / wall if wall else 0.0,
                 "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
-                "skipped_steps": self.skipped}
+                "skipped_steps": self.skipped, "memory": memory,
+                "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))}
+
+
+def _fullest(first: dict[str, int], last: dict[str, int]) -> dict[str, int]:
+    """Two memory reports merged: the first step's categories (gradients were live then), the higher peak."""
+    return {**last, **first, "peak": max(first.get("peak", 0), last.get("peak", 0))} if first or last else {}
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

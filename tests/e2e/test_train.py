@@ -29,7 +29,7 @@ def cli(cwd: Path, *args: str, timeout: int = 150) -> subprocess.CompletedProces
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "kind" not in r}  # not the launcher's prediction/summary
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,14 @@ def test_dp2_run_writes_metrics_checkpoints_summary(baseline):
     assert sorted(p.name for p in (baseline / "checkpoints").iterdir()) == ["latest", "step_000003", "step_000006"]
     assert ckpt.index["tensors"]["model/wte.weight"]["sbp"] == "B,B"
     assert len(ckpt.index["tensors"]["model/wte.weight"]["pieces"]) == 1  # a replica is written once
+    # the launcher's prediction before the steps, predicted next to measured after them
+    records = [json.loads(line) for line in (baseline / "metrics.jsonl").read_text().splitlines()]
+    first, last = records[0], records[-1]
+    assert first["kind"] == "prediction" and first["step"] == 0 and first["step_time_s"] > 0
+    assert last["kind"] == "summary" and last["step"] == 6 and last["predicted_step_s"] == first["step_time_s"]
+    assert last["measured_step_s"] > 0 and len(last["measured_model_state_bytes"]) == 2
+    for measured in last["measured_model_state_bytes"]:  # params + grads + AdamW m, v: the planner's 16 B each
+        assert measured == pytest.approx(last["predicted_model_state_bytes"], rel=0.01)
 
 
 def test_export_writes_the_plain_models_keys(baseline, tmp_path):

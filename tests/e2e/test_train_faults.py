@@ -33,7 +33,7 @@ def cli(cwd: Path, *args: str, timeout: int = 150, env: dict[str, str] | None = 
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "kind" not in r}  # not the launcher's prediction/summary
 
 
 def snapshot(root: Path) -> dict[str, str]:

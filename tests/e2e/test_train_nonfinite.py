@@ -21,7 +21,8 @@ K = 2  # the injected step
 
 
 def records(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r for r in rows if "kind" not in r}  # not the launcher's prediction/summary
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
