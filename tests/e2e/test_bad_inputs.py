@@ -177,6 +177,16 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("export-missing-path", ["export"], None,
      ("the following arguments are required: path", "see 'shardwise export --help'")),
     ("plot-no-run", ["plot", "nowhere"], None, ("'nowhere/metrics.jsonl' does not exist", "pass the directory")),
+    ("predict-unknown-hardware", ["predict", "--parallel.nproc", "2", "--hardware", "a100"], None,
+     ("unknown hardware 'a100'", "choose one of ['a100-80g-sxm', 'h100-80g-sxm']")),
+    ("predict-missing-calibration", ["predict", "--parallel.nproc", "2", "--hardware", "hw.json"], None,
+     ("hardware file 'hw.json' does not exist", "shardwise calibrate --out hw.json")),
+    ("predict-tp-heads", ["predict", "--parallel.nproc", "3", "--parallel.tp", "3", "--hardware", "a100-80g-sxm"], None,
+     ("parallel.tp = 3 must divide model.n_head = 2", "use a tp from [1, 2]")),
+    ("predict-global-batch", ["predict", "--parallel.nproc", "8", "--hardware", "a100-80g-sxm"], None,
+     ("global_batch=32 is not a multiple of micro_batch × dp = 16 × 8 = 128", "use global_batch=128")),
+    ("predict-no-device-count", ["predict", "--hardware", "a100-80g-sxm"], None,
+     ("parallel.nproc = 0 (infer it) needs local devices", "e.g. --parallel.nproc 8")),
 ]
 
 
