@@ -102,8 +102,8 @@ def hardware_document(*, device: str, backend: str, nproc: int, memory: int, pro
 
 def _collectives(mesh: Any, sizes: list[int], quick: bool, machine: dict[str, Any]) -> Calibration:
     """Measure every op × algorithm on ``mesh``'s axis ``world`` and fit them. Collective over the world."""
-    settings = SimpleNamespace(algorithms=list(ALGORITHMS), dtype="float32", iters=5 if quick else 10,
-                               warmup=1 if quick else 3, check=True)
+    settings = SimpleNamespace(algorithms=list(ALGORITHMS), dtype="float32", iters=5 if quick else 8,
+                               warmup=1 if quick else 2, check=True)
     rows = [row for op in ALL_OPS for row in bench_op(op, sizes, mesh, settings)]
     bad = [f"{r.op}/{r.algorithm}/{r.nbytes}" for r in rows if r.max_error]
     if bad:

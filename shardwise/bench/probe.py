@@ -2,10 +2,13 @@
 
 Measured the way training runs: every rank of the job probes at the same time (a barrier before each
 measurement), so ``nproc`` ranks on one machine share its cores, memory bus or GPU as they do in a step. Each
-number is per rank: the median over ranks of that rank's median time per call. On CUDA every timed call is
-bracketed by ``torch.cuda.synchronize``. Repetitions are agreed between ranks (from the slowest warm-up call)
-so they all stay busy for the same stretch; a GEMM whose predicted time exceeds ``max_call_s`` (bfloat16 on a
-CPU without bfloat16 units is ~50× slower than float32) is skipped, and so are the larger ones after it.
+number is per rank: the median over ranks of the median over ``blocks`` timed blocks of the mean time per call
+in the block. A block lasts about ``block_s`` — much longer than an OS time slice, so with more ranks than
+cores a block's mean includes the time the rank waited for a core (timing single short calls would not: the
+median call runs uncontended). Calls per block are agreed between ranks (from the slowest warm-up) so they all
+stay busy for the same stretch. On CUDA each block ends with ``torch.cuda.synchronize``. A GEMM whose
+predicted time exceeds ``max_call_s`` (bfloat16 on a CPU without bfloat16 units is ~50× slower than float32)
+is skipped, and so are the larger ones after it.
 
 ``run_probe(mesh, quick)`` is collective over the mesh's single axis ``world``; the rest is pure.
 """
@@ -31,10 +34,10 @@ class ProbeSettings:
     skinny: tuple[tuple[int, int, int], ...]
     """``(m, n, k)`` with many rows and narrow ``n, k``: a linear layer over a batch of tokens."""
     dtypes: tuple[str, ...]
-    budget_s: float
-    """Time to spend per measurement (repetitions = budget / one call, within [min_reps, max_reps])."""
-    min_reps: int
-    max_reps: int
+    block_s: float
+    """Target duration of one timed block (calls per block = block_s / one call, at least 1)."""
+    blocks: int
+    """Timed blocks per measurement (their median is the rank's time)."""
     max_call_s: float
     """Skip a GEMM predicted to take longer than this per call."""
     bandwidth_elements: int
@@ -44,11 +47,11 @@ class ProbeSettings:
 def probe_settings(quick: bool) -> ProbeSettings:
     if quick:
         return ProbeSettings(squares=(64, 128, 256, 512), skinny=((4096, 64, 64), (4096, 256, 256)),
-                             dtypes=("float32", "bfloat16"), budget_s=0.04, min_reps=3, max_reps=20,
-                             max_call_s=0.1, bandwidth_elements=8 << 20)
+                             dtypes=("float32", "bfloat16"), block_s=0.02, blocks=3, max_call_s=0.05,
+                             bandwidth_elements=8 << 20)
     return ProbeSettings(squares=(64, 128, 256, 512, 1024, 2048),
                          skinny=((4096, 64, 64), (4096, 256, 256), (4096, 256, 1024), (16384, 128, 128)),
-                         dtypes=("float32", "bfloat16"), budget_s=0.3, min_reps=3, max_reps=50, max_call_s=2.0,
+                         dtypes=("float32", "bfloat16"), block_s=0.1, blocks=3, max_call_s=1.0,
                          bandwidth_elements=32 << 20)
 
 
@@ -77,26 +80,25 @@ def _median_over_ranks(value: float, group: Any, device: torch.device) -> float:
     return float(statistics.median(out.tolist()))
 
 
-def timed(call: Callable[[], object], mesh: Any, settings: ProbeSettings, inner: int = 1) -> float:
-    """Seconds per call of ``call``: each rank's median over agreed repetitions (each ``inner`` calls back to
-    back), the median of that over ranks. All ranks run it at once. Collective."""
+def timed(call: Callable[[], object], mesh: Any, settings: ProbeSettings) -> float:
+    """Seconds per call of ``call``: per rank the median over ``blocks`` of a block's mean, then the median over
+    ranks. All ranks run it at once. Collective."""
     group, device = mesh.group("world"), mesh.device
     call()  # warm-up (allocations, kernel selection)
     _sync(device)
     start = time.perf_counter()
-    for _ in range(inner):
-        call()
+    call()
     _sync(device)
     one = _agreed_max(time.perf_counter() - start, group, device)
-    reps = min(settings.max_reps, max(settings.min_reps, math.ceil(settings.budget_s / max(one, 1e-9))))
+    per_block = max(1, math.ceil(settings.block_s / max(one, 1e-9)))
     dist.barrier(group=group)
     samples = []
-    for _ in range(reps):
+    for _ in range(settings.blocks):
         start = time.perf_counter()
-        for _ in range(inner):
+        for _ in range(per_block):
             call()
         _sync(device)
-        samples.append((time.perf_counter() - start) / inner)
+        samples.append((time.perf_counter() - start) / per_block)
     return _median_over_ranks(statistics.median(samples), group, device)
 
 
@@ -128,5 +130,5 @@ def run_probe(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
     bandwidth = 2 * x.numel() * x.element_size() / seconds
     del x, y
     one, res = torch.ones(1, device=device), torch.empty(1, device=device)
-    overhead = timed(lambda: torch.add(one, one, out=res), mesh, settings, inner=200)
+    overhead = timed(lambda: torch.add(one, one, out=res), mesh, settings)
     return {"gemm": gemm, "memory_bandwidth_Bps": bandwidth, "op_overhead_s": overhead}
