@@ -22,7 +22,7 @@ from ..checkpoint.sharded import (CHECKPOINTS, Checkpoint, CheckpointError, late
                                   verify_checkpoint)
 from ..runtime.config import (PRESETS, Config, DebugConfig, ParallelConfig, config_from_dict, default_nproc, describe_fields,
                      load_config, validate)
-from ..runtime.calibration import calibration_file, check_calibration_setting
+from ..runtime.calibration import calibration_note, check_calibration_setting
 from ..runtime.job import LAUNCH_CONFIG, Nodes, atomic_json, launch_ranks, publish_config, run_job
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "publish_config", "add_config_arguments",
@@ -241,9 +241,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"shardwise train: error: {exc}", file=sys.stderr)
         return 2
     print(_header(cfg, run_dir, resume), flush=True)
-    calibration = calibration_file(cfg.parallel, "cuda" if _cuda() else "cpu", cfg.parallel.nproc)
-    if calibration is not None:
-        print(f"shardwise train: algorithm auto: collectives chosen per message size from {calibration}", flush=True)
+    note = calibration_note(cfg.parallel, "cuda" if _cuda() else "cpu", cfg.parallel.nproc)
+    if note:
+        print(note, flush=True)
     if cfg.train.ckpt_every == 0:
         print(f"shardwise train: warning: train.ckpt_every = 0: the only checkpoint is the final one (step "
               f"{cfg.train.steps}); a failure before it loses all progress; e.g. --train.ckpt_every 100",

@@ -24,7 +24,7 @@ from ..comm.calibration import Calibration
 from ..comm.hardware import default_calibration_path, hardware_collectives, load_hardware_calibration
 from .config_schema import ParallelConfig
 
-__all__ = ["calibration_file", "check_calibration_setting", "mesh_calibrations"]
+__all__ = ["calibration_file", "calibration_note", "check_calibration_setting", "mesh_calibrations"]
 
 
 def calibration_file(p: ParallelConfig, device: str, nproc: int) -> Path | None:
@@ -36,6 +36,19 @@ def calibration_file(p: ParallelConfig, device: str, nproc: int) -> Path | None:
         return Path(p.calibration)
     local = default_calibration_path(device, nproc)
     return local if local.is_file() else None
+
+
+def calibration_note(p: ParallelConfig, device: str, nproc: int) -> str | None:
+    """The launcher's line naming the file "auto" chooses from; ``None`` without one, or when the local file is
+    unreadable (each rank 0 then warns that auto runs native)."""
+    path = calibration_file(p, device, nproc)
+    if path is None:
+        return None
+    try:
+        load_hardware_calibration(path)
+    except ValueError:
+        return None
+    return f"shardwise train: algorithm auto: collectives chosen per message size from {path}"
 
 
 def check_calibration_setting(p: ParallelConfig) -> str:

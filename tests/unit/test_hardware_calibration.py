@@ -128,3 +128,16 @@ def test_group_sizes_and_probe_shapes():
     shapes = gemm_shapes(probe_settings(quick=True))
     flops = [m * n * k for m, n, k in shapes]
     assert flops == sorted(flops) and (64, 64, 64) in shapes and any(m > n for m, n, _ in shapes)
+
+
+def test_launcher_names_the_calibration_only_when_it_loads(monkeypatch, tmp_path):
+    from shardwise.runtime.calibration import calibration_note
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    local = default_calibration_path("cpu", 4)
+    local.parent.mkdir(parents=True)
+    local.write_text(json.dumps(_doc()))
+    assert str(local) in calibration_note(ParallelConfig(), "cpu", 4)
+    local.write_text("{}")  # broken: the ranks warn and run native; the launcher claims nothing
+    assert calibration_note(ParallelConfig(), "cpu", 4) is None
+    assert calibration_note(ParallelConfig(algorithm="ring"), "cpu", 4) is None
