@@ -9,6 +9,7 @@ and the dtypes the model's modules returned (proof that autocast ran: a Linear u
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,10 @@ def run_layout(overrides: dict[str, str], precision: str, world: World, mesh_of:
         h.remove()
     params, opt = _tensor_dtypes(t)
     full = {k: v.float().cpu() for k, v in sw.full_state_dict(t.model).items()}
+    interpreter = getattr(t.model, "interpreter", None)  # a pipeline: what crossed its stage boundaries
+    boundary = {str(dtype) for dtype, _ in interpreter.shapes.values()} if interpreter is not None else set()
     return {"losses": losses, "params": full, "grad_dtypes": grads, "param_dtypes": params, "opt_dtypes": opt,
-            "output_dtypes": outputs}
+            "output_dtypes": outputs, "boundary": boundary}
 
 
 def check_layouts(names: list[str], precision: str) -> list[dict[str, Any]]:
@@ -100,3 +103,29 @@ def check_layouts(names: list[str], precision: str) -> list[dict[str, Any]]:
                   device=torch.device("cpu"))
     table = {**LAYOUTS, **HYBRIDS}
     return [run_layout({**table[name], "parallel.nproc": str(n)}, precision, world, mesh) for name in names]
+
+
+def check_bf16_boundary() -> dict[str, Any]:
+    """``sw.pipeline(autocast=bf16)`` of an ``nn.Sequential`` whose first stage ends in a Linear, so a bf16 tensor
+    crosses the stage boundary (and its bf16 gradient comes back): 1F1B's loss and this rank's weight gradients
+    against the same model on this rank alone under the same autocast (no communication for the reference)."""
+    from torch import nn
+
+    from tests.dist.meshes import mesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 8))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    pipe = sw.pipeline(model, mesh(pp=2), microbatches=1, schedule="1f1b", split=["2"],
+                       loss_fn=nn.functional.mse_loss, autocast=torch.bfloat16)
+    loss = pipe.step(x, y)
+    dtypes = {str(dtype) for dtype, _ in pipe.interpreter.shapes.values()}
+    names = dict(ref.named_parameters())
+    err = max(float((q.grad - names[n.removeprefix("parts.").replace("/", ".")].grad).abs().max())
+              for s in pipe.stages.values() for n, q in s.named_parameters())  # stage keys: parts.<name with />
+    grad_dtypes = {str(q.grad.dtype) for q in pipe.parameters()}
+    return {"loss_err": abs(loss - float(ref_loss.detach())), "boundary": dtypes, "grad_err": err, "grad_dtypes": grad_dtypes}

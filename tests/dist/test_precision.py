@@ -63,6 +63,8 @@ def _check(name: str, res: dict, ref: dict, init: dict[str, torch.Tensor]) -> No
     assert _update_error(res["params"], ref["params"], init) <= UPDATE_RTOL, name
     if "tp" not in name:  # tp splits each matmul's sum, so even the first forward rounds differently
         assert diffs[0] <= FORWARD_ATOL, (name, diffs[0])
+    if name.startswith("pp"):  # the GPT's residual stream (bf16 branches added to it promote) crosses in fp32
+        assert res["boundary"] == FP32, (name, res["boundary"])
 
 
 def test_bf16_reference_computes_in_bf16_with_fp32_state(refs):
@@ -85,6 +87,14 @@ def test_bf16_layouts_match_one_process(worlds, refs):
     zb, f1b = per_rank[0][names.index("pp2-zbh1")], per_rank[0][names.index("pp2-1f1b-ckpt")]
     assert max(abs(a - b) for a, b in zip(zb["losses"], f1b["losses"])) <= 1e-6
     assert max(float((zb["params"][n] - f1b["params"][n]).abs().max()) for n in init) <= 1e-6
+
+
+def test_bf16_crosses_a_stage_boundary(worlds):
+    """A stage ending in a Linear sends bf16 under autocast (receive buffer from the metadata, bf16 gradient back);
+    loss and gradients equal the same model on one rank under the same autocast."""
+    for res in worlds.get(2).run(pc.check_bf16_boundary):
+        assert res["boundary"] == {"torch.bfloat16"} and res["grad_dtypes"] == FP32, res
+        assert res["loss_err"] <= 1e-6 and res["grad_err"] <= 1e-6, res
 
 
 def test_bf16_hybrids_match_one_process(worlds, refs):
