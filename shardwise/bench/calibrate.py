@@ -37,7 +37,7 @@ from .comm_report import ALL_OPS, power_of_two_sizes
 from .harness import add_launch_arguments, run_bench
 from .probe import probe_settings, run_probe
 
-__all__ = ["add_arguments", "main", "group_sizes", "memory_bytes", "hardware_document"]
+__all__ = ["add_arguments", "main", "group_sizes", "memory_bytes", "hardware_document", "summary", "auto_ranges"]
 
 PROG = "shardwise calibrate"
 TIMEOUT_S = 600.0
@@ -164,8 +164,27 @@ def summary(doc: dict[str, Any]) -> str:
         cal = Calibration.from_json(entry)
         picks = ", ".join(f"{label} {choose_algorithm(cal, 'all_reduce', b)}"
                           for label, b in (("1K", 1 << 10), ("1M", 1 << 20), ("16M", 16 << 20)))
-        lines.append(f"# auto all_reduce on {key} ranks: {picks}")
+        lines.append(f"# auto all_reduce on {key} ranks: {picks} ({auto_ranges(cal, 'all_reduce')})")
     return "\n".join(lines)
+
+
+def auto_ranges(cal: Calibration, op: str, top: int = 1 << 30) -> str:
+    """What "auto" runs for ``op`` over power-of-two sizes 8 B .. ``top``, as ranges, e.g.
+    ``tree up to 4M, native from 8M``. Pure."""
+    from .comm_report import format_size
+
+    runs: list[list] = []  # [algorithm, first size, last size]
+    for nbytes in power_of_two_sizes(8, top):
+        algo = choose_algorithm(cal, op, nbytes)
+        if runs and runs[-1][0] == algo:
+            runs[-1][2] = nbytes
+        else:
+            runs.append([algo, nbytes, nbytes])
+    if len(runs) == 1:
+        return f"{runs[0][0]} at every size"
+    parts = [f"{a} up to {format_size(hi)}" if i == 0 else f"{a} from {format_size(lo)}"
+             + ("" if i == len(runs) - 1 else f" to {format_size(hi)}") for i, (a, lo, hi) in enumerate(runs)]
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

@@ -266,4 +266,8 @@ def check_auto_algorithm() -> dict[str, object]:
                            algorithm="auto")
     out["fallback"] = [r.algorithm for r in c.records]
     out["sub"] = m.sub("tp").calibration_for(2) is m.calibration_for(2)
+    model = sw.DataParallel(torch.nn.Linear(4, 4), m, "tp", algorithm="auto")  # 80 B of gradients: tree
+    with CommCounter() as c:
+        model(torch.full((2, 4), float(m.coord("tp") + 1))).sum().backward()
+    out["dp"] = [r.algorithm for r in c.records if r.op == "all_reduce"]
     return out

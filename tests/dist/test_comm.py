@@ -111,3 +111,4 @@ def test_auto_runs_the_cheapest_calibrated_algorithm(worlds):
         assert r["messages_small"] > 0 and r["messages_large"] > 0, r  # point-to-point traffic: really ours
         assert r["same"] and r["sub"], r
         assert r["fallback"] == ["native"] * 3, r
+        assert r["dp"] and set(r["dp"]) == {"tree"}, r  # DataParallel(algorithm="auto") goes through it too

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shardwise.bench.calibrate import group_sizes, hardware_document, summary
+from shardwise.bench.calibrate import auto_ranges, group_sizes, hardware_document, summary
 from shardwise.bench.probe import gemm_shapes, probe_settings
 from shardwise.comm.auto import choose_algorithm
 from shardwise.comm.calibration import AlphaBeta, Calibration
@@ -65,6 +65,7 @@ def test_hardware_document_round_trips(tmp_path):
     assert back == json.loads(json.dumps(doc))
     assert [c.world_size for c in hardware_collectives(back)] == [2, 4]
     assert "auto all_reduce on 2 ranks: 1K tree, 1M ring, 16M ring" in summary(back)
+    assert auto_ranges(crossover_calibration(), "all_reduce") == "tree up to 32K, ring from 64K"  # tie: ring
 
 
 @pytest.mark.parametrize("edit, message", [
