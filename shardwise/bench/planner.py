@@ -97,7 +97,7 @@ def _published() -> tuple[list[str], dict[str, Any]]:
 
 def _run_layout(name: str, flags: list[str], steps: int, root: Path) -> dict[str, Any]:
     out = root / name.replace(" ", "_")
-    argv = [sys.executable, "-m", "shardwise", "train", *MODEL, *flags, "--train.steps", str(steps),
+    argv = [sys.executable, "-m", "shardwise.cli", "train", *MODEL, *flags, "--train.steps", str(steps),
             "--train.ckpt_every", "0", "--train.log_every", str(steps), "--train.out_dir", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
@@ -122,7 +122,7 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                 continue
             got = _run_layout(name, flags, args.steps, Path(tmp))
             cfg = config_from_dict(got["config"])
-            pred = predict(ModelSpec.gpt(cfg.model), plan_from_config(cfg), hw, global_batch=cfg.data.global_batch)
+            pred = predict(ModelSpec.gpt(cfg.model), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
             # compare like with like: the measured side has no communication buffers
             pmem = pred.memory.total - pred.memory.buffers + _autocast_casts(pred)
             rows.append({"layout": name, "measured_s": got["step_s"], "predicted_s": pred.step_time_s,

@@ -41,6 +41,7 @@ from .config import Config, OptimizerConfig, ParallelConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
 from ..world import World, barrier_all, bind_to_launcher, init, shutdown
+from ..parallel.common.saved_memory import SavedTensorPeak
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
 from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy, mesh_axes
@@ -94,6 +95,8 @@ class Trainer:
         self.skipped_in_row = 0
         self.last_skipped = False
         self.memory: dict[str, int] | None = None
+        self.activations = SavedTensorPeak()
+        """Saved-for-backward bytes over the run (the activation peak a CPU has no allocator statistic for)."""
         """The strategy's memory report (``Strategy.memory``) where it is fullest: after the first optimizer step."""
 
     # The strategy's parts under the trainer's historical names (tests and tools read them).
@@ -141,7 +144,8 @@ class Trainer:
         t["comm"] = 0.0
         # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
-        loss_sum = self.strategy.passes(batches, t, sync, poison=poison)
+        with self.activations:  # the bytes autograd keeps for backward, at their high-water mark
+            loss_sum = self.strategy.passes(batches, t, sync, poison=poison)
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
             self.strategy.scale_param_grads(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
@@ -260,7 +264,8 @@ class Trainer:
                 "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                 "skipped_steps": self.skipped, "memory": memory,
-                "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))}
+                "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
+                "activation_peak_bytes": self.activations.peak}
 
 
 def _fullest(first: dict[str, int], last: dict[str, int]) -> dict[str, int]:

@@ -188,3 +188,21 @@ def test_saved_tensor_peak_counts_each_storage_once_and_frees_after_backward():
         y.backward()
     assert live_before == 2 * 32 * 64 * 4 and tracker.peak == live_before
     assert tracker.live == 0
+
+
+def test_saved_tensor_peak_does_not_keep_a_retained_graph_alive():
+    # the zero-bubble B keeps its graph (retain_graph) and never runs it again: holding a saved output
+    # strongly would tie it to its own node in a cycle gc cannot see, and the memory would leak every step
+    import gc
+
+    from shardwise.parallel.common.saved_memory import SavedTensorPeak
+
+    tracker, w = SavedTensorPeak(), torch.randn(16, 16, requires_grad=True)
+    for _ in range(3):
+        with tracker:
+            x = torch.randn(4, 16, requires_grad=True)
+            out = torch.tanh(x @ w).sum()  # tanh saves its output
+            torch.autograd.grad(out, [x], retain_graph=True)
+            del out, x
+        gc.collect()
+        assert tracker.live == 0

@@ -54,7 +54,10 @@ class SavedTensorPeak:
             self.live += size
             self.peak = max(self.peak, self.live)
         self._refs[key] = self._refs.get(key, 0) + 1
-        held = _Held(t)
+        # a detached alias (same storage, same version counter, no grad_fn): holding ``t`` itself would tie a
+        # saved *output* to its own graph node, a cycle through C++ that Python's gc cannot break — a graph kept
+        # with retain_graph and never run again (the zero-bubble B) would then never be freed
+        held = _Held(t.detach())
         weakref.finalize(held, self._release, key, size)
         return held
 
