@@ -102,4 +102,6 @@ def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
         devices_per_node=int(_need(data, "devices_per_node", int, where)), intra=link, inter=link,
         gemm_curve=curves["fp32"], op_overhead_s=float(_need(probe, "op_overhead_s", (int, float), f"{where} probe")),
         p2p_alpha_s=link.alpha_s * 2, collectives=collectives,
+        host_cores=int(data.get("machine", {}).get("cpus") or 0) if data.get("device") == "cpu" else 0,
+        calibrated_ranks=int(data["devices_per_node"]),
         source=f"calibration {where} (one node: the inter-node link is the intra-node one)")

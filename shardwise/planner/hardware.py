@@ -58,6 +58,10 @@ class Hardware:
     """Measured alpha–beta models by group size (calibrated machines only); preferred over ``intra``."""
     source: str = ""
     """Where the numbers come from."""
+    host_cores: int = 0
+    """CPU ranks share a host: its core count (0: every device is its own, as GPUs are)."""
+    calibrated_ranks: int = 0
+    """Ranks that ran the probe at once (a shared host's per-rank speed depends on how many share it)."""
 
     def __post_init__(self) -> None:
         missing = [d for d in _DTYPES if d not in self.peak_flops]
@@ -105,6 +109,20 @@ class Hardware:
             raise ValueError(f"hardware file {str(path)!r} is not valid JSON ({exc}); regenerate it with "
                              f"`shardwise calibrate --out {path}`") from None
         return Hardware(**hardware_fields(data, str(path)))
+
+    def for_devices(self, n: int) -> "Hardware":
+        """This hardware as each of ``n`` ranks sees it. Devices of their own: unchanged. Ranks sharing a host's
+        ``host_cores``: each gets ``min(1, cores / n)`` of a core, so the probe's per-rank speed (measured with
+        ``calibrated_ranks`` busy) is rescaled by ``share(n) / share(calibrated_ranks)``."""
+        if not (self.host_cores and self.calibrated_ranks) or n < 1:
+            return self
+        share = lambda k: min(1.0, self.host_cores / k)  # noqa: E731
+        f = share(min(n, self.devices_per_node)) / share(self.calibrated_ranks)
+        if f == 1.0:
+            return self
+        return replace(self, peak_flops={k: v * f for k, v in self.peak_flops.items()},
+                       memory_bandwidth_Bps=self.memory_bandwidth_Bps * f, op_overhead_s=self.op_overhead_s / f,
+                       calibrated_ranks=min(n, self.devices_per_node))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

@@ -147,6 +147,7 @@ def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: in
         spec = spec.with_seq_len(seq_len)
     plan = plan.resolved(global_batch)
     _check(spec, plan, hardware)
+    hardware = hardware.for_devices(plan.devices)
     n_stages = plan.pp * plan.chunks
     stages = split_stages(spec.layers, n_stages)
     flash = spec.attention == "flash"

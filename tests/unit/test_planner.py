@@ -206,3 +206,14 @@ def test_saved_tensor_peak_does_not_keep_a_retained_graph_alive():
             del out, x
         gc.collect()
         assert tracker.live == 0
+
+
+def test_shared_host_rescales_per_rank_speed():
+    from dataclasses import replace
+
+    cpu = replace(A100, host_cores=2, calibrated_ranks=4, devices_per_node=4)
+    assert cpu.for_devices(4) == cpu
+    two = cpu.for_devices(2)  # two ranks on two cores: a whole core each instead of half
+    assert two.peak_flops["fp32"] == pytest.approx(2 * cpu.peak_flops["fp32"])
+    assert two.op_overhead_s == pytest.approx(cpu.op_overhead_s / 2)
+    assert A100.for_devices(2) is A100  # devices of their own do not share
