@@ -5,9 +5,9 @@ Tolerances, and why. bf16 keeps 8 significant bits, so every rounded op has a re
 a layout rounds at other places than one process does (a dp rank's weight gradient sums half the rows in bf16
 before the fp32 all-reduce, tp all-reduces bf16 partial products), so bf16 layouts match the bf16 reference only
 to bf16's noise, not bitwise as fp32 layouts do. Measured on this model (3 SGD steps) the noise is: losses ≤ 3e-4
-apart (loss ≈ 5), the parameters' update (final − initial) ≤ 0.3% apart in norm — the same size as the gap between
-the fp32 and the bf16 reference (0.2%). The bounds are ~5-10x those measurements, far below what a real layout bug
-gives (a gradient not averaged or not summed moves the update by tens of percent):
+apart (loss ≈ 5), the parameters' update (final − initial) ≤ 0.14% apart in norm — the same size as the gap between
+the fp32 and the bf16 reference (0.2%). The bounds are ~7x and ~14x those measurements, far below what a real layout
+bug gives (a gradient not averaged or not summed moves the update by tens of percent):
 
 * ``LOSS_ATOL = 2e-3`` on each step's loss (≈ 4e-4 relative, a tenth of one bf16 rounding of the loss);
 * ``UPDATE_RTOL = 2e-2``: ‖p_layout − p_ref‖ / ‖p_ref − p_init‖ over all parameters.
