@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Iterator
 
 import pytest
 
 from shardwise.testing.local_world import LocalWorld
+
+
+# A calibration in the user's cache (``shardwise calibrate`` writes ~/.cache/shardwise/hardware-*.json) would
+# switch training's default algorithm="auto" away from native and change predictions: the suite never sees one.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="shardwise-test-cache-")
 
 
 class Worlds:
