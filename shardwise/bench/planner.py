@@ -49,7 +49,8 @@ LAYOUTS: list[tuple[str, list[str]]] = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--published", action="store_true", help="compare with the published tables (pure)")
     parser.add_argument("--measured", action="store_true", help="train every layout briefly and compare")
-    parser.add_argument("--hardware", default=None, help="calibration FILE for --measured (shardwise calibrate)")
+    parser.add_argument("--hardware", default=None, help="calibration FILE(s) for --measured (shardwise calibrate), "
+                        "comma-separated: each layout uses the one measured at its nproc")
     parser.add_argument("--steps", type=int, default=12, help="training steps per measured layout (default 12)")
     parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     parser.add_argument("--markdown", default=None, metavar="FILE", help="also write the tables as markdown")
@@ -113,7 +114,10 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     from ..runtime.config import config_from_dict
     from ..runtime.prediction import plan_from_config
 
-    hw = Hardware.resolve(args.hardware)
+    # one calibration per rank count when given (``--hardware a.json,b.json``): each layout is predicted with the
+    # file measured at its own nproc, as ``shardwise train`` picks the local calibration of its nproc
+    files = [Hardware.resolve(f.strip()) for f in args.hardware.split(",") if f.strip()]
+    by_ranks = {h.devices_per_node: h for h in files}
     wanted = {s.strip() for s in args.only.split(",") if s.strip()}
     rows = []
     with tempfile.TemporaryDirectory(prefix="sw-bench-planner-") as tmp:
@@ -122,6 +126,7 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                 continue
             got = _run_layout(name, flags, args.steps, Path(tmp))
             cfg = config_from_dict(got["config"])
+            hw = by_ranks.get(cfg.parallel.nproc, files[0])
             pred = predict(ModelSpec.gpt(cfg.model), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
             # compare like with like: the measured side has no communication buffers
             pmem = pred.memory.total - pred.memory.buffers + _autocast_casts(pred)

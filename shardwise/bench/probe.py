@@ -131,4 +131,43 @@ def run_probe(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
     del x, y
     one, res = torch.ones(1, device=device), torch.empty(1, device=device)
     overhead = timed(lambda: torch.add(one, one, out=res), mesh, settings)
-    return {"gemm": gemm, "memory_bandwidth_Bps": bandwidth, "op_overhead_s": overhead}
+    return {"gemm": gemm, "memory_bandwidth_Bps": bandwidth, "op_overhead_s": overhead,
+            "block": _block(mesh, settings), "sync_skew_s": _sync_skew(mesh, settings)}
+
+
+def _sync_skew(mesh: Any, settings: ProbeSettings) -> float:
+    """What one small all-reduce *between two pieces of compute* costs beyond the same all-reduce in a tight
+    loop: ranks arrive at different times (on a host with fewer cores than ranks, a peer may not even be
+    scheduled), and the early one waits. Training pays it at every blocking collective inside the step
+    (tensor-parallel all-reduces, pipeline receives). Seconds per collective, median over ranks."""
+    group, device = mesh.group("world"), mesh.device
+    a = torch.randn(256, 256, device=device)
+    small = torch.ones(256, device=device)
+
+    def work() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work()
+        dist.all_reduce(small, group=group)
+
+    alone = timed(lambda: dist.all_reduce(small, group=group), mesh, settings)
+    compute = timed(work, mesh, settings)
+    return max(timed(both, mesh, settings) - compute - alone, 0.0)
+
+
+def _block(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
+    """One reference transformer block (``shardwise.models.gpt.Block``) in training: forward, and forward +
+    backward, at a shape that keeps one call well under a second. The planner compares these with its own
+    prediction of the same block on the measured GEMMs and bandwidth: what kernels alone do not show (autograd,
+    Python, kernels the cost model counts coarsely) becomes one forward and one backward factor."""
+    from ..models.gpt import Block, GPTConfig
+
+    h, heads, seq, batch = (1024, 16, 1024, 8) if mesh.device.type == "cuda" else (256, 4, 256, 4)
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_embd=h, n_head=heads, block_size=seq)).to(mesh.device)
+    x = torch.randn(batch, seq, h, device=mesh.device, requires_grad=True)
+    fwd = timed(lambda: block(x), mesh, settings)
+    both = timed(lambda: block(x).sum().backward(), mesh, settings)
+    return {"n_embd": h, "n_head": heads, "seq": seq, "batch": batch, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9)}

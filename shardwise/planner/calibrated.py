@@ -56,6 +56,21 @@ def _curve(points: list[Any], where: str) -> tuple[float, tuple[tuple[float, flo
     return peak, curve
 
 
+def _points(rows: list[Any], peak: float) -> tuple[tuple[float, float, float, float], ...]:
+    return tuple((float(m), float(n), float(k), float(f) / peak) for m, n, k, f in rows)
+
+
+def _block(probe: Mapping[str, Any], where: str) -> dict[str, float]:
+    block = probe.get("block")
+    if block is None:
+        return {}
+    keys = ("n_embd", "n_head", "seq", "batch", "fwd_s", "bwd_s")
+    if not isinstance(block, dict) or any(not isinstance(block.get(k), (int, float)) or block[k] <= 0 for k in keys):
+        raise ValueError(f"{where}: probe.block must have positive {list(keys)}, got {block!r}; regenerate it "
+                         f"with `shardwise calibrate --out FILE`")
+    return {k: float(block[k]) for k in keys}
+
+
 def _intra_link(collectives: Mapping[int, Calibration]) -> Link:
     size = max(collectives)
     cal = collectives[size]
@@ -101,6 +116,8 @@ def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
         devices_per_node=int(_need(data, "devices_per_node", int, where)), intra=link, inter=link,
         gemm_curve=curves["fp32"], op_overhead_s=float(_need(probe, "op_overhead_s", (int, float), f"{where} probe")),
         p2p_alpha_s=link.alpha_s * 2, collectives=collectives,
+        gemm_points=_points(gemm["float32"], peaks["fp32"]), block_probe=_block(probe, where),
+        sync_skew_s=float(probe.get("sync_skew_s", 0.0)),
         host_cores=int(data.get("machine", {}).get("cpus") or 0) if data.get("device") == "cpu" else 0,
         calibrated_ranks=int(data["devices_per_node"]),
         source=f"calibration {where} (one node: the inter-node link is the intra-node one)")

@@ -95,7 +95,8 @@ def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_no
     tp_one = 0.0
     if t > 1 and layer.tp_allreduces:
         nbytes = layer.hidden * b * act_bytes(plan)
-        tp_one = layer.tp_allreduces * hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node)
+        one = hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node) + hw.sync_skew_s
+        tp_one = layer.tp_allreduces * one
     F = f_gemm + f_ew + tp_one
     recompute = 0.0
     if plan.activation_checkpointing == "full" and layer.kind == "block":
@@ -103,6 +104,9 @@ def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_no
     elif plan.activation_checkpointing == "selective" and layer.kind == "block":
         # the attention core and its softmax traffic (about two passes over the kept scores)
         recompute = f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)
+    # the calibration's block probe corrects what kernel costs alone miss (1.0 without a probe)
+    F, recompute = F * hw.fwd_factor, recompute * hw.fwd_factor
+    b_gemm, b_ew, w_gemm = b_gemm * hw.bwd_factor, b_ew * hw.bwd_factor, w_gemm * hw.bwd_factor
     return LayerTime(F=F, B=b_gemm + b_ew + tp_one + recompute, W=w_gemm, recompute=recompute,
                      tp_fwd=tp_one, tp_bwd=tp_one + (tp_one if recompute and plan.activation_checkpointing == "full"
                                                      else 0.0),

@@ -62,6 +62,19 @@ class Hardware:
     """CPU ranks share a host: its core count (0: every device is its own, as GPUs are)."""
     calibrated_ranks: int = 0
     """Ranks that ran the probe at once (a shared host's per-rank speed depends on how many share it)."""
+    gemm_points: tuple[tuple[float, float, float, float], ...] = ()
+    """Measured ``(m, n, k, efficiency)`` (calibrated machines): preferred over ``gemm_curve`` (see
+    ``gemm_efficiency``)."""
+    block_probe: Mapping[str, float] = field(default_factory=dict)
+    """One measured transformer block (calibrated machines): ``n_embd``, ``n_head``, ``seq``, ``batch``,
+    ``fwd_s``, ``bwd_s``; ``predict`` turns it into ``fwd_factor`` / ``bwd_factor``."""
+    sync_skew_s: float = 0.0
+    """Extra wait of one blocking collective between pieces of compute (ranks arrive apart; measured on shared
+    hosts by the calibration, 0 for the presets)."""
+    fwd_factor: float = 1.0
+    """Measured over predicted forward of the probe block (1: no probe)."""
+    bwd_factor: float = 1.0
+    """Measured over predicted backward of the probe block (1: no probe)."""
 
     def __post_init__(self) -> None:
         missing = [d for d in _DTYPES if d not in self.peak_flops]
@@ -131,7 +144,11 @@ class Hardware:
 
     # -- costs -------------------------------------------------------------------------------------------
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
-        """Fraction of the dense peak a GEMM of this shape reaches (interpolated in log size)."""
+        """Fraction of the dense peak a GEMM of this shape reaches: from the measured shapes nearest in
+        ``(log m, log n, log k)`` (inverse-distance weights) on a calibrated machine, else interpolated in
+        log size on ``gemm_curve``."""
+        if self.gemm_points:
+            return _nearest_efficiency(self.gemm_points, m, n, k)
         d = max(m * n * k, 1.0) ** (1.0 / 3.0)
         pts = sorted(self.gemm_curve)
         if d <= pts[0][0]:
@@ -195,6 +212,18 @@ class Hardware:
             return None
         algorithm = cal.best_algorithm(op, nbytes)
         return cal.predict_us(op, algorithm, nbytes) * 1e-6
+
+
+def _nearest_efficiency(points: tuple[tuple[float, float, float, float], ...], m: float, n: float,
+                        k: float) -> float:
+    """Inverse-distance-weighted efficiency of the three measured shapes nearest to ``(m, n, k)`` in log space
+    (a skinny GEMM is compared with skinny probes, not with squares of the same FLOPs)."""
+    target = (math.log(max(m, 1.0)), math.log(max(n, 1.0)), math.log(max(k, 1.0)))
+    ranked = sorted((math.dist(target, (math.log(a), math.log(b), math.log(c))), e) for a, b, c, e in points)[:3]
+    if ranked[0][0] < 1e-9:
+        return ranked[0][1]
+    weights = [1.0 / d for d, _ in ranked]
+    return sum(w * e for w, (_, e) in zip(weights, ranked)) / sum(weights)
 
 
 # Spec-sheet numbers. A100: NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 312 TF/s dense BF16/FP16,

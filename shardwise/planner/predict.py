@@ -10,9 +10,10 @@ over the dense peak of the compute precision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
@@ -87,7 +88,7 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
     comm = []
     for st in stages[:-1]:
         nbytes = st[-1].hidden * plan.micro_batch * act_bytes(plan)
-        one = hw.p2p_time(nbytes / plan.tp, cross_node=crosses)
+        one = hw.p2p_time(nbytes / plan.tp, cross_node=crosses) + hw.sync_skew_s  # a receive waits for its peer
         if plan.tp > 1:
             one += hw.collective_time("all_gather", nbytes, plan.tp, per_node=min(plan.tp, hw.devices_per_node))
         comm.append(one)
@@ -98,7 +99,18 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
             F[s] += edge
             B[s] += edge
     m = plan.microbatches if plan.pp > 1 else 1
-    return simulate_flush(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+    flush = simulate_flush(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+    cores = hw.host_cores
+    if cores and plan.devices > cores and plan.pp > 1:
+        # ranks share a host's cores: while a pipeline rank idles in the bubble, the busy ones get its share.
+        # Greedy sharing of C cores among the ranks' work is bounded by Graham's list-scheduling bound,
+        # T <= W / C + T_cp · (1 - 1/C): at full-core speed the total work W over C cores is the mean busy
+        # time and the critical path T_cp is the unshared flush time × C/n.
+        n = min(plan.devices, hw.devices_per_node)
+        mean_busy = sum(flush.busy) / len(flush.busy)
+        shared = min(flush.time, mean_busy + flush.time * cores / n * (1 - 1 / cores))
+        flush = Flush(time=shared, busy=flush.busy, in_flight=flush.in_flight)
+    return flush
 
 
 def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool) -> float:
@@ -122,16 +134,34 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
         exposed_f = max(fwd - forward, fwd / 8)
         exposed_b = max(fwd + reduce - backward, (fwd + reduce) / 8)
         return passes * (exposed_f + exposed_b)
+    reduce += hw.sync_skew_s  # the reduction waits for the slowest replica
     if not overlap:
         return reduce + gather
     # buckets start during the last pass's backward; the last bucket (1/8 at least) cannot overlap
     return max(reduce - backward, reduce / 8) + gather
 
 
-def _optimizer(plan: Plan, hw: Hardware, n_local: float, tensors: int) -> float:
+def _optimizer(plan: Plan, hw: Hardware, n_local: float, tensors: int, fused: bool) -> float:
     shard = n_local / (plan.dp if plan.zero_stage >= 1 else 1)
-    # AdamW reads param, grad, m, v and writes param, m, v (4 bytes each), plus the gradient-norm pass
-    return hw.memory_time(shard * (7 * 4 + 4), 12 + tensors)
+    # A fused AdamW (Megatron's) reads param, grad, m, v and writes param, m, v once: 28 bytes per element.
+    # torch.optim.AdamW (what shardwise train builds) runs it as about ten elementwise passes (decay, two
+    # moment updates, sqrt, divide, add): about 80 bytes. Both plus the 4-byte gradient-norm read.
+    per = 28 + 4 if fused else 80 + 4
+    return hw.memory_time(shard * per, 12 + tensors * (1 if fused else 10))
+
+
+def block_factors(hw: Hardware) -> Hardware:
+    """``hw`` with ``fwd_factor`` / ``bwd_factor`` from its measured probe block (unchanged without one): the
+    block is predicted on ``hw``'s own GEMM and bandwidth numbers, measured over predicted is the factor."""
+    probe = hw.block_probe
+    if not probe or (hw.fwd_factor, hw.bwd_factor) != (1.0, 1.0):
+        return hw
+    h, a, s, b = (int(probe[k]) for k in ("n_embd", "n_head", "seq", "batch"))
+    block = gpt_layers(n_layer=1, h=h, a=a, v=8, s=s, positions=s, tie=True, bias=True, dropout=False,
+                       attention="flash")[1]
+    probe_hw = hw.for_devices(hw.calibrated_ranks) if hw.calibrated_ranks else hw
+    t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
+    return replace(hw, fwd_factor=probe["fwd_s"] / t.F, bwd_factor=probe["bwd_s"] / (t.B + t.W))
 
 
 def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,
@@ -147,7 +177,7 @@ def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: in
         spec = spec.with_seq_len(seq_len)
     plan = plan.resolved(global_batch)
     _check(spec, plan, hardware)
-    hardware = hardware.for_devices(plan.devices)
+    hardware = block_factors(hardware).for_devices(plan.devices)
     n_stages = plan.pp * plan.chunks
     stages = split_stages(spec.layers, n_stages)
     flash = spec.attention == "flash"
@@ -164,7 +194,7 @@ def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: in
     last_b = sum(c.B + c.W for s in ranks[bottleneck] for c in costs[s])
     last_f = sum(c.F for s in ranks[bottleneck] for c in costs[s])
     dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise")
-    opt = _optimizer(plan, hardware, n_local, tensors)
+    opt = _optimizer(plan, hardware, n_local, tensors, fused=runtime == "megatron")
     step = plan.grad_accum * flush.time + dp + opt
     return _assemble(spec, plan, hardware, stages, costs, flush, ranks, rank_layers, step, dp, opt, global_batch)
 
@@ -175,7 +205,7 @@ def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]]
     m = plan.microbatches if plan.pp > 1 else 1
     r = max(range(plan.pp), key=lambda i: flush.busy[i])
     tp = plan.grad_accum * m * sum(c.tp_fwd + c.tp_bwd for s in ranks[r] for c in costs[s])
-    busy = plan.grad_accum * flush.busy[r]
+    busy = min(plan.grad_accum * flush.busy[r], plan.grad_accum * flush.time)  # a shared host fills bubbles
     breakdown = {"compute": busy - tp, "tp_comm": tp, "pipeline_bubble": plan.grad_accum * flush.time - busy,
                  "dp_comm": dp, "optimizer": opt}
     # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward)
