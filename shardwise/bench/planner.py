@@ -128,17 +128,14 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
             cfg = config_from_dict(got["config"])
             hw = by_ranks.get(cfg.parallel.nproc, files[0])
             pred = predict(ModelSpec.gpt(cfg.model), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
-            # compare like with like: the measured side has no communication buffers
-            pmem = pred.memory.total - pred.memory.buffers + _autocast_casts(pred)
+            # like with like: the measured side counts model states and saved tensors, no buffers (the campaign
+            # is fp32; under bf16 autocast's weight casts would be saved tensors there and buffers here)
+            pmem = pred.memory.total - pred.memory.buffers
             rows.append({"layout": name, "measured_s": got["step_s"], "predicted_s": pred.step_time_s,
                          "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": pred.dominant})
             print(f"{name:18s} measured {got['step_s'] * 1e3:8.1f} ms  predicted {pred.step_time_s * 1e3:8.1f} ms  "
                   f"mem {got['memory'] / 1e6:7.1f} / {pmem / 1e6:7.1f} MB", flush=True)
     return _measured_table(rows), {"measured": rows}
-
-
-def _autocast_casts(pred: Any) -> float:
-    return 0.0  # bf16 weight casts are saved tensors: the measured side counts them as activations
 
 
 def _measured_table(rows: list[dict[str, Any]]) -> list[str]:
