@@ -268,3 +268,15 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble_within_grahams_bound():
     # faster than the critical path run at full-core speed (the unshared flush × C/n)
     assert sharing.step_time_s < alone.step_time_s
     assert sharing.step_time_s > alone.step_time_s * 2 / 4
+
+
+def test_gradient_buckets_never_exceed_the_gradients():
+    def buckets(cfg: GPTConfig) -> tuple[float, float]:  # (what dp=2 adds to the buffers, the gradients)
+        one, two = (predict(ModelSpec.gpt(cfg), Plan(dp=dp, micro_batch=1), A100, global_batch=2).memory
+                    for dp in (1, 2))
+        return two.buffers - one.buffers, two.grads
+
+    added, grads = buckets(GPTConfig())  # 0.12M parameters: the buckets are the gradients, 0.5 MB
+    assert added == pytest.approx(grads)
+    added, grads = buckets(GPTConfig.preset("gpt2-124m"))
+    assert added == pytest.approx(2 * 25e6) and grads > added
