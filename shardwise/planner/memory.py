@@ -102,9 +102,10 @@ class MemoryBreakdown:
 
 
 def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Plan,
-                capacity: float, *, bucket_bytes: float, rank: int = 0) -> MemoryBreakdown:
+                capacity: float, *, bucket_cap: float, rank: int = 0) -> MemoryBreakdown:
     """Memory of one pipeline rank holding ``layers`` (its chunks' layers in ``chunk_layers``), with
-    ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count)."""
+    ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
+    ``bucket_cap`` bytes at most."""
     names = {layer.name for layer in layers}
     n = sum(local_params(layer, plan.tp) - (layer.shared / plan.tp if layer.tied in names else 0)
             for layer in layers)
@@ -112,7 +113,7 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
     transient = max((layer_activation_bytes(layer, plan)[1] for layer in layers), default=0.0)
     activations = in_flight * (sum(per_chunk) / len(per_chunk)) + transient
-    buffers = bucket_bytes
+    buffers = min(bucket_cap, n * _PER_ELEMENT[plan.precision][1])  # buckets hold at most all the gradients
     if plan.precision == "bf16":
         buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
     if plan.zero_stage == 3:

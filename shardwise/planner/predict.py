@@ -222,7 +222,7 @@ def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]]
     for i in range(plan.pp):
         chunk_layers = [stages[s] for s in ranks[i]]
         memories.append(rank_memory(rank_layers[i], chunk_layers, flush.in_flight[i], plan, hw.memory_bytes,
-                                    bucket_bytes=_bucket_bytes(plan, rank_layers[i]), rank=i))
+                                    bucket_cap=_bucket_cap(plan), rank=i))
     memory = max(memories, key=lambda mb: mb.total)
     stage_rows = [{"stage": s, "layers": [layer.name for layer in stages[s]], "F_s": sum(c.F for c in costs[s]),
                    "B_s": sum(c.B for c in costs[s]), "W_s": sum(c.W for c in costs[s])} for s in range(len(stages))]
@@ -232,10 +232,7 @@ def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]]
                       stages=stage_rows, hardware=hw.name, model=spec.name)
 
 
-def _bucket_bytes(plan: Plan, layers: list[Any]) -> float:
-    """Gradient buckets in flight when data parallelism reduces: two of 25 MB, never more than the rank's
-    gradients themselves (a small model's buckets hold all of them at once)."""
-    if plan.dp == 1 or plan.zero_stage >= 3:
-        return 0.0
-    grads = sum(local_params(layer, plan.tp) for layer in layers) * (2 if plan.precision == "bf16-mixed" else 4)
-    return min(2 * 25e6, grads)
+def _bucket_cap(plan: Plan) -> float:
+    """Gradient buckets in flight when data parallelism reduces: two of 25 MB (fewer bytes when the rank's
+    gradients are smaller: ``rank_memory`` caps it)."""
+    return 2 * 25e6 if plan.dp > 1 and plan.zero_stage < 3 else 0.0
