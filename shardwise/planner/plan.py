@@ -42,11 +42,21 @@ class Plan:
     """``none``, ``full`` (keep each layer's input, recompute the layer) or ``selective`` (recompute only the
     attention core, Korthikanti et al. 2022)."""
     sequence_parallel: bool = False
+    pp_split: tuple[str, ...] = ()
+    """Names of the layers (model units) that start pipeline stages 1, 2, … (``pp × chunks - 1`` of them);
+    empty = balanced by parameter count, as ``shardwise train`` cuts by default."""
     precision: str = "fp32"
     """``fp32``; ``bf16``: autocast over fp32 weights (what ``shardwise train`` runs); ``bf16-mixed``: bf16
     weights and gradients with fp32 master copies in the optimizer (ZeRO/Megatron accounting 2 + 2 + 12)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.pp_split, str):
+            raise ValueError(f"Plan.pp_split must be a list of layer names, got the string {self.pp_split!r}; "
+                             f"use [{self.pp_split!r}]")
+        object.__setattr__(self, "pp_split", tuple(self.pp_split))
+        if self.pp_split and len(self.pp_split) != self.pp * self.chunks - 1:
+            raise ValueError(f"Plan.pp_split names {len(self.pp_split)} stage starts but pp × chunks = {self.pp} × "
+                             f"{self.chunks} stages need {self.pp * self.chunks - 1}; give that many or none")
         for name in ("dp", "tp", "pp", "micro_batch", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -115,7 +125,9 @@ class Plan:
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["pp_split"] = list(self.pp_split)
+        return data
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)

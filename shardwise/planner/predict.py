@@ -17,7 +17,7 @@ from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
-from .pipeline_cost import Flush, simulate_flush, split_stages
+from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Plan
 from .spec import ModelSpec
 
@@ -73,12 +73,29 @@ def _check(spec: ModelSpec, plan: Plan, hw: Hardware) -> None:
         raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
 
 
-def _stage_costs(stages: list[list[Any]], plan: Plan, hw: Hardware, flash: bool) -> list[list[LayerTime]]:
+def layer_costs(spec: ModelSpec, plan: Plan, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
+    """Every layer's ``LayerTime`` for one micro-batch under ``plan`` (memoised in ``cache`` by what it depends
+    on: tp, micro-batch, recomputation, sequence parallelism, precision)."""
+    key = ("layers", id(hw), plan.tp, plan.micro_batch, plan.activation_checkpointing, plan.sequence_parallel,
+           plan.precision)
+    if cache is not None and key in cache:
+        return cache[key]
     tp_per_node = min(plan.tp, hw.devices_per_node)
-    return [[layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node) for layer in st] for st in stages]
+    flash = spec.attention == "flash"
+    out = [layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node) for layer in spec.layers]
+    if cache is not None:
+        cache[key] = out
+    return out
 
 
-def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool) -> Flush:
+def stages_of(spec: ModelSpec, plan: Plan) -> list[list[Any]]:
+    """The plan's pipeline stages: cut at ``plan.pp_split``, else balanced by parameters."""
+    n = plan.pp * plan.chunks
+    return split_at(spec.layers, plan.pp_split) if plan.pp_split else split_stages(spec.layers, n)
+
+
+def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool,
+           cache: dict | None = None) -> Flush:
     F = [sum(c.F for c in st) for st in costs]
     B = [sum(c.B for c in st) for st in costs]
     W = [sum(c.W for c in st) for st in costs]
@@ -99,7 +116,12 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
             F[s] += edge
             B[s] += edge
     m = plan.microbatches if plan.pp > 1 else 1
-    flush = simulate_flush(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+    key = ("flush", plan.schedule, plan.pp, m, plan.chunks, tuple(F), tuple(B), tuple(W), tuple(comm))
+    flush = cache.get(key) if cache is not None else None
+    if flush is None:
+        flush = simulate_flush(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+        if cache is not None:
+            cache[key] = flush
     cores = hw.host_cores
     if cores and plan.devices > cores and plan.pp > 1:
         # ranks share a host's cores: while a pipeline rank idles in the bubble, the busy ones get its share.
@@ -165,26 +187,29 @@ def block_factors(hw: Hardware) -> Hardware:
 
 
 def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,
-            runtime: str = "shardwise") -> Prediction:
+            runtime: str = "shardwise", cache: dict | None = None) -> Prediction:
     """Predict one training step of ``spec`` laid out by ``plan`` on ``hardware`` (see module doc).
 
     ``runtime`` names the implementation that runs the plan: ``shardwise`` (gradient buckets reduce during the
     last backward; pipeline sends and receives are asynchronous) or ``megatron`` (Megatron-LM as published in
-    2021: the data-parallel reduction runs after the flush, pipeline transfers block the compute stream). ``ValueError`` when the plan does not fit the model or the
-    batch; a plan that does not fit in memory is *not* an error: ``prediction.fits`` is False.
+    2021: the data-parallel reduction runs after the flush, pipeline transfers block the compute stream).
+    ``ValueError`` when the plan does not fit the model or the batch; a plan that does not fit in memory is
+    *not* an error: ``prediction.fits`` is False. ``cache``: a dict kept across calls for one ``spec`` and
+    ``hardware`` (the search's), memoising layer costs and flush simulations.
     """
     if seq_len is not None:
         spec = spec.with_seq_len(seq_len)
     plan = plan.resolved(global_batch)
     _check(spec, plan, hardware)
-    hardware = block_factors(hardware).for_devices(plan.devices)
-    n_stages = plan.pp * plan.chunks
-    stages = split_stages(spec.layers, n_stages)
-    flash = spec.attention == "flash"
-    costs = _stage_costs(stages, plan, hardware, flash)
     if runtime not in ("shardwise", "megatron"):
         raise ValueError(f"runtime must be 'shardwise' or 'megatron', got {runtime!r}")
-    flush = _flush(plan, costs, stages, hardware, blocking=runtime == "megatron")
+    hardware = _hardware_for(hardware, plan.devices, cache)
+    n_stages = plan.pp * plan.chunks
+    stages = stages_of(spec, plan)
+    per_layer = layer_costs(spec, plan, hardware, cache)
+    starts = [sum(len(st) for st in stages[:i]) for i in range(len(stages))]  # stages are contiguous slices
+    costs = [per_layer[a:a + len(st)] for a, st in zip(starts, stages)]
+    flush = _flush(plan, costs, stages, hardware, blocking=runtime == "megatron", cache=cache)
     ranks = [[s for s in range(n_stages) if s % plan.pp == r] for r in range(plan.pp)]
     # the bottleneck rank sets the data-parallel window and the memory
     bottleneck = max(range(plan.pp), key=lambda r: flush.busy[r])
@@ -197,6 +222,16 @@ def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: in
     opt = _optimizer(plan, hardware, n_local, tensors, fused=runtime == "megatron")
     step = plan.grad_accum * flush.time + dp + opt
     return _assemble(spec, plan, hardware, stages, costs, flush, ranks, rank_layers, step, dp, opt, global_batch)
+
+
+def _hardware_for(hw: Hardware, devices: int, cache: dict | None) -> Hardware:
+    key = ("hw", id(hw), devices)
+    if cache is not None and key in cache:
+        return cache[key]
+    out = block_factors(hw).for_devices(devices)
+    if cache is not None:
+        cache[key] = out
+    return out
 
 
 def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]], costs: list[list[LayerTime]],
