@@ -17,10 +17,11 @@ from torch import nn
 from ..mesh import Mesh
 from ..sbp.placement import Broadcast, Split
 from ..sbp.params import spec_of
+from .flat_state import param_state
 from .full_state import unwrap
 from .sharded import Checkpoint, Piece, replicated_piece
 
-__all__ = ["model_pieces", "optimizer_pieces", "load_model", "load_optimizer", "describe", "tied_aliases"]
+__all__ = ["model_pieces", "optimizer_pieces", "load_model", "load_optimizer", "describe", "local_of", "tied_aliases"]
 
 
 def describe(key: str, t: torch.Tensor, mesh: Mesh, local: torch.Tensor | None = None) -> Piece:
@@ -101,12 +102,19 @@ def load_model(ckpt: Checkpoint, model: nn.Module, mesh: Mesh) -> None:
         value.copy_(ckpt.load_piece(target).to(value.dtype))
 
 
+def local_of(full: torch.Tensor, t: torch.Tensor, mesh: Mesh, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """This rank's piece (of ``shape``) of ``full``, a tensor of the plain model's shape laid out like ``t`` (a
+    tp-split parameter: its shard; a replicated one: ``full`` itself). Reads only ``t``'s layout attributes, so
+    ``t`` may be a freed ZeRO stage-3 parameter. Local."""
+    target = describe("", t, mesh, torch.empty(shape, device="meta"))
+    index = tuple(slice(s, s + n) for s, n in target.extent())
+    return full.reshape(target.view_shape)[index].reshape(shape)
+
+
 @torch.no_grad()
 def load_optimizer(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> None:
     """Fill ``optimizer.state`` for this rank's parameters from the checkpoint — saved in any layout,
     ZeRO's flat shards included. Local (file reads)."""
-    from .zero_layout import param_state
-
     names = _param_names(model)
     saved, fetch = param_state(ckpt)
     for group in optimizer.param_groups:
@@ -116,9 +124,7 @@ def load_optimizer(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Op
                 full = fetch(names[id(p)], name)
                 target = describe(f"optim/{names[id(p)]}/{name}", p, mesh, torch.empty_like(p))
                 if full.dim() > 0 and tuple(full.shape) == target.full_shape:  # shaped like its parameter
-                    view = full.reshape(target.view_shape)
-                    index = tuple(slice(s, s + n) for s, n in target.extent())
-                    state[name] = view[index].reshape(p.shape).to(p.device).clone()
+                    state[name] = local_of(full, p, mesh, p.shape).to(p.device).clone()
                 else:  # scalars (Adam's step) stay on the CPU, as torch keeps them
                     state[name] = full.clone()
             if state:

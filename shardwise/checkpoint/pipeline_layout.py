@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from ..parallel.pipeline.api import Pipeline
-from ..sbp.placement import Broadcast
 from .layout import describe, load_optimizer, optimizer_pieces, tied_aliases
-from .sharded import Checkpoint, Piece
+from .sharded import Checkpoint, Piece, without_axis
 
 __all__ = ["key_owners", "without_axis", "pipeline_model_pieces", "pipeline_optimizer_pieces", "load_pipeline_model",
            "load_pipeline"]
@@ -47,18 +46,6 @@ def key_owners(pipe: Pipeline) -> dict[str, int]:
     for storage, key in first.items():
         owners[key] = min(users[storage])
     return owners
-
-
-def without_axis(piece: Piece, axis: str) -> Piece:
-    """``piece`` described on the mesh without ``axis`` (which must be ``B`` for it: every coordinate along
-    ``axis`` would hold the same values — for a pipeline stage's tensor, only one coordinate holds it at all)."""
-    keep = [i for i, a in enumerate(piece.axes) if a != axis]
-    if any(not isinstance(piece.sbp[i], Broadcast) for i, a in enumerate(piece.axes) if a == axis):
-        raise ValueError(f"{piece.key}: split over the pipeline axis {axis!r} ({piece.sbp}); a stage tensor is held "
-                         f"whole by its pp coordinate, parallelize the model over another axis")
-    return Piece(piece.key, piece.local, piece.view_shape, piece.full_shape, tuple(piece.sbp[i] for i in keep),
-                 tuple(piece.axes[i] for i in keep), tuple(piece.mesh_shape[i] for i in keep),
-                 tuple(piece.coords[i] for i in keep))
 
 
 def _mine(pipe: Pipeline) -> set[str]:

@@ -4,10 +4,12 @@ Each pp coordinate has its own flat groups — the dp gradient buckets of its st
 each laying its parameters end to end in a buffer of ``L`` elements of which dp rank ``i`` owns and optimizes
 ``[lo, hi)``. A group's optimizer state is therefore ``S(0)`` over dp of a length-``L`` tensor, held only by that
 pp coordinate: it is saved as ``zero/pp<c>.<i>/<state>`` with its SBP given over the mesh axes without pp
-(``S(0)`` on dp, ``B`` on the others; scalars such as Adam's ``step`` ``B``), written once per element.
+(``S(0)`` on dp, ``B`` on the others; scalars such as Adam's ``step`` ``B``), written once per element. With tp
+inside the stages each tp coordinate's groups hold its own tp pieces: keys ``zero/pp<c>.<i>.tp<t>/<state>``,
+described without tp as well (``zero_layout.py``).
 
 No rank knows the other pp coordinates' groups, so each rank lists its own in its rank file
-(``rank_state["zero_groups"]``: key, plain parameter names, element counts, shapes) and the index state says
+(``rank_state["zero_groups"]``: key, plain parameter names, element counts, shapes, extents) and the index state says
 so (``"pipeline_zero_groups": true``); ``zero_layout.param_state`` reads them back as full per-parameter
 tensors. So the optimizer state is layout-portable both ways: a pipeline ZeRO-1 checkpoint resumes at pp = 1,
 another pp or dp, with or without ZeRO, and any checkpoint resumes into pipeline ZeRO-1 (``load_pipeline_zero``
@@ -24,10 +26,9 @@ import torch
 from ..parallel.pipeline.api import Pipeline
 from ..parallel.pipeline.grad_sync import DpGradSync
 from ..parallel.zero.optim import ZeroOptimizer
-from ..sbp.placement import Broadcast, Split
-from .pipeline_layout import load_pipeline_model, without_axis
+from .pipeline_layout import load_pipeline_model
 from .sharded import Checkpoint, Piece
-from .zero_layout import fill_flat_state, param_state
+from .zero_layout import fill_flat_state, flat_state_pieces, group_entry, group_tag, param_state, tag_axes
 
 __all__ = ["pipeline_zero_groups", "pipeline_zero_pieces", "load_pipeline_zero"]
 
@@ -43,36 +44,28 @@ def _sync(pipe: Pipeline) -> DpGradSync:
     return pipe.grad_sync
 
 
-def _key(pipe: Pipeline, i: int) -> str:
-    return f"pp{pipe.mesh.coord(pipe.axis)}.{i}"
+def _keys(pipe: Pipeline) -> list[str]:
+    """``pp<c>.<i>`` per group, plus ``.tp<t>`` with tensor parallelism inside (each tp coordinate's groups hold
+    its own tp pieces: ``zero_layout.py``)."""
+    tag = group_tag(pipe.mesh, tag_axes(pipe.mesh, _sync(pipe).axis, skip=[pipe.axis]))
+    return [f"pp{pipe.mesh.coord(pipe.axis)}.{i}{tag}" for i in range(len(_sync(pipe).groups))]
 
 
 def pipeline_zero_groups(pipe: Pipeline) -> list[dict[str, Any]]:
-    """JSON-able description of this rank's flat groups (the same on every dp/tp peer of its pp coordinate)."""
+    """JSON-able description of this rank's flat groups (the same on every dp peer of its pp and tp
+    coordinates): ``zero_layout.group_entry``."""
     names = _names(pipe)
-    return [{"key": _key(pipe, i), "names": [names[id(q)] for q in g.params], "numels": list(g.layout.numels),
-             "shapes": [list(s) for s in g.shapes]} for i, g in enumerate(_sync(pipe).groups)]
+    return [group_entry(key, g, [names[id(q)] for q in g.params], pipe.mesh)
+            for key, g in zip(_keys(pipe), _sync(pipe).groups)]
 
 
 def pipeline_zero_pieces(pipe: Pipeline, optimizer: ZeroOptimizer) -> list[Piece]:
-    """This rank's flat optimizer-state shards (``S(0)`` over dp of each group's length-L state). Local."""
-    mesh, dp = pipe.mesh, _sync(pipe).axis
-    coords = tuple(mesh.coord(a) for a in mesh.axes)
-    sbp = tuple(Split(0) if a == dp else Broadcast() for a in mesh.axes)
-    out: list[Piece] = []
-    for i, g in enumerate(_sync(pipe).groups):
-        for name, value in optimizer.optimizer.state.get(g.master, {}).items():
-            key = f"zero/{_key(pipe, i)}/{name}"
-            value = torch.as_tensor(value).detach()
-            if value.dim() == 1 and value.numel() == g.hi - g.lo:
-                total = (g.layout.total,)
-                piece = Piece(key, value, total, total, sbp, tuple(mesh.axes), tuple(mesh.shape), coords)
-            else:  # replicated over dp (e.g. Adam's step)
-                shape = tuple(value.shape)
-                piece = Piece(key, value, shape, shape, tuple(Broadcast() for _ in mesh.axes), tuple(mesh.axes),
-                              tuple(mesh.shape), coords)
-            out.append(without_axis(piece, pipe.axis))
-    return out
+    """This rank's flat optimizer-state shards (``S(0)`` over dp of each group's length-L state), described
+    without the pp axis (and the tp axis, which the key names). Local."""
+    dp = _sync(pipe).axis
+    drop = [pipe.axis, *tag_axes(pipe.mesh, dp, skip=[pipe.axis])]
+    return [piece for key, g in zip(_keys(pipe), _sync(pipe).groups)
+            for piece in flat_state_pieces(key, g, optimizer.optimizer.state.get(g.master, {}), pipe.mesh, dp, drop)]
 
 
 @torch.no_grad()

@@ -43,8 +43,8 @@ from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layo
                         latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
                         verify_checkpoint)
 
-__all__ = ["Piece", "save_checkpoint", "Checkpoint", "latest_checkpoint", "resolve_checkpoint", "CHECKPOINTS",
-           "CheckpointError", "verify_checkpoint", "latest_intact_checkpoint"]
+__all__ = ["Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint", "latest_checkpoint",
+           "resolve_checkpoint", "CHECKPOINTS", "CheckpointError", "verify_checkpoint", "latest_intact_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,19 @@ def replicated_piece(key: str, t: torch.Tensor, mesh: Mesh) -> Piece:
     shape = tuple(t.shape)
     return Piece(key, t, shape, shape, tuple(Broadcast() for _ in mesh.axes), tuple(mesh.axes), tuple(mesh.shape),
                  tuple(mesh.coord(a) for a in mesh.axes))
+
+
+def without_axis(piece: Piece, axis: str) -> Piece:
+    """``piece`` described on the mesh without ``axis``, which must be ``B`` for it: only one coordinate along
+    ``axis`` holds the tensor at all (a pipeline stage's tensor on its pp coordinate; a ZeRO group of one tp
+    coordinate, saved under a key of its own), or every coordinate would hold the same values."""
+    keep = [i for i, a in enumerate(piece.axes) if a != axis]
+    if any(not isinstance(piece.sbp[i], Broadcast) for i, a in enumerate(piece.axes) if a == axis):
+        raise ValueError(f"{piece.key}: split over the mesh axis {axis!r} ({piece.sbp}), which this tensor is saved "
+                         f"without; a tensor held by one coordinate of {axis!r} must be whole there (B)")
+    return Piece(piece.key, piece.local, piece.view_shape, piece.full_shape, tuple(piece.sbp[i] for i in keep),
+                 tuple(piece.axes[i] for i in keep), tuple(piece.mesh_shape[i] for i in keep),
+                 tuple(piece.coords[i] for i in keep))
 
 
 def _fsync(path: Path) -> None:

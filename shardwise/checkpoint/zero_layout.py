@@ -2,12 +2,20 @@
 
 A ZeRO flat group lays its parameters end to end in one buffer of ``L`` elements; each dp rank owns the slice
 ``shard_sizes(L, N)`` gives it, which is exactly ``S(0)`` of a length-``L`` tensor over the dp axis. So the
-per-group optimizer state is saved as ``zero/<group>/<state>`` with SBP ``S(0)`` (``B`` on other axes), and
-the groups' parameter names and sizes go into the index state (ZeRO-1 inside a pipeline: groups per pp
-coordinate, listed in the rank files, ``pipeline_zero.py``). Loading converts in both directions through
-full per-parameter tensors (``param_state``): ZeRO ↔ plain data/tensor parallelism, any stage, any dp size.
-Parameters are saved through the wrapper's ``full_state_dict()`` (collective) and loaded with its
-``load_state_dict`` (full tensors, any stage).
+per-group optimizer state is saved as ``zero/<group>/<state>`` with SBP ``S(0)`` over dp, and the groups'
+parameter names and sizes go into the index state (ZeRO-1 inside a pipeline: groups per pp coordinate, listed
+in the rank files, ``pipeline_zero.py``).
+
+Tensor parallelism inside (mesh ``(dp, tp)``): each tp coordinate's groups hold its *local* tp pieces, so a
+group is a different tensor on every tp coordinate. It is saved under a key of its own, ``zero/<i>.tp<c>/…``,
+described on the mesh without tp (``S(0)`` over dp, written by the dp ranks of that tp coordinate), and every
+rank lists its groups — with each parameter's extent in the full tensor — in its rank file
+(``flat_state.py`` reassembles full per-parameter tensors from them). Parameters are saved as this rank's
+pieces in the model's own layout (``layout.describe``: replicated without tp, tp shards with it), gathered
+over dp first (collective), and loaded with the wrapper's ``load_state_dict`` (full tensors, any stage).
+
+Loading converts in both directions through full per-parameter tensors (``param_state``): ZeRO ↔ plain
+data/tensor parallelism, any stage, any dp and tp size.
 """
 
 from __future__ import annotations
@@ -22,91 +30,100 @@ from ..parallel.zero.api import ZeroModel
 from ..parallel.zero.flat import FlatGroup
 from ..parallel.zero.optim import ZeroOptimizer
 from ..sbp.placement import Broadcast, Split
-from .sharded import Checkpoint, Piece, replicated_piece
+from .flat_state import param_state, saved_groups
+from .layout import describe, local_of
+from .sharded import Checkpoint, Piece, replicated_piece, without_axis
 
-__all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "param_state", "fill_flat_state",
-           "load_zero"]
+__all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "zero_index_state", "param_state",
+           "saved_groups", "fill_flat_state", "load_zero", "tag_axes", "group_tag", "flat_state_pieces",
+           "group_entry"]
+
+
+def tag_axes(mesh: Mesh, axis: str, skip: Sequence[str] = ()) -> list[str]:
+    """The mesh axes besides the ZeRO ``axis`` (and ``skip``: a pipeline's pp, keyed separately) along which a
+    flat group differs per coordinate: every other axis of size > 1 (tensor parallelism inside). Pure."""
+    return [a for a in mesh.axes if a != axis and a not in skip and mesh.size(a) > 1]
+
+
+def group_tag(mesh: Mesh, axes: Sequence[str]) -> str:
+    """``".tp1"`` for this rank's coordinates along ``axes`` (empty without any): appended to group keys."""
+    return "".join(f".{a}{mesh.coord(a)}" for a in axes)
+
+
+def flat_state_pieces(key: str, g: FlatGroup, state: dict[str, Any], mesh: Mesh, axis: str,
+                      drop: Sequence[str]) -> list[Piece]:
+    """Pieces of one group's optimizer state (``zero/<key>/<state>``): a length-``L`` tensor ``S(0)`` over
+    ``axis`` (this rank's ``[lo, hi)``), a scalar (Adam's step) ``B``; described without the ``drop`` axes,
+    along which the key itself differs. Local."""
+    coords = tuple(mesh.coord(a) for a in mesh.axes)
+    sbp = tuple(Split(0) if a == axis else Broadcast() for a in mesh.axes)
+    out: list[Piece] = []
+    for name, value in state.items():
+        value = torch.as_tensor(value).detach()
+        if value.dim() == 1 and value.numel() == g.hi - g.lo:
+            total = (g.layout.total,)
+            piece = Piece(f"zero/{key}/{name}", value, total, total, sbp, tuple(mesh.axes), tuple(mesh.shape), coords)
+        else:
+            piece = replicated_piece(f"zero/{key}/{name}", value, mesh)
+        for a in drop:
+            piece = without_axis(piece, a)
+        out.append(piece)
+    return out
+
+
+def group_entry(key: str, g: FlatGroup, names: list[str], mesh: Mesh) -> dict[str, Any]:
+    """JSON description of one flat group: key, plain parameter names, element counts, local shapes, and each
+    parameter's global view shape, full shape and the extent of this rank's piece in the view. Pure."""
+    pieces = [describe(n, p, mesh, torch.empty(s, device="meta")) for n, p, s in zip(names, g.params, g.shapes)]
+    return {"key": key, "names": list(names), "numels": list(g.layout.numels), "shapes": [list(s) for s in g.shapes],
+            "views": [list(p.view_shape) for p in pieces], "full_shapes": [list(p.full_shape) for p in pieces],
+            "extents": [[list(e) for e in p.extent()] for p in pieces]}
 
 
 def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
-    """Full parameters (collective: ``full_state_dict``), saved as replicated tensors, each storage once."""
+    """This rank's pieces of the parameters (each flat group gathered over dp: collective), in the model's own
+    layout — replicated, or tp shards — each storage once."""
+    tensors = model.module.state_dict(keep_vars=True)
     seen: set[int] = set()
     out: list[Piece] = []
-    for key, value in model.full_state_dict().items():
-        if id(value) not in seen:
-            seen.add(id(value))
-            out.append(replicated_piece(f"model/{key}", value, mesh))
+    for key, value in model.local_state_dict().items():
+        if id(tensors[key]) not in seen:
+            seen.add(id(tensors[key]))
+            out.append(describe(f"model/{key}", tensors[key], mesh, value))
     return out
+
+
+def _keys(model: ZeroModel) -> list[str]:
+    tag = group_tag(model.mesh, tag_axes(model.mesh, model.axis))
+    return [f"{i}{tag}" for i in range(len(model.groups))]
 
 
 def zero_optimizer_pieces(model: ZeroModel, optimizer: ZeroOptimizer, mesh: Mesh, axis: str = "dp") -> list[Piece]:
     """This rank's flat optimizer-state shards as ``S(0)`` pieces of each group's length-L state. Local."""
-    coords = tuple(mesh.coord(a) for a in mesh.axes)
-    sbp = tuple(Split(0) if a == axis else Broadcast() for a in mesh.axes)
-    out: list[Piece] = []
-    for i, g in enumerate(model.groups):
-        for name, value in optimizer.optimizer.state.get(g.master, {}).items():
-            key = f"zero/{i}/{name}"
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == g.hi - g.lo:
-                total = (g.layout.total,)
-                out.append(Piece(key, value.detach(), total, total, sbp, tuple(mesh.axes), tuple(mesh.shape), coords))
-            else:
-                out.append(replicated_piece(key, torch.as_tensor(value).detach(), mesh))
-    return out
+    drop = tag_axes(mesh, axis)
+    return [piece for key, g in zip(_keys(model), model.groups)
+            for piece in flat_state_pieces(key, g, optimizer.optimizer.state.get(g.master, {}), mesh, axis, drop)]
 
 
 def zero_groups_state(model: ZeroModel) -> list[dict[str, Any]]:
-    """JSON-able description of the flat groups (names, element counts, shapes), for the index."""
-    return [{"names": list(g.names), "numels": list(g.layout.numels), "shapes": [list(s) for s in g.shapes]}
-            for g in model.groups]
+    """JSON-able description of this rank's flat groups (``group_entry``), for the index or the rank file."""
+    return [group_entry(key, g, list(g.names), model.mesh) for key, g in zip(_keys(model), model.groups)]
 
 
-def _saved_groups(ckpt: Checkpoint) -> list[dict[str, Any]]:
-    """The checkpoint's flat groups, each with its ``key`` (``zero/<key>/<state>``): ``sw.zero``'s from the index
-    state (key = position), a pipeline's from every rank file (``pipeline_zero.py``; each key once)."""
-    groups = [dict(g, key=g.get("key", str(i))) for i, g in enumerate(ckpt.state.get("zero_groups") or [])]
-    if ckpt.state.get("pipeline_zero_groups"):
-        seen: dict[str, dict[str, Any]] = {}
-        for rank in range(int(ckpt.index["world_size"])):
-            for g in (ckpt.rank_state(rank) or {}).get("zero_groups", []):
-                seen.setdefault(g["key"], g)
-        groups += list(seen.values())
-    return groups
-
-
-def param_state(ckpt: Checkpoint) -> tuple[dict[str, list[str]], Callable[[str, str], torch.Tensor]]:
-    """``(state names per parameter, fetch(param, state) -> full tensor)`` from either checkpoint format:
-    per-parameter ``optim/<param>/<state>`` or ZeRO ``zero/<group>/<state>`` flat groups."""
-    names: dict[str, list[str]] = {}
-    for key in ckpt.keys("optim/"):
-        param, _, state = key[len("optim/"):].rpartition("/")
-        names.setdefault(param, []).append(state)
-    where: dict[str, tuple[str, int, int, list[int]]] = {}
-    for g in _saved_groups(ckpt):
-        states = sorted({k.rpartition("/")[2] for k in ckpt.keys(f"zero/{g['key']}/")})
-        offset = 0
-        for n, numel, shape in zip(g["names"], g["numels"], g["shapes"]):
-            names[n], where[n] = states, (g["key"], offset, numel, shape)
-            offset += numel
-    cache: dict[str, torch.Tensor] = {}
-
-    def fetch(param: str, state: str) -> torch.Tensor:
-        if param not in where:
-            return ckpt.full(f"optim/{param}/{state}")
-        group, offset, numel, shape = where[param]
-        key = f"zero/{group}/{state}"
-        if key not in cache:
-            cache[key] = ckpt.full(key)
-        flat = cache[key]
-        return flat[offset:offset + numel].reshape(shape) if flat.dim() == 1 and flat.numel() > 1 else flat
-    return names, fetch
+def zero_index_state(model: ZeroModel) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(index state, rank state)`` entries describing the groups: in the index when every rank's groups
+    are the same (no tp), else each rank lists its own in its rank file."""
+    if not tag_axes(model.mesh, model.axis):
+        return {"zero_groups": zero_groups_state(model)}, {}
+    return {"zero_groups_per_rank": True}, {"zero_groups": zero_groups_state(model)}
 
 
 @torch.no_grad()
 def fill_flat_state(inner: torch.optim.Optimizer, groups: Sequence[FlatGroup], group_names: list[list[str]],
                     saved: dict[str, list[str]], fetch: Callable[[str, str], torch.Tensor]) -> None:
     """Set ``inner``'s state of each flat group's ``master`` (this rank's ``[lo, hi)`` shard) from full
-    per-parameter state (``param_state``); ``group_names``: the plain parameter names of each group. Local."""
+    per-parameter state (``param_state``), cutting this rank's tp piece of each; ``group_names``: the plain
+    parameter names of each group. Local."""
     for g, names in zip(groups, group_names):
         new: dict[str, torch.Tensor] = {}
         for state in saved.get(names[0], []):
@@ -114,7 +131,7 @@ def fill_flat_state(inner: torch.optim.Optimizer, groups: Sequence[FlatGroup], g
             if values[0].dim() == 0:  # e.g. Adam's step: one scalar per group
                 new[state] = values[0].clone()
             else:
-                flat = torch.cat([v.reshape(-1) for v in values])
+                flat = torch.cat([local_of(v, p, g.mesh, s).reshape(-1) for v, p, s in zip(values, g.params, g.shapes)])
                 new[state] = flat[g.lo:g.hi].to(g.master.device, g.master.dtype).clone()
         if new:
             inner.state[g.master] = new
@@ -122,7 +139,8 @@ def fill_flat_state(inner: torch.optim.Optimizer, groups: Sequence[FlatGroup], g
 
 @torch.no_grad()
 def load_zero(ckpt: Checkpoint, model: ZeroModel, optimizer: ZeroOptimizer) -> None:
-    """Load parameters (full, any stage) and rebuild this rank's flat optimizer-state shards. Local."""
+    """Load parameters (full, any stage; each rank keeps its tp piece) and rebuild this rank's flat
+    optimizer-state shards. Local."""
     plain: nn.Module = model.module
     aliases = ckpt.state.get("aliases", {})
     full = {}

@@ -277,17 +277,15 @@ def _check_strategies(config: Config) -> None:
     if p.zero_stage and not _optional_module("shardwise.parallel.zero.api"):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero.api), which this "
                          f"build lacks; use --parallel.zero_stage 0")
-    if p.zero_stage and p.tp > 1:
-        raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.tp = {p.tp} is not supported by "
-                         f"shardwise train yet; use --parallel.zero_stage 0 or --parallel.tp 1")
     if p.pp > 1:
         _check_pipeline_hybrids(p)
 
 
 def _check_pipeline_hybrids(p: ParallelConfig) -> None:
     """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it. Supported: dp, tp inside
-    the stages, ZeRO-1 over dp (with accumulation), activation checkpointing (``runtime/strategy/pipeline.py``). ZeRO with
-    tp > 1 is refused for every layout (``_check_strategies``)."""
+    the stages, ZeRO-1 over dp (with accumulation; with tp too: each tp rank's local shards sharded over dp),
+    activation checkpointing (``runtime/strategy/pipeline.py``). Refused: ZeRO-2/3 (below) and a non-native
+    gradient algorithm. (Without pp, ZeRO 1-3 combines with tp: ``runtime/strategy/zero.py``.)"""
     if p.zero_stage > 1:
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.pp = {p.pp} is not supported: a "
                          f"pipeline shards only the optimizer state over dp (ZeRO-1); stages 2-3 would shard the "

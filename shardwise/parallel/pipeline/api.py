@@ -25,13 +25,13 @@ from torch import Tensor, nn
 from ... import comm
 from ...mesh import Mesh
 from ..common.autocast import check_autocast
+from ..common.grad_norm import clip_counted, counted, shard_pieces
 from ..common.mixed_precision import LossScaler
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from .communication import lower_communication, receive_placement
 from .executor import Interpreter, run_actions
 from .actions import Action
 from .schedules import get_schedule
-from .clip import clip_pipeline_grads, counted
 from .grad_sync import DpGradSync, PipelineZeroGroups
 from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
@@ -224,19 +224,14 @@ class Pipeline:
         skip = {id(q) for q, peer in self.tied if peer < self.mesh.coord(self.axis)}  # the lower coordinate counts
         sync = self.grad_sync
         if sync is not None and sync.zero:  # ZeRO-1: every replica holds the averaged shard of each bucket
-            count, scale = [], sync.shard_grads()
-            for b, shard in zip(sync.buckets, scale):
-                g = b.group
-                for k, start, stop in g.layout.pieces(self.mesh.coord(sync.axis)):
-                    if counted(g.params[k], self.mesh, own, skip):
-                        at = g.layout.offsets[k] + start - g.lo  # the piece's place inside the shard
-                        count.append(shard[at:at + stop - start])
+            scale = sync.shard_grads()
+            count = shard_pieces(sync.groups, scale, self.mesh, sync.axis, own, skip)
         else:  # every dp replica holds the same averaged gradients: coordinate 0 counts them
             scale = [q.grad for q in self.parameters() if q.grad is not None]
             first = self.dp_axis is None or self.mesh.coord(self.dp_axis) == 0
             count = [q.grad for q in self.parameters() if q.grad is not None and first
                      and counted(q, self.mesh, own, skip)]
-        return clip_pipeline_grads(count, scale, mesh=self.mesh, max_norm=max_norm, norm_type=norm_type)
+        return clip_counted(count, scale, mesh=self.mesh, max_norm=max_norm, norm_type=norm_type)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage parameters (each once), for the user's optimizer."""

@@ -27,8 +27,8 @@ import torch.nn as nn
 
 from ...comm.collectives import all_reduce
 from ...mesh import Mesh
-from ...sbp.global_tensor import GlobalTensor, to_global
-from ...sbp.params import as_global
+from ...sbp.global_tensor import GlobalTensor, distribute, to_global
+from ...sbp.params import as_global, spec_of
 from ...sbp.placement import Broadcast, Split
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
                              VocabParallelHead, shard_heads, shard_param)
@@ -37,8 +37,8 @@ from .styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel,
                             check_style, match_plan)
 from .vocab_loss import vocab_parallel_cross_entropy
 
-__all__ = ["parallelize", "gpt_plan", "vocab_parallel_cross_entropy", "global_view", "ColumnParallel",
-           "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel"]
+__all__ = ["parallelize", "gpt_plan", "vocab_parallel_cross_entropy", "global_view", "split_axes", "full_tensor",
+           "local_piece", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel"]
 
 _MARK = "_shardwise_tensor_parallel"
 
@@ -198,26 +198,61 @@ def _sum_partial_grad(p: nn.Parameter, ctx: TPContext) -> None:
         p.register_hook(lambda g: all_reduce(g.clone(), mesh, axis, op="sum"))
 
 
-def global_view(param: torch.Tensor) -> GlobalTensor | None:
-    """The ``GlobalTensor`` of a parallelized parameter. Head-split (QKV) parameters are presented as their
-    (3, nh·hd, ...) view split S(1), the one layout in which whole heads are a plain split. None if plain."""
+def global_view(param: torch.Tensor, local: torch.Tensor | None = None) -> GlobalTensor | None:
+    """The ``GlobalTensor`` of a parallelized parameter (over ``local``, a tensor of the param's local shape
+    holding other values, e.g. its gathered ZeRO shard; default the param itself). Head-split (QKV)
+    parameters are presented as their (3, nh·hd, ...) view split S(1), the one layout in which whole heads
+    are a plain split. None if plain."""
     heads = getattr(param, "_shardwise_heads", None)
     if heads is None:
-        return as_global(param)
+        g = as_global(param)
+        return g if g is None or local is None else to_global(local, g.mesh, g.spec.sbp, shape=g.spec.shape)
+    local = param if local is None else local
     mesh, axis, fused, full_shape = heads
     rest = tuple(full_shape[1:])
     sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
-    return to_global(param.reshape(fused, -1, *rest), mesh, sbp, shape=(fused, full_shape[0] // fused, *rest))
+    return to_global(local.reshape(fused, -1, *rest), mesh, sbp, shape=(fused, full_shape[0] // fused, *rest))
+
+
+def split_axes(param: torch.Tensor) -> set[str]:
+    """The mesh axes a parallelized parameter is split over (empty for a replicated or plain one). Reads only
+    the parameter's layout, never its data (a ZeRO stage-3 parameter may be freed). Pure."""
+    heads = getattr(param, "_shardwise_heads", None)
+    if heads is not None:
+        return {heads[1]}
+    spec = spec_of(param)
+    return set() if spec is None else {a for a, p in zip(spec.axes, spec.sbp) if isinstance(p, Split)}
+
+
+def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
+    """The full value under the plain model's shape of ``local`` (default ``param``) laid out like ``param``:
+    gathered over the axes ``param`` is split on; ``local`` itself for a plain tensor. Collective over those
+    axes (every rank of them calls it for the same tensors in the same order)."""
+    g = global_view(param, local)
+    if g is None:
+        return (param if local is None else local).detach()
+    heads = getattr(param, "_shardwise_heads", None)
+    full = g.full().detach()
+    return full.reshape(heads[3]) if heads is not None else full
+
+
+def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` (the plain model's shape) laid out like ``param``: the inverse of
+    ``full_tensor``; ``full`` itself for a plain tensor. Local (a slice, no communication)."""
+    heads = getattr(param, "_shardwise_heads", None)
+    if heads is not None:
+        mesh, axis, fused, full_shape = heads
+        rest = tuple(full_shape[1:])
+        sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
+        return distribute(full.reshape(fused, -1, *rest), mesh, sbp).to_local().reshape(-1, *rest)
+    spec = spec_of(param)
+    if spec is None:
+        return full
+    return distribute(full.reshape(spec.shape), as_global(param).mesh, spec.sbp).to_local()
 
 
 def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full tensors under the single-device keys (installed as ``model.full_state_dict``; used by
     ``sw.full_state_dict``). Collective over the mesh: every rank must call it."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        heads = getattr(value, "_shardwise_heads", None)
-        g = global_view(value) if isinstance(value, torch.Tensor) else None
-        full = g.full().detach() if g is not None else value.detach()
-        out[key] = full.reshape(heads[3]) if heads is not None else full
-    return out
-
+    return {key: full_tensor(value) if isinstance(value, torch.Tensor) else value
+            for key, value in model.state_dict(keep_vars=True).items()}

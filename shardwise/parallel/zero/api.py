@@ -39,6 +39,7 @@ from ..common.buckets import default_order, plan_buckets
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
+from ..tensor.api import full_tensor, local_piece
 from .flat import FlatGroup
 from .grads import ShardGradReducer, attach_full_grads
 from .optim import OptimizerFactory, ZeroOptimizer
@@ -300,18 +301,26 @@ class ZeroModel(nn.Module):
         return {"params": params, "grads": grads, "optimizer": state}
 
     # -- checkpoints: the plain model's keys, full tensors ----------------------------------------------
+    # With tensor parallelism inside (``sw.zero(sw.parallelize(model, mesh, ..., axis="tp"), mesh, axis="dp")``)
+    # each flat group holds this tp rank's *local* shards: gathering over ``axis`` gives the local tensors, and
+    # a tp-split one is then gathered over tp (``full_tensor``) or cut from a full one (``local_piece``).
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded tensors (master precision) under the unwrapped model's keys. Collective."""
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the plain model's tensors (master precision; the tp shard of a tp-split
+        parameter, the whole tensor otherwise), each flat group gathered over ``axis``. Collective over it."""
         value: dict[int, torch.Tensor] = {}
         for g in self.groups:
-            full = _gather_master(g)
+            full = _gather_master(g)  # (L,): every dp shard of the group
             for p, v in zip(g.params, g.views(full)):
                 value[id(p)] = v.clone()
-        out: dict[str, torch.Tensor] = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            out[key] = value[id(t)] if id(t) in value else t.detach().clone()
-        return out
+        return {key: value[id(t)] if id(t) in value else t.detach().clone()
+                for key, t in self.module.state_dict(keep_vars=True).items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded tensors (master precision) under the unwrapped model's keys. Collective (over
+        ``axis``, and over the tensor-parallel axes of the model)."""
+        tensors = self.module.state_dict(keep_vars=True)
+        return {key: full_tensor(tensors[key], v) for key, v in self.local_state_dict().items()}
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """Same as ``full_state_dict()`` (collective): checkpoints load into any stage and world size."""
@@ -319,8 +328,9 @@ class ZeroModel(nn.Module):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load a *full* state dict (the plain model's keys) into any stage and world size. Local: every
-        rank passes the same dict. Raises ``ValueError`` for missing/unexpected keys or wrong shapes."""
+        """Load a *full* state dict (the plain model's keys) into any stage and world size (a tp-split tensor:
+        this rank's piece is cut from it). Local: every rank passes the same dict. Raises ``ValueError`` for
+        missing/unexpected keys or wrong shapes."""
         keys = {k: t for k, t in self.module.state_dict(keep_vars=True).items()}
         missing = sorted(set(keys) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(keys))
@@ -331,17 +341,26 @@ class ZeroModel(nn.Module):
         for g in self.groups:
             values = []
             for name, p, shape in zip(g.names, g.params, g.shapes):
-                v = state_dict[by_id[id(p)]] if id(p) in by_id else None
+                v = _local_value(p, state_dict[by_id[id(p)]]) if id(p) in by_id else None
                 if v is None or tuple(v.shape) != tuple(shape):
-                    raise ValueError(f"parameter {name!r}: expected shape {tuple(shape)}, got "
+                    raise ValueError(f"parameter {name!r}: expected shape {tuple(shape)} (this rank's piece), got "
                                      f"{None if v is None else tuple(v.shape)}")
                 values.append(v)
             g.load_full(values)
         managed = {id(p) for g in self.groups for p in g.params}
         for k, t in keys.items():
             if id(t) not in managed and k in state_dict:
-                t.copy_(state_dict[k])
+                t.copy_(_local_value(t, state_dict[k]))
         return None
+
+
+def _local_value(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` for the tensor ``t`` (a tp-split one's shard); ``full`` as given when its
+    shape is not the full shape of ``t``'s layout (then the caller's shape check names the mismatch)."""
+    try:
+        return local_piece(t, full)
+    except (RuntimeError, ValueError):  # reshape/boxing of a wrongly shaped tensor
+        return full
 
 
 def _gather_master(g: FlatGroup) -> torch.Tensor:

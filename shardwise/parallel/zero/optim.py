@@ -13,13 +13,13 @@ precision) and, for stages 1-2, all-gather the updated parameters. Stage 3 gathe
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 
 from ... import comm
 from ...mesh import Mesh
+from ..common.grad_norm import clip_counted, shard_pieces
 from ..common.mixed_precision import LossScaler
 from .flat import FlatGroup
 from .grads import reduce_full_grads
@@ -124,22 +124,15 @@ class ZeroOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so that their norm over the *whole* model (all shards of all ranks) is at
         most ``max_norm``; returns that total norm (before clipping), like
-        ``torch.nn.utils.clip_grad_norm_`` on one device. Collective (one all-reduce)."""
+        ``torch.nn.utils.clip_grad_norm_`` on one device. With tensor parallelism inside (the mesh's other
+        axes) a tp-split parameter's shard counts on every tp coordinate, a replicated one (layer norms, a
+        row-parallel bias) on tp coordinate 0 only (``common/grad_norm.py``). Collective: one all-reduce of
+        one number per mesh axis of size > 1."""
         self._check_sync("clip_grad_norm_")
         self._prepare_grads()
-        grads = [g.master.grad.float() for g in self.groups if g.master.grad is not None]
-        p = float(norm_type)
-        if math.isinf(p):
-            local = torch.stack([x.abs().max() if x.numel() else x.new_zeros(()) for x in grads]).max()
-            total = comm.all_reduce(local.reshape(1).to(self.mesh.device), self.mesh, self.axis, op="max")[0]
-        else:
-            local = torch.stack([x.abs().pow(p).sum() for x in grads]).sum()
-            total = comm.all_reduce(local.reshape(1).to(self.mesh.device), self.mesh, self.axis, op="sum")[0] ** (1.0 / p)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self.groups:
-            if g.master.grad is not None:
-                g.master.grad.mul_(coef.to(g.master.grad.dtype))
-        return total
+        scale = [g.master.grad for g in self.groups if g.master.grad is not None]
+        count = shard_pieces(self.groups, [g.master.grad for g in self.groups], self.mesh, self.axis, {self.axis})
+        return clip_counted(count, scale, mesh=self.mesh, max_norm=max_norm, norm_type=norm_type)
 
     # -- step -------------------------------------------------------------------------------------------
     @torch.no_grad()

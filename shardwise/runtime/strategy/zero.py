@@ -1,6 +1,9 @@
 """``ZeroStrategy``: ``sw.zero`` over ``dp`` (stages 1-3; tensor parallelism and activation checkpointing inside,
-built like the plain path). Gradients live in ZeRO's flat buffers; the optimizer steps this rank's shards;
-checkpoints hold full parameters and the flat optimizer-state shards (``checkpoint/zero_layout.py``)."""
+built like the plain path). With tp > 1 ZeRO shards each tp rank's *local* (already tp-sharded) parameters over
+the dp axis only: its reduce-scatters and all-gathers run on the dp group of the rank's tp coordinate, the tp
+collectives inside forward/backward stay as they are. Gradients live in ZeRO's flat buffers; the optimizer steps
+this rank's shards; checkpoints hold the parameters (tp shards with tp) and the flat optimizer-state shards
+(``checkpoint/zero_layout.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from functools import partial
 from typing import Any
 
 from ...checkpoint.sharded import Checkpoint, Piece
-from ...checkpoint.zero_layout import load_zero, zero_groups_state, zero_model_pieces, zero_optimizer_pieces
+from ...checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pieces, zero_optimizer_pieces
 from ...mesh import Mesh
 from ...models.gpt import GPT
 from ...parallel.common.autocast import precision_dtype
@@ -53,10 +56,11 @@ class ZeroStrategy(DataParallelSteps):
                                                                                  self.mesh)
 
     def shared_state(self) -> dict[str, Any]:
-        return {"zero_groups": zero_groups_state(self.model)}
+        return zero_index_state(self.model)[0]
 
     def rank_state(self) -> dict[str, Any]:
-        return {}
+        """With tp: this rank's flat groups (each tp coordinate's hold its own tp pieces)."""
+        return zero_index_state(self.model)[1]
 
     def load(self, ckpt: Checkpoint) -> None:
         load_zero(ckpt, self.model, self.optimizer)
