@@ -11,7 +11,7 @@ none overlapped with compute) are returned separately so the breakdown can name 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .hardware import Hardware
 from .plan import Plan
@@ -86,6 +86,10 @@ def _gemms(layer: Layer, plan: Plan, hw: Hardware, flash: bool) -> tuple[float, 
 
 def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_node: int) -> LayerTime:
     """Times of ``layer`` for one micro-batch of ``plan.micro_batch`` sequences (see module doc)."""
+    if layer.replicated and plan.tp > 1:
+        # every tp rank runs the whole layer; its FLOPs count once for the model (per device: 1/tp of them)
+        whole = layer_time(layer, replace(plan, tp=1, sequence_parallel=False), hw, flash=flash, tp_per_node=1)
+        return replace(whole, flops_fwd=whole.flops_fwd / plan.tp, flops_attn=whole.flops_attn / plan.tp)
     t, b = plan.tp, plan.micro_batch
     f_gemm, b_gemm, w_gemm, f_attn, flops, attn_flops = _gemms(layer, plan, hw, flash)
     rep = layer.ew_rep / (t if plan.sequence_parallel else 1)

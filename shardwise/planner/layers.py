@@ -65,6 +65,8 @@ class Layer:
     """Name of the layer whose weight this one shares (the tied head)."""
     shared: int = 0
     """Parameters of ``params`` that are the tied layer's (counted once when both sit on one device)."""
+    replicated: bool = False
+    """Kept whole on every tensor-parallel rank (a module pinned data-parallel): no tp split, no tp comm."""
 
     @property
     def flops(self) -> float:

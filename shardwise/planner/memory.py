@@ -16,7 +16,7 @@ ZeRO over ``dp`` divides the optimizer state (stage ≥ 1), the gradients (≥ 2
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .compute import act_bytes
@@ -49,12 +49,16 @@ def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: i
 
 def local_params(layer: Layer, tp: int) -> float:
     """Parameter elements of ``layer`` on one tensor-parallel rank."""
+    if layer.replicated:
+        return float(layer.params)
     return layer.tp_params / tp + (layer.params - layer.tp_params)
 
 
 def layer_activation_bytes(layer: Layer, plan: Plan) -> tuple[float, float]:
     """``(kept, transient)`` bytes of one micro-batch through ``layer`` on one rank: what backward needs under
     the plan's recomputation, and the full set that exists again while this layer is recomputed."""
+    if layer.replicated and plan.tp > 1:
+        plan = replace(plan, tp=1, sequence_parallel=False)
     t, b, eb = plan.tp, plan.micro_batch, act_bytes(plan)
     rep = layer.act_rep / (t if plan.sequence_parallel else 1)
     full = (rep + layer.act_tp / t + layer.act_attn / t) * b * eb + layer.act_fp32 / t * b * 4
@@ -107,7 +111,8 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
     ``bucket_cap`` bytes at most."""
     names = {layer.name for layer in layers}
-    n = sum(local_params(layer, plan.tp) - (layer.shared / plan.tp if layer.tied in names else 0)
+    n = sum(local_params(layer, plan.tp) - (layer.shared / (1 if layer.replicated else plan.tp)
+                                            if layer.tied in names else 0)
             for layer in layers)
     states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.dp)
     per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
@@ -119,6 +124,7 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     if plan.zero_stage == 3:
         biggest = max((local_params(layer, plan.tp) for layer in layers), default=0.0)
         buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)  # current + prefetched unit
-    loss = max((layer.act_fp32 / plan.tp * plan.micro_batch * 4 for layer in layers), default=0.0)
+    loss = max((layer.act_fp32 / (1 if layer.replicated else plan.tp) * plan.micro_batch * 4 for layer in layers),
+               default=0.0)
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank)

@@ -94,11 +94,23 @@ def stages_of(spec: ModelSpec, plan: Plan) -> list[list[Any]]:
     return split_at(spec.layers, plan.pp_split) if plan.pp_split else split_stages(spec.layers, n)
 
 
-def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool,
-           cache: dict | None = None) -> Flush:
-    F = [sum(c.F for c in st) for st in costs]
-    B = [sum(c.B for c in st) for st in costs]
-    W = [sum(c.W for c in st) for st in costs]
+def flush_inputs(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware,
+                 blocking: bool) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-stage F, B, W seconds of one micro-batch and per-boundary transfer seconds, as the simulator takes
+    them (blocking transfers folded into the compute)."""
+    F, B, W = stage_sums(costs)
+    return fold_transfers(plan, F, B, W, stages, hw, blocking)
+
+
+def stage_sums(costs: list[list[LayerTime]]) -> tuple[list[float], list[float], list[float]]:
+    return ([sum(c.F for c in st) for st in costs], [sum(c.B for c in st) for st in costs],
+            [sum(c.W for c in st) for st in costs])
+
+
+def fold_transfers(plan: Plan, F: list[float], B: list[float], W: list[float], stages: list[list[Any]],
+                   hw: Hardware, blocking: bool) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The boundary transfers of ``stages`` (and, when ``blocking``, F and B with them folded in)."""
+    F, B = list(F), list(B)
     # One boundary carries the micro-batch's hidden state; Megatron's scatter/gather sends 1/t of it per rank
     # across and all-gathers it inside the receiving tensor-parallel group.
     crosses = plan.tp * plan.dp >= hw.devices_per_node and plan.devices > hw.devices_per_node
@@ -115,6 +127,17 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
             edge = (comm[s - 1] if s > 0 else 0.0) + (comm[s] if s < len(comm) else 0.0)
             F[s] += edge
             B[s] += edge
+    return F, B, W, comm
+
+
+def shares_cores(plan: Plan, hw: Hardware) -> bool:
+    """Pipeline ranks share a host's cores (a CPU calibration with more ranks than cores)."""
+    return bool(hw.host_cores) and plan.devices > hw.host_cores and plan.pp > 1
+
+
+def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool,
+           cache: dict | None = None) -> Flush:
+    F, B, W, comm = flush_inputs(plan, costs, stages, hw, blocking)
     m = plan.microbatches if plan.pp > 1 else 1
     key = ("flush", plan.schedule, plan.pp, m, plan.chunks, tuple(F), tuple(B), tuple(W), tuple(comm))
     flush = cache.get(key) if cache is not None else None
@@ -123,7 +146,7 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
         if cache is not None:
             cache[key] = flush
     cores = hw.host_cores
-    if cores and plan.devices > cores and plan.pp > 1:
+    if shares_cores(plan, hw):
         # ranks share a host's cores: while a pipeline rank idles in the bubble, the busy ones get its share.
         # Greedy sharing of C cores among the ranks' work is bounded by Graham's list-scheduling bound,
         # T <= W / C + T_cp · (1 - 1/C): at full-core speed the total work W over C cores is the mean busy

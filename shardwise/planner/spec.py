@@ -128,3 +128,18 @@ class ModelSpec:
 
     def rename(self, name: str) -> "ModelSpec":
         return replace(self, name=name)
+
+    def replicate(self, names: "list[str] | tuple[str, ...]") -> "ModelSpec":
+        """This spec with the named layers kept whole on every tensor-parallel rank (pinned data-parallel).
+        A layer tied to a named one (the LM head to the embedding) follows it: both uses must shard the
+        weight alike. ``ValueError`` naming an unknown layer."""
+        known = [layer.name for layer in self.layers]
+        for name in names:
+            if name not in known:
+                raise ValueError(f"module pin {name!r} is not a layer of model {self.name!r}; layers are "
+                                 f"{known[:4]} … {known[-2:]}")
+        chosen = set(names)
+        chosen |= {layer.name for layer in self.layers if layer.tied in chosen}
+        chosen |= {layer.tied for layer in self.layers if layer.name in chosen and layer.tied}
+        layers = tuple(replace(layer, replicated=True) if layer.name in chosen else layer for layer in self.layers)
+        return replace(self, layers=layers)

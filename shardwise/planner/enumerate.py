@@ -1,0 +1,280 @@
+"""The search space as plain data (``Space``), pins, and the candidates with their lower bounds.
+
+A candidate is a ``Plan`` plus two bounds that need no pipeline simulation: ``memory_lb`` (the first
+pipeline rank with the fewest activation sets any schedule holds there — ``min(m, p)``, gpipe ``m × chunks``)
+and ``time_lb`` (``pipeline_cost.flush_lower_bound`` × flushes + the optimizer). Both come from the same layer
+costs ``predict`` uses (memoised in the search's cache), so ``time_lb ≤ predict(...).step_time_s`` and
+``memory_lb ≤ predict(...).memory.total`` hold by construction (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .hardware import Hardware
+from .memory import local_params, rank_memory
+from .pipeline_cost import balance_minmax, flush_lower_bound
+from .plan import CHECKPOINTING, SCHEDULES, Plan
+from .predict import (_bucket_cap, _hardware_for, _optimizer, fold_transfers, layer_costs, shares_cores,
+                      stage_sums)
+from .spec import ModelSpec
+
+__all__ = ["Space", "Candidate", "Pool", "normalize_pins", "candidates", "divisors"]
+
+_ALIASES = {"pp_schedule": "schedule", "pp_chunks": "chunks", "pp_microbatches": "microbatches",
+            "precision": "precision"}
+_PLAN_FIELDS = {f.name for f in fields(Plan)}
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may vary (pins narrow it further)."""
+
+    schedules: tuple[str, ...] = SCHEDULES
+    chunks: tuple[int, ...] = (2, 3, 4, 6, 8)
+    """Model chunks per pipeline rank the interleaved schedule may use."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    pipeline_zero_stages: tuple[int, ...] = (0, 1)
+    """ZeRO stages a pipeline combines with (stages 2-3 would re-gather for every micro-batch)."""
+    checkpointing: tuple[str, ...] = CHECKPOINTING
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    max_micro_batch: int = 16
+    precision: str = "fp32"
+    """The precision when not pinned (a numerical choice the user makes, not the search)."""
+    time_balanced_split: bool = True
+    """Cut pipelines into stages of equal predicted time (``Plan.pp_split``), not equal parameters."""
+
+    @staticmethod
+    def runnable() -> "Space":
+        """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism."""
+        return Space(checkpointing=("none", "full"), sequence_parallel=(False,))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    time_lb: float
+    memory_lb: float
+
+
+@dataclass
+class Pool:
+    feasible: list[Candidate] = field(default_factory=list)
+    """Memory bound within the budget: predicted in order of ``time_lb``."""
+    over_memory: list[Candidate] = field(default_factory=list)
+    total: int = 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def normalize_pins(pins: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(plan fields, module pins)``; ``ValueError`` for an unknown field or a bad module strategy."""
+    fixed: dict[str, Any] = {}
+    modules: dict[str, str] = {}
+    for key, value in pins.items():
+        if key == "modules":
+            for name, strategy in dict(value).items():
+                if strategy not in ("replicate", "data-parallel"):
+                    raise ValueError(f"module pin {name!r}: {strategy!r} is not a strategy the planner knows; use "
+                                     f"'replicate' (kept whole on every tensor-parallel rank, data-parallel only)")
+                modules[name] = "replicate"
+            continue
+        name = key.split(".", 1)[1] if key.startswith(("parallel.", "train.")) else key
+        name = _ALIASES.get(name, name)
+        if name not in _PLAN_FIELDS:
+            raise ValueError(f"pin {key!r} is not a plan field; pinnable: {sorted(_PLAN_FIELDS)} and 'modules'")
+        if name == "activation_checkpointing" and isinstance(value, bool):
+            value = "full" if value else "none"
+        if name == "pp_split":
+            value = tuple(value)
+        fixed[name] = value
+    return fixed, modules
+
+
+def _check_pins(fixed: dict[str, Any], devices: int) -> None:
+    axes = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
+    for k, v in axes.items():
+        if not isinstance(v, int) or v < 1 or devices % v:
+            raise ValueError(f"pin {k} = {v!r} must be a positive divisor of the {devices} devices; use one of "
+                             f"{divisors(devices)}")
+    product = 1
+    for v in axes.values():
+        product *= v
+    if devices % product or (len(axes) == 3 and product != devices):
+        raise ValueError(f"pins {' × '.join(f'{k} {v}' for k, v in axes.items())} = {product} do not divide into the "
+                         f"{devices} devices (dp × tp × pp must equal the device count); change a pin or the devices")
+    if fixed.get("schedule") == "interleaved" and fixed.get("chunks", 2) < 2:
+        raise ValueError(f"pins schedule 'interleaved' and chunks {fixed['chunks']} contradict: interleaving needs "
+                         f"chunks >= 2")
+    if "chunks" in fixed and fixed["chunks"] > 1 and fixed.get("schedule", "interleaved") != "interleaved":
+        raise ValueError(f"pins chunks {fixed['chunks']} and schedule {fixed['schedule']!r} contradict: several "
+                         f"chunks per rank need schedule 'interleaved'")
+    if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
+        raise ValueError("pins sequence_parallel true and tp 1 contradict: sequence parallelism splits over tp")
+    if fixed.get("zero_stage", 0) and fixed.get("dp") == 1:
+        raise ValueError(f"pins zero_stage {fixed['zero_stage']} and dp 1 contradict: ZeRO shards over dp >= 2")
+
+
+def _options(name: str, default: list[Any], fixed: dict[str, Any]) -> list[Any]:
+    return [fixed[name]] if name in fixed else default
+
+
+def _schedule_options(pp: int, per: int, mb: int, space: Space, fixed: dict[str, Any],
+                      n_layers: int) -> list[tuple[str, int, int]]:
+    """(schedule, chunks, grad_accum) for a pipeline over ``per`` sequences per replica in micro-batches of mb."""
+    if pp == 1:
+        return [("1f1b", 1, per // mb)]
+    out = []
+    total = per // mb  # micro-batches per replica per step
+    for schedule in _options("schedule", list(space.schedules), fixed):
+        chunk_opts = _options("chunks", list(space.chunks), fixed) if schedule == "interleaved" else [1]
+        for chunks in chunk_opts:
+            if pp * chunks > n_layers or (schedule == "interleaved" and chunks < 2):
+                continue
+            # one flush per step (fewest bubbles); gpipe also fewer micro-batches per flush (less memory held)
+            accums = divisors(total) if schedule == "gpipe" else [1]
+            for accum in _options("grad_accum", accums, fixed):
+                if not accum or total % accum:
+                    continue
+                m = total // accum
+                if "microbatches" in fixed and fixed["microbatches"] != m:
+                    continue
+                if schedule == "interleaved" and m % pp:
+                    continue
+                out.append((schedule, chunks, accum))
+    return out
+
+
+def candidates(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, pins: dict[str, Any],
+               space: Space, budget: float, runtime: str, cache: dict) -> tuple[Pool, dict]:
+    """Every valid plan with its bounds, split by the memory bound; regions of invalid ones (see module doc)."""
+    from .search import _note  # the search's pruned-region bookkeeping
+
+    _check_pins(pins, devices)
+    regions: dict = {}
+    pool = Pool()
+    hw_d = _hardware_for(hw, devices, cache)
+    precision = pins.get("precision", space.precision)
+    n_layers = len(spec.layers)
+    for tp in _options("tp", divisors(devices), pins):
+        if tp > 1 and not spec.tp_divisors:
+            _note(regions, "invalid: the model has no tensor-parallel plan", 1, f"tp={tp} ({spec.name})")
+            continue
+        if any(d % tp for d in spec.tp_divisors):
+            _note(regions, "invalid: tp does not divide the heads / widths", 1,
+                  f"tp={tp} vs {list(spec.tp_divisors)}")
+            continue
+        if tp > hw.devices_per_node and "tp" not in pins:
+            _note(regions, f"invalid: tp beyond one node of {hw.devices_per_node} (pin tp to allow)", 1, f"tp={tp}")
+            continue
+        for pp in _options("pp", divisors(devices // tp), pins):
+            dp = devices // (tp * pp)
+            if "dp" in pins and dp != pins["dp"]:
+                continue
+            if pp > n_layers:
+                _note(regions, "invalid: more pipeline stages than layers", 1, f"pp={pp} > {n_layers} layers")
+                continue
+            if global_batch % dp:
+                _note(regions, "invalid: dp does not divide the global batch", 1,
+                      f"dp={dp} vs global batch {global_batch}")
+                continue
+            _expand(spec, hw_d, pool, regions, tp=tp, pp=pp, dp=dp, per=global_batch // dp, pins=pins, space=space,
+                    precision=precision, budget=budget, runtime=runtime, cache=cache)
+    return pool, regions
+
+
+def _expand(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int, pp: int, dp: int, per: int,
+            pins: dict[str, Any], space: Space, precision: str, budget: float, runtime: str, cache: dict) -> None:
+    from .search import _note
+
+    zeros = space.pipeline_zero_stages if pp > 1 else space.zero_stages
+    zeros = [z for z in _options("zero_stage", list(zeros), pins) if dp > 1 or z == 0]
+    ckpts = _options("activation_checkpointing", list(space.checkpointing), pins)
+    if not any(layer.act_attn for layer in spec.layers):
+        ckpts = [c for c in ckpts if c != "selective"] or ckpts  # nothing for selective recomputation to drop
+    sps = [s for s in _options("sequence_parallel", list(space.sequence_parallel), pins) if tp > 1 or not s]
+    mbs = [mb for mb in divisors(per) if mb <= space.max_micro_batch]
+    for mb in _options("micro_batch", mbs, pins):
+        if per % mb:
+            continue
+        for ckpt in ckpts:
+            for sp in sps:
+                base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt,
+                            sequence_parallel=sp, precision=precision)
+                per_layer = layer_costs(spec, base, hw, cache)
+                for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
+                    split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
+                    for zero in zeros:
+                        plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+                                    microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule,
+                                    chunks=chunks, activation_checkpointing=ckpt, sequence_parallel=sp,
+                                    precision=precision, pp_split=split)
+                        cand = _bounds(spec, plan, hw, per_layer, runtime, cache)
+                        pool.total += 1
+                        if cand.memory_lb > budget:
+                            _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
+                                  f"{plan.describe()}: ≥ {cand.memory_lb / 1e9:.2f} GB", need=cand.memory_lb)
+                            pool.over_memory.append(cand)
+                        else:
+                            pool.feasible.append(cand)
+
+
+def _split(spec: ModelSpec, per_layer: list[Any], n_stages: int, space: Space, pins: dict[str, Any], cache: dict,
+           key: tuple) -> tuple[str, ...]:
+    """Stage starts balancing predicted F + B + W (``()``: one stage, or parameter balance)."""
+    if "pp_split" in pins:
+        return tuple(pins["pp_split"])
+    if n_stages == 1 or not space.time_balanced_split:
+        return ()
+    ck = ("split", key, n_stages)
+    if ck not in cache:
+        # integer weights for the partitioner: nanoseconds of one micro-batch's F + B + W
+        starts = balance_minmax([c.F + c.B + c.W for c in per_layer], n_stages)
+        cache[ck] = tuple(spec.layers[i].name for i in starts[1:])
+    return cache[ck]
+
+
+def _shape(spec: ModelSpec, plan: Plan, cache: dict) -> tuple:
+    """Stages, their first layer indices, each pipeline rank's layers, and the largest rank's local parameters
+    and tensor count (memoised per tp, pp, chunks, split)."""
+    from .predict import stages_of
+
+    key = ("shape", plan.tp, plan.pp, plan.chunks, plan.pp_split)
+    if key not in cache:
+        stages = stages_of(spec, plan)
+        starts = [sum(len(st) for st in stages[:i]) for i in range(len(stages))]
+        ranks = [[s for s in range(len(stages)) if s % plan.pp == r] for r in range(plan.pp)]
+        rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(plan.pp)]
+        n_local = max(sum(local_params(layer, plan.tp) for layer in rl) for rl in rank_layers)
+        tensors = max(len(rl) for rl in rank_layers) * 12
+        cache[key] = (stages, starts, ranks, rank_layers, n_local, tensors)
+    return cache[key]
+
+
+def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict) -> Candidate:
+    stages, starts, ranks, rank_layers, n_local, tensors = _shape(spec, plan, cache)
+    sums_key = ("sums", id(per_layer), plan.pp, plan.chunks, plan.pp_split)
+    if sums_key not in cache:
+        cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
+    fused = runtime == "megatron"
+    opt = _optimizer(plan, hw, n_local, tensors, fused=fused)
+    m = plan.microbatches if plan.pp > 1 else 1
+    flush_key = ("flush_lb", sums_key, plan.dp, plan.schedule, m)
+    if flush_key not in cache:
+        F, B, W, comm = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=fused)
+        if shares_cores(plan, hw):
+            cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
+        else:
+            cache[flush_key] = flush_lower_bound(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+    held = m * plan.chunks if plan.schedule == "gpipe" else min(m * plan.chunks, plan.pp)
+    if plan.pp == 1:
+        held = 1
+    mem_key = ("mem_lb", plan.tp, plan.pp, plan.chunks, plan.pp_split, plan.micro_batch, plan.activation_checkpointing,
+               plan.sequence_parallel, plan.zero_stage, plan.dp, held)
+    if mem_key not in cache:
+        cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], held, plan, hw.memory_bytes,
+                                     bucket_cap=_bucket_cap(plan)).total
+    return Candidate(plan=plan, time_lb=plan.grad_accum * cache[flush_key] + opt, memory_lb=cache[mem_key])

@@ -1,0 +1,172 @@
+"""``search(spec, hardware, devices=..., global_batch=...)``: every layout of a model on a device count, ranked
+by predicted step time under a memory budget. Pure (no processes).
+
+The space (``Space``): dp × tp × pp × ZeRO stage × micro-batch × schedule (gpipe, 1f1b, interleaved with v
+chunks, zb-h1, zb-h2) × activation checkpointing × sequence parallelism, each pipeline cut into stages of
+equal *predicted time* (``pp_split``), any field pinnable (``pins``). Constraints: dp × tp × pp = devices,
+tp within a node (unless pinned), tp dividing the model's heads/widths, stages ≤ layers, the batch dividing.
+
+Branch and bound, not blind enumeration (``enumerate.py`` lists the candidates): every candidate gets cheap
+lower bounds — memory with one activation set in flight (gpipe: all of them), time from the flush bound of
+``pipeline_cost.flush_lower_bound`` — from layer costs memoised per (tp, micro-batch, recomputation, sp).
+Candidates whose memory bound exceeds the budget are pruned; the rest are predicted in order of their time
+bound, and the search stops once the next bound is slower than the K-th best plan found.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from .enumerate import Candidate, Space, candidates, normalize_pins
+from .hardware import Hardware
+from .plan import Plan
+from .predict import Prediction, predict
+from .spec import ModelSpec
+
+__all__ = ["search", "SearchResult", "Space", "NoFeasiblePlan"]
+
+
+class NoFeasiblePlan(ValueError):
+    """No layout fits; ``closest`` is the prediction that needs the least memory."""
+
+    def __init__(self, message: str, closest: Prediction | None) -> None:
+        super().__init__(message)
+        self.closest = closest
+
+
+@dataclass
+class Region:
+    """Candidates pruned for one reason in one (tp, pp) region."""
+
+    reason: str
+    count: int = 0
+    example: str = ""
+    need_bytes: float = float("inf")
+    """Memory regions: the least memory any of their candidates needs (a lower bound)."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Ranked plans (fastest first, all fitting) with their predictions; iterates over the predictions."""
+
+    predictions: list[Prediction]
+    search_s: float
+    candidates: int
+    evaluated: int
+    pruned: list[Region] = field(default_factory=list)
+    budget_bytes: float = 0.0
+
+    def __iter__(self) -> Iterator[Prediction]:
+        return iter(self.predictions)
+
+    def __len__(self) -> int:
+        return len(self.predictions)
+
+    def __getitem__(self, i: int) -> Prediction:
+        return self.predictions[i]
+
+    @property
+    def best(self) -> Prediction:
+        return self.predictions[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plans": [{"plan": p.plan.to_json(), "prediction": p.to_json()} for p in self.predictions],
+                "search_s": self.search_s, "candidates": self.candidates, "evaluated": self.evaluated,
+                "budget_bytes": self.budget_bytes,
+                "pruned": [{"reason": r.reason, "count": r.count, "example": r.example,
+                            **({"need_bytes": r.need_bytes} if r.need_bytes < float("inf") else {})}
+                           for r in self.pruned]}
+
+
+def search(spec: ModelSpec, hardware: Hardware, *, devices: int, global_batch: int,
+           pins: Mapping[str, Any] | None = None, memory_margin: float = 0.1, top: int = 5,
+           runtime: str = "shardwise", space: Space | None = None) -> SearchResult:
+    """The ``top`` fastest plans of ``spec`` on ``devices`` devices of ``hardware`` that fit in
+    ``(1 - memory_margin) × hardware.memory_bytes``, fastest first (see module doc).
+
+    ``pins``: fixed fields, by ``Plan`` name (``{"tp": 8, "schedule": "1f1b"}``; the training config's names
+    ``pp_schedule``, ``pp_chunks``, ``pp_microbatches`` are accepted too), and ``{"modules": {"wte":
+    "replicate"}}`` to keep a module whole on every tensor-parallel rank (data-parallel only). ``space``:
+    what may vary (default: what ``runtime`` runs — ``Space.runnable()`` for ``shardwise``, ``Space()`` for
+    ``megatron``). Bad input raises ``ValueError`` with the values and the fix; when no layout fits,
+    ``NoFeasiblePlan`` (a ``ValueError``) names the least memory needed and its plan (``.closest``)."""
+    start = time.perf_counter()
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices = {devices!r}: the search needs at least one device; e.g. devices=8")
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch = {global_batch!r} must be a positive number of sequences; e.g. 512")
+    if not 0 <= memory_margin < 1:
+        raise ValueError(f"memory_margin = {memory_margin!r} is the fraction of device memory kept free; it must be "
+                         f"in [0, 1), e.g. 0.1")
+    if top < 1:
+        raise ValueError(f"top = {top!r} must be >= 1")
+    if runtime not in ("shardwise", "megatron"):
+        raise ValueError(f"runtime must be 'shardwise' or 'megatron', got {runtime!r}")
+    fixed, modules = normalize_pins(pins or {})
+    if modules:
+        spec = spec.replicate(sorted(modules))
+    space = space or (Space.runnable() if runtime == "shardwise" else Space())
+    budget = hardware.memory_bytes * (1 - memory_margin)
+    cache: dict = {}
+    pool, regions = candidates(spec, hardware, devices=devices, global_batch=global_batch, pins=fixed, space=space,
+                               budget=budget, runtime=runtime, cache=cache)
+    best, evaluated = _branch_and_bound(spec, hardware, pool, global_batch, budget, top, runtime, cache, regions)
+    if not best:
+        _raise_infeasible(spec, hardware, pool, regions, global_batch, budget, runtime, cache, devices)
+    total = pool.total + sum(r.count for r in regions.values() if r.reason.startswith("invalid"))
+    return SearchResult(predictions=best, search_s=time.perf_counter() - start, candidates=total,
+                        evaluated=evaluated, pruned=sorted(regions.values(), key=lambda r: -r.count),
+                        budget_bytes=budget)
+
+
+def _branch_and_bound(spec: ModelSpec, hw: Hardware, pool: Any, global_batch: int, budget: float, top: int,
+                      runtime: str, cache: dict, regions: dict[str, Region]) -> tuple[list[Prediction], int]:
+    best: list[Prediction] = []
+    evaluated = 0
+    ordered: list[Candidate] = sorted(pool.feasible, key=lambda c: c.time_lb)
+    for i, cand in enumerate(ordered):
+        if len(best) >= top and cand.time_lb >= best[-1].step_time_s:
+            rest = len(ordered) - i
+            _note(regions, f"bound: no faster than the {top}th best plan", rest,
+                  f"{cand.plan.describe()}: ≥ {cand.time_lb * 1e3:.1f} ms vs {best[-1].step_time_s * 1e3:.1f} ms")
+            break
+        pred = predict(spec, cand.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
+        evaluated += 1
+        if pred.memory.total > budget:
+            _note(regions, f"memory: predicted peak over the budget (tp={cand.plan.tp} pp={cand.plan.pp})", 1,
+                  f"{cand.plan.describe()}: {pred.memory.total / 1e9:.2f} GB > {budget / 1e9:.2f} GB "
+                  f"(largest: {pred.memory.largest})", need=pred.memory.total)
+            continue
+        best.append(pred)
+        best.sort(key=lambda p: p.step_time_s)
+        del best[top:]
+    return best, evaluated
+
+
+def _note(regions: dict[str, Region], reason: str, count: int, example: str, need: float = float("inf")) -> None:
+    region = regions.setdefault(reason, Region(reason=reason))
+    region.count += count
+    if need < region.need_bytes or not region.example:
+        region.example = example
+        region.need_bytes = min(region.need_bytes, need)
+
+
+def _raise_infeasible(spec: ModelSpec, hw: Hardware, pool: Any, regions: dict[str, Region], global_batch: int,
+                      budget: float, runtime: str, cache: dict, devices: int) -> None:
+    everything = pool.feasible + pool.over_memory
+    if not everything:
+        reasons = "; ".join(f"{r.reason} ({r.count}, e.g. {r.example})" for r in regions.values())
+        raise ValueError(f"no layout of model {spec.name!r} on {devices} devices is valid: {reasons}; change the "
+                         f"pins, the device count or the global batch")
+    # the closest plan: smallest predicted peak among the candidates with the smallest memory bounds
+    closest = min((predict(spec, c.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
+                   for c in sorted(everything, key=lambda c: c.memory_lb)[:16]), key=lambda p: p.memory.total)
+    mem = closest.memory
+    raise NoFeasiblePlan(
+        f"model {spec.name!r} fits no layout on {devices} devices of {hw.memory_bytes / 1e9:.1f} GB (budget "
+        f"{budget / 1e9:.1f} GB after the margin): the closest, {closest.plan.describe()}, needs "
+        f"{mem.total / 1e9:.2f} GB per device (largest: {mem.largest}, {getattr(mem, mem.largest) / 1e9:.2f} GB); "
+        f"add devices, use precision bf16-mixed, pin a higher zero_stage or activation checkpointing, or a "
+        f"device with more memory", closest)
