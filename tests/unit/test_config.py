@@ -68,6 +68,12 @@ def _cfg(**parallel) -> Config:
                   model=ModelConfig(n_head=4))
 
 
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_composes_with_tensor_parallelism(zero_stage):
+    p = validate(_cfg(micro_batch=2, tp=2, zero_stage=zero_stage)).parallel  # ZeRO over dp 2, tp 2 inside
+    assert (p.nproc, p.dp, p.tp, p.zero_stage) == (4, 2, 2, zero_stage)
+
+
 def test_validate_resolves_dp_and_grad_accum():
     p = validate(_cfg(micro_batch=2, tp=2)).parallel
     assert (p.nproc, p.dp, p.tp, p.grad_accum) == (4, 2, 2, 4)  # 16 = 2 × 4 × 2
@@ -81,14 +87,13 @@ def test_validate_resolves_dp_and_grad_accum():
     ({"micro_batch": 3}, "global_batch=16 is not a multiple of micro_batch × dp = 3 × 4 = 12"),
     ({"micro_batch": 2, "grad_accum": 3}, "2 × 3 × 4 = 24 ≠ global_batch=16"),
     ({"zero_stage": 5}, "parallel.zero_stage = 5 must be 0, 1, 2 or 3"),
-    ({"zero_stage": 1, "tp": 2}, "not supported by shardwise train yet"),
     ({"pp": 3}, "parallel.dp × parallel.tp × parallel.pp = 1 × 1 × 3 = 3 must equal the number of processes "
                 "parallel.nproc = 4; set --parallel.nproc 3"),
     ({"pp": 2, "zero_stage": 2}, "parallel.zero_stage = 2 with parallel.pp = 2 is not supported: a pipeline shards "
                                  "only the optimizer state over dp (ZeRO-1)"),
     ({"pp": 2, "zero_stage": 3}, "use --parallel.zero_stage 1, or --parallel.pp 1"),
     ({"pp": 2, "algorithm": "ring"}, "parallel.algorithm = 'ring' with parallel.pp = 2 is not supported"),
-    ({"pp": 2, "tp": 2, "zero_stage": 1}, "parallel.zero_stage = 1 with parallel.tp = 2 is not supported"),
+    ({"pp": 2, "tp": 2, "zero_stage": 2}, "parallel.zero_stage = 2 with parallel.pp = 2 is not supported"),
     ({"pp": 2, "micro_batch": 4, "pp_schedule": "1f2b"}, "unknown parallel.pp_schedule '1f2b'; did you mean '1f1b'? "
                                                         "valid: 1f1b, gpipe, interleaved, zb-h1"),
     ({"pp": 2, "micro_batch": 4, "pp_microbatches": 3}, "parallel.micro_batch = 4 must be divisible by "
@@ -132,7 +137,8 @@ def test_validate_resolves_the_pipeline_layout():
     {"pp": 2, "zero_stage": 1, "micro_batch": 4},                           # ZeRO-1 over dp 2, grad_accum 2
     {"pp": 2, "activation_checkpointing": True, "micro_batch": 4},
     {"pp": 2, "tp": 2, "activation_checkpointing": True, "micro_batch": 4},
-], ids=["pp-tp", "pp-zero1", "pp-ckpt", "pp-tp-ckpt"])
+    {"pp": 2, "tp": 2, "zero_stage": 1, "micro_batch": 4},                  # ZeRO-1 with tp inside the stages
+], ids=["pp-tp", "pp-zero1", "pp-ckpt", "pp-tp-ckpt", "pp-tp-zero1"])
 def test_pipeline_hybrids_are_valid_layouts(parallel):
     p = validate(_cfg(**parallel)).parallel
     assert p.dp * p.tp * p.pp == p.nproc == 4 and p.pp_microbatches >= 1
