@@ -45,6 +45,8 @@ def _command(name: str) -> Command:
         from . import predict as module
     elif name == "calibrate":
         from . import calibrate as module
+    elif name == "plan":
+        from . import plan as module
     else:
         raise KeyError(name)
     return module
@@ -82,6 +84,8 @@ COMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "plot": (partial(_command, "plot"), "draw loss and throughput PNGs of a run"),
     "predict": (partial(_command, "predict"), "step time, throughput and memory of a config on given hardware, "
                 "before it runs (the planner)"),
+    "plan": (partial(_command, "plan"), "search every layout of a model on N devices: the fastest that fit, "
+             "ranked, before anything runs"),
     "calibrate": (partial(_command, "calibrate"), "measure this machine (GEMM, bandwidth, collectives) into a "
                   "hardware JSON for the planner and algorithm=auto"),
 }

@@ -78,6 +78,12 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
         run_dir = cfg.run_dir()
     if nodes.count > 1 and cfg.parallel.nproc == 0:  # the default is per node: one per GPU, or 2 CPU ranks
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc=default_nproc() * nodes.count))
+    if cfg.parallel.auto:
+        from ..runtime.planning import auto_layout
+
+        cfg, lines = auto_layout(cfg, overrides, device="cuda" if _cuda() else "cpu",
+                                 nproc=cfg.parallel.nproc or default_nproc())
+        print("\n".join(lines), flush=True)
     cfg = validate(cfg)
     nodes.check(cfg)
     if resume is not None:

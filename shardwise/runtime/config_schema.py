@@ -64,6 +64,9 @@ class ParallelConfig:
 
     nproc: int = 0
     """Processes on this node; 0 = one per GPU when CUDA is present, else 2 CPU processes."""
+    auto: bool = False
+    """Let the planner choose the layout (``shardwise plan``'s first choice that train runs); parallel fields
+    given on the command line are pins."""
     dp: int = 0
     """Data-parallel ranks; 0 = nproc / (tp × pp)."""
     tp: int = 1

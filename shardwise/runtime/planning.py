@@ -1,0 +1,169 @@
+"""From a training config to the planner's search and back: ``shardwise plan`` and ``shardwise train
+--parallel.auto true``.
+
+``config_from_plan`` turns a ``Plan`` into the ``parallel`` fields ``shardwise train`` runs (the config reads a
+pipeline's ``micro_batch`` as one *pass* of a dp replica, cut into ``pp_microbatches``; the planner's
+``micro_batch`` is one pipeline micro-batch, so a pass is ``micro_batch × microbatches``). ``plan_config``
+searches for a config and returns the ranked plans with the config each one runs as.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from ..planner import Hardware, ModelSpec, Plan
+from ..planner.search import SearchResult, search
+from .config import Config, validate
+
+__all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "plan_config", "apply_plan", "PIN_FIELDS"]
+
+PIN_FIELDS = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
+              "pp_microbatches", "pp_split", "activation_checkpointing")
+"""``parallel.*`` fields that pin the search (``--pin parallel.tp=8``, or given flags with ``--parallel.auto``)."""
+
+
+def config_from_plan(plan: Plan) -> dict[str, Any]:
+    """The ``parallel`` section (field → value) that makes ``shardwise train`` run ``plan``; ``ValueError``
+    naming what train cannot run (selective recomputation, sequence parallelism, bf16-mixed)."""
+    if plan.activation_checkpointing == "selective":
+        raise ValueError(f"plan {plan.describe()}: shardwise train has no selective recomputation; search with "
+                         f"Space.runnable()")
+    if plan.sequence_parallel:
+        raise ValueError(f"plan {plan.describe()}: shardwise train has no sequence parallelism")
+    if plan.precision == "bf16-mixed":
+        raise ValueError(f"plan {plan.describe()}: shardwise train runs fp32 or bf16 autocast, not bf16-mixed")
+    out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
+                           "activation_checkpointing": plan.activation_checkpointing == "full"}
+    if plan.pp == 1:
+        out.update(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, pp_schedule="1f1b", pp_chunks=1,
+                   pp_microbatches=0, pp_split=())
+    else:
+        m = plan.microbatches
+        if m < 1:
+            raise ValueError(f"plan {plan.describe()} is not resolved (microbatches = 0); use Plan.resolved()")
+        out.update(micro_batch=plan.micro_batch * m, pp_microbatches=m, grad_accum=plan.grad_accum,
+                   pp_schedule=plan.schedule, pp_chunks=plan.chunks, pp_split=tuple(plan.pp_split))
+    return out
+
+
+def parse_pin(text: str) -> tuple[str, Any]:
+    """``parallel.tp=8`` → ``("tp", 8)``; ``modules.wte=replicate`` → ``("modules.wte", "replicate")``;
+    ``ValueError`` naming the pinnable fields."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not raw.strip():
+        raise ValueError(f"--pin {text!r} must be FIELD=VALUE, e.g. --pin parallel.tp=8")
+    if key.startswith("modules."):
+        return key, raw.strip()
+    name = key.removeprefix("parallel.")
+    if key == "train.precision":
+        return "precision", raw.strip()
+    if name not in PIN_FIELDS:
+        raise ValueError(f"--pin {text!r}: {key!r} cannot be pinned; pinnable: "
+                         f"{', '.join('parallel.' + f for f in PIN_FIELDS)}, train.precision, modules.NAME=replicate")
+    value: Any = raw.strip()
+    if name == "pp_split":
+        value = tuple(v for v in value.split(",") if v)
+    elif name == "activation_checkpointing":
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"--pin {text!r}: activation_checkpointing is true or false")
+        value = value.lower() in ("true", "1")
+    elif name != "pp_schedule":
+        if not value.isdigit():
+            raise ValueError(f"--pin {text!r}: {name} must be a whole number, e.g. --pin parallel.{name}=2")
+        value = int(value)
+    return name, value
+
+
+def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
+    """Config-named pins (``tp``, ``pp_schedule``, ``micro_batch`` in train's reading …) → the planner's.
+
+    ``micro_batch`` and ``pp_microbatches`` pin the pass (pp > 1 in train's reading) only together with pp; the
+    planner pins what it can: a given ``pp_microbatches`` pins ``microbatches``, and ``micro_batch`` with
+    ``pp = 1`` (or with ``pp_microbatches``) pins the planner's micro-batch."""
+    pins: dict[str, Any] = {}
+    modules: dict[str, str] = {}
+    for key, value in pairs.items():
+        if key.startswith("modules."):
+            modules[key.removeprefix("modules.")] = value
+        elif key in ("dp", "tp", "pp", "zero_stage", "grad_accum", "precision"):
+            pins[key] = value
+        elif key == "pp_schedule":
+            pins["schedule"] = value
+        elif key == "pp_chunks":
+            pins["chunks"] = value
+        elif key == "pp_microbatches":
+            pins["microbatches"] = value
+        elif key == "pp_split":
+            pins["pp_split"] = tuple(value)
+        elif key == "activation_checkpointing":
+            pins[key] = "full" if value else "none"
+    if "micro_batch" in pairs:
+        pp, m = pairs.get("pp"), pairs.get("pp_microbatches")
+        if pp == 1:
+            pins["micro_batch"] = pairs["micro_batch"]
+        elif m:
+            if pairs["micro_batch"] % m:
+                raise ValueError(f"pins micro_batch {pairs['micro_batch']} and pp_microbatches {m} contradict: a "
+                                 f"pipeline pass of micro_batch sequences must cut into pp_microbatches equal parts")
+            pins["micro_batch"] = pairs["micro_batch"] // m
+        else:
+            raise ValueError(f"pin micro_batch {pairs['micro_batch']} needs parallel.pp (1: sequences per pass) or "
+                             f"parallel.pp_microbatches (pp > 1: a pass cut into that many micro-batches); add one")
+    if modules:
+        pins["modules"] = modules
+    return pins
+
+
+def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, Any], top: int = 3,
+                memory_margin: float = 0.1) -> tuple[SearchResult, list[dict[str, Any]]]:
+    """Search the layouts of ``cfg``'s model on ``devices`` devices of ``hw`` (``cfg.train.precision``
+    fixed); returns the result and, per ranked plan, the ``parallel`` fields train runs it with."""
+    pins = dict(pins)
+    pins.setdefault("precision", cfg.train.precision)
+    result = search(ModelSpec.gpt(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
+                    memory_margin=memory_margin, top=top)
+    return result, [config_from_plan(p.plan) for p in result]
+
+
+def apply_plan(cfg: Config, fields: Mapping[str, Any], nproc: int) -> Config:
+    """``cfg`` with the plan's ``parallel`` fields, validated as ``shardwise train`` validates."""
+    parallel = dataclasses.replace(cfg.parallel, nproc=nproc, **dict(fields))
+    return validate(dataclasses.replace(cfg, parallel=parallel))
+
+
+def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: int) -> tuple[Config, list[str]]:
+    """``shardwise train --parallel.auto true``: the planner's fastest plan that train runs, for ``nproc`` local
+    ranks (the ``parallel.calibration`` file, else this machine's calibration, else a quick probe), with the
+    ``parallel.*`` fields in ``given`` as pins. Returns the validated config and the lines to print (the
+    choice and the runner-up). ``ValueError`` when nothing fits or every plan is refused."""
+    from ..planner.search import NoFeasiblePlan
+    from .prediction import local_calibration, quick_probe_hardware
+
+    path = cfg.parallel.calibration or local_calibration(device, nproc)
+    hw = Hardware.load(path) if path else quick_probe_hardware(nproc, device=device)
+    pairs = {k.removeprefix("parallel."): v for k, v in given.items()
+             if k.startswith("parallel.") and k.removeprefix("parallel.") in PIN_FIELDS}
+    try:
+        result, fields = plan_config(cfg, hw, devices=nproc, pins=pins_from_flags(pairs), top=8)
+    except NoFeasiblePlan as exc:
+        raise ValueError(f"parallel.auto: {exc}") from None
+    refused: list[str] = []
+    for i, (pred, f) in enumerate(zip(result, fields)):
+        try:
+            chosen = apply_plan(cfg, f, nproc)
+        except ValueError as exc:  # a layout the planner knows but train refuses: take the next one
+            refused.append(f"{pred.plan.describe()}: {str(exc).splitlines()[0]}")
+            continue
+        where = path or hw.source
+        lines = [f"shardwise train: parallel.auto chose {pred.plan.describe()} — predicted {pred.step_time_s:.3g} "
+                 f"s/step, {pred.memory.total / 1e6:.1f} MB per rank ({result.candidates} layouts searched in "
+                 f"{result.search_s:.2f} s; hardware: {where})"]
+        if i + 1 < len(result):
+            other = result[i + 1]
+            lines.append(f"shardwise train: runner-up {other.plan.describe()} — predicted {other.step_time_s:.3g} "
+                         f"s/step ({other.step_time_s / pred.step_time_s - 1:+.1%})")
+        lines += [f"shardwise train: skipped {r}" for r in refused]
+        return chosen, lines
+    raise ValueError(f"parallel.auto: shardwise train refuses all {len(fields)} best plans: " + "; ".join(refused))
