@@ -170,7 +170,9 @@ def candidates(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int
         if tp > hw.devices_per_node and "tp" not in pins:
             _note(regions, f"invalid: tp beyond one node of {hw.devices_per_node} (pin tp to allow)", 1, f"tp={tp}")
             continue
-        for pp in _options("pp", divisors(devices // tp), pins):
+        for pp in divisors(devices // tp):
+            if "pp" in pins and pp != pins["pp"]:
+                continue
             dp = devices // (tp * pp)
             if "dp" in pins and dp != pins["dp"]:
                 continue

@@ -127,9 +127,9 @@ def _branch_and_bound(spec: ModelSpec, hw: Hardware, pool: Any, global_batch: in
     evaluated = 0
     ordered: list[Candidate] = sorted(pool.feasible, key=lambda c: c.time_lb)
     for i, cand in enumerate(ordered):
-        if len(best) >= top and cand.time_lb >= best[-1].step_time_s:
+        if len(best) >= top and cand.time_lb >= _rank_key(best[-1]):
             rest = len(ordered) - i
-            _note(regions, f"bound: no faster than the {top}th best plan", rest,
+            _note(regions, f"bound: no faster than the best {top} plan{'s' * (top > 1)}", rest,
                   f"{cand.plan.describe()}: ≥ {cand.time_lb * 1e3:.1f} ms vs {best[-1].step_time_s * 1e3:.1f} ms")
             break
         pred = predict(spec, cand.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
@@ -140,9 +140,25 @@ def _branch_and_bound(spec: ModelSpec, hw: Hardware, pool: Any, global_batch: in
                   f"(largest: {pred.memory.largest})", need=pred.memory.total)
             continue
         best.append(pred)
-        best.sort(key=lambda p: p.step_time_s)
+        best.sort(key=_rank_key)
         del best[top:]
     return best, evaluated
+
+
+def simplicity(plan: Plan) -> float:
+    """How much machinery a plan uses (pipeline, ZeRO stage, recomputation, zero-bubble or interleaved
+    schedules, tensor parallelism): among plans predicted within the tie tolerance, the simpler one ranks first."""
+    schedule = {"1f1b": 0.0, "gpipe": 0.0, "zb-h1": 0.5, "zb-h2": 1.0, "interleaved": 1.0}[plan.schedule]
+    return ((plan.pp > 1) + 0.25 * plan.zero_stage + (plan.activation_checkpointing != "none")
+            + (schedule if plan.pp > 1 else 0.0) + 0.5 * (plan.tp > 1) + 0.5 * plan.sequence_parallel)
+
+
+TIE = 0.002
+"""Predictions closer than this fraction are a tie (below the model's resolution); the simpler plan wins."""
+
+
+def _rank_key(pred: Prediction) -> float:
+    return pred.step_time_s * (1 + TIE * simplicity(pred.plan))
 
 
 def _note(regions: dict[str, Region], reason: str, count: int, example: str, need: float = float("inf")) -> None:

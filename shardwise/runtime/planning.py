@@ -143,7 +143,8 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
 
     path = cfg.parallel.calibration or local_calibration(device, nproc)
     hw = Hardware.load(path) if path else quick_probe_hardware(nproc, device=device)
-    pairs = {k.removeprefix("parallel."): v for k, v in given.items()
+    # the values as the config parsed them (the flags arrive as text)
+    pairs = {k.removeprefix("parallel."): getattr(cfg.parallel, k.removeprefix("parallel.")) for k in given
              if k.startswith("parallel.") and k.removeprefix("parallel.") in PIN_FIELDS}
     try:
         result, fields = plan_config(cfg, hw, devices=nproc, pins=pins_from_flags(pairs), top=8)

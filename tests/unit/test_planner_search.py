@@ -1,0 +1,148 @@
+"""The layout search: its bounds never exceed what ``predict`` says, branch and bound finds what exhaustive
+prediction finds, pins hold, bad input is one clear error, and a plan maps to the train config that runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from shardwise.planner import Hardware, ModelSpec, Plan, predict
+from shardwise.planner.enumerate import Space, candidates, normalize_pins
+from shardwise.planner.pipeline_cost import balance_minmax, flush_lower_bound, simulate_flush
+from shardwise.planner.search import NoFeasiblePlan, _rank_key, search
+from shardwise.parallel.pipeline.stage import balance_by_params
+
+A100 = Hardware.preset("a100-80g-sxm")
+
+
+def small_gpt() -> ModelSpec:
+    return ModelSpec.gpt(n_layer=8, n_embd=512, n_head=8, vocab_size=4096, seq_len=256, block_size=256)
+
+
+def _all_candidates(spec, hw, devices, gb, space, runtime="shardwise", pins=None):
+    cache: dict = {}
+    fixed, _ = normalize_pins(pins or {})
+    pool, _ = candidates(spec, hw, devices=devices, global_batch=gb, pins=fixed, space=space,
+                         budget=hw.memory_bytes * 0.9, runtime=runtime, cache=cache)
+    return pool, cache
+
+
+def test_flush_lower_bound_never_exceeds_the_simulated_flush():
+    rng = random.Random(3)
+    for _ in range(200):
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"])
+        p = rng.choice([2, 3, 4, 8])
+        chunks = rng.choice([2, 3]) if schedule == "interleaved" else 1
+        m = p * rng.randint(1, 12) if schedule == "interleaved" else rng.randint(1, 40)
+        n = p * chunks
+        F = [rng.uniform(0.2, 2) for _ in range(n)]
+        B = [rng.uniform(0.2, 2) for _ in range(n)]
+        W = [rng.uniform(0, 2) for _ in range(n)]
+        comm = [rng.uniform(0, 0.5) for _ in range(n - 1)]
+        lb = flush_lower_bound(schedule, p, m, chunks, F, B, W, comm)
+        assert lb <= simulate_flush(schedule, p, m, chunks, F, B, W, comm).time * (1 + 1e-9)
+    # tight where it should be: uniform 1F1B is exactly (m + p - 1)(F + B + W) with free transfers
+    assert flush_lower_bound("1f1b", 4, 8, 1, [1] * 4, [2] * 4, [0] * 4, [0] * 3) == pytest.approx((8 + 3) * 3)
+
+
+def test_balance_minmax_reaches_the_dynamic_programs_optimum():
+    rng = random.Random(5)
+    for _ in range(200):
+        k = rng.randint(1, 30)
+        n = rng.randint(1, k)
+        w = [rng.randint(1, 100) for _ in range(k)]
+        heaviest = lambda st: max(sum(w[a:b]) for a, b in zip(st, st[1:] + [k]))  # noqa: E731
+        fast = balance_minmax(w, n)
+        assert len(fast) == n and fast[0] == 0 and all(a < b for a, b in zip(fast, fast[1:]))
+        assert heaviest(fast) == heaviest(balance_by_params(w, n))
+
+
+def test_bounds_are_below_the_prediction_of_every_candidate():
+    spec = small_gpt()
+    pool, cache = _all_candidates(spec, A100, 8, 32, Space(max_micro_batch=4))
+    assert pool.total > 200
+    sample = random.Random(0).sample(pool.feasible + pool.over_memory, 120)
+    for cand in sample:
+        pred = predict(spec, cand.plan, A100, global_batch=32, cache=cache)
+        assert cand.time_lb <= pred.step_time_s * (1 + 1e-9), cand.plan.describe()
+        assert cand.memory_lb <= pred.memory.total * (1 + 1e-9), cand.plan.describe()
+
+
+@pytest.mark.parametrize("hw", [A100, dataclasses.replace(A100, memory_bytes=0.2e9)], ids=["roomy", "tight"])
+def test_branch_and_bound_finds_the_exhaustive_best(hw):
+    """Predict every candidate; the search's top 3 are the 3 best fitting ones (by the same ranking key)."""
+    spec = small_gpt()
+    space = Space(max_micro_batch=4)
+    pool, cache = _all_candidates(spec, hw, 8, 32, space)
+    preds = [predict(spec, c.plan, hw, global_batch=32, cache=cache) for c in pool.feasible + pool.over_memory]
+    fitting = sorted((p for p in preds if p.memory.total <= hw.memory_bytes * 0.9), key=_rank_key)
+    assert fitting, "the tight budget must leave some plan"
+    result = search(spec, hw, devices=8, global_batch=32, top=3, space=space)
+    assert [_rank_key(p) for p in result] == pytest.approx([_rank_key(p) for p in fitting[:3]])
+    assert result.evaluated < len(preds)  # it did prune
+    if hw.memory_bytes < 1e9:  # the tight budget rules out plain data parallelism
+        plain = [p for p in preds if p.plan.pp == 1 and p.plan.tp == 1 and p.plan.zero_stage == 0]
+        assert all(p.memory.total > hw.memory_bytes * 0.9 for p in plain)
+
+
+def test_pins_are_honoured_and_module_pins_replicate_the_embedding():
+    spec = small_gpt()
+    result = search(spec, A100, devices=8, global_batch=32, pins={"tp": 2, "pp_schedule": "1f1b", "pp": 2}, top=5)
+    assert all(p.plan.tp == 2 and p.plan.pp == 2 and p.plan.schedule == "1f1b" for p in result)
+    pinned = search(spec, A100, devices=8, global_batch=32, pins={"tp": 4, "pp": 1, "modules": {"wte": "replicate"}},
+                    top=1)[0]
+    free = predict(spec, pinned.plan, A100, global_batch=32)
+    # the replicated embedding (and its tied head) hold all their parameters on every tp rank
+    assert pinned.memory.params > free.memory.params
+    vocab_params = 4096 * 512  # fp32 bytes: 4 per element; ZeRO-3 divides what each rank keeps by dp
+    shard = pinned.plan.dp if pinned.plan.zero_stage == 3 else 1
+    assert pinned.memory.params - free.memory.params == pytest.approx(4 * vocab_params * (1 - 1 / 4) / shard,
+                                                                      rel=0.01)
+
+
+def test_time_balanced_split_beats_the_parameter_split():
+    spec = small_gpt()
+    plan = search(spec, A100, devices=4, global_batch=32, pins={"pp": 4, "tp": 1, "pp_schedule": "1f1b"}, top=1)[0].plan
+    assert plan.pp_split  # the search always states its cut
+    by_time = predict(spec, plan, A100, global_batch=32)
+    by_params = predict(spec, dataclasses.replace(plan, pp_split=()), A100, global_batch=32)
+    assert by_time.step_time_s <= by_params.step_time_s
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(devices=0), "at least one device"),
+    (dict(pins={"tp": 3}), "divisor of the 8 devices"),
+    (dict(pins={"dp": 4, "tp": 4, "pp": 2}), "must equal the device count"),
+    (dict(pins={"pp_schedule": "interleaved", "pp_chunks": 1}), "contradict"),
+    (dict(pins={"zero_stage": 2, "dp": 1}), "contradict"),
+    (dict(pins={"warp": 2}), "not a plan field"),
+    (dict(pins={"modules": {"nope": "replicate"}}), "not a layer"),
+    (dict(memory_margin=1.5), "memory_margin"),
+])
+def test_bad_input_is_one_clear_error(kwargs, match):
+    args = dict(devices=8, global_batch=32)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        search(small_gpt(), A100, **args)
+
+
+def test_a_model_that_fits_nowhere_names_the_closest_plan():
+    tiny = dataclasses.replace(A100, memory_bytes=1e6)
+    with pytest.raises(NoFeasiblePlan, match=r"fits no layout .* needs .* GB per device") as info:
+        search(small_gpt(), tiny, devices=8, global_batch=32)
+    closest = info.value.closest
+    assert closest is not None and not closest.fits
+    # nothing else searched needs less memory than the closest plan the error names
+    pool, cache = _all_candidates(small_gpt(), tiny, 8, 32, Space.runnable())
+    assert min(c.memory_lb for c in pool.over_memory) <= closest.memory.total
+
+
+def test_search_times_are_recorded_and_results_serialise():
+    result = search(small_gpt(), A100, devices=64, global_batch=128, top=2)
+    data = result.to_json()
+    assert data["search_s"] > 0 and len(data["plans"]) == 2
+    assert Plan.from_json(data["plans"][0]["plan"]) == result[0].plan
+    assert {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "fits", "memory", "breakdown"} <= set(
+        data["plans"][0]["prediction"])
