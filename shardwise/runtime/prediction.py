@@ -57,7 +57,8 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Plan:
         dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, grad_accum=p.grad_accum,
         activation_checkpointing="full" if p.activation_checkpointing else "none",
         precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
-        schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1)
+        schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1,
+        pp_split=tuple(p.pp_split) if p.pp > 1 else ())
     if p.pp == 1:
         fields.update(micro_batch=p.micro_batch)
     elif train_passes:

@@ -1,0 +1,124 @@
+"""``shardwise plan`` in this process (no ranks), the Plan ↔ train-config mapping, and pins from flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardwise import cli
+from shardwise.planner import Plan
+from shardwise.runtime.config import load_config, validate
+from shardwise.runtime.planning import config_from_plan, parse_pin, pins_from_flags
+from shardwise.runtime.prediction import plan_from_config
+
+GPT3 = ["--model.n_layer", "96", "--model.n_embd", "12288", "--model.n_head", "96", "--model.vocab_size", "51200",
+        "--model.block_size", "2048"]
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(autouse=True)
+def no_local_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(dp=4, micro_batch=2, grad_accum=2),
+    Plan(dp=2, tp=2, zero_stage=1, micro_batch=4, grad_accum=1, activation_checkpointing="full"),
+    Plan(dp=1, pp=4, micro_batch=2, grad_accum=1, microbatches=8, schedule="zb-h1", pp_split=("blocks.1", "blocks.3",
+                                                                                              "blocks.5")),
+    Plan(dp=1, pp=2, micro_batch=1, grad_accum=2, microbatches=4, schedule="interleaved", chunks=2),
+])
+def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Plan):
+    """config_from_plan → validate (train's checks) → plan_from_config(train's reading) is the plan again."""
+    fields = config_from_plan(plan)
+    batch = plan.dp * plan.grad_accum * plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1)
+    overrides = {f"parallel.{k}": v for k, v in fields.items()}
+    overrides.update({"parallel.nproc": plan.devices, "data.global_batch": batch, "model.n_layer": 6})
+    cfg = validate(load_config(preset="gpt-tiny", overrides=overrides))
+    back = plan_from_config(cfg, train_passes=True)
+    assert back.resolved(batch) == Plan.from_json({**plan.to_json(), "precision": "fp32"}).resolved(batch)
+
+
+def test_config_from_plan_refuses_what_train_cannot_run():
+    for plan, word in ((Plan(tp=2, sequence_parallel=True), "sequence parallelism"),
+                       (Plan(activation_checkpointing="selective"), "selective"),
+                       (Plan(precision="bf16-mixed"), "bf16-mixed")):
+        with pytest.raises(ValueError, match=word):
+            config_from_plan(plan)
+
+
+def test_pins_parse_and_translate():
+    assert parse_pin("parallel.tp=8") == ("tp", 8)
+    assert parse_pin("parallel.pp_schedule=1f1b") == ("pp_schedule", "1f1b")
+    assert parse_pin("modules.wte=replicate") == ("modules.wte", "replicate")
+    pins = pins_from_flags({"tp": 2, "pp": 2, "pp_schedule": "zb-h1", "micro_batch": 8, "pp_microbatches": 4,
+                            "modules.wte": "replicate"})
+    assert pins == {"tp": 2, "pp": 2, "schedule": "zb-h1", "microbatches": 4, "micro_batch": 2,
+                    "modules": {"wte": "replicate"}}
+    for bad, match in (("parallel.tp", "FIELD=VALUE"), ("parallel.warp=2", "cannot be pinned"),
+                       ("parallel.tp=two", "whole number")):
+        with pytest.raises(ValueError, match=match):
+            parse_pin(bad)
+    with pytest.raises(ValueError, match="needs parallel.pp"):
+        pins_from_flags({"micro_batch": 8})
+
+
+def test_plan_json_lists_ranked_plans_with_train_fields(capsys):
+    rc, out, err = run(["plan", *GPT3, "--parallel.nproc", "1024", "--data.global_batch", "1536",
+                        "--train.precision", "bf16", "--hardware", "a100-80g-sxm", "--top", "3", "--json"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)  # stdout is one JSON object, nothing else
+    assert len(data["plans"]) == 3 and data["search_s"] > 0
+    times = [p["prediction"]["step_time_s"] for p in data["plans"]]
+    assert times == sorted(times)
+    first = data["plans"][0]
+    assert set(first["plan"]) >= {"dp", "tp", "pp", "zero_stage", "micro_batch", "pp_schedule", "pp_chunks"}
+    assert first["plan"]["dp"] * first["plan"]["tp"] * first["plan"]["pp"] == 1024
+    assert first["plan"]["tp"] <= 8  # within a node unless pinned
+    assert first["prediction"]["fits"] is True
+    assert {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "memory", "breakdown"} <= set(
+        first["prediction"])
+
+
+def test_plan_pins_and_explain(capsys):
+    rc, out, err = run(["plan", "--preset", "gpt-small", "--parallel.nproc", "8", "--hardware", "a100-80g-sxm",
+                        "--pin", "parallel.tp=2", "--pin", "parallel.pp=2", "--pin", "parallel.pp_schedule=1f1b",
+                        "--explain", "--json"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert all(p["plan"]["tp"] == 2 and p["plan"]["pp"] == 2 and p["plan"]["pp_schedule"] == "1f1b"
+               for p in data["plans"])
+    assert data["pruned"] and all({"reason", "count", "example"} <= set(r) for r in data["pruned"])
+    rc, out, err = run(["plan", "--preset", "gpt-small", "--parallel.nproc", "8", "--hardware", "a100-80g-sxm",
+                        "--explain"], capsys)
+    assert rc == 0 and "runner-up" in out and "pruned regions" in out and "shardwise train --parallel" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--parallel.nproc", "0"], "give the number of devices"),
+    (["--parallel.nproc", "8", "--pin", "parallel.tp=3"], "divisor of the 8 devices"),
+    (["--parallel.nproc", "8", "--pin", "parallel.dp=4", "--pin", "parallel.tp=4", "--pin", "parallel.pp=2"],
+     "must equal the device count"),
+    (["--parallel.nproc", "8", "--hardware", "tpu-v9"], "tpu-v9"),
+])
+def test_plan_bad_input_is_one_line(argv, match, capsys):
+    rc, out, err = run(["plan", "--preset", "gpt-small", *argv, *([] if "--hardware" in argv else
+                                                                  ["--hardware", "a100-80g-sxm"])], capsys)
+    assert rc == 2 and out == ""
+    assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_a_model_that_fits_nowhere(capsys):
+    rc, out, err = run(["plan", *GPT3, "--parallel.nproc", "8", "--data.global_batch", "8", "--hardware",
+                        "a100-80g-sxm"], capsys)
+    assert rc == 2 and "fits no layout" in err and "closest" in err and "GB per device" in err
