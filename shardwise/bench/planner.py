@@ -49,6 +49,8 @@ LAYOUTS: list[tuple[str, list[str]]] = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--published", action="store_true", help="compare with the published tables (pure)")
     parser.add_argument("--measured", action="store_true", help="train every layout briefly and compare")
+    parser.add_argument("--search-published", action="store_true",
+                        help="the layout search on Megatron-LM Table 1 vs the paper's layouts, and search times (pure)")
     parser.add_argument("--hardware", default=None, help="calibration FILE(s) for --measured (shardwise calibrate), "
                         "comma-separated: each layout uses the one measured at its nproc")
     parser.add_argument("--steps", type=int, default=12, help="training steps per measured layout (default 12)")
@@ -157,8 +159,9 @@ def _measured_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not (args.published or args.measured):
-        raise ValueError("choose --published and/or --measured (with --hardware FILE from `shardwise calibrate`)")
+    search_published = getattr(args, "search_published", False)
+    if not (args.published or args.measured or search_published or getattr(args, "search_measured", False)):
+        raise ValueError("choose --published, --measured, --search-published and/or --search-measured (with --hardware FILE from `shardwise calibrate`)")
     if args.measured and not args.hardware:
         raise ValueError("--measured needs --hardware FILE: run `shardwise calibrate --nproc 4 --out FILE` first")
     lines: list[str] = []
@@ -171,6 +174,12 @@ def main(args: argparse.Namespace) -> int:
         more, d = _measured(args)
         lines += [""] + more
         data.update(d)
+    if search_published:
+        from .planner_search_published import published_search_lines, search_published as table1, search_speed
+
+        rows, speed = table1(), search_speed()
+        lines += [""] + published_search_lines(rows, speed)
+        data.update({"search_published": rows, "search_speed": speed})
     text = "\n".join(lines)
     print(text)
     if args.markdown:
