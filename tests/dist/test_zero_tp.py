@@ -86,3 +86,13 @@ def test_checkpoint_of_zero_with_tp_resumes_exactly(worlds, tmp_path, stages):
         assert res["state_names"] == res["ref_names"]
         assert res["saved_err"] < RTOL and res["state_err"] < 1e-4, res  # exp_avg: float noise of small values
         assert res["loss_err"] < RTOL and res["param_err"] < RTOL, res
+
+
+def test_pipeline_zero1_with_tp_checkpoint_round_trip(worlds, tmp_path):
+    # pp 2 × dp 2 × tp 2: the ZeRO-1 flat state of every (pp, tp) coordinate under its own key, S(0) over dp
+    for res in worlds.get(8).run(zc.check_pipeline_zero1_checkpoint, str(tmp_path), timeout=300):
+        assert len(res["keys"]) >= 4 and {k.split("/")[1].split(".")[0] for k in res["keys"]} == {"pp0", "pp1"}
+        assert {k.split("/")[1].rpartition(".")[2] for k in res["keys"]} == {"tp0", "tp1"}, res["keys"]
+        assert res["info"] == [("S(0)", ("dp",), 2)], res["info"]  # written by the 2 dp ranks of its pp, tp coordinate
+        assert res["names_ok"] and res["state_err"] < 1e-4, res
+        assert res["loaded_exact"], res
