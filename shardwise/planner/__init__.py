@@ -1,7 +1,8 @@
 """The planner: what a layout will cost before it runs. Pure — no processes, no communication.
 
 ``Hardware`` (presets and calibrations), ``ModelSpec`` (analytic GPT / Llama, or traced from any module),
-``Plan`` (a layout as plain data), ``predict`` (step time, memory, TF/s, MFU, with a breakdown).
+``Plan`` (a layout as plain data), ``predict`` (step time, memory, TF/s, MFU, with a breakdown), ``search``
+(the fastest plans that fit, branch and bound over the whole space).
 """
 
 from .hardware import PRESETS, Hardware
@@ -10,5 +11,8 @@ from .plan import Plan
 from .predict import Prediction, predict
 from .layers import Gemm, Layer
 from .spec import ModelSpec
+from .enumerate import Space
+from .search import NoFeasiblePlan, SearchResult, search
 
-__all__ = ["Hardware", "Link", "PRESETS", "ModelSpec", "Layer", "Gemm", "Plan", "Prediction", "predict"]
+__all__ = ["Hardware", "Link", "PRESETS", "ModelSpec", "Layer", "Gemm", "Plan", "Prediction", "predict", "search",
+           "SearchResult", "Space", "NoFeasiblePlan"]

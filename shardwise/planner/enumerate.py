@@ -20,7 +20,7 @@ from .predict import (_bucket_cap, _hardware_for, _optimizer, fold_transfers, la
                       stage_sums)
 from .spec import ModelSpec
 
-__all__ = ["Space", "Candidate", "Pool", "normalize_pins", "candidates", "divisors"]
+__all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors"]
 
 _ALIASES = {"pp_schedule": "schedule", "pp_chunks": "chunks", "pp_microbatches": "microbatches",
             "precision": "precision"}
@@ -49,6 +49,25 @@ class Space:
     def runnable() -> "Space":
         """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism."""
         return Space(checkpointing=("none", "full"), sequence_parallel=(False,))
+
+
+@dataclass
+class Region:
+    """Candidates pruned for one reason in one (tp, pp) region."""
+
+    reason: str
+    count: int = 0
+    example: str = ""
+    need_bytes: float = float("inf")
+    """Memory regions: the least memory any of their candidates needs (a lower bound)."""
+
+
+def _note(regions: dict[str, Region], reason: str, count: int, example: str, need: float = float("inf")) -> None:
+    region = regions.setdefault(reason, Region(reason=reason))
+    region.count += count
+    if need < region.need_bytes or not region.example:
+        region.example = example
+        region.need_bytes = min(region.need_bytes, need)
 
 
 @dataclass(frozen=True)
@@ -151,8 +170,6 @@ def _schedule_options(pp: int, per: int, mb: int, space: Space, fixed: dict[str,
 def candidates(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, pins: dict[str, Any],
                space: Space, budget: float, runtime: str, cache: dict) -> tuple[Pool, dict]:
     """Every valid plan with its bounds, split by the memory bound; regions of invalid ones (see module doc)."""
-    from .search import _note  # the search's pruned-region bookkeeping
-
     _check_pins(pins, devices)
     regions: dict = {}
     pool = Pool()
@@ -190,8 +207,6 @@ def candidates(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int
 
 def _expand(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int, pp: int, dp: int, per: int,
             pins: dict[str, Any], space: Space, precision: str, budget: float, runtime: str, cache: dict) -> None:
-    from .search import _note
-
     zeros = space.pipeline_zero_stages if pp > 1 else space.zero_stages
     zeros = [z for z in _options("zero_stage", list(zeros), pins) if dp > 1 or z == 0]
     ckpts = _options("activation_checkpointing", list(space.checkpointing), pins)

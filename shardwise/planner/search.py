@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from .enumerate import Candidate, Space, candidates, normalize_pins
+from .enumerate import Candidate, Region, Space, _note, candidates, normalize_pins
 from .hardware import Hardware
 from .plan import Plan
 from .predict import Prediction, predict
@@ -34,17 +34,6 @@ class NoFeasiblePlan(ValueError):
     def __init__(self, message: str, closest: Prediction | None) -> None:
         super().__init__(message)
         self.closest = closest
-
-
-@dataclass
-class Region:
-    """Candidates pruned for one reason in one (tp, pp) region."""
-
-    reason: str
-    count: int = 0
-    example: str = ""
-    need_bytes: float = float("inf")
-    """Memory regions: the least memory any of their candidates needs (a lower bound)."""
 
 
 @dataclass(frozen=True)
@@ -159,14 +148,6 @@ TIE = 0.002
 
 def _rank_key(pred: Prediction) -> float:
     return pred.step_time_s * (1 + TIE * simplicity(pred.plan))
-
-
-def _note(regions: dict[str, Region], reason: str, count: int, example: str, need: float = float("inf")) -> None:
-    region = regions.setdefault(reason, Region(reason=reason))
-    region.count += count
-    if need < region.need_bytes or not region.example:
-        region.example = example
-        region.need_bytes = min(region.need_bytes, need)
 
 
 def _raise_infeasible(spec: ModelSpec, hw: Hardware, pool: Any, regions: dict[str, Region], global_batch: int,
