@@ -12,10 +12,10 @@ sets in flight come from the same simulation (GPipe holds all ``m``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..parallel.pipeline.schedules import SCHEDULES, get_schedule
-from ..parallel.pipeline.simulate import Costs, simulate
+
 from ..parallel.pipeline.stage import balance_by_params
 from .layers import Layer
 
@@ -108,21 +108,77 @@ def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float
         per = sum(F) + sum(B) + sum(W)
         return Flush(time=m * per, busy=(m * per,), in_flight=(1,))
     cap = 4 * p
-    costs = Costs(F=tuple(F), B=tuple(B), W=tuple(W), comm=tuple(comm))
-    run = lambda k: simulate(_schedule(schedule, p, k, chunks), costs)  # noqa: E731
-    result = run(min(m, cap))
+    run = lambda k: fast_simulate(_schedule(schedule, p, k, chunks), F, B, W, comm)  # noqa: E731
+    makespan, busy0, peaks = run(min(m, cap))
     per_rank = [sum(F[s] + B[s] + W[s] for s in range(r, p * chunks, p)) for r in range(p)]
-    time, extra = result.makespan, 0
+    time, extra = makespan, 0
     if m > cap:
         # the steady state repeats every p micro-batches: measure one period and extend by it
-        period = run(cap + p).makespan - result.makespan
+        period = run(cap + p)[0] - makespan
         extra = m - cap
-        time = result.makespan + extra * period / p
+        time = makespan + extra * period / p
         # a period measured before zero-bubble schedules settle can undershoot the bottleneck rank's work
         time = max(time, flush_lower_bound(schedule, p, m, chunks, F, B, W, comm))
-    busy = tuple(b + extra * w for b, w in zip(result.busy, per_rank))
-    held = tuple(m * chunks if schedule == "gpipe" else k for k in result.peak_in_flight)
+    busy = tuple(b + extra * w for b, w in zip(busy0, per_rank))
+    held = tuple(m * chunks if schedule == "gpipe" else k for k in peaks)
     return Flush(time=time, busy=busy, in_flight=held)
+
+
+def fast_simulate(schedule: Any, F: Sequence[float], B: Sequence[float], W: Sequence[float],
+                  comm: Sequence[float]) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+    """``(makespan, busy per rank, peak in flight per rank)`` of ``schedule`` — the same event rules as
+    ``parallel.pipeline.simulate`` (tested equal), on plain tuples instead of ``Action`` objects and without
+    re-validating the schedule: the search simulates hundreds of long flushes."""
+    split = schedule.split_backward
+    last = schedule.num_stages - 1
+    rank_of = [schedule.rank_of(st) for st in range(last + 1)]
+    lists = [[(a.stage, a.kind, a.microbatch) for a in acts if a.is_compute] for acts in schedule.ranks]
+    end: dict[tuple[int, str, int], float] = {}
+    pos, free = [0] * schedule.p, [0.0] * schedule.p
+    busy = [0.0] * schedule.p
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(lists):
+            while pos[r] < len(acts):
+                st, kind, i = acts[pos[r]]
+                if kind == "F":
+                    deps = ((st - 1, "F", i),) if st > 0 else ()
+                elif kind == "B":
+                    deps = ((st, "F", i), (st + 1, "B", i)) if st < last else ((st, "F", i),)
+                else:
+                    deps = ((st, "B", i),)
+                ready = 0.0
+                for dep in deps:
+                    t = end.get(dep)
+                    if t is None:
+                        break
+                    if rank_of[dep[0]] != r:
+                        t += comm[min(st, dep[0])]
+                    ready = max(ready, t)
+                else:
+                    cost = F[st] if kind == "F" else (B[st] + (0.0 if split else W[st]) if kind == "B" else W[st])
+                    start = max(free[r], ready)
+                    free[r] = end[(st, kind, i)] = start + cost
+                    busy[r] += cost
+                    pos[r] += 1
+                    progress = True
+                    continue
+                break
+    if any(pos[r] < len(lists[r]) for r in range(schedule.p)):
+        raise ValueError(f"schedule {schedule.name!r} deadlocks; simulate it with shardwise schedule for details")
+    freeing = "W" if split else "B"
+    peaks = []
+    for acts in lists:
+        held = peak = 0
+        for _, kind, _ in acts:
+            if kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif kind == freeing:
+                held -= 1
+        peaks.append(peak)
+    return max(free, default=0.0), tuple(busy), tuple(peaks)
 
 
 _SCHEDULE_CACHE: dict[tuple[str, int, int, int], object] = {}

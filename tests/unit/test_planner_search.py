@@ -146,3 +146,26 @@ def test_search_times_are_recorded_and_results_serialise():
     assert Plan.from_json(data["plans"][0]["plan"]) == result[0].plan
     assert {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "fits", "memory", "breakdown"} <= set(
         data["plans"][0]["prediction"])
+
+
+def test_fast_simulation_equals_the_pipeline_simulator():
+    """The planner's tuple-based simulation gives the project's simulator's makespan, busy time and peaks."""
+    from shardwise.parallel.pipeline.schedules import get_schedule
+    from shardwise.parallel.pipeline.simulate import Costs, simulate
+    from shardwise.planner.pipeline_cost import fast_simulate
+
+    rng = random.Random(11)
+    for _ in range(60):
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"])
+        p = rng.choice([2, 3, 4])
+        chunks = rng.choice([2, 3]) if schedule == "interleaved" else 1
+        m = p * rng.randint(1, 4) if schedule == "interleaved" else rng.randint(1, 12)
+        n = p * chunks
+        F, B, W = ([rng.uniform(0.1, 2) for _ in range(n)] for _ in range(3))
+        comm = [rng.uniform(0, 0.4) for _ in range(n - 1)]
+        sched = get_schedule(schedule, p=p, m=m, chunks=chunks)
+        ref = simulate(sched, Costs(F=tuple(F), B=tuple(B), W=tuple(W), comm=tuple(comm)))
+        makespan, busy, peaks = fast_simulate(sched, F, B, W, comm)
+        assert makespan == pytest.approx(ref.makespan)
+        assert busy == pytest.approx(ref.busy)
+        assert peaks == ref.peak_in_flight
