@@ -213,30 +213,53 @@ def _expand(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int
     if not any(layer.act_attn for layer in spec.layers):
         ckpts = [c for c in ckpts if c != "selective"] or ckpts  # nothing for selective recomputation to drop
     sps = [s for s in _options("sequence_parallel", list(space.sequence_parallel), pins) if tp > 1 or not s]
-    mbs = [mb for mb in divisors(per) if mb <= space.max_micro_batch]
-    for mb in _options("micro_batch", mbs, pins):
-        if per % mb:
-            continue
-        for ckpt in ckpts:
-            for sp in sps:
-                base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt,
-                            sequence_parallel=sp, precision=precision)
-                per_layer = layer_costs(spec, base, hw, cache)
-                for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
-                    split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
-                    for zero in zeros:
-                        plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
-                                    microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule,
-                                    chunks=chunks, activation_checkpointing=ckpt, sequence_parallel=sp,
-                                    precision=precision, pp_split=split)
-                        cand = _bounds(spec, plan, hw, per_layer, runtime, cache)
-                        pool.total += 1
-                        if cand.memory_lb > budget:
-                            _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
-                                  f"{plan.describe()}: ≥ {cand.memory_lb / 1e9:.2f} GB", need=cand.memory_lb)
-                            pool.over_memory.append(cand)
-                        else:
-                            pool.feasible.append(cand)
+    mbs = [mb for mb in _options("micro_batch", [m for m in divisors(per) if m <= space.max_micro_batch], pins)
+           if per % mb == 0]
+    for ckpt in ckpts:
+        for sp in sps:
+            for i, mb in enumerate(mbs):
+                least = _expand_mb(spec, hw, pool, regions, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp,
+                                   zeros=zeros, pins=pins, space=space, precision=precision, budget=budget,
+                                   runtime=runtime, cache=cache)
+                if least > _MB_STOP * budget and i + 1 < len(mbs):
+                    # activations grow with the micro-batch (states do not change): when the least memory any
+                    # candidate of this micro-batch needs is well over the budget, larger ones are over it too
+                    skipped = mbs[i + 1:]
+                    _note(regions, f"memory: micro-batches above one already over the budget (tp={tp} pp={pp})",
+                          len(skipped), f"dp={dp} tp={tp} pp={pp} mb {skipped} ckpt={ckpt}: mb={mb} needs ≥ "
+                                        f"{least / 1e9:.2f} GB", need=least)
+                    break
+
+
+_MB_STOP = 1.25
+"""How far over the budget a micro-batch's least memory must be before larger micro-batches are skipped (the
+margin covers a time-balanced cut that moves a layer between micro-batch sizes)."""
+
+
+def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int, pp: int, dp: int, per: int,
+               mb: int, ckpt: str, sp: bool, zeros: list[int], pins: dict[str, Any], space: Space, precision: str,
+               budget: float, runtime: str, cache: dict) -> float:
+    """The candidates of one micro-batch size; returns the least memory bound among them."""
+    base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+                precision=precision)
+    per_layer = layer_costs(spec, base, hw, cache)
+    least = float("inf")
+    for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
+        split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
+        for zero in zeros:
+            plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+                        microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
+                        activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
+            cand = _bounds(spec, plan, hw, per_layer, runtime, cache)
+            pool.total += 1
+            least = min(least, cand.memory_lb)
+            if cand.memory_lb > budget:
+                _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
+                      f"{plan.describe()}: ≥ {cand.memory_lb / 1e9:.2f} GB", need=cand.memory_lb)
+                pool.over_memory.append(cand)
+            else:
+                pool.feasible.append(cand)
+    return least
 
 
 def _split(spec: ModelSpec, per_layer: list[Any], n_stages: int, space: Space, pins: dict[str, Any], cache: dict,
@@ -281,7 +304,10 @@ def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], run
     m = plan.microbatches if plan.pp > 1 else 1
     flush_key = ("flush_lb", sums_key, plan.dp, plan.schedule, m)
     if flush_key not in cache:
-        F, B, W, comm = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=fused)
+        fold_key = ("fold", sums_key, plan.dp)
+        if fold_key not in cache:
+            cache[fold_key] = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=fused)
+        F, B, W, comm = cache[fold_key]
         if shares_cores(plan, hw):
             cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
         else:
