@@ -114,10 +114,15 @@ def flags(fields: dict[str, Any]) -> str:
 
 def why_lost(best: Any, other: Any) -> str:
     """The breakdown term that costs ``other`` the most time relative to ``best``."""
+    from ..planner.search import TIE
+
     diffs = {k: other.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0) for k in other.breakdown}
     term = max(diffs, key=lambda k: diffs[k])
     gap = other.step_time_s / best.step_time_s - 1
-    return f"+{gap:.1%} step time, most of it {term} (+{diffs[term]:.3g} s)"
+    if abs(gap) <= TIE * 4:
+        return (f"a tie ({gap:+.2%} step time, within the model's resolution); the first uses less machinery "
+                f"(pipeline, ZeRO stage, recomputation, schedule)")
+    return f"{gap:+.1%} step time, most of it {term} (+{diffs[term]:.3g} s)"
 
 
 def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, explain: bool) -> None:
