@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
             out["pruned"] = result.to_json()["pruned"]
         print(json.dumps(out))
         return 0
-    _print(cfg, hw, result, fields, explain=args.explain)
+    _print(cfg, hw, result, fields, explain=args.explain,
+           module_pins=any(p.strip().startswith("modules.") for p in args.pin))
     return 0
 
 
@@ -125,7 +126,8 @@ def why_lost(best: Any, other: Any) -> str:
     return f"{gap:+.1%} step time, most of it {term} (+{diffs[term]:.3g} s)"
 
 
-def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, explain: bool) -> None:
+def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, explain: bool,
+           module_pins: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -141,6 +143,8 @@ def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, expl
     console.print(table)
     console.print(f"run the best: shardwise train {flags(fields[0])} --parallel.nproc {cfg.parallel.nproc}",
                   highlight=False, soft_wrap=True)
+    if module_pins:
+        console.print("note: shardwise train does not run module pins yet; the flags above shard every module")
     if len(result) > 1:
         console.print(f"runner-up ({result[1].plan.describe()}) lost: {why_lost(result[0], result[1])}",
                       highlight=False, soft_wrap=True)
