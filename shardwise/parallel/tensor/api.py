@@ -208,10 +208,16 @@ def global_view(param: torch.Tensor, local: torch.Tensor | None = None) -> Globa
         g = as_global(param)
         return g if g is None or local is None else to_global(local, g.mesh, g.spec.sbp, shape=g.spec.shape)
     local = param if local is None else local
+    mesh, view, sbp = _heads_view(heads)
+    return to_global(local.reshape(view[0], -1, *view[2:]), mesh, sbp, shape=view)
+
+
+def _heads_view(heads: tuple) -> tuple[Mesh, tuple[int, ...], list]:
+    """``(mesh, view shape, sbp)`` of a head-split parameter (``_shardwise_heads``): its (fused, nh·hd, ...) view,
+    split S(1) over the tp axis (whole heads), B elsewhere."""
     mesh, axis, fused, full_shape = heads
-    rest = tuple(full_shape[1:])
     sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
-    return to_global(local.reshape(fused, -1, *rest), mesh, sbp, shape=(fused, full_shape[0] // fused, *rest))
+    return mesh, (fused, full_shape[0] // fused, *full_shape[1:]), sbp
 
 
 def split_axes(param: torch.Tensor) -> set[str]:
@@ -241,10 +247,8 @@ def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     ``full_tensor``; ``full`` itself for a plain tensor. Local (a slice, no communication)."""
     heads = getattr(param, "_shardwise_heads", None)
     if heads is not None:
-        mesh, axis, fused, full_shape = heads
-        rest = tuple(full_shape[1:])
-        sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
-        return distribute(full.reshape(fused, -1, *rest), mesh, sbp).to_local().reshape(-1, *rest)
+        mesh, view, sbp = _heads_view(heads)  # local: (fused·nh/tp·hd, ...)
+        return distribute(full.reshape(view), mesh, sbp).to_local().reshape(-1, *view[2:])
     spec = spec_of(param)
     if spec is None:
         return full

@@ -20,6 +20,11 @@ unreduced local gradients, raise ``RuntimeError``; stage 1 never communicates in
 the step). A backward after ``clip_grad_norm_`` but before ``step()`` raises (the clipped gradients would
 silently mix with new ones).
 
+Tensor parallelism inside: ``sw.zero(sw.parallelize(model, mesh, plan, axis="tp"), mesh, axis="dp", ...)`` shards each
+tp rank's local (already tp-sharded) parameters over ``axis`` only; every ZeRO collective runs on the ``axis`` group
+of the rank's tp coordinate, the tp collectives stay the tp model's; ``clip_grad_norm_`` counts tp-replicated
+parameters once (``common/grad_norm.py``); ``full_state_dict`` gathers over ``axis`` and then over tp.
+
 Collective calls: ``sw.zero`` (checks and a broadcast from coordinate 0), every forward and backward in
 stage 3, every synchronised backward in stage 2-3, ``step``, ``clip_grad_norm_``, ``full_state_dict``.
 """
