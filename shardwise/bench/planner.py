@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     parser.add_argument("--markdown", default=None, metavar="FILE", help="also write the tables as markdown")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    from .planner_search import add_search_arguments
+
+    add_search_arguments(parser)  # --search-measured and its --repeats, --models
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -180,6 +183,12 @@ def main(args: argparse.Namespace) -> int:
         rows, speed = table1(), search_speed()
         lines += [""] + published_search_lines(rows, speed)
         data.update({"search_published": rows, "search_speed": speed})
+    if getattr(args, "search_measured", False):
+        from .planner_search import search_measured
+
+        more, d = search_measured(args, run_layout=_run_layout)  # GPT plans train as --measured's layouts do
+        lines += [""] + more
+        data.update(d)
     text = "\n".join(lines)
     print(text)
     if args.markdown:
