@@ -159,7 +159,7 @@ def plan_set(case: Case, spec: ModelSpec, hw: Hardware, cfg: Any) -> dict[str, A
 def _row(pred: Prediction, rank: int | None, where: list[str]) -> dict[str, Any]:
     return {"describe": pred.plan.describe(), "plan": pred.plan.to_json(), "rank": rank, "slices": where,
             "predicted_s": pred.step_time_s, "predicted_mem": pred.memory.total - pred.memory.buffers,
-            "dominant": pred.dominant, "runs": [], "measured_mem": None, "measured_s": None, "status": ""}
+            "dominant": pred.dominant, "runs": [], "loads": [], "measured_mem": None, "measured_s": None, "status": ""}
 
 
 RunLayout = Callable[[str, list[str], int, Path], dict[str, Any]]
@@ -211,6 +211,7 @@ def _measure_all(case: Case, rows: list[dict[str, Any]], args: argparse.Namespac
                 print(f"  {row['describe']:48s} FAILED {row['status']}", flush=True)
                 continue
             row["runs"].append(got["step_s"])
+            row["loads"].append(round(os.getloadavg()[0], 2))  # 1-min load after the run: the others' jobs show here
             row["measured_mem"] = got["memory"]
             if got["ran"]:
                 row["status"] = f"ran as {got['ran']}"
@@ -262,7 +263,12 @@ def search_measured(args: argparse.Namespace, *, run_layout: RunLayout) -> tuple
     start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sw-bench-search-") as tmp:
         models = [run_case(c, hw, args, Path(tmp), run_layout) for c in CASES if not wanted or c.name in wanted]
+    import platform
+
+    import torch
+
     meta = {"hardware": args.hardware, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
+            "machine": f"{platform.machine()} {platform.processor() or platform.system()}, torch {torch.__version__}",
             "load_at_start": list(start), "load_at_end": list(os.getloadavg())}
     lines = ["Planner search vs measurement, 4 CPU ranks "
              f"(calibration {args.hardware}, {args.steps} steps per plan, {args.repeats} round(s), load average at "
