@@ -24,13 +24,10 @@ __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .predict import add_hardware_arguments
     from .train import add_config_arguments
 
-    parser.add_argument("--hardware", default=None, metavar="NAME|FILE",
-                        help="a preset (a100-80g-sxm, h100-80g-sxm) or a calibration file of `shardwise calibrate` "
-                             "(default: this machine's calibration for parallel.nproc ranks, if there is one)")
-    parser.add_argument("--devices-per-node", type=int, default=None, metavar="N",
-                        help="devices per node (default: the hardware's own)")
+    add_hardware_arguments(parser)
     parser.add_argument("--pin", action="append", default=[], metavar="FIELD=VALUE",
                         help="fix a field, e.g. parallel.tp=8, parallel.pp_schedule=1f1b, modules.wte=replicate "
                              "(repeatable)")

@@ -7,23 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from shardwise import cli
 from shardwise.planner import Plan
 from shardwise.runtime.config import load_config, validate
 from shardwise.runtime.planning import config_from_plan, parse_pin, pins_from_flags
 from shardwise.runtime.prediction import plan_from_config
 
+from .test_predict_cli import run  # cli.main in this process: (exit code, stdout, stderr)
+
 GPT3 = ["--model.n_layer", "96", "--model.n_embd", "12288", "--model.n_head", "96", "--model.vocab_size", "51200",
         "--model.block_size", "2048"]
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(autouse=True)
