@@ -205,13 +205,15 @@ def flush_lower_bound(schedule: str, p: int, m: int, chunks: int, F: Sequence[fl
     """A time ``simulate_flush`` can never beat, without simulating (the search prunes with it).
 
     Rank ``r`` runs ``m`` micro-batches of its stages' work in series and cannot start before micro-batch 0
-    has crossed stages ``0 … r-1`` (its first stage is ``r``). With one chunk per rank and backward not split
-    (gpipe, 1f1b) its last action is the last micro-batch's backward, after which stages ``r-1 … 0`` still
-    run theirs. The bound is the largest such sum over the ranks."""
+    has crossed stages ``0 … r-1`` (its first stage is ``r``). Where backward is not split (gpipe, 1f1b,
+    interleaved) its last action is the last micro-batch's backward of stage ``r``, after which stages
+    ``r-1 … 0`` still run theirs. The bound is the largest such sum over the ranks."""
     if p == 1:
         return m * (sum(F) + sum(B) + sum(W))
     n = p * chunks
-    drains = schedule in ("gpipe", "1f1b")
+    # gpipe, 1f1b and Megatron's interleaved order end each rank on its first stage's backward of the last
+    # micro-batch; zero-bubble schedules may end on deferred weight gradients instead
+    drains = schedule in ("gpipe", "1f1b", "interleaved")
     best = edge = 0.0  # edge: fill (+ drain) of stages 0 … r-1
     for r in range(p):
         busy = m * sum(F[s] + B[s] + W[s] for s in range(r, n, p))

@@ -82,7 +82,14 @@ def layer_costs(spec: ModelSpec, plan: Plan, hw: Hardware, cache: dict | None = 
         return cache[key]
     tp_per_node = min(plan.tp, hw.devices_per_node)
     flash = spec.attention == "flash"
-    out = [layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node) for layer in spec.layers]
+    # identical layers (a transformer's blocks differ only in name) are costed once
+    first: dict[Any, LayerTime] = {}
+    out = []
+    for layer in spec.layers:
+        same = replace(layer, name="")
+        if same not in first:
+            first[same] = layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node)
+        out.append(first[same])
     if cache is not None:
         cache[key] = out
     return out
