@@ -36,7 +36,7 @@ from ..planner.search import Space, search
 from .planner_search_report import model_lines, summary_lines, verdict
 from .planner_search_worker import MLPConfig, mlp_spec
 
-__all__ = ["Case", "CASES", "add_search_arguments", "train_flags", "slices", "search_measured"]
+__all__ = ["Case", "CASES", "add_search_arguments", "train_flags", "slices", "search_measured", "report_lines"]
 
 DEVICES = 4
 
@@ -270,10 +270,16 @@ def search_measured(args: argparse.Namespace, *, run_layout: RunLayout) -> tuple
     meta = {"hardware": args.hardware, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or platform.system()}, torch {torch.__version__}",
             "load_at_start": list(start), "load_at_end": list(os.getloadavg())}
+    return report_lines({**meta, "models": models}), {"search_measured": {**meta, "models": models}}
+
+
+def report_lines(data: dict[str, Any]) -> list[str]:
+    """The markdown of a campaign from its JSON (``data["search_measured"]``): re-renders a saved run too."""
+    start, end = data["load_at_start"][0], data["load_at_end"][0]
+    models = [{**m, "verdict": verdict(m["rows"])} for m in data["models"]]  # from the rows, whatever was saved
     lines = ["Planner search vs measurement, 4 CPU ranks "
-             f"(calibration {args.hardware}, {args.steps} steps per plan, {args.repeats} round(s), load average at "
-             f"start {start[0]:.1f}, at end {meta['load_at_end'][0]:.1f} on {os.cpu_count()} cores).", "",
-             *summary_lines(models), ""]
+             f"(calibration {data['hardware']}, {data['steps']} steps per plan, {data['repeats']} round(s), load average "
+             f"at start {start:.1f}, at end {end:.1f} on {data['cores']} cores).", "", *summary_lines(models), ""]
     for m in models:
         lines += model_lines(m)
-    return lines, {"search_measured": {**meta, "models": models}}
+    return lines

@@ -14,10 +14,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["TOLERANCE", "TOP", "verdict", "model_lines", "summary_lines"]
+__all__ = ["TOLERANCE", "TOP", "verdict", "tau", "model_lines", "summary_lines"]
 
 TOLERANCE = 0.05
 TOP = 3
+
+
+def tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's τ-a of two orders (1: the same). ``planner.kendall_tau`` again: importing it would be a cycle."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    signs = [(a[i] - a[j]) * (b[i] - b[j]) for i, j in pairs]
+    return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(pairs) if pairs else 1.0
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -29,7 +36,8 @@ def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     best = min(measured, key=lambda r: r["measured_s"])
     first = next((r for r in rows if r["rank"] == 1), None)
     out: dict[str, Any] = {"best": best["describe"], "best_s": best["measured_s"], "best_rank": best["rank"],
-                           "best_in_top": best["rank"] <= TOP, "measured": len(measured)}
+                           "best_in_top": best["rank"] <= TOP, "measured": len(measured),
+                           "tau": tau([r["predicted_s"] for r in measured], [r["measured_s"] for r in measured])}
     if first is None or first.get("measured_s") is None:
         return {**out, "first": first["describe"] if first else None, "first_s": None, "gap": None,
                 "within": False}
@@ -60,7 +68,8 @@ def model_lines(model: dict[str, Any]) -> list[str]:
              f"{model['candidates']} layouts fit; {len(model['rows'])} measured ({model['space']}).", "",
              f"First choice **{v['first']}**: measured {_ms(v['first_s'])} ms; best measured **{v['best']}** "
              f"{_ms(v['best_s'])} ms, planner rank {v['best_rank']}. Gap {gap}: within 5 %: "
-             f"**{'yes' if v['within'] else 'NO'}**; best in the top 3: **{'yes' if v['best_in_top'] else 'NO'}**.",
+             f"**{'yes' if v['within'] else 'NO'}**; best in the top 3: **{'yes' if v['best_in_top'] else 'NO'}**. "
+             f"Kendall τ of predicted vs measured step times over the measured plans: {v['tau']:.2f}.",
              "", "| rank | layout | predicted ms | measured ms | error | measured rank | predicted MB | measured MB "
              "| from |", "|---|---|---|---|---|---|---|---|---|"]
     order = sorted((r for r in model["rows"] if r.get("measured_s") is not None), key=lambda r: r["measured_s"])
@@ -79,12 +88,12 @@ def model_lines(model: dict[str, Any]) -> list[str]:
 def summary_lines(models: Sequence[dict[str, Any]]) -> list[str]:
     """The table of verdicts, one row per model."""
     lines = ["| model | budget MB | plain dp fits | measured | first choice | its ms | best measured | ms | "
-             "best's rank | gap | within 5 % | best in top 3 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "best's rank | gap | within 5 % | best in top 3 | τ |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in models:
         v = m["verdict"]
         gap = "—" if v["gap"] is None else f"{v['gap']:+.1%}"
         lines.append(f"| {m['name']} | {m['budget_bytes'] / 1e6:.1f} | {'yes' if m['plain_dp_fits'] else 'no'} | "
                      f"{v['measured']} | {v['first']} | {_ms(v['first_s'])} | {v['best']} | {_ms(v['best_s'])} | "
                      f"{v['best_rank']} | {gap} | {'yes' if v['within'] else 'NO'} | "
-                     f"{'yes' if v['best_in_top'] else 'NO'} |")
+                     f"{'yes' if v['best_in_top'] else 'NO'} | {v['tau']:.2f} |")
     return lines

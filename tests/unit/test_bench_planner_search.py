@@ -43,6 +43,13 @@ def test_verdict_gap_is_relative_to_the_best() -> None:
     assert verdict([_row("a", 1, 1.2), _row("b", 2, 1.0)])["gap"] == pytest.approx(0.2)
 
 
+def test_tau() -> None:
+    v = verdict([_row("a", 1, 1.0, 1.0), _row("b", 2, 2.0, 2.0), _row("c", 3, 3.0, 3.0)])
+    assert v["tau"] == 1.0
+    v = verdict([_row("a", 1, 3.0, 1.0), _row("b", 2, 2.0, 2.0), _row("c", 3, 1.0, 3.0)])
+    assert v["tau"] == -1.0
+
+
 def test_verdict_failed_runs() -> None:
     v = verdict([_row("a", 1, None), _row("b", 2, 1.0)])  # the first choice's run failed: nothing shows it is good
     assert v["first"] == "a" and v["first_s"] is None and not v["within"] and v["best"] == "b" and v["measured"] == 1
@@ -59,7 +66,7 @@ def test_tables_say_when_a_criterion_fails() -> None:
     text = "\n".join(model_lines(model) + summary_lines([model]))
     assert "within 5 %: **NO**" in text and "best in the top 3: **NO**" in text and "**does not fit**" in text
     assert "| 2 | c | 1000 | — | failed: boom |" in text and "- x (planner rank 4): refused" in text
-    assert "| m | 90.0 | no | 2 | a | 1200 | b | 1000 | 5 | +20.0% | NO | NO |" in text
+    assert "| m | 90.0 | no | 2 | a | 1200 | b | 1000 | 5 | +20.0% | NO | NO | 0.00 |" in text
 
 
 def _gpt_case() -> tuple[Any, ModelSpec, Hardware]:
