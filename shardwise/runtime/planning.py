@@ -139,10 +139,9 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
     ``parallel.*`` fields in ``given`` as pins. Returns the validated config and the lines to print (the
     choice and the runner-up). ``ValueError`` when nothing fits or every plan is refused."""
     from ..planner.search import NoFeasiblePlan
-    from .prediction import local_calibration, quick_probe_hardware
+    from .prediction import launch_hardware
 
-    path = cfg.parallel.calibration or local_calibration(device, nproc)
-    hw = Hardware.load(path) if path else quick_probe_hardware(nproc, device=device)
+    hw, where = launch_hardware(cfg, device=device, nproc=nproc)
     # the values as the config parsed them (the flags arrive as text)
     pairs = {k.removeprefix("parallel."): getattr(cfg.parallel, k.removeprefix("parallel.")) for k in given
              if k.startswith("parallel.") and k.removeprefix("parallel.") in PIN_FIELDS}
@@ -157,7 +156,6 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
         except ValueError as exc:  # a layout the planner knows but train refuses: take the next one
             refused.append(f"{pred.plan.describe()}: {str(exc).splitlines()[0]}")
             continue
-        where = path or hw.source
         lines = [f"shardwise train: parallel.auto chose {pred.plan.describe()} — predicted {pred.step_time_s:.3g} "
                  f"s/step, {pred.memory.total / 1e6:.1f} MB per rank ({result.candidates} layouts searched in "
                  f"{result.search_s:.2f} s; hardware: {where})"]

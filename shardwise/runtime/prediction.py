@@ -15,7 +15,8 @@ from typing import Any, Callable
 from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
 from .config import Config
 
-__all__ = ["plan_from_config", "local_calibration", "resolve_hardware", "quick_probe_hardware", "predict_launch",
+__all__ = ["plan_from_config", "local_calibration", "resolve_hardware", "quick_probe_hardware", "launch_hardware",
+           "predict_launch",
            "prediction_record", "prediction_line"]
 
 _PRECISION = {"fp32": "fp32", "bf16": "bf16"}
@@ -182,16 +183,27 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
                            f"default link)")
 
 
+_PROBED: dict[tuple[str, int], Hardware] = {}
+
+
+def launch_hardware(cfg: Config, *, device: str, nproc: int) -> tuple[Hardware, str]:
+    """``(hardware, where its numbers come from)`` for a launch of ``nproc`` ranks here: the
+    ``parallel.calibration`` file, else this machine's calibration, else ``quick_probe_hardware`` (probed once
+    per process, so that ``--parallel.auto``'s choice and the printed prediction use the same numbers)."""
+    path = cfg.parallel.calibration or local_calibration(device, nproc)
+    if path:
+        return Hardware.load(path), f"calibration {path}"
+    if (device, nproc) not in _PROBED:
+        _PROBED[(device, nproc)] = quick_probe_hardware(nproc, device=device)
+    hw = _PROBED[(device, nproc)]
+    return hw, f"{hw.source[:-1]}; `shardwise calibrate` measures it)"
+
+
 def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction, str]:
     """``(prediction, where the hardware numbers come from)`` for a config ``validate`` resolved, as
     ``shardwise train`` runs it (``train_passes``) with ``nproc`` ranks on this node: the local calibration
     if there is one, else ``quick_probe_hardware``."""
-    path = local_calibration(device, nproc)
-    if path is not None:
-        hw, where = Hardware.load(path), f"calibration {path}"
-    else:
-        hw = quick_probe_hardware(nproc, device=device)
-        where = f"{hw.source[:-1]}; `shardwise calibrate` measures it)"
+    hw, where = launch_hardware(cfg, device=device, nproc=nproc)
     plan = plan_from_config(cfg, train_passes=True)
     return predict(ModelSpec.gpt(cfg.model), plan, hw, global_batch=cfg.data.global_batch), where
 
