@@ -267,7 +267,7 @@ def search_measured(args: argparse.Namespace, *, run_layout: RunLayout) -> tuple
 
     import torch
 
-    meta = {"hardware": args.hardware, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
+    meta = {"command": "shardwise " + " ".join(sys.argv[1:]), "hardware": args.hardware, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or platform.system()}, torch {torch.__version__}",
             "load_at_start": list(start), "load_at_end": list(os.getloadavg())}
     return report_lines({**meta, "models": models}), {"search_measured": {**meta, "models": models}}
@@ -279,7 +279,8 @@ def report_lines(data: dict[str, Any]) -> list[str]:
     models = [{**m, "verdict": verdict(m["rows"])} for m in data["models"]]  # from the rows, whatever was saved
     lines = ["Planner search vs measurement, 4 CPU ranks "
              f"(calibration {data['hardware']}, {data['steps']} steps per plan, {data['repeats']} round(s), load average "
-             f"at start {start:.1f}, at end {end:.1f} on {data['cores']} cores).", "", *summary_lines(models), ""]
+             f"at start {start:.1f}, at end {end:.1f} on {data['cores']} cores; {data.get('machine', '')}).", "",
+             f"Command: `{data.get('command', '')}`", "", *summary_lines(models), ""]
     for m in models:
         lines += model_lines(m)
     return lines
