@@ -165,7 +165,8 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
     return flush
 
 
-def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool) -> float:
+def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
+             units: int = 1) -> float:
     """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers)."""
     if plan.dp == 1:
         return 0.0
@@ -178,14 +179,21 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     else:
         reduce = coll("reduce_scatter", n_local * grad_b)
     gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
+    # On a CPU host (a calibration with host_cores) gloo moves the bytes with the same cores the ranks compute
+    # on: communication takes its time from compute instead of hiding under it.
+    overlap = overlap and not hw.host_cores
     if plan.zero_stage == 3:
-        # every pass gathers the parameters for forward and again for backward (prefetch hides what compute
-        # covers), and reduce-scatters the gradients during backward
+        # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
+        # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
+        # unit blocks until the slowest replica joins
         passes = plan.grad_accum
         fwd = coll("all_gather", n_local * param_b)
+        waits = 3 * units * hw.sync_skew_s
+        if not overlap:
+            return passes * (2 * fwd + reduce + waits)
         exposed_f = max(fwd - forward, fwd / 8)
         exposed_b = max(fwd + reduce - backward, (fwd + reduce) / 8)
-        return passes * (exposed_f + exposed_b)
+        return passes * (exposed_f + exposed_b + waits)
     reduce += hw.sync_skew_s  # the reduction waits for the slowest replica
     if not overlap:
         return reduce + gather
@@ -248,7 +256,8 @@ def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: in
     tensors = max(len(rl) for rl in rank_layers) * 12
     last_b = sum(c.B + c.W for s in ranks[bottleneck] for c in costs[s])
     last_f = sum(c.F for s in ranks[bottleneck] for c in costs[s])
-    dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise")
+    units = max(len(rl) for rl in rank_layers)
+    dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units)
     opt = _optimizer(plan, hardware, n_local, tensors, fused=runtime == "megatron")
     step = plan.grad_accum * flush.time + dp + opt
     return _assemble(spec, plan, hardware, stages, costs, flush, ranks, rank_layers, step, dp, opt, global_batch)

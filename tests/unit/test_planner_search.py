@@ -169,3 +169,20 @@ def test_fast_simulation_equals_the_pipeline_simulator():
         assert makespan == pytest.approx(ref.makespan)
         assert busy == pytest.approx(ref.busy)
         assert peaks == ref.peak_in_flight
+
+
+def test_on_a_cpu_host_communication_does_not_hide_under_compute():
+    """gloo progresses on the cores the ranks compute on: with host_cores set, the data-parallel reduction and
+    ZeRO-3's per-unit gathers are fully exposed, and each ZeRO-3 unit collective waits for the slowest rank."""
+    spec = small_gpt()
+    gpu = dataclasses.replace(A100, sync_skew_s=1e-3)
+    cpu = dataclasses.replace(gpu, host_cores=64)  # more cores than ranks: only the overlap rule differs
+    plain = Plan(dp=8, micro_batch=1)
+    assert (predict(spec, plain, cpu, global_batch=32).breakdown["dp_comm"]
+            > predict(spec, plain, gpu, global_batch=32).breakdown["dp_comm"])
+    z3 = Plan(dp=8, zero_stage=3, micro_batch=1)
+    got = predict(spec, z3, cpu, global_batch=32)
+    units = len(spec.layers)
+    assert got.plan.grad_accum == 4
+    # at least the waits: 3 collectives per unit per pass, each behind the slowest replica
+    assert got.breakdown["dp_comm"] >= got.plan.grad_accum * 3 * units * 1e-3
