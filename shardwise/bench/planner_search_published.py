@@ -16,7 +16,7 @@ from ..planner.enumerate import Space
 from ..planner.published import MEGATRON_TABLE1, megatron_prediction, megatron_spec
 from ..planner.search import search
 
-__all__ = ["search_published", "search_speed", "published_search_lines"]
+__all__ = ["search_row", "search_published", "search_speed", "published_search_lines"]
 
 SPACES = {"free": Space(precision="bf16-mixed"),
           "megatron-2021": Space(precision="bf16-mixed", zero_stages=(0,), pipeline_zero_stages=(0,))}
@@ -30,26 +30,28 @@ def _why(paper: Any, ours: Any) -> str:
     return ", ".join(parts) or "same costs"
 
 
+def search_row(row: Any, hw: Hardware) -> dict[str, Any]:
+    """One Table 1 row: the paper's layout predicted, and the search's first choice in each space."""
+    spec = megatron_spec(row.layers, row.hidden, row.heads)
+    paper = megatron_prediction(row, hw)
+    out: dict[str, Any] = {"params_b": row.params_b, "gpus": row.gpus, "batch": row.batch,
+                           "published_tflops": row.tflops, "paper_layout": paper.plan.describe(),
+                           "paper_predicted_tflops": paper.tflops_per_device}
+    for name, space in SPACES.items():
+        start = time.perf_counter()
+        result = search(spec, hw, devices=row.gpus, global_batch=row.batch, runtime="megatron", space=space, top=1)
+        best = result.best
+        out[name] = {"layout": best.plan.describe(), "plan": best.plan.to_json(),
+                     "predicted_tflops": best.tflops_per_device, "step_time_s": best.step_time_s,
+                     "memory_gb": best.memory.total / 1e9, "search_s": time.perf_counter() - start,
+                     "at_least_as_fast": best.step_time_s <= paper.step_time_s * (1 + 1e-9),
+                     "why": _why(paper, best)}
+    return out
+
+
 def search_published(hw: Hardware | None = None) -> list[dict[str, Any]]:
     hw = hw or Hardware.preset("a100-80g-sxm")
-    rows = []
-    for row in MEGATRON_TABLE1:
-        spec = megatron_spec(row.layers, row.hidden, row.heads)
-        paper = megatron_prediction(row, hw)
-        out: dict[str, Any] = {"params_b": row.params_b, "gpus": row.gpus, "batch": row.batch,
-                               "published_tflops": row.tflops, "paper_layout": paper.plan.describe(),
-                               "paper_predicted_tflops": paper.tflops_per_device}
-        for name, space in SPACES.items():
-            start = time.perf_counter()
-            result = search(spec, hw, devices=row.gpus, global_batch=row.batch, runtime="megatron", space=space, top=1)
-            best = result.best
-            out[name] = {"layout": best.plan.describe(), "plan": best.plan.to_json(),
-                         "predicted_tflops": best.tflops_per_device, "step_time_s": best.step_time_s,
-                         "memory_gb": best.memory.total / 1e9, "search_s": time.perf_counter() - start,
-                         "at_least_as_fast": best.step_time_s <= paper.step_time_s * (1 + 1e-9),
-                         "why": _why(paper, best)}
-        rows.append(out)
-    return rows
+    return [search_row(row, hw) for row in MEGATRON_TABLE1]
 
 
 def search_speed(hw: Hardware | None = None, sizes: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict[str, Any]]:

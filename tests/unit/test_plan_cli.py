@@ -114,3 +114,19 @@ def test_plan_a_model_that_fits_nowhere(capsys):
     rc, out, err = run(["plan", *GPT3, "--parallel.nproc", "8", "--data.global_batch", "8", "--hardware",
                         "a100-80g-sxm"], capsys)
     assert rc == 2 and "fits no layout" in err and "closest" in err and "GB per device" in err
+
+
+def test_auto_and_the_printed_prediction_share_one_probe(monkeypatch):
+    """Without a calibration the machine is probed once per process: --parallel.auto's choice and the
+    prediction printed before launch use the same numbers."""
+    from shardwise.runtime import prediction
+
+    calls = []
+    real = prediction.quick_probe_hardware
+    monkeypatch.setattr(prediction, "_PROBED", {})
+    monkeypatch.setattr(prediction, "quick_probe_hardware",
+                        lambda nproc, device="cpu": calls.append(nproc) or real(nproc, device=device))
+    cfg = load_config(preset="gpt-tiny", overrides={"parallel.nproc": 2})
+    first, where = prediction.launch_hardware(cfg, device="cpu", nproc=2)
+    again, _ = prediction.launch_hardware(cfg, device="cpu", nproc=2)
+    assert first is again and calls == [2] and "quick probe" in where

@@ -186,3 +186,21 @@ def test_on_a_cpu_host_communication_does_not_hide_under_compute():
     assert got.plan.grad_accum == 4
     # at least the waits: 3 collectives per unit per pass, each behind the slowest replica
     assert got.breakdown["dp_comm"] >= got.plan.grad_accum * 3 * units * 1e-3
+
+
+def test_search_on_a_megatron_row_is_at_least_as_fast_as_the_papers_layout():
+    """``bench planner --search-published`` on the smallest Table 1 row (both spaces), and its table."""
+    from shardwise.bench.planner_search_published import published_search_lines, search_row
+    from shardwise.planner.published import MEGATRON_TABLE1
+
+    row = search_row(MEGATRON_TABLE1[0], A100)
+    for space in ("free", "megatron-2021"):
+        assert row[space]["at_least_as_fast"]
+        assert row[space]["predicted_tflops"] >= row["paper_predicted_tflops"]
+        plan = Plan.from_json(row[space]["plan"])
+        assert plan.devices == 32 and plan.precision == "bf16-mixed"
+    assert Plan.from_json(row["megatron-2021"]["plan"]).zero_stage == 0
+    lines = published_search_lines([row], [{"devices": 32, "search_s": 0.1, "cpu_s": 0.1, "candidates": 10,
+                                            "evaluated": 2, "best": "x", "best_tflops": 1.0}])
+    assert any(row["paper_layout"] in line for line in lines)
+    assert any("every row: yes" in line for line in lines)
