@@ -9,18 +9,20 @@ costs ``predict`` uses (memoised in the search's cache), so ``time_lb ≤ predic
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .hardware import Hardware
-from .memory import local_params, rank_memory
+from .memory import local_params, rank_memory, rank_parts
 from .pipeline_cost import balance_minmax, flush_lower_bound
 from .plan import CHECKPOINTING, SCHEDULES, Plan
-from .predict import (_bucket_cap, _hardware_for, _optimizer, fold_transfers, layer_costs, shares_cores,
+from .predict import (_bucket_cap, _dp_comm, _hardware_for, _optimizer, fold_transfers, layer_costs, shares_cores,
                       stage_sums)
 from .spec import ModelSpec
 
-__all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors"]
+__all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors", "layouts", "variants"]
 
 _ALIASES = {"pp_schedule": "schedule", "pp_chunks": "chunks", "pp_microbatches": "microbatches",
             "precision": "precision"}
@@ -169,13 +171,33 @@ def _schedule_options(pp: int, per: int, mb: int, space: Space, fixed: dict[str,
 
 def candidates(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, pins: dict[str, Any],
                space: Space, budget: float, runtime: str, cache: dict) -> tuple[Pool, dict]:
-    """Every valid plan with its bounds, split by the memory bound; regions of invalid ones (see module doc)."""
-    _check_pins(pins, devices)
+    """Every valid plan with its bounds, split by the memory bound; regions of invalid ones (see module doc).
+    The exhaustive form of what ``groups.LazyPool`` expands on demand (tests compare the two)."""
     regions: dict = {}
     pool = Pool()
     hw_d = _hardware_for(hw, devices, cache)
     precision = pins.get("precision", space.precision)
+    for tp, pp, dp in layouts(spec, hw, devices=devices, global_batch=global_batch, pins=pins, regions=regions):
+        per = global_batch // dp
+        for ckpt, sp, mbs, zeros in variants(spec, tp=tp, pp=pp, dp=dp, per=per, pins=pins, space=space):
+            for i, mb in enumerate(mbs):
+                least = _expand_mb(spec, hw_d, pool, regions, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp,
+                                   zeros=zeros, pins=pins, space=space, precision=precision, budget=budget,
+                                   runtime=runtime, cache=cache)
+                if least > _MB_STOP * budget and i + 1 < len(mbs):
+                    # activations grow with the micro-batch (states do not change): when the least memory any
+                    # candidate of this micro-batch needs is well over the budget, larger ones are over it too
+                    note_mb_stop(regions, tp=tp, pp=pp, dp=dp, ckpt=ckpt, mb=mb, skipped=mbs[i + 1:], least=least)
+                    break
+    return pool, regions
+
+
+def layouts(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, pins: dict[str, Any],
+            regions: dict) -> list[tuple[int, int, int]]:
+    """The valid ``(tp, pp, dp)`` of ``devices`` under the pins; the invalid ones noted in ``regions``."""
+    _check_pins(pins, devices)
     n_layers = len(spec.layers)
+    out = []
     for tp in _options("tp", divisors(devices), pins):
         if tp > 1 and not spec.tp_divisors:
             _note(regions, "invalid: the model has no tensor-parallel plan", 1, f"tp={tp} ({spec.name})")
@@ -200,13 +222,13 @@ def candidates(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int
                 _note(regions, "invalid: dp does not divide the global batch", 1,
                       f"dp={dp} vs global batch {global_batch}")
                 continue
-            _expand(spec, hw_d, pool, regions, tp=tp, pp=pp, dp=dp, per=global_batch // dp, pins=pins, space=space,
-                    precision=precision, budget=budget, runtime=runtime, cache=cache)
-    return pool, regions
+            out.append((tp, pp, dp))
+    return out
 
 
-def _expand(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int, pp: int, dp: int, per: int,
-            pins: dict[str, Any], space: Space, precision: str, budget: float, runtime: str, cache: dict) -> None:
+def variants(spec: ModelSpec, *, tp: int, pp: int, dp: int, per: int, pins: dict[str, Any],
+             space: Space) -> list[tuple[str, bool, list[int], list[int]]]:
+    """``(recomputation, sequence parallelism, micro-batches in increasing order, ZeRO stages)`` of one layout."""
     zeros = space.pipeline_zero_stages if pp > 1 else space.zero_stages
     zeros = [z for z in _options("zero_stage", list(zeros), pins) if dp > 1 or z == 0]
     ckpts = _options("activation_checkpointing", list(space.checkpointing), pins)
@@ -215,20 +237,14 @@ def _expand(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int
     sps = [s for s in _options("sequence_parallel", list(space.sequence_parallel), pins) if tp > 1 or not s]
     mbs = [mb for mb in _options("micro_batch", [m for m in divisors(per) if m <= space.max_micro_batch], pins)
            if per % mb == 0]
-    for ckpt in ckpts:
-        for sp in sps:
-            for i, mb in enumerate(mbs):
-                least = _expand_mb(spec, hw, pool, regions, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp,
-                                   zeros=zeros, pins=pins, space=space, precision=precision, budget=budget,
-                                   runtime=runtime, cache=cache)
-                if least > _MB_STOP * budget and i + 1 < len(mbs):
-                    # activations grow with the micro-batch (states do not change): when the least memory any
-                    # candidate of this micro-batch needs is well over the budget, larger ones are over it too
-                    skipped = mbs[i + 1:]
-                    _note(regions, f"memory: micro-batches above one already over the budget (tp={tp} pp={pp})",
-                          len(skipped), f"dp={dp} tp={tp} pp={pp} mb {skipped} ckpt={ckpt}: mb={mb} needs ≥ "
-                                        f"{least / 1e9:.2f} GB", need=least)
-                    break
+    return [(ckpt, sp, mbs, zeros) for ckpt in ckpts for sp in sps]
+
+
+def note_mb_stop(regions: dict, *, tp: int, pp: int, dp: int, ckpt: str, mb: int, skipped: list[int],
+                 least: float) -> None:
+    _note(regions, f"memory: micro-batches above one already over the budget (tp={tp} pp={pp})",
+          len(skipped), f"dp={dp} tp={tp} pp={pp} mb {skipped} ckpt={ckpt}: mb={mb} needs ≥ "
+                        f"{least / 1e9:.2f} GB", need=least)
 
 
 _MB_STOP = 1.25
@@ -246,11 +262,12 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
     least = float("inf")
     for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
         split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
-        for zero in zeros:
-            plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
-                        microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
-                        activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
-            cand = _bounds(spec, plan, hw, per_layer, runtime, cache)
+        plans = [Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+                      microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
+                      activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
+                 for zero in zeros]
+        for plan in plans:
+            cand = _bounds(spec, plan, hw, per_layer, runtime, cache, budget)
             pool.total += 1
             least = min(least, cand.memory_lb)
             if cand.memory_lb > budget:
@@ -294,7 +311,19 @@ def _shape(spec: ModelSpec, plan: Plan, cache: dict) -> tuple:
     return cache[key]
 
 
-def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict) -> Candidate:
+def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict,
+            budget: float = math.inf) -> Candidate:
+    """The candidate's bounds; a plan whose memory bound is over ``budget`` gets ``time_lb`` 0 (never predicted,
+    so its time is not worth bounding)."""
+    stages, starts, ranks, rank_layers, n_local, tensors = _shape(spec, plan, cache)
+    memory_lb = _memory_bound(plan, hw, stages, ranks, rank_layers, cache)
+    if memory_lb > budget:
+        return Candidate(plan=plan, time_lb=0.0, memory_lb=memory_lb)
+    return Candidate(plan=plan, time_lb=_time_bound(spec, plan, hw, per_layer, runtime, cache), memory_lb=memory_lb)
+
+
+def _time_bound(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict) -> float:
+    """Flushes × the flush bound + the optimizer + the least exposed data-parallel communication."""
     stages, starts, ranks, rank_layers, n_local, tensors = _shape(spec, plan, cache)
     sums_key = ("sums", id(per_layer), plan.pp, plan.chunks, plan.pp_split)
     if sums_key not in cache:
@@ -312,12 +341,27 @@ def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], run
             cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
         else:
             cache[flush_key] = flush_lower_bound(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
+    # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
+    # (``_dp_comm`` only decreases as forward and backward grow)
+    dp_key = ("dp_lb", n_local, plan.dp, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
+    if dp_key not in cache:
+        units = max(len(rl) for rl in rank_layers)
+        cache[dp_key] = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units)
+    return plan.grad_accum * cache[flush_key] + opt + cache[dp_key]
+
+
+def _memory_bound(plan: Plan, hw: Hardware, stages: list, ranks: list, rank_layers: list, cache: dict) -> float:
+    """The first pipeline rank's memory with the fewest activation sets any schedule holds there."""
+    m = plan.microbatches if plan.pp > 1 else 1
     held = m * plan.chunks if plan.schedule == "gpipe" else min(m * plan.chunks, plan.pp)
     if plan.pp == 1:
         held = 1
-    mem_key = ("mem_lb", plan.tp, plan.pp, plan.chunks, plan.pp_split, plan.micro_batch, plan.activation_checkpointing,
-               plan.sequence_parallel, plan.zero_stage, plan.dp, held)
+    parts_key = ("mem_parts", plan.tp, plan.pp, plan.chunks, plan.pp_split, plan.micro_batch,
+                 plan.activation_checkpointing, plan.sequence_parallel, plan.precision)
+    if parts_key not in cache:
+        cache[parts_key] = rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan)
+    mem_key = (parts_key, plan.zero_stage, plan.dp, held)
     if mem_key not in cache:
         cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], held, plan, hw.memory_bytes,
-                                     bucket_cap=_bucket_cap(plan)).total
-    return Candidate(plan=plan, time_lb=plan.grad_accum * cache[flush_key] + opt, memory_lb=cache[mem_key])
+                                     bucket_cap=_bucket_cap(plan), parts=cache[parts_key]).total
+    return cache[mem_key]

@@ -106,25 +106,38 @@ class MemoryBreakdown:
 
 
 def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Plan,
-                capacity: float, *, bucket_cap: float, rank: int = 0) -> MemoryBreakdown:
+                capacity: float, *, bucket_cap: float, rank: int = 0,
+                parts: "RankParts | None" = None) -> MemoryBreakdown:
     """Memory of one pipeline rank holding ``layers`` (its chunks' layers in ``chunk_layers``), with
     ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
-    ``bucket_cap`` bytes at most."""
-    names = {layer.name for layer in layers}
-    n = sum(local_params(layer, plan.tp) - (layer.shared / (1 if layer.replicated else plan.tp)
-                                            if layer.tied in names else 0)
-            for layer in layers)
+    ``bucket_cap`` bytes at most. ``parts``: ``rank_parts(layers, chunk_layers, plan)`` when the caller has it
+    (they do not depend on dp, ZeRO or what is in flight: the search reuses them)."""
+    n, per_chunk, transient, biggest, loss = parts or rank_parts(layers, chunk_layers, plan)
     states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.dp)
-    per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
-    transient = max((layer_activation_bytes(layer, plan)[1] for layer in layers), default=0.0)
-    activations = in_flight * (sum(per_chunk) / len(per_chunk)) + transient
+    activations = in_flight * per_chunk + transient
     buffers = min(bucket_cap, n * _PER_ELEMENT[plan.precision][1])  # buckets hold at most all the gradients
     if plan.precision == "bf16":
         buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
     if plan.zero_stage == 3:
-        biggest = max((local_params(layer, plan.tp) for layer in layers), default=0.0)
         buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)  # current + prefetched unit
-    loss = max((layer.act_fp32 / (1 if layer.replicated else plan.tp) * plan.micro_batch * 4 for layer in layers),
-               default=0.0)
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank)
+
+
+RankParts = tuple[float, float, float, float, float]
+"""``(local parameters, mean activation bytes of one chunk × micro-batch, transient recomputation bytes,
+largest layer's local parameters, loss bytes)`` of one pipeline rank."""
+
+
+def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], plan: Plan) -> RankParts:
+    """What ``rank_memory`` needs from the layers (tp, micro-batch, recomputation, sp and precision of ``plan``)."""
+    names = {layer.name for layer in layers}
+    n = sum(local_params(layer, plan.tp) - (layer.shared / (1 if layer.replicated else plan.tp)
+                                            if layer.tied in names else 0)
+            for layer in layers)
+    per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
+    transient = max((layer_activation_bytes(layer, plan)[1] for layer in layers), default=0.0)
+    biggest = max((local_params(layer, plan.tp) for layer in layers), default=0.0)
+    loss = max((layer.act_fp32 / (1 if layer.replicated else plan.tp) * plan.micro_batch * 4 for layer in layers),
+               default=0.0)
+    return n, sum(per_chunk) / len(per_chunk), transient, biggest, loss

@@ -11,12 +11,15 @@ sets in flight come from the same simulation (GPipe holds all ``m``).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-from ..parallel.pipeline.schedules import SCHEDULES, get_schedule
+from ..parallel.pipeline.schedules import SCHEDULES
 
 from ..parallel.pipeline.stage import balance_by_params
+from .flush_sim import fast_simulate
 from .layers import Layer
 
 __all__ = ["split_stages", "split_at", "Flush", "simulate_flush", "flush_lower_bound"]
@@ -44,29 +47,38 @@ def balance_minmax(weights: Sequence[float], n: int) -> list[int]:
     if not 1 <= n <= k:
         raise ValueError(f"cannot cut {k} layers into {n} non-empty stages")
 
-    def cuts(limit: float) -> list[int] | None:
-        starts, load = [0], 0.0
-        for i, w in enumerate(weights):
-            left_parts = n - len(starts)
-            if i > 0 and left_parts > 0 and (load + w > limit or k - i == left_parts):
-                starts.append(i)
-                load = 0.0
-            load += w
-            if load > limit:
-                return None
-        return starts if len(starts) == n else None
+    prefix = list(itertools.accumulate(weights, initial=0.0))  # prefix[i]: weight of layers 0 … i-1
 
-    lo, hi = max(weights), float(sum(weights))
-    best = cuts(hi)
+    def cuts(limit: float) -> list[int] | None:
+        # greedy: each part takes the most layers whose sum stays within the limit while leaving one layer for
+        # every part still to come (a binary search on the prefix sums per part, not a pass per layer)
+        starts, i = [0], 0
+        for part in range(1, n):
+            j = min(bisect.bisect_right(prefix, prefix[i] + limit) - 1, k - (n - part))
+            if j <= i:
+                return None  # layer i alone is over the limit
+            starts.append(j)
+            i = j
+        return starts if prefix[k] - prefix[i] <= limit else None
+
+    # the optimum lies in [max(heaviest layer, mean part), mean part + heaviest layer]: a greedy part that
+    # cannot take its next layer already holds more than the mean
+    def heaviest(starts: list[int]) -> float:
+        return max(prefix[b] - prefix[a] for a, b in zip(starts, starts[1:] + [k]))
+
+    lo = max(max(weights), prefix[k] / n)
+    best = cuts(lo + max(weights)) or cuts(float(prefix[k]))
+    assert best is not None
+    hi = heaviest(best)  # a reachable heaviest part: the bisection moves ``hi`` to each cut's real heaviest part
     for _ in range(60):
+        if hi - lo <= 1e-4 * hi:  # cuts this close in heaviest-stage time are the same plan to the planner
+            break
         mid = (lo + hi) / 2
         found = cuts(mid)
         if found is None:
             lo = mid
         else:
-            hi, best = mid, found
-        if hi - lo <= 1e-4 * hi:  # cuts this close in heaviest-stage time are the same plan to the planner
-            break
+            hi, best = heaviest(found), found
     assert best is not None
     return best
 
@@ -124,63 +136,6 @@ def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float
     return Flush(time=time, busy=busy, in_flight=held)
 
 
-def fast_simulate(schedule: Any, F: Sequence[float], B: Sequence[float], W: Sequence[float],
-                  comm: Sequence[float]) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
-    """``(makespan, busy per rank, peak in flight per rank)`` of ``schedule`` — the same event rules as
-    ``parallel.pipeline.simulate`` (tested equal), on plain tuples instead of ``Action`` objects and without
-    re-validating the schedule: the search simulates hundreds of long flushes."""
-    split = schedule.split_backward
-    last = schedule.num_stages - 1
-    rank_of = [schedule.rank_of(st) for st in range(last + 1)]
-    lists = [[(a.stage, a.kind, a.microbatch) for a in acts if a.is_compute] for acts in schedule.ranks]
-    end: dict[tuple[int, str, int], float] = {}
-    pos, free = [0] * schedule.p, [0.0] * schedule.p
-    busy = [0.0] * schedule.p
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(lists):
-            while pos[r] < len(acts):
-                st, kind, i = acts[pos[r]]
-                if kind == "F":
-                    deps = ((st - 1, "F", i),) if st > 0 else ()
-                elif kind == "B":
-                    deps = ((st, "F", i), (st + 1, "B", i)) if st < last else ((st, "F", i),)
-                else:
-                    deps = ((st, "B", i),)
-                ready = 0.0
-                for dep in deps:
-                    t = end.get(dep)
-                    if t is None:
-                        break
-                    if rank_of[dep[0]] != r:
-                        t += comm[min(st, dep[0])]
-                    ready = max(ready, t)
-                else:
-                    cost = F[st] if kind == "F" else (B[st] + (0.0 if split else W[st]) if kind == "B" else W[st])
-                    start = max(free[r], ready)
-                    free[r] = end[(st, kind, i)] = start + cost
-                    busy[r] += cost
-                    pos[r] += 1
-                    progress = True
-                    continue
-                break
-    if any(pos[r] < len(lists[r]) for r in range(schedule.p)):
-        raise ValueError(f"schedule {schedule.name!r} deadlocks; simulate it with shardwise schedule for details")
-    freeing = "W" if split else "B"
-    peaks = []
-    for acts in lists:
-        held = peak = 0
-        for _, kind, _ in acts:
-            if kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif kind == freeing:
-                held -= 1
-        peaks.append(peak)
-    return max(free, default=0.0), tuple(busy), tuple(peaks)
-
-
 _SCHEDULE_CACHE: dict[tuple[str, int, int, int], object] = {}
 
 
@@ -192,11 +147,8 @@ def _schedule(name: str, p: int, m: int, chunks: int) -> object:
     if key not in _SCHEDULE_CACHE:
         if len(_SCHEDULE_CACHE) > 256:
             _SCHEDULE_CACHE.clear()
-        if p > 8 or m > 32:
-            generator, _ = SCHEDULES[name]
-            _SCHEDULE_CACHE[key] = generator(p, m, chunks)
-        else:  # small shapes: validated as everywhere else (cheap)
-            _SCHEDULE_CACHE[key] = get_schedule(name, p=p, m=m, chunks=chunks)
+        generator, _ = SCHEDULES[name]
+        _SCHEDULE_CACHE[key] = generator(p, m, chunks)
     return _SCHEDULE_CACHE[key]
 
 
@@ -215,8 +167,9 @@ def flush_lower_bound(schedule: str, p: int, m: int, chunks: int, F: Sequence[fl
     # micro-batch; zero-bubble schedules may end on deferred weight gradients instead
     drains = schedule in ("gpipe", "1f1b", "interleaved")
     best = edge = 0.0  # edge: fill (+ drain) of stages 0 … r-1
+    work = [f + b + w for f, b, w in zip(F, B, W)]
     for r in range(p):
-        busy = m * sum(F[s] + B[s] + W[s] for s in range(r, n, p))
+        busy = m * sum(work[r::p])
         best = max(best, edge + busy)
         edge += F[r] + comm[r] + ((B[r] + W[r] + comm[r]) if drains else 0.0) if r < n - 1 else 0.0
     return best

@@ -85,8 +85,13 @@ def layer_costs(spec: ModelSpec, plan: Plan, hw: Hardware, cache: dict | None = 
     # identical layers (a transformer's blocks differ only in name) are costed once
     first: dict[Any, LayerTime] = {}
     out = []
-    for layer in spec.layers:
-        same = replace(layer, name="")
+    names_key = ("unnamed", id(spec))
+    unnamed = cache.get(names_key) if cache is not None else None
+    if unnamed is None:
+        unnamed = [replace(layer, name="") for layer in spec.layers]
+        if cache is not None:
+            cache[names_key] = unnamed
+    for layer, same in zip(spec.layers, unnamed):
         if same not in first:
             first[same] = layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node)
         out.append(first[same])

@@ -6,8 +6,9 @@ chunks, zb-h1, zb-h2) × activation checkpointing × sequence parallelism, each 
 equal *predicted time* (``pp_split``), any field pinnable (``pins``). Constraints: dp × tp × pp = devices,
 tp within a node (unless pinned), tp dividing the model's heads/widths, stages ≤ layers, the batch dividing.
 
-Branch and bound, not blind enumeration (``enumerate.py`` lists the candidates): every candidate gets cheap
-lower bounds — memory with one activation set in flight (gpipe: all of them), time from the flush bound of
+Branch and bound, not blind enumeration (``enumerate.py`` lists the candidates, ``groups.py`` makes them on
+demand): groups of candidates that share their layer costs are bounded first and expanded only while their
+bound beats the K-th best plan so far; every candidate gets cheap lower bounds — memory with one activation set in flight (gpipe: all of them), time from the flush bound of
 ``pipeline_cost.flush_lower_bound`` — from layer costs memoised per (tp, micro-batch, recomputation, sp).
 Candidates whose memory bound exceeds the budget are pruned; the rest are predicted in order of their time
 bound, and the search stops once the next bound is slower than the K-th best plan found.
@@ -19,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from .enumerate import Candidate, Region, Space, _note, candidates, normalize_pins
+from .enumerate import Region, Space, _note, normalize_pins
+from .groups import LazyPool
 from .hardware import Hardware
 from .plan import Plan
 from .predict import Prediction, predict
@@ -99,27 +101,35 @@ def search(spec: ModelSpec, hardware: Hardware, *, devices: int, global_batch: i
     space = space or (Space.runnable() if runtime == "shardwise" else Space())
     budget = hardware.memory_bytes * (1 - memory_margin)
     cache: dict = {}
-    pool, regions = candidates(spec, hardware, devices=devices, global_batch=global_batch, pins=fixed, space=space,
-                               budget=budget, runtime=runtime, cache=cache)
-    best, evaluated = _branch_and_bound(spec, hardware, pool, global_batch, budget, top, runtime, cache, regions)
+    lazy = LazyPool.build(spec, hardware, devices=devices, global_batch=global_batch, pins=fixed, space=space,
+                          budget=budget, runtime=runtime, cache=cache)
+    best, evaluated = _branch_and_bound(spec, hardware, lazy, global_batch, budget, top, runtime, cache)
     if not best:
-        _raise_infeasible(spec, hardware, pool, regions, global_batch, budget, runtime, cache, devices)
-    total = pool.total + sum(r.count for r in regions.values() if r.reason.startswith("invalid"))
+        _raise_infeasible(spec, hardware, lazy, global_batch, budget, runtime, cache, devices)
+    regions = lazy.regions
+    total = lazy.total + sum(r.count for r in regions.values() if r.reason.startswith("invalid"))
     return SearchResult(predictions=best, search_s=time.perf_counter() - start, candidates=total,
                         evaluated=evaluated, pruned=sorted(regions.values(), key=lambda r: -r.count),
                         budget_bytes=budget)
 
 
-def _branch_and_bound(spec: ModelSpec, hw: Hardware, pool: Any, global_batch: int, budget: float, top: int,
-                      runtime: str, cache: dict, regions: dict[str, Region]) -> tuple[list[Prediction], int]:
+def _branch_and_bound(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batch: int, budget: float, top: int,
+                      runtime: str, cache: dict) -> tuple[list[Prediction], int]:
+    """Predict candidates in bound order until the ``top``-th best beats every bound left."""
     best: list[Prediction] = []
     evaluated = 0
-    ordered: list[Candidate] = sorted(pool.feasible, key=lambda c: c.time_lb)
-    for i, cand in enumerate(ordered):
-        if len(best) >= top and cand.time_lb >= _rank_key(best[-1]):
-            rest = len(ordered) - i
-            _note(regions, f"bound: no faster than the best {top} plan{'s' * (top > 1)}", rest,
-                  f"{cand.plan.describe()}: ≥ {cand.time_lb * 1e3:.1f} ms vs {best[-1].step_time_s * 1e3:.1f} ms")
+    regions = lazy.regions
+    while True:
+        if len(best) >= top and lazy.next_bound() >= _rank_key(best[-1]):
+            rest = len(lazy.heap)
+            if rest:
+                cand = lazy.heap[0][2]
+                _note(regions, f"bound: no faster than the best {top} plan{'s' * (top > 1)}", rest,
+                      f"{cand.plan.describe()}: ≥ {cand.time_lb * 1e3:.1f} ms vs {best[-1].step_time_s * 1e3:.1f} ms")
+            lazy.note_unexpanded(top, best[-1].step_time_s)
+            break
+        cand = lazy.pop()
+        if cand is None:
             break
         pred = predict(spec, cand.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
         evaluated += 1
@@ -150,9 +160,10 @@ def _rank_key(pred: Prediction) -> float:
     return pred.step_time_s * (1 + TIE * simplicity(pred.plan))
 
 
-def _raise_infeasible(spec: ModelSpec, hw: Hardware, pool: Any, regions: dict[str, Region], global_batch: int,
-                      budget: float, runtime: str, cache: dict, devices: int) -> None:
-    everything = pool.feasible + pool.over_memory
+def _raise_infeasible(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batch: int, budget: float, runtime: str,
+                      cache: dict, devices: int) -> None:
+    everything = lazy.everything()
+    regions = lazy.regions
     if not everything:
         reasons = "; ".join(f"{r.reason} ({r.count}, e.g. {r.example})" for r in regions.values())
         raise ValueError(f"no layout of model {spec.name!r} on {devices} devices is valid: {reasons}; change the "

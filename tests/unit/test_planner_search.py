@@ -4,6 +4,7 @@ prediction finds, pins hold, bad input is one clear error, and a plan maps to th
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -68,6 +69,32 @@ def test_bounds_are_below_the_prediction_of_every_candidate():
         pred = predict(spec, cand.plan, A100, global_batch=32, cache=cache)
         assert cand.time_lb <= pred.step_time_s * (1 + 1e-9), cand.plan.describe()
         assert cand.memory_lb <= pred.memory.total * (1 + 1e-9), cand.plan.describe()
+
+
+@pytest.mark.parametrize("runtime", ["shardwise", "megatron"])
+def test_a_groups_bound_is_below_every_candidate_bound_in_it(runtime):
+    """The search bounds a whole (tp, pp, dp, recomputation, sp, micro-batch) group before making its plans:
+    that bound must never exceed the bound of a plan in the group (else the search could skip the best plan),
+    on a GPU preset and on a CPU host whose pipeline ranks share cores. The cheapest bound in a group is close
+    to it, or the group bound would prune nothing."""
+    from shardwise.planner.groups import LazyPool
+    from shardwise.planner.enumerate import Pool
+
+    cpu = dataclasses.replace(A100, host_cores=2, devices_per_node=8)
+    for hw in (A100, cpu):
+        spec = small_gpt()
+        lazy = LazyPool.build(spec, hw, devices=8, global_batch=32, pins={}, space=Space(max_micro_batch=4),
+                              budget=math.inf, runtime=runtime, cache={})
+        assert len(lazy.groups) > 20
+        ratios = []
+        for group in lazy.groups:
+            lazy.pool = Pool()
+            lazy._expand(group)
+            bounds = [c.time_lb for c in lazy.pool.feasible]
+            assert len(bounds) == group.size
+            assert group.time_lb <= min(bounds) * (1 + 1e-9), (group, min(bounds))
+            ratios.append(min(bounds) / group.time_lb)
+        assert sorted(ratios)[len(ratios) // 2] < 1.5
 
 
 @pytest.mark.parametrize("hw", [A100, dataclasses.replace(A100, memory_bytes=0.2e9)], ids=["roomy", "tight"])

@@ -41,6 +41,7 @@ COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _KIND_TO_TEXT = {"F": "F", "B": "B", "W": "W", "SEND_F": "SF", "RECV_F": "RF", "SEND_B": "SB", "RECV_B": "RB"}
 _TEXT_TO_KIND = {v: k for k, v in _KIND_TO_TEXT.items()}
 _ACTION_RE = re.compile(r"^(\d+)(F|B|W|SF|RF|SB|RB)(\d+)$")
+_KINDS = frozenset(_KIND_TO_TEXT)  # get_args(ActionKind) once, not per action (schedules build thousands)
 
 
 @dataclass(frozen=True, order=True)
@@ -55,7 +56,7 @@ class Action:
     """Micro-batch index, 0-based."""
 
     def __post_init__(self) -> None:
-        if self.kind not in get_args(ActionKind):
+        if self.kind not in _KINDS:
             raise ValueError(f"action kind must be one of {get_args(ActionKind)}, got {self.kind!r}")
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"stage and micro-batch must be >= 0, got stage={self.stage}, "

@@ -1,0 +1,173 @@
+"""Candidates expanded on demand: the search bounds whole groups before it bounds single plans.
+
+A **group** is every plan of one ``(tp, pp, dp, recomputation, sequence parallelism, micro-batch)``: they share
+their layer costs and differ in ZeRO stage, schedule, chunks and gradient accumulation. Its ``time_lb`` needs
+no stage split and no schedule: a step runs ``per / mb`` micro-batches through the whole model, spread over
+``pp`` ranks at best evenly, so no pipeline rank computes less than ``per / mb × (F + B + W of the model) / pp``;
+the optimizer and the exposed data-parallel communication, both increasing in the parameters a rank holds, are
+at least those of ``1/pp`` of the model's parameters (the least over the group's ZeRO stages). Every candidate
+bound of the group (``enumerate._bounds``) is at least this (tested), so a group whose bound is no better than
+the K-th best prediction holds no plan of the top K and is never expanded: on GPT-3 175B over 1,024 GPUs the
+search expands a few hundred of thousands of candidates.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .enumerate import (_MB_STOP, Candidate, Pool, Space, _expand_mb, _note, _schedule_options, layouts,
+                        note_mb_stop, variants)
+from .hardware import Hardware
+from .memory import local_params
+from .plan import Plan
+from .predict import _dp_comm, _hardware_for, _optimizer, layer_costs, shares_cores
+from .spec import ModelSpec
+
+__all__ = ["Group", "LazyPool"]
+
+
+@dataclass(frozen=True, order=True)
+class Group:
+    time_lb: float
+    order: int
+    """Construction order (ties and the micro-batch early stop follow it)."""
+    tp: int = field(compare=False)
+    pp: int = field(compare=False)
+    dp: int = field(compare=False)
+    per: int = field(compare=False)
+    mb: int = field(compare=False)
+    ckpt: str = field(compare=False)
+    sp: bool = field(compare=False)
+    zeros: tuple[int, ...] = field(compare=False)
+    larger: tuple[int, ...] = field(compare=False)
+    """The family's larger micro-batches (skipped when this one is already far over the memory budget)."""
+    size: int = field(compare=False)
+
+
+@dataclass
+class LazyPool:
+    """The search's candidates: groups in bound order, expanded into a heap of candidates when reached."""
+
+    spec: ModelSpec
+    hw: Hardware
+    pins: dict[str, Any]
+    space: Space
+    budget: float
+    runtime: str
+    cache: dict
+    groups: list[Group]
+    regions: dict
+    pool: Pool = field(default_factory=Pool)
+    heap: list[tuple[float, int, Candidate]] = field(default_factory=list)
+    next_group: int = 0
+    seq: Any = field(default_factory=itertools.count)
+    stopped: set = field(default_factory=set)
+    """Families ``(tp, pp, dp, ckpt, sp)`` with the micro-batches above which nothing fits."""
+
+    @staticmethod
+    def build(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, pins: dict[str, Any],
+              space: Space, budget: float, runtime: str, cache: dict) -> "LazyPool":
+        regions: dict = {}
+        hw_d = _hardware_for(hw, devices, cache)
+        groups: list[Group] = []
+        for tp, pp, dp in layouts(spec, hw, devices=devices, global_batch=global_batch, pins=pins, regions=regions):
+            per = global_batch // dp
+            for ckpt, sp, mbs, zeros in variants(spec, tp=tp, pp=pp, dp=dp, per=per, pins=pins, space=space):
+                for i, mb in enumerate(mbs):
+                    options = _schedule_options(pp, per, mb, space, pins, len(spec.layers))
+                    if not options or not zeros:
+                        continue
+                    lb = group_bound(spec, hw_d, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp, zeros=zeros,
+                                     accum=min(a for _, _, a in options), precision=pins.get("precision", space.precision),
+                                     runtime=runtime, cache=cache)
+                    groups.append(Group(lb, len(groups), tp, pp, dp, per, mb, ckpt, sp, tuple(zeros),
+                                        tuple(mbs[i + 1:]), len(options) * len(zeros)))
+        groups.sort()
+        return LazyPool(spec, hw_d, pins, space, budget, runtime, cache, groups, regions)
+
+    @property
+    def total(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    def next_bound(self) -> float:
+        """The least bound of anything not yet predicted (a group not expanded, or a candidate)."""
+        g = self.groups[self.next_group].time_lb if self.next_group < len(self.groups) else math.inf
+        c = self.heap[0][0] if self.heap else math.inf
+        return min(g, c)
+
+    def pop(self) -> Candidate | None:
+        """The candidate with the least bound, expanding groups whose bound is below it; None when empty."""
+        while self.next_group < len(self.groups) and (not self.heap or self.groups[self.next_group].time_lb
+                                                      <= self.heap[0][0]):
+            self._expand(self.groups[self.next_group])
+            self.next_group += 1
+        if not self.heap:
+            return None
+        return heapq.heappop(self.heap)[2]
+
+    def _expand(self, g: Group) -> None:
+        family = (g.tp, g.pp, g.dp, g.ckpt, g.sp)
+        if (family, g.mb) in self.stopped:
+            return
+        before = len(self.pool.feasible)
+        least = _expand_mb(self.spec, self.hw, self.pool, self.regions, tp=g.tp, pp=g.pp, dp=g.dp, per=g.per,
+                           mb=g.mb, ckpt=g.ckpt, sp=g.sp, zeros=list(g.zeros), pins=self.pins, space=self.space,
+                           precision=self.pins.get("precision", self.space.precision), budget=self.budget,
+                           runtime=self.runtime, cache=self.cache)
+        for cand in self.pool.feasible[before:]:
+            heapq.heappush(self.heap, (cand.time_lb, next(self.seq), cand))
+        if least > _MB_STOP * self.budget and g.larger:
+            # as the exhaustive enumeration: larger micro-batches of this family are over the budget too
+            fresh = [mb for mb in g.larger if (family, mb) not in self.stopped]
+            self.stopped.update((family, mb) for mb in fresh)
+            if fresh:
+                note_mb_stop(self.regions, tp=g.tp, pp=g.pp, dp=g.dp, ckpt=g.ckpt, mb=g.mb, skipped=fresh, least=least)
+
+    def note_unexpanded(self, top: int, best_s: float) -> None:
+        """Count what the bound ruled out without expanding it (``--explain``)."""
+        rest = self.groups[self.next_group:]
+        skipped = sum(g.size for g in rest if ((g.tp, g.pp, g.dp, g.ckpt, g.sp), g.mb) not in self.stopped)
+        if skipped:
+            example = (f"dp={rest[0].dp} tp={rest[0].tp} pp={rest[0].pp} mb={rest[0].mb}: every plan ≥ "
+                       f"{rest[0].time_lb * 1e3:.1f} ms vs {best_s * 1e3:.1f} ms (not expanded)") if rest else ""
+            _note(self.regions, f"bound: no faster than the best {top} plan{'s' * (top > 1)}", skipped, example)
+
+    def everything(self) -> list[Candidate]:
+        """Every candidate, all groups expanded (the infeasible report needs them)."""
+        while self.next_group < len(self.groups):
+            self._expand(self.groups[self.next_group])
+            self.next_group += 1
+        return self.pool.feasible + self.pool.over_memory
+
+
+def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per: int, mb: int, ckpt: str, sp: bool,
+                zeros: list[int], accum: int, precision: str, runtime: str, cache: dict) -> float:
+    """The least ``time_lb`` any plan of the group can have (module doc)."""
+    base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+                precision=precision)
+    key = ("work", tp, mb, ckpt, sp, precision)
+    if key not in cache:
+        costs = layer_costs(spec, base, hw, cache)
+        forwards = sorted(c.F for c in costs)
+        fills = list(itertools.accumulate(forwards[:pp - 1], initial=0.0))  # fills[r]: the r cheapest forwards
+        cache[key] = (sum(c.F + c.B + c.W for c in costs), fills)
+    work, fills = cache[key]
+    compute = per / mb * work / pp
+    if not shares_cores(base, hw):
+        # rank r starts after micro-batch 0's forward through the r stages before it (each at least one layer:
+        # at least the r cheapest forwards); the slowest rank ends no earlier than the ranks' mean start + work
+        compute += sum(fills) / pp
+    n_local = sum(local_params(layer, tp) for layer in spec.layers) / pp
+    least_layers = math.ceil(len(spec.layers) / pp)
+    fused = runtime == "megatron"
+    rest = math.inf
+    for z in zeros:
+        plan = replace(base, zero_stage=z, grad_accum=accum)
+        opt = _optimizer(plan, hw, n_local, least_layers * 12, fused=fused)
+        comm = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", least_layers)
+        rest = min(rest, opt + comm)
+    return compute + rest
