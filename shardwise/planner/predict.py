@@ -179,14 +179,15 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     grad_b = 2 if plan.precision == "bf16-mixed" else 4
     param_b = 2 if plan.precision == "bf16-mixed" else 4
     coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node)  # noqa: E731
-    if plan.zero_stage <= 1:
-        reduce = coll("all_reduce", n_local * grad_b)
-    else:
-        reduce = coll("reduce_scatter", n_local * grad_b)
+    # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
+    # keeps the averaged shard it updates) and stages 1-2 all-gather the updated parameters after the step
+    reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_local * grad_b)
     gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
     # On a CPU host (a calibration with host_cores) gloo moves the bytes with the same cores the ranks compute
-    # on: communication takes its time from compute instead of hiding under it.
-    overlap = overlap and not hw.host_cores
+    # on: communication takes its time from compute instead of hiding under it. ``sw.zero`` stage 1 reduces
+    # when the optimizer needs the gradients, after backward (a pipeline's ZeRO-1 reduces per stage as its
+    # backward ends, like its data parallelism).
+    overlap = overlap and not hw.host_cores and not (plan.zero_stage == 1 and plan.pp == 1)
     if plan.zero_stage == 3:
         # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
         # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
