@@ -115,9 +115,9 @@ def _run_layout(name: str, flags: list[str], steps: int, root: Path) -> dict[str
 
 
 def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    from ..planner import Hardware, ModelSpec, predict
+    from ..planner import Hardware, predict
     from ..runtime.config import config_from_dict
-    from ..runtime.prediction import plan_from_config
+    from ..runtime.prediction import gpt_spec, plan_from_config
 
     # one calibration per rank count when given (``--hardware a.json,b.json``): each layout is predicted with the
     # file measured at its own nproc, as ``shardwise train`` picks the local calibration of its nproc
@@ -132,7 +132,7 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
             got = _run_layout(name, flags, args.steps, Path(tmp))
             cfg = config_from_dict(got["config"])
             hw = by_ranks.get(cfg.parallel.nproc, files[0])
-            pred = predict(ModelSpec.gpt(cfg.model), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
+            pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
             # like with like: the measured side counts model states and saved tensors, no buffers (the campaign
             # is fp32; under bf16 autocast's weight casts would be saved tensors there and buffers here)
             pmem = pred.memory.total - pred.memory.buffers

@@ -173,8 +173,9 @@ def _measure_gpt(case: Case, plan: Plan, steps: int, root: Path, name: str, run_
     from ..runtime.prediction import plan_from_config
 
     model = [w for k, v in case.model.items() for w in (f"--{k}", str(v))]
+    # train's data parallelism picks its all-reduce from the calibration the planner priced it with
     flags = [*model, "--data.global_batch", str(case.global_batch), "--parallel.nproc", str(DEVICES),
-             *train_flags(config_from_plan(plan))]
+             *train_flags(config_from_plan(plan)), "--parallel.calibration", CALIBRATION[0]]
     got = run_layout(name, flags, steps, root)
     ran = plan_from_config(config_from_dict(got["config"]), train_passes=True).resolved(case.global_batch)
     got["ran"] = ran.describe() if ran != plan.resolved(case.global_batch) else ""  # train ran something else: say so in the row
@@ -242,10 +243,18 @@ def run_case(case: Case, hw: Hardware, args: argparse.Namespace, root: Path, run
             "load_before": list(load), "load_after": list(os.getloadavg()), "verdict": verdict(chosen["rows"])}
 
 
+CALIBRATION = [""]
+"""The ``--hardware`` file the campaign plans with (``search_measured`` sets it): train runs get it as
+``parallel.calibration``."""
+
+
 def _hardware(text: str) -> Hardware:
     """The calibration measured at 4 ranks among ``--hardware`` files (the first one if none says so)."""
-    files = [Hardware.resolve(f.strip()) for f in text.split(",") if f.strip()]
-    return next((h for h in files if h.devices_per_node == DEVICES), files[0])
+    paths = [f.strip() for f in text.split(",") if f.strip()]
+    files = [Hardware.resolve(f) for f in paths]
+    i = next((i for i, h in enumerate(files) if h.devices_per_node == DEVICES), 0)
+    CALIBRATION[0] = str(Path(paths[i]).resolve())
+    return files[i]
 
 
 def search_measured(args: argparse.Namespace, *, run_layout: RunLayout) -> tuple[list[str], dict[str, Any]]:

@@ -92,15 +92,14 @@ def main(args: argparse.Namespace) -> int:
             out["pruned"] = result.to_json()["pruned"]
         print(json.dumps(out))
         return 0
-    _print(cfg, hw, result, fields, explain=args.explain,
-           module_pins=any(p.strip().startswith("modules.") for p in args.pin))
+    _print(cfg, hw, result, fields, explain=args.explain)
     return 0
 
 
 def flags(fields: dict[str, Any]) -> str:
     """The ``--parallel.*`` flags of one plan (defaults left out)."""
     defaults = {"pp_schedule": "1f1b", "pp_chunks": 1, "pp_microbatches": 0, "pp_split": (), "zero_stage": 0,
-                "activation_checkpointing": False, "grad_accum": 0}
+                "activation_checkpointing": False, "grad_accum": 0, "replicate": ()}
     parts = []
     for key, value in fields.items():
         if defaults.get(key, object()) == value:
@@ -123,8 +122,7 @@ def why_lost(best: Any, other: Any) -> str:
     return f"{gap:+.1%} step time, most of it {term} (+{diffs[term]:.3g} s)"
 
 
-def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, explain: bool,
-           module_pins: bool = False) -> None:
+def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, explain: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -140,8 +138,6 @@ def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, expl
     console.print(table)
     console.print(f"run the best: shardwise train {flags(fields[0])} --parallel.nproc {cfg.parallel.nproc}",
                   highlight=False, soft_wrap=True)
-    if module_pins:
-        console.print("note: shardwise train does not run module pins yet; the flags above shard every module")
     if len(result) > 1:
         console.print(f"runner-up ({result[1].plan.describe()}) lost: {why_lost(result[0], result[1])}",
                       highlight=False, soft_wrap=True)

@@ -42,16 +42,16 @@ def run_prediction(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """``(validated config, hardware, prediction)``; ``ValueError`` (one line) for every bad input."""
     import torch
 
-    from ..planner import ModelSpec, predict
+    from ..planner import predict
     from ..runtime.config import load_config, validate
-    from ..runtime.prediction import plan_from_config, resolve_hardware
+    from ..runtime.prediction import gpt_spec, plan_from_config, resolve_hardware
     from .train import config_overrides
 
     cfg = validate(load_config(path=args.config, preset=args.preset, overrides=config_overrides(args)), launch=False)
     hw = resolve_hardware(args.hardware, device="cuda" if torch.cuda.is_available() else "cpu",
                           nproc=cfg.parallel.nproc, devices_per_node=args.devices_per_node)
     plan = plan_from_config(cfg)
-    return cfg, hw, predict(ModelSpec.gpt(cfg.model), plan, hw, global_batch=cfg.data.global_batch)
+    return cfg, hw, predict(gpt_spec(cfg), plan, hw, global_batch=cfg.data.global_batch)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -99,7 +99,7 @@ def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_no
     tp_one = 0.0
     if t > 1 and layer.tp_allreduces:
         nbytes = layer.hidden * b * act_bytes(plan)
-        one = hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node) + hw.sync_skew_s
+        one = hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node, algorithm="native") + hw.sync_skew_s
         tp_one = layer.tp_allreduces * one
     F = f_gemm + f_ew + tp_one
     recompute = 0.0

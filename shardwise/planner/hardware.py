@@ -183,13 +183,17 @@ class Hardware:
         bw = min(self.intra.bus_bandwidth_Bps, per_node * self.inter.bus_bandwidth_Bps)
         return bw, max(self.intra.alpha_s, self.inter.alpha_s)
 
-    def collective_time(self, op: str, nbytes: float, size: int, *, per_node: int | None = None) -> float:
+    def collective_time(self, op: str, nbytes: float, size: int, *, per_node: int | None = None,
+                        algorithm: str = "auto") -> float:
         """Seconds of one ``op`` (all_reduce, all_gather, reduce_scatter, broadcast) on a full buffer of
-        ``nbytes`` over ``size`` ranks, ``per_node`` of them per node (default: packed)."""
+        ``nbytes`` over ``size`` ranks, ``per_node`` of them per node (default: packed). On a calibrated machine
+        ``algorithm`` is the implementation the caller runs: ``native`` (the backend's own, what tensor
+        parallelism, ZeRO and the pipeline call) or ``auto`` (the calibration's fastest at this size, what
+        data parallelism's ``algorithm = "auto"`` picks); the analytic model has no such choice."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         per_node = min(size, self.devices_per_node) if per_node is None else per_node
-        measured = self._measured(op, nbytes, size, per_node)
+        measured = self._measured(op, nbytes, size, per_node, algorithm)
         if measured is not None:
             return measured
         bw, alpha = self.group_bus_bandwidth(size, per_node)
@@ -204,13 +208,14 @@ class Hardware:
         link = self.inter if cross_node else self.intra
         return self.p2p_alpha_s + nbytes / link.bus_bandwidth_Bps
 
-    def _measured(self, op: str, nbytes: float, size: int, per_node: int) -> float | None:
+    def _measured(self, op: str, nbytes: float, size: int, per_node: int, algorithm: str = "auto") -> float | None:
         if not self.collectives or per_node < size:
             return None
         cal = self.collectives.get(size)
         if cal is None or op not in cal.models:
             return None
-        algorithm = cal.best_algorithm(op, nbytes)
+        if algorithm not in cal.models[op]:
+            algorithm = cal.best_algorithm(op, nbytes)
         return cal.predict_us(op, algorithm, nbytes) * 1e-6
 
 

@@ -131,7 +131,8 @@ def fold_transfers(plan: Plan, F: list[float], B: list[float], W: list[float], s
         nbytes = st[-1].hidden * plan.micro_batch * act_bytes(plan)
         one = hw.p2p_time(nbytes / plan.tp, cross_node=crosses) + hw.sync_skew_s  # a receive waits for its peer
         if plan.tp > 1:
-            one += hw.collective_time("all_gather", nbytes, plan.tp, per_node=min(plan.tp, hw.devices_per_node))
+            one += hw.collective_time("all_gather", nbytes, plan.tp, per_node=min(plan.tp, hw.devices_per_node),
+                                      algorithm="native")
         comm.append(one)
     if blocking and len(stages) > 1:
         # sends and receives hold the rank's stream: F waits for its input and its send, B likewise
@@ -178,7 +179,11 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     per_node = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
     grad_b = 2 if plan.precision == "bf16-mixed" else 4
     param_b = 2 if plan.precision == "bf16-mixed" else 4
-    coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node)  # noqa: E731
+    # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest);
+    # ZeRO's and the pipeline's collectives run the backend's native ones
+    algorithm = "auto" if plan.zero_stage == 0 and plan.pp == 1 else "native"
+    coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node,  # noqa: E731
+                                                 algorithm=algorithm)
     # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
     # keeps the averaged shard it updates) and stages 1-2 all-gather the updated parameters after the step
     reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_local * grad_b)

@@ -176,5 +176,18 @@ def _raise_infeasible(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batc
         f"model {spec.name!r} fits no layout on {devices} devices of {hw.memory_bytes / 1e9:.1f} GB (budget "
         f"{budget / 1e9:.1f} GB after the margin): the closest, {closest.plan.describe()}, needs "
         f"{mem.total / 1e9:.2f} GB per device (largest: {mem.largest}, {getattr(mem, mem.largest) / 1e9:.2f} GB); "
-        f"add devices, use precision bf16-mixed, pin a higher zero_stage or activation checkpointing, or a "
-        f"device with more memory", closest)
+        f"{_remedies(closest.plan)}", closest)
+
+
+def _remedies(plan: Plan) -> str:
+    """What could make the closest plan fit, leaving out what it already does."""
+    out = ["add devices"]
+    if plan.precision == "fp32":
+        out.append("use precision bf16-mixed")
+    if plan.zero_stage < 3:
+        out.append("allow a higher zero_stage (unpin it, or pin 3)" if plan.dp > 1 else
+                   "allow data parallelism so that ZeRO can shard the states (fewer tp/pp)")
+    if plan.activation_checkpointing != "full":
+        out.append("allow full activation checkpointing")
+    out.append("or use a device with more memory")
+    return ", ".join(out)

@@ -256,6 +256,17 @@ def validate(config: Config, *, launch: bool = True) -> Config:
                                                                     pp_microbatches=m))
 
 
+REPLICABLE = {"wte": "wte", "lm_head": "ln_f"}
+"""``parallel.replicate`` names → the planner's layer that holds the module (the head layer is ``ln_f``)."""
+
+
+def replicated_modules(config: Config) -> set[str]:
+    """The GPT modules ``parallel.replicate`` keeps whole on every tp rank: the named ones, and with
+    ``model.tie_weights`` their partner (one weight, split alike in both uses)."""
+    names = set(config.parallel.replicate)
+    return {"wte", "lm_head"} if names and config.model.tie_weights else names
+
+
 def _positive(*pairs: tuple[str, int]) -> None:
     for key, value in pairs:
         if value < 1:
@@ -271,6 +282,11 @@ def _check_strategies(config: Config) -> None:
         if m.n_head % p.tp:
             raise ValueError(f"parallel.tp = {p.tp} must divide model.n_head = {m.n_head} (whole heads per rank); "
                              f"use a tp from {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
+    unknown = [name for name in p.replicate if name not in REPLICABLE]
+    if unknown:
+        raise ValueError(f"parallel.replicate = {list(p.replicate)}: {unknown} cannot be kept whole; the modules "
+                         f"tensor parallelism splits that may stay data-parallel are {list(REPLICABLE)} (tied: "
+                         f"either keeps both whole), e.g. --parallel.replicate wte")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3; e.g. --parallel.zero_stage 1 "
                          f"(0 = plain data parallelism)")

@@ -81,6 +81,10 @@ class ParallelConfig:
     """Model chunks per pipeline rank (``interleaved``: stage s on pp rank s % pp)."""
     pp_split: tuple[str, ...] = ()
     """Units that start pipeline stages 1, 2, … (e.g. ``blocks.2,ln_f``); empty = balanced by parameter count."""
+    replicate: tuple[str, ...] = ()
+    """Modules kept whole on every tensor-parallel rank instead of split over the vocabulary (data-parallel
+    only): ``wte`` and/or ``lm_head``; with ``model.tie_weights`` they share one weight, so either keeps both
+    whole (the planner's ``modules.wte=replicate`` pin)."""
     zero_stage: int = 0
     """ZeRO stage 0-3 over the dp axis (0 = plain data parallelism)."""
     micro_batch: int = 16

@@ -14,12 +14,12 @@ from typing import Any, Mapping
 
 from ..planner import Hardware, ModelSpec, Plan
 from ..planner.search import SearchResult, search
-from .config import Config, validate
+from .config import REPLICABLE, Config, validate
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "plan_config", "apply_plan", "PIN_FIELDS"]
 
 PIN_FIELDS = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
-              "pp_microbatches", "pp_split", "activation_checkpointing")
+              "pp_microbatches", "pp_split", "activation_checkpointing", "replicate")
 """``parallel.*`` fields that pin the search (``--pin parallel.tp=8``, or given flags with ``--parallel.auto``)."""
 
 
@@ -63,7 +63,7 @@ def parse_pin(text: str) -> tuple[str, Any]:
         raise ValueError(f"--pin {text!r}: {key!r} cannot be pinned; pinnable: "
                          f"{', '.join('parallel.' + f for f in PIN_FIELDS)}, train.precision, modules.NAME=replicate")
     value: Any = raw.strip()
-    if name == "pp_split":
+    if name in ("pp_split", "replicate"):
         value = tuple(v for v in value.split(",") if v)
     elif name == "activation_checkpointing":
         if value.lower() not in ("true", "false", "1", "0"):
@@ -86,7 +86,10 @@ def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
     modules: dict[str, str] = {}
     for key, value in pairs.items():
         if key.startswith("modules."):
-            modules[key.removeprefix("modules.")] = value
+            name = key.removeprefix("modules.")
+            modules[REPLICABLE.get(name, name)] = value  # train's module name → the planner's layer
+        elif key == "replicate":
+            modules.update({REPLICABLE.get(name, name): "replicate" for name in value})
         elif key in ("dp", "tp", "pp", "zero_stage", "grad_accum", "precision"):
             pins[key] = value
         elif key == "pp_schedule":
@@ -124,7 +127,10 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     pins.setdefault("precision", cfg.train.precision)
     result = search(ModelSpec.gpt(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
                     memory_margin=memory_margin, top=top)
-    return result, [config_from_plan(p.plan) for p in result]
+    # module pins run as parallel.replicate (train's names); a pin train cannot run is refused there
+    layers = {layer: module for module, layer in REPLICABLE.items()}
+    replicate = tuple(sorted({layers.get(name, name) for name in pins.get("modules", {})}))
+    return result, [{**config_from_plan(p.plan), **({"replicate": replicate} if replicate else {})} for p in result]
 
 
 def apply_plan(cfg: Config, fields: Mapping[str, Any], nproc: int) -> Config:

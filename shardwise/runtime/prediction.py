@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
 from .config import Config
 
-__all__ = ["plan_from_config", "local_calibration", "resolve_hardware", "quick_probe_hardware", "launch_hardware",
+__all__ = ["plan_from_config", "gpt_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware", "launch_hardware",
            "predict_launch",
            "prediction_record", "prediction_line"]
 
@@ -205,7 +205,16 @@ def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction,
     if there is one, else ``quick_probe_hardware``."""
     hw, where = launch_hardware(cfg, device=device, nproc=nproc)
     plan = plan_from_config(cfg, train_passes=True)
-    return predict(ModelSpec.gpt(cfg.model), plan, hw, global_batch=cfg.data.global_batch), where
+    return predict(gpt_spec(cfg), plan, hw, global_batch=cfg.data.global_batch), where
+
+
+def gpt_spec(cfg: Config) -> ModelSpec:
+    """The planner's spec of ``cfg``'s GPT, with the modules ``parallel.replicate`` keeps whole."""
+    from .config import REPLICABLE, replicated_modules
+
+    spec = ModelSpec.gpt(cfg.model)
+    whole = replicated_modules(cfg)
+    return spec.replicate(sorted(REPLICABLE[name] for name in whole)) if whole else spec
 
 
 def _states(memory: dict[str, Any]) -> float:

@@ -130,3 +130,39 @@ def test_auto_and_the_printed_prediction_share_one_probe(monkeypatch):
     first, where = prediction.launch_hardware(cfg, device="cpu", nproc=2)
     again, _ = prediction.launch_hardware(cfg, device="cpu", nproc=2)
     assert first is again and calls == [2] and "quick probe" in where
+
+
+def test_module_pins_run_as_parallel_replicate(capsys):
+    """``--pin modules.wte=replicate`` (or train's ``parallel.replicate``) is costed with the embedding and its
+    tied head whole on every tp rank, and the printed flags carry it to train; the predicted memory of a tp
+    layout grows by the vocabulary table it no longer splits."""
+    from shardwise.runtime.prediction import gpt_spec
+
+    assert pins_from_flags({"replicate": ("lm_head",)}) == {"modules": {"ln_f": "replicate"}}
+    assert pins_from_flags({"modules.lm_head": "replicate"}) == {"modules": {"ln_f": "replicate"}}
+    assert parse_pin("parallel.replicate=wte") == ("replicate", ("wte",))
+    rc, out, err = run(["plan", "--preset", "gpt-small", "--model.vocab_size", "32768", "--parallel.nproc", "4",
+                        "--hardware", "a100-80g-sxm", "--pin", "parallel.tp=2", "--pin", "modules.wte=replicate",
+                        "--json"], capsys)
+    assert rc == 0, err
+    plans = json.loads(out)["plans"]
+    assert plans and all(p["plan"]["replicate"] == ["wte"] for p in plans)
+    rc, out, err = run(["plan", "--preset", "gpt-small", "--parallel.nproc", "4", "--hardware", "a100-80g-sxm",
+                        "--pin", "parallel.tp=2", "--pin", "modules.wte=replicate"], capsys)
+    assert rc == 0 and "--parallel.replicate wte" in out, err
+    base = validate(load_config(preset="gpt-small", overrides={"model.vocab_size": 32768, "parallel.nproc": 2,
+                                                                 "parallel.tp": 2}), launch=False)
+    whole = validate(load_config(preset="gpt-small", overrides={"model.vocab_size": 32768, "parallel.nproc": 2,
+                                                                  "parallel.tp": 2, "parallel.replicate": "wte"}),
+                     launch=False)
+    spec = gpt_spec(whole)
+    assert {layer.name for layer in spec.layers if layer.replicated} == {"wte", "ln_f"}
+    from shardwise.planner import Hardware, predict
+
+    hw = Hardware.preset("a100-80g-sxm")
+    split = predict(gpt_spec(base), plan_from_config(base), hw, global_batch=base.data.global_batch)
+    kept = predict(spec, plan_from_config(whole), hw, global_batch=whole.data.global_batch)
+    table = 32768 * 256  # the embedding weight, shared by the head
+    assert kept.memory.params - split.memory.params == pytest.approx(table * 4 / 2, rel=0.01)
+    with pytest.raises(ValueError, match="cannot be kept whole"):
+        validate(load_config(preset="gpt-small", overrides={"parallel.replicate": "blocks.0"}), launch=False)

@@ -231,3 +231,15 @@ def test_search_on_a_megatron_row_is_at_least_as_fast_as_the_papers_layout():
                                             "evaluated": 2, "best": "x", "best_tflops": 1.0}])
     assert any(row["paper_layout"] in line for line in lines)
     assert any("every row: yes" in line for line in lines)
+
+
+def test_search_speed_rows_are_cold_and_repeatable():
+    """``bench planner --search-published`` times each size cold (schedule caches emptied) and reports the
+    median of its runs; a cold search returns what a warm one does."""
+    from shardwise.bench.planner_search_published import search_speed
+
+    (row,) = search_speed(A100, sizes=(64,), repeats=2)
+    assert len(row["cpu_s_runs"]) == 2 and row["cpu_s"] > 0 and row["evaluated"] >= 1
+    assert row["candidates"] > 100 and row["best"].startswith("dp=")
+    (again,) = search_speed(A100, sizes=(64,), repeats=1)
+    assert again["best"] == row["best"] and again["evaluated"] == row["evaluated"]

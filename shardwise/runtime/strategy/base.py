@@ -22,7 +22,7 @@ from torch import nn
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
 from ...models.gpt import GPT, lm_loss
-from ..config import Config, OptimizerConfig
+from ..config import Config, OptimizerConfig, replicated_modules
 from ..nonfinite import Grad
 
 __all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel"]
@@ -105,7 +105,11 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: GPT) -> tuple[nn.Module, Los
         return plain, lm_loss
     from ...parallel.tensor.api import gpt_plan, parallelize, vocab_parallel_cross_entropy
 
-    model = parallelize(plain, mesh, gpt_plan(plain.config), axis="tp", seed=cfg.train.seed)
+    whole = replicated_modules(cfg)  # parallel.replicate: kept whole (the tied embedding and head)
+    plan = {pattern: style for pattern, style in gpt_plan(plain.config).items() if pattern not in whole}
+    model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed)
+    if "lm_head" in whole:
+        return model, lm_loss  # every tp rank holds the whole logits: the plain cross-entropy
     vocab_ce = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
