@@ -27,9 +27,9 @@ def test_replicated_embedding_trains_like_one_process(runs):
     rep, one = runs
     assert_close_losses(losses(rep), losses(one), STEPS)
     tensors = Checkpoint(rep).index["tensors"]
-    assert tensors["model/wte.weight"]["sbp"] == "B"  # whole on both tp ranks
-    assert tensors["model/blocks.0.attn.qkv.weight"]["sbp"] == "S(0)"  # the blocks still split over tp
-    assert "lm_head" not in str([k for k in tensors if "lm_head" in k and tensors[k]["sbp"] != "B"])
+    assert Checkpoint(rep).index["mesh"] == {"dp": 1, "tp": 2}
+    assert tensors["model/wte.weight"]["sbp"] == "B,B"  # whole on both tp ranks (the head is the same weight)
+    assert tensors["model/blocks.0.attn.qkv.weight"]["sbp"].startswith("B,S(")  # the blocks still split over tp
 
 
 @pytest.mark.parametrize("which,layout", [
