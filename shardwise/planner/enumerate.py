@@ -262,11 +262,10 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
     least = float("inf")
     for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
         split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
-        plans = [Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
-                      microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
-                      activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
-                 for zero in zeros]
-        for plan in plans:
+        for zero in zeros:
+            plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+                        microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
+                        activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
             cand = _bounds(spec, plan, hw, per_layer, runtime, cache, budget)
             pool.total += 1
             least = min(least, cand.memory_lb)

@@ -7,8 +7,10 @@ no stage split and no schedule: a step runs ``per / mb`` micro-batches through t
 the optimizer and the exposed data-parallel communication, both increasing in the parameters a rank holds, are
 at least those of ``1/pp`` of the model's parameters (the least over the group's ZeRO stages). Every candidate
 bound of the group (``enumerate._bounds``) is at least this (tested), so a group whose bound is no better than
-the K-th best prediction holds no plan of the top K and is never expanded: on GPT-3 175B over 1,024 GPUs the
-search expands a few hundred of thousands of candidates.
+the K-th best prediction holds no plan of the top K and is never expanded. A pipeline adds its fill: rank ``r``
+starts after micro-batch 0's forward through the ``r`` stages before it (at least the ``r`` cheapest layers),
+and the slowest rank ends no earlier than the ranks' mean start plus their mean work (not on a CPU host whose
+ranks share cores: there the flush bound is the mean work alone).
 """
 
 from __future__ import annotations
@@ -152,15 +154,15 @@ def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per
     key = ("work", tp, mb, ckpt, sp, precision)
     if key not in cache:
         costs = layer_costs(spec, base, hw, cache)
-        forwards = sorted(c.F for c in costs)
-        fills = list(itertools.accumulate(forwards[:pp - 1], initial=0.0))  # fills[r]: the r cheapest forwards
-        cache[key] = (sum(c.F + c.B + c.W for c in costs), fills)
-    work, fills = cache[key]
+        # cheapest[r]: the sum of the r cheapest layer forwards (r = 0 … layers); it does not depend on pp
+        cheapest = list(itertools.accumulate(sorted(c.F for c in costs), initial=0.0))
+        cache[key] = (sum(c.F + c.B + c.W for c in costs), cheapest)
+    work, cheapest = cache[key]
     compute = per / mb * work / pp
     if not shares_cores(base, hw):
         # rank r starts after micro-batch 0's forward through the r stages before it (each at least one layer:
         # at least the r cheapest forwards); the slowest rank ends no earlier than the ranks' mean start + work
-        compute += sum(fills) / pp
+        compute += sum(cheapest[:pp]) / pp
     n_local = sum(local_params(layer, tp) for layer in spec.layers) / pp
     least_layers = math.ceil(len(spec.layers) / pp)
     fused = runtime == "megatron"
