@@ -243,3 +243,22 @@ def test_search_speed_rows_are_cold_and_repeatable():
     assert row["candidates"] > 100 and row["best"].startswith("dp=")
     (again,) = search_speed(A100, sizes=(64,), repeats=1)
     assert again["best"] == row["best"] and again["evaluated"] == row["evaluated"]
+
+
+def test_a_groups_bound_does_not_depend_on_which_groups_were_bounded_before():
+    """Group bounds share a cache: the bound of a pp-4 group is the same whether or not pp 1 and 2 were bounded
+    first, and its pipeline fill makes it larger than the whole-model work over pp alone."""
+    from shardwise.planner.groups import LazyPool
+
+    spec = small_gpt()
+    kw = dict(devices=8, global_batch=32, space=Space(max_micro_batch=4), budget=math.inf, runtime="shardwise")
+    alone = LazyPool.build(spec, A100, pins={"pp": 4}, cache={}, **kw)
+    every = LazyPool.build(spec, A100, pins={}, cache={}, **kw)
+    key = lambda g: (g.tp, g.pp, g.dp, g.mb, g.ckpt, g.sp)  # noqa: E731
+    bounds = {key(g): g.time_lb for g in every.groups}
+    assert alone.groups and all(bounds[key(g)] == pytest.approx(g.time_lb, rel=1e-12) for g in alone.groups)
+    # the same groups on a host whose 2 cores the 8 ranks share: there the bound leaves the fill out
+    shared = {key(g): g.time_lb for g in LazyPool.build(spec, dataclasses.replace(A100, host_cores=2), pins={},
+                                                          cache={}, **kw).groups}
+    deep = [g for g in every.groups if g.pp == 4]
+    assert deep and all(g.time_lb > shared[key(g)] for g in deep)
