@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -136,38 +136,59 @@ def run_probe(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
 
 
 def _sync_skew(mesh: Any, settings: ProbeSettings) -> float:
-    """What one small all-reduce *between two pieces of compute* costs beyond the same all-reduce in a tight
-    loop: ranks arrive at different times (on a host with fewer cores than ranks, a peer may not even be
-    scheduled), and the early one waits. Training pays it at every blocking collective inside the step
-    (tensor-parallel all-reduces, pipeline receives). Seconds per collective, median over ranks."""
+    """What one all-reduce *between two pieces of compute* costs beyond the same all-reduce in a tight loop:
+    ranks arrive at different times (on a host with fewer cores than ranks, a peer may not even be scheduled;
+    a sleeping receiver has to be woken), and the early one waits. Training pays it at every blocking
+    collective inside the step (tensor-parallel all-reduces, pipeline receives). The compute between two
+    collectives is a few milliseconds and the message a layer's activation (64 Ki elements), as in a
+    tensor-parallel block; waits are heavy-tailed, so blocks are longer and more than elsewhere. Seconds per
+    collective, median over ranks."""
     group, device = mesh.group("world"), mesh.device
     a = torch.randn(256, 256, device=device)
-    small = torch.ones(256, device=device)
+    msg = torch.ones(64 * 1024, device=device)
 
     def work() -> None:
-        for _ in range(4):
+        for _ in range(16):
             torch.mm(a, a)
 
     def both() -> None:
         work()
-        dist.all_reduce(small, group=group)
+        dist.all_reduce(msg, group=group)
 
-    alone = timed(lambda: dist.all_reduce(small, group=group), mesh, settings)
-    compute = timed(work, mesh, settings)
-    return max(timed(both, mesh, settings) - compute - alone, 0.0)
+    longer = replace(settings, block_s=max(settings.block_s, 0.25), blocks=max(settings.blocks, 5))
+    alone = timed(lambda: dist.all_reduce(msg, group=group), mesh, longer)
+    compute = timed(work, mesh, longer)
+    return max(timed(both, mesh, longer) - compute - alone, 0.0)
 
 
 def _block(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
-    """One reference transformer block (``shardwise.models.gpt.Block``) in training: forward, and forward +
-    backward, at a shape that keeps one call well under a second. The planner compares these with its own
-    prediction of the same block on the measured GEMMs and bandwidth: what kernels alone do not show (autograd,
-    Python, kernels the cost model counts coarsely) becomes one forward and one backward factor."""
+    """A stack of reference transformer blocks (``shardwise.models.gpt.Block``) in training: forward, forward +
+    backward, and forward + backward under activation checkpointing (``torch.utils.checkpoint``, non-reentrant,
+    as ``sw.checkpoint_layers`` runs it), at a shape that keeps one call well under a second. Several blocks,
+    not one, so that activations pile up across layers as they do in a model (on a CPU host fresh memory for
+    kept activations costs page faults that a single block, recycling its buffers, never pays). The planner
+    compares the per-block times with its own prediction of the block on the measured GEMMs and bandwidth:
+    what kernels alone do not show (autograd, Python, allocation, kernels the cost model counts coarsely)
+    becomes one forward and one backward factor, and what checkpointing adds over plain backward becomes the
+    recomputation factor. Times in the file are per block."""
+    from torch.utils.checkpoint import checkpoint
+
     from ..models.gpt import Block, GPTConfig
 
     h, heads, seq, batch = (1024, 16, 1024, 8) if mesh.device.type == "cuda" else (256, 4, 256, 4)
+    depth = 4
     torch.manual_seed(0)
-    block = Block(GPTConfig(n_embd=h, n_head=heads, block_size=seq)).to(mesh.device)
+    blocks = [Block(GPTConfig(n_embd=h, n_head=heads, block_size=seq)).to(mesh.device) for _ in range(depth)]
     x = torch.randn(batch, seq, h, device=mesh.device, requires_grad=True)
-    fwd = timed(lambda: block(x), mesh, settings)
-    both = timed(lambda: block(x).sum().backward(), mesh, settings)
-    return {"n_embd": h, "n_head": heads, "seq": seq, "batch": batch, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9)}
+
+    def forward(ckpt: bool) -> torch.Tensor:
+        y = x
+        for block in blocks:
+            y = checkpoint(block, y, use_reentrant=False) if ckpt else block(y)
+        return y
+
+    fwd = timed(lambda: forward(False), mesh, settings) / depth
+    both = timed(lambda: forward(False).sum().backward(), mesh, settings) / depth
+    ckpt = timed(lambda: forward(True).sum().backward(), mesh, settings) / depth
+    return {"n_embd": h, "n_head": heads, "seq": seq, "batch": batch, "depth": depth, "fwd_s": fwd,
+            "bwd_s": max(both - fwd, 1e-9), "ckpt_s": ckpt}

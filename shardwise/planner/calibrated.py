@@ -68,7 +68,15 @@ def _block(probe: Mapping[str, Any], where: str) -> dict[str, float]:
     if not isinstance(block, dict) or any(not isinstance(block.get(k), (int, float)) or block[k] <= 0 for k in keys):
         raise ValueError(f"{where}: probe.block must have positive {list(keys)}, got {block!r}; regenerate it "
                          f"with `shardwise calibrate --out FILE`")
-    return {k: float(block[k]) for k in keys}
+    out = {k: float(block[k]) for k in keys}
+    if "ckpt_s" in block:  # files written before the checkpointing probe lack it (recomputation = one forward)
+        if not isinstance(block["ckpt_s"], (int, float)) or block["ckpt_s"] <= 0:
+            raise ValueError(f"{where}: probe.block.ckpt_s must be a positive number, got {block['ckpt_s']!r}; "
+                             f"regenerate it with `shardwise calibrate --out FILE`")
+        out["ckpt_s"] = float(block["ckpt_s"])
+    if "depth" in block:
+        out["depth"] = float(block["depth"])
+    return out
 
 
 def _intra_link(collectives: Mapping[int, Calibration]) -> Link:

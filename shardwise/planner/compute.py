@@ -101,15 +101,18 @@ def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_no
         nbytes = layer.hidden * b * act_bytes(plan)
         one = hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node, algorithm="native") + hw.sync_skew_s
         tp_one = layer.tp_allreduces * one
-    F = f_gemm + f_ew + tp_one
+    # the calibration's block probe corrects what kernel costs alone miss (1.0 without a probe); it timed a
+    # block without communication, so the tensor-parallel all-reduces are added after it
+    compute_f = (f_gemm + f_ew) * hw.fwd_factor
+    F = compute_f + tp_one
     recompute = 0.0
     if plan.activation_checkpointing == "full" and layer.kind == "block":
-        recompute = F
+        # the forward once more, its all-reduces included; a calibrated host says what the recomputed compute
+        # really adds (``recompute_factor``: 1 on the presets)
+        recompute = compute_f * hw.recompute_factor + tp_one
     elif plan.activation_checkpointing == "selective" and layer.kind == "block":
         # the attention core and its softmax traffic (about two passes over the kept scores)
-        recompute = f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)
-    # the calibration's block probe corrects what kernel costs alone miss (1.0 without a probe)
-    F, recompute = F * hw.fwd_factor, recompute * hw.fwd_factor
+        recompute = (f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)) * hw.fwd_factor
     b_gemm, b_ew, w_gemm = b_gemm * hw.bwd_factor, b_ew * hw.bwd_factor, w_gemm * hw.bwd_factor
     return LayerTime(F=F, B=b_gemm + b_ew + tp_one + recompute, W=w_gemm, recompute=recompute,
                      tp_fwd=tp_one, tp_bwd=tp_one + (tp_one if recompute and plan.activation_checkpointing == "full"

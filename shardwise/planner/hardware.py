@@ -67,7 +67,8 @@ class Hardware:
     ``gemm_efficiency``)."""
     block_probe: Mapping[str, float] = field(default_factory=dict)
     """One measured transformer block (calibrated machines): ``n_embd``, ``n_head``, ``seq``, ``batch``,
-    ``fwd_s``, ``bwd_s``; ``predict`` turns it into ``fwd_factor`` / ``bwd_factor``."""
+    ``fwd_s``, ``bwd_s`` and (newer files) ``ckpt_s``; ``predict`` turns it into ``fwd_factor`` /
+    ``bwd_factor`` / ``recompute_factor``."""
     sync_skew_s: float = 0.0
     """Extra wait of one blocking collective between pieces of compute (ranks arrive apart; measured on shared
     hosts by the calibration, 0 for the presets)."""
@@ -75,6 +76,10 @@ class Hardware:
     """Measured over predicted forward of the probe block (1: no probe)."""
     bwd_factor: float = 1.0
     """Measured over predicted backward of the probe block (1: no probe)."""
+    recompute_factor: float = 1.0
+    """What full activation checkpointing adds to a block's backward, in forwards of the block: measured by the
+    probe as (checkpointed forward + backward − forward − backward) / forward (1: no probe, a recomputed
+    forward costs one forward)."""
 
     def __post_init__(self) -> None:
         missing = [d for d in _DTYPES if d not in self.peak_flops]

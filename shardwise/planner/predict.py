@@ -222,8 +222,9 @@ def _optimizer(plan: Plan, hw: Hardware, n_local: float, tensors: int, fused: bo
 
 
 def block_factors(hw: Hardware) -> Hardware:
-    """``hw`` with ``fwd_factor`` / ``bwd_factor`` from its measured probe block (unchanged without one): the
-    block is predicted on ``hw``'s own GEMM and bandwidth numbers, measured over predicted is the factor."""
+    """``hw`` with ``fwd_factor`` / ``bwd_factor`` (and ``recompute_factor`` where the file has the
+    checkpointed probe) from its measured probe block (unchanged without one): the block is predicted on
+    ``hw``'s own GEMM and bandwidth numbers, measured over predicted is the factor."""
     probe = hw.block_probe
     if not probe or (hw.fwd_factor, hw.bwd_factor) != (1.0, 1.0):
         return hw
@@ -232,7 +233,12 @@ def block_factors(hw: Hardware) -> Hardware:
                        attention="flash")[1]
     probe_hw = hw.for_devices(hw.calibrated_ranks) if hw.calibrated_ranks else hw
     t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
-    return replace(hw, fwd_factor=probe["fwd_s"] / t.F, bwd_factor=probe["bwd_s"] / (t.B + t.W))
+    recompute = hw.recompute_factor
+    if "ckpt_s" in probe:
+        # checkpointing's extra over plain forward + backward, in measured forwards (never below nothing)
+        recompute = max(probe["ckpt_s"] - probe["fwd_s"] - probe["bwd_s"], 0.0) / probe["fwd_s"]
+    return replace(hw, fwd_factor=probe["fwd_s"] / t.F, bwd_factor=probe["bwd_s"] / (t.B + t.W),
+                   recompute_factor=recompute)
 
 
 def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,

@@ -28,6 +28,10 @@ def test_calibrate_quick_two_ranks(tmp_path):
     probe = doc["probe"]
     assert set(probe["gemm"]) == {"float32", "bfloat16"} and len(probe["gemm"]["float32"]) >= 4
     assert 1e6 < probe["memory_bandwidth_Bps"] < 1e13 and 1e-8 < probe["op_overhead_s"] < 1e-2
+    # the block probe: a stack of blocks, per-block times, plain and under activation checkpointing
+    block = probe["block"]
+    assert block["depth"] == 4 and 0 < block["fwd_s"] < block["ckpt_s"] and block["bwd_s"] > 0
+    assert probe["sync_skew_s"] >= 0
     assert set(doc["machine"]) == {"host", "cpus", "torch", "gpu"} and doc["machine"]["gpu"] is None
     (cal,) = hardware_collectives(doc)  # two ranks: one group size
     assert cal.world_size == 2 and set(cal.models) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}

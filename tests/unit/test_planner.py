@@ -237,7 +237,7 @@ def test_a_calibration_file_brings_its_probes():
     from pathlib import Path
 
     hw = Hardware.load(Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json")
-    assert hw.gemm_points and hw.block_probe and hw.sync_skew_s > 0 and hw.host_cores == 2
+    assert hw.gemm_points and hw.block_probe and hw.sync_skew_s >= 0 and hw.host_cores == 2
     # the measured GEMM shape is its own best estimate
     m, n, k, eff = hw.gemm_points[-1]
     assert hw.gemm_efficiency(m, n, k) == pytest.approx(eff)
@@ -254,6 +254,64 @@ def test_a_calibration_file_brings_its_probes():
                        tie=True, bias=True, dropout=False, attention="flash")[1]
     t = layer_time(block, Plan(micro_batch=int(p["batch"])), fitted, flash=True, tp_per_node=1)
     assert t.F == pytest.approx(p["fwd_s"], rel=1e-6) and t.B + t.W == pytest.approx(p["bwd_s"], rel=1e-6)
+
+
+def _probe_hw(**block: float) -> Hardware:
+    """A CPU-like calibrated host (the 2-rank file's numbers) with the given probe block."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    hw = Hardware.load(Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json")
+    base = {k: v for k, v in hw.block_probe.items() if k not in ("ckpt_s", "depth")}
+    return replace(hw, block_probe={**base, **block})
+
+
+def test_the_checkpointed_probe_sets_what_recomputation_adds():
+    from shardwise.planner.builders import gpt_layers
+    from shardwise.planner.compute import layer_time
+    from shardwise.planner.predict import block_factors
+
+    plain = _probe_hw()
+    p = plain.block_probe
+    block = gpt_layers(n_layer=1, h=int(p["n_embd"]), a=int(p["n_head"]), v=8, s=int(p["seq"]), positions=int(p["seq"]),
+                       tie=True, bias=True, dropout=False, attention="flash")[1]
+    full = Plan(micro_batch=int(p["batch"]), activation_checkpointing="full")
+    # an older file (no checkpointed probe): recomputation costs one measured forward
+    old = layer_time(block, full, block_factors(plain), flash=True, tp_per_node=1)
+    assert old.recompute == pytest.approx(p["fwd_s"], rel=1e-6)
+    # a file with one: the predicted checkpointed block is the measured one, whatever the extra was
+    for extra in (0.4, 1.0, 1.3):
+        ckpt = p["fwd_s"] + p["bwd_s"] + extra * p["fwd_s"]
+        hw = block_factors(_probe_hw(ckpt_s=ckpt))
+        assert hw.recompute_factor == pytest.approx(extra)
+        t = layer_time(block, full, hw, flash=True, tp_per_node=1)
+        assert t.F + t.B + t.W == pytest.approx(ckpt, rel=1e-6)
+    # a checkpointed probe faster than plain training is noise, not negative recomputation
+    assert block_factors(_probe_hw(ckpt_s=p["fwd_s"] + p["bwd_s"] / 2)).recompute_factor == 0.0
+
+
+def test_probe_factors_scale_compute_not_tensor_parallel_communication():
+    from dataclasses import replace
+
+    from shardwise.planner.compute import layer_time
+
+    spec = ModelSpec.gpt(n_layer=2, n_embd=256, n_head=4, vocab_size=256, seq_len=256)
+    block, plan = spec.layers[1], Plan(tp=2, micro_batch=2)
+    one = layer_time(block, plan, A100, flash=True, tp_per_node=2)
+    slow = layer_time(block, plan, replace(A100, fwd_factor=3.0), flash=True, tp_per_node=2)
+    assert one.tp_fwd > 0 and slow.tp_fwd == one.tp_fwd
+    assert slow.F - slow.tp_fwd == pytest.approx(3 * (one.F - one.tp_fwd))
+
+
+def test_a_calibration_file_rejects_a_bad_checkpointed_probe(tmp_path):
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json").read_text())
+    data["probe"]["block"]["ckpt_s"] = -1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="ckpt_s must be a positive number"):
+        Hardware.load(bad)
 
 
 def test_ranks_sharing_cores_fill_the_pipeline_bubble_within_grahams_bound():
