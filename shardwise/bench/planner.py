@@ -124,22 +124,32 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     files = [Hardware.resolve(f.strip()) for f in args.hardware.split(",") if f.strip()]
     by_ranks = {h.devices_per_node: h for h in files}
     wanted = {s.strip() for s in args.only.split(",") if s.strip()}
-    rows = []
+    chosen = [(name, flags) for name, flags in LAYOUTS if not wanted or name in wanted]
+    rounds = max(1, getattr(args, "repeats", 1))
+    # every round runs each layout once, in the same order: a slow spell of the machine touches every layout
+    # of a round alike instead of one layout's every run; a layout's step is the median over the rounds
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in chosen}
     with tempfile.TemporaryDirectory(prefix="sw-bench-planner-") as tmp:
-        for name, flags in LAYOUTS:
-            if wanted and name not in wanted:
-                continue
-            got = _run_layout(name, flags, args.steps, Path(tmp))
-            cfg = config_from_dict(got["config"])
-            hw = by_ranks.get(cfg.parallel.nproc, files[0])
-            pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
-            # like with like: the measured side counts model states and saved tensors, no buffers (the campaign
-            # is fp32; under bf16 autocast's weight casts would be saved tensors there and buffers here)
-            pmem = pred.memory.total - pred.memory.buffers
-            rows.append({"layout": name, "measured_s": got["step_s"], "predicted_s": pred.step_time_s,
-                         "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": pred.dominant})
-            print(f"{name:18s} measured {got['step_s'] * 1e3:8.1f} ms  predicted {pred.step_time_s * 1e3:8.1f} ms  "
-                  f"mem {got['memory'] / 1e6:7.1f} / {pmem / 1e6:7.1f} MB", flush=True)
+        for r in range(rounds):
+            for name, flags in chosen:
+                got = _run_layout(name, flags, args.steps, Path(tmp) / f"round{r}")
+                runs[name].append(got)
+                print(f"round {r + 1}/{rounds} {name:18s} measured {got['step_s'] * 1e3:8.1f} ms", flush=True)
+    rows = []
+    for name, _ in chosen:
+        got = runs[name][0]
+        step = statistics.median(g["step_s"] for g in runs[name])
+        cfg = config_from_dict(got["config"])
+        hw = by_ranks.get(cfg.parallel.nproc, files[0])
+        pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
+        # like with like: the measured side counts model states and saved tensors, no buffers (the campaign
+        # is fp32; under bf16 autocast's weight casts would be saved tensors there and buffers here)
+        pmem = pred.memory.total - pred.memory.buffers
+        rows.append({"layout": name, "measured_s": step, "predicted_s": pred.step_time_s,
+                     "rounds_s": [g["step_s"] for g in runs[name]],
+                     "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": pred.dominant})
+        print(f"{name:18s} measured {step * 1e3:8.1f} ms  predicted {pred.step_time_s * 1e3:8.1f} ms  "
+              f"mem {got['memory'] / 1e6:7.1f} / {pmem / 1e6:7.1f} MB", flush=True)
     return _measured_table(rows), {"measured": rows}
 
 
@@ -155,9 +165,12 @@ def _measured_table(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['measured_mem'] / 1e6:.1f} | {r['predicted_mem'] / 1e6:.1f} | {me:+.1%} | {r['dominant']} |")
     abs_t = [abs(e) for e in t_err]
     abs_m = [abs(e) for e in m_err] or [float("nan")]
+    spread = [max(r["rounds_s"]) / min(r["rounds_s"]) - 1 for r in rows if len(r.get("rounds_s", [])) > 1]
+    noise = (f"; rounds per layout {len(rows[0]['rounds_s'])}, median spread between a layout's fastest and "
+             f"slowest round {statistics.median(spread):.1%}") if spread else ""
     lines.insert(0, f"Step time: median |error| {statistics.median(abs_t):.1%}, worst {max(abs_t):.1%}; memory: median "
                     f"|error| {statistics.median(abs_m):.1%}, worst {max(abs_m):.1%}; Kendall τ of the step-time "
-                    f"ranking {tau:.2f} ({len(rows)} layouts).\n")
+                    f"ranking {tau:.2f} ({len(rows)} layouts){noise}.\n")
     return lines
 
 

@@ -88,7 +88,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-measured", action="store_true",
                         help="measure every plan of the search's top 3 and two fixed slices on 4 ranks; verdict per "
                              "model: first choice within 5 %% of the best measured, best in the top 3")
-    parser.add_argument("--repeats", type=int, default=1, help="--search-measured: rounds per plan (default 1)")
+    parser.add_argument("--repeats", type=int, default=1, help="--measured and --search-measured: rounds per layout, median over them (default 1)")
     parser.add_argument("--models", default="", help="--search-measured: comma-separated model names (default: "
                         "all of " + ", ".join(c.name for c in CASES) + ")")
 
