@@ -231,6 +231,11 @@ def test_kendall_tau_and_the_measured_table():
              "dominant": "tp_comm"}]
     head = _measured_table(rows)[0]
     assert "median |error| 17.5%" in head and "worst 25.0%" in head and "τ of the step-time ranking 1.00" in head
+    assert "rounds per layout" not in head  # one round: no spread to report
+    rows[0]["rounds_s"], rows[1]["rounds_s"] = [1.0, 1.2, 0.9], [2.0, 2.1, 1.9]
+    head = _measured_table(rows)[0]
+    # spreads (max/min - 1): 1.2/0.9 -> 33.3 %, 2.1/1.9 -> 10.5 %; their median 21.9 %
+    assert "rounds per layout 3, median spread between a layout's fastest and slowest round 21.9%" in head
 
 
 def test_a_calibration_file_brings_its_probes():
