@@ -69,13 +69,13 @@ def _block(probe: Mapping[str, Any], where: str) -> dict[str, float]:
         raise ValueError(f"{where}: probe.block must have positive {list(keys)}, got {block!r}; regenerate it "
                          f"with `shardwise calibrate --out FILE`")
     out = {k: float(block[k]) for k in keys}
-    if "ckpt_s" in block:  # files written before the checkpointing probe lack it (recomputation = one forward)
-        if not isinstance(block["ckpt_s"], (int, float)) or block["ckpt_s"] <= 0:
-            raise ValueError(f"{where}: probe.block.ckpt_s must be a positive number, got {block['ckpt_s']!r}; "
-                             f"regenerate it with `shardwise calibrate --out FILE`")
-        out["ckpt_s"] = float(block["ckpt_s"])
-    if "depth" in block:
-        out["depth"] = float(block["depth"])
+    # newer files add the checkpointed pass and the stack depth; older ones lack both (recomputation = one forward)
+    for key in ("ckpt_s", "depth"):
+        if key in block:
+            if not isinstance(block[key], (int, float)) or isinstance(block[key], bool) or block[key] <= 0:
+                raise ValueError(f"{where}: probe.block.{key} must be a positive number, got {block[key]!r}; "
+                                 f"regenerate it with `shardwise calibrate --out FILE`")
+            out[key] = float(block[key])
     return out
 
 

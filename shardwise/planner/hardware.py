@@ -66,8 +66,8 @@ class Hardware:
     """Measured ``(m, n, k, efficiency)`` (calibrated machines): preferred over ``gemm_curve`` (see
     ``gemm_efficiency``)."""
     block_probe: Mapping[str, float] = field(default_factory=dict)
-    """One measured transformer block (calibrated machines): ``n_embd``, ``n_head``, ``seq``, ``batch``,
-    ``fwd_s``, ``bwd_s`` and (newer files) ``ckpt_s``; ``predict`` turns it into ``fwd_factor`` /
+    """The measured transformer block (calibrated machines), times per block: ``n_embd``, ``n_head``, ``seq``,
+    ``batch``, ``fwd_s``, ``bwd_s`` and (newer files) ``ckpt_s`` and ``depth`` (blocks in the timed stack); ``predict`` turns it into ``fwd_factor`` /
     ``bwd_factor`` / ``recompute_factor``."""
     sync_skew_s: float = 0.0
     """Extra wait of one blocking collective between pieces of compute (ranks arrive apart; measured on shared

@@ -317,6 +317,37 @@ def test_a_calibration_file_rejects_a_bad_checkpointed_probe(tmp_path):
     bad.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="ckpt_s must be a positive number"):
         Hardware.load(bad)
+    data["probe"]["block"]["ckpt_s"], data["probe"]["block"]["depth"] = 0.1, "four"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="depth must be a positive number"):
+        Hardware.load(bad)
+
+
+def test_measured_campaign_takes_the_median_over_rounds(monkeypatch, tmp_path):
+    import argparse
+    import dataclasses
+    from pathlib import Path
+
+    from shardwise.bench import planner as bench
+    from shardwise.runtime.config import load_config, parse_overrides, validate
+
+    cfg = validate(load_config(preset="gpt-small", overrides=parse_overrides(bench.MODEL[2:] + ["--parallel.nproc", "2"])),
+                   launch=False)
+    times = iter([1.0, 1.5, 4.0])  # three rounds of one layout: median 1.5, mean 2.17, first 1.0, last 4.0
+    calls = []
+
+    def fake_run(name, flags, steps, root):
+        calls.append((name, root.name))
+        return {"step_s": next(times), "memory": 1e8, "config": dataclasses.asdict(cfg)}
+
+    monkeypatch.setattr(bench, "_run_layout", fake_run)
+    hw = Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json"
+    args = argparse.Namespace(hardware=str(hw), only="dp2", steps=3, repeats=3)
+    lines, data = bench._measured(args)
+    (row,) = data["measured"]
+    assert calls == [("dp2", "round0"), ("dp2", "round1"), ("dp2", "round2")]  # one run per round, own folders
+    assert row["rounds_s"] == [1.0, 1.5, 4.0] and row["measured_s"] == 1.5  # the median, not the mean or an end
+    assert "rounds per layout 3" in lines[0]
 
 
 def test_ranks_sharing_cores_fill_the_pipeline_bubble_within_grahams_bound():
