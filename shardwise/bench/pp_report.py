@@ -63,7 +63,7 @@ def gather_and_report(args: argparse.Namespace, names: list[str], pipes: dict, r
     for j, name in enumerate(names):
         cols = rows[:, j * k:(j + 1) * k]
         per = {f: [float(v) for v in cols[:, i]] for i, f in enumerate(_FIELDS)}
-        reports = [analyse(ev, pipes[name].schedule) for ev in res[name]["timelines"]]
+        reports = [analyse(ev, pipes[name].schedule, pipes[name].lowered) for ev in res[name]["timelines"]]
         out["schedules"][name] = _schedule_row(name, per, reports, pipes[name].schedule)
     out["zb_vs_1f1b"] = {z: _zb_row(out["schedules"][z], out["schedules"]["1f1b"],
                                     float(rows[:, len(names) * k + i].mean())) for i, z in enumerate(zbs)}
@@ -102,6 +102,8 @@ def _schedule_row(name: str, per: dict[str, list[float]], reports: list, schedul
         "predicted_makespan_ms": 1e3 * _med([r.predicted_makespan for r in reports]),
         "costs_ms": per_stage, "comm_ms": 1e3 * _med([float(c.comm) for c in costs]),
         "fitted_comm_ms": 1e3 * _med([r.fitted_comm for r in reports]),
+        "overhead_ms": 1e3 * _med([float(c.overhead) for c in costs]),
+        "post_ms": 1e3 * _med([float(c.post) for c in costs]),
     }
 
 
@@ -139,6 +141,7 @@ def _print(o: dict[str, Any]) -> None:
         c = r["costs_ms"]
         parts = [f"{k} " + "/".join(f"{v:.2f}" for v in c[k]) for k in ("F", "B", "W") if any(c[k])]
         print(f"  {name:<12}" + "  ".join(parts) + f"  comm {r['comm_ms']:.2f} (fitted {r['fitted_comm_ms']:.2f})"
+              f"  host {r['overhead_ms']:.2f}/action + {r['post_ms']:.2f}/message"
               f"  compute makespan {r['makespan_ms']:.1f} (sim {r['predicted_makespan_ms']:.1f})")
     for name, z in o["zb_vs_1f1b"].items():
         print(f"{name} vs 1f1b (ours): step ratio {z['step_ratio']:.3f} (gain {z['measured_gain']:+.1%}), compute "

@@ -206,6 +206,37 @@ def test_lowered_schedule_simulates_identically():
     assert simulate(lower_communication(s)).makespan == simulate(s).makespan
 
 
+def test_host_time_overhead_on_one_rank():
+    # one rank, no messages: the rank runs its 2m actions back to back with `overhead` between them (none after
+    # the last: the step ends with the last compute); overhead is not busy time.
+    for m in (1, 3, 5):
+        res = simulate(get_schedule("gpipe", p=1, m=m), Costs(F=1, B=2, W=0.5, overhead=0.1))
+        assert res.makespan == pytest.approx(m * 3.5 + (2 * m - 1) * 0.1)
+        assert res.busy == pytest.approx((m * 3.5,))
+
+
+def test_host_time_posting_messages_hand_derivation():
+    # GPipe p=2 m=2 lowered: rank 0 runs 0F0 0SF0 0RB0 0F1 0SF1 0RB1 0B0 0B1, rank 1 runs
+    # 1RF0 1RF1 1F0 1F1 1B0 1SB0 1B1 1SB1. F=1, full backward 2, comm 0.5, overhead 0.1, post 0.2:
+    # rank 0: 0F0 [0,1] then 0.1 + 2 posts -> free 1.5; 0F1 [1.5,2.5].
+    # rank 1: two receives posted first (0.4); 1F0 waits for 0F0 + 0.5 -> [1.5,2.5]; 1F1 waits 2.5 + 0.5 ->
+    #   [3,4]; 1B0 after 0.1 -> [4.1,6.1]; then 0.1 + one send -> 1B1 [6.4,8.4].
+    # rank 0: 0B0 waits 6.1 + 0.5 -> [6.6,8.6]; 0B1 waits 8.4 + 0.5 -> [8.9,10.9].
+    s = lower_communication(get_schedule("gpipe", p=2, m=2))
+    assert [str(a) for a in s.ranks[1]] == ["1RF0", "1RF1", "1F0", "1F1", "1B0", "1SB0", "1B1", "1SB1"]
+    res = simulate(s, Costs(F=1, B=2, W=0, comm=0.5, overhead=0.1, post=0.2))
+    starts = {str(e.action): (e.start, e.end) for e in res.timeline}
+    want = {"0F0": (0, 1), "0F1": (1.5, 2.5), "1F0": (1.5, 2.5), "1F1": (3, 4), "1B0": (4.1, 6.1),
+            "1B1": (6.4, 8.4), "0B0": (6.6, 8.6), "0B1": (8.9, 10.9)}
+    for name, (a, b) in want.items():
+        assert starts[name] == pytest.approx((a, b)), name
+    assert res.makespan == pytest.approx(10.9) and res.busy == pytest.approx((6.0, 6.0))
+    # a compute-only schedule holds no messages: post costs nothing there
+    plain = simulate(get_schedule("gpipe", p=2, m=2), Costs(F=1, B=2, W=0, comm=0.5, post=0.2))
+    assert plain.makespan == pytest.approx(simulate(get_schedule("gpipe", p=2, m=2),
+                                                    Costs(F=1, B=2, W=0, comm=0.5)).makespan)
+
+
 def test_deadlock_reported_not_hung():
     # Rank 0 waits for B0 before its second forward; rank 1 wants F1 before its first backward.
     broken = parse_schedule("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1", name="broken")
@@ -253,6 +284,10 @@ def test_bad_costs():
         simulate(s, Costs(F=(1, 1, 1)))
     with pytest.raises(ValueError, match="cost comm must be >= 0"):
         simulate(s, Costs(comm=-1))
+    with pytest.raises(ValueError, match="cost overhead must be >= 0"):
+        simulate(s, Costs(overhead=-0.1))
+    with pytest.raises(ValueError, match="cost post must be >= 0"):
+        simulate(s, Costs(post=-1))
     with pytest.raises(ValueError, match="missing: 1B1"):
         simulate(Schedule(name="x", p=2, m=2, chunks=1, split_backward=False,
                           ranks=(s.ranks[0], tuple(a for a in s.ranks[1] if a != Action(1, "B", 1)))))

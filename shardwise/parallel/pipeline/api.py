@@ -73,6 +73,8 @@ class Pipeline:
         for stage in self.stages.values():
             stage.checkpoint = checkpoint
         self.zero_stage = zero_stage
+        self.lowered = lowered
+        """The schedule with its send/receive actions, every rank's list (what each interpreter runs)."""
         self.actions = lowered.ranks[me]
         self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
                                        loss_fn=loss_fn, autocast=autocast)

@@ -7,7 +7,12 @@ and its dependencies have finished (plus the communication time when a dependenc
 * ``B(s, i)`` needs ``F(s, i)`` and ``B(s+1, i)`` (the gradient of the stage output);
 * ``W(s, i)`` needs ``B(s, i)``.
 
-Explicit send/receive actions are skipped: communication is the latency on cross-rank dependencies.
+Communication is the latency ``comm`` on cross-rank dependencies. Explicit send/receive actions (a schedule
+lowered by ``communication.lower_communication``) take no time of their own unless ``Costs.post`` is set: then
+each one occupies its rank for ``post`` seconds where the executor runs it (after the compute action before
+it), as posting a message does on a host that drives the transport itself (CPU ranks: ~0.1 ms per gloo
+``isend``/``irecv`` call). ``Costs.overhead`` is the interpreter's own time after every compute action.
+Neither counts as busy (compute) time, so both show in the bubble, as they do in a measured timeline.
 When no rank can start its next action and some actions are left, the schedule deadlocks: ``simulate``
 raises ``ScheduleDeadlock`` with the step x rank grid, the blocked actions marked, instead of hanging.
 """
@@ -42,16 +47,24 @@ class Costs:
     """Weight-gradient time."""
     comm: PerStage = 0.0
     """Time to move one activation (forward) or one activation gradient (backward) across a boundary."""
+    overhead: PerStage = 0.0
+    """Host time a rank spends after each compute action of that stage before it can start anything else
+    (the interpreter's bookkeeping): occupies the rank, is not compute."""
+    post: float = 0.0
+    """Host time to post one send or receive (each explicit communication action of a lowered schedule, where
+    the executor runs it); 0 for a compute-only schedule, whose lists hold no such actions."""
 
     def per_chunk(self, chunks: int) -> "Costs":
         """The costs of one of ``chunks`` equal model chunks (compute divided by ``chunks``, comm unchanged)."""
         scale = lambda v: v / chunks if isinstance(v, (int, float)) else tuple(x / chunks for x in v)  # noqa: E731
-        return Costs(F=scale(self.F), B=scale(self.B), W=scale(self.W), comm=self.comm)
+        return Costs(F=scale(self.F), B=scale(self.B), W=scale(self.W), comm=self.comm, overhead=self.overhead,
+                     post=self.post)
 
     def resolve(self, num_stages: int) -> dict[str, tuple[float, ...]]:
         """Per-stage tuples for ``F``, ``B``, ``W`` and per-boundary ``comm``; ``ValueError`` on bad values."""
         out = {}
-        for name, n in (("F", num_stages), ("B", num_stages), ("W", num_stages), ("comm", max(num_stages - 1, 0))):
+        for name, n in (("F", num_stages), ("B", num_stages), ("W", num_stages), ("comm", max(num_stages - 1, 0)),
+                        ("overhead", num_stages)):
             value = getattr(self, name)
             values = (float(value),) * n if isinstance(value, (int, float)) else tuple(float(v) for v in value)
             if len(values) != n:
@@ -60,6 +73,8 @@ class Costs:
             if any(v < 0 for v in values):
                 raise ValueError(f"cost {name} must be >= 0, got {value!r}")
             out[name] = values
+        if not self.post >= 0:
+            raise ValueError(f"cost post must be >= 0, got {self.post!r}")
         return out
 
 
@@ -141,9 +156,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     schedule.validate()
     table = costs.resolve(schedule.num_stages)
     lists = [[a for a in acts if a.is_compute] for acts in schedule.ranks]
+    lead, after = _host_time(schedule, table, costs.post)
     end: dict[Action, float] = {}
     pos = [0] * schedule.p
-    free = [0.0] * schedule.p
+    free = list(lead)
     events: list[Event] = []
     progress = True
     while progress:
@@ -155,16 +171,39 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                 if ready is None:
                     break
                 start = max(free[r], ready)
-                free[r] = end[a] = start + _duration(a, schedule, table)
+                end[a] = start + _duration(a, schedule, table)
+                free[r] = end[a] + after[r][pos[r]]
                 events.append(Event(r, a, start, end[a]))
                 pos[r] += 1
                 progress = True
     if any(pos[r] < len(lists[r]) for r in range(schedule.p)):
         raise _deadlock(schedule, lists, pos, end)
     busy = tuple(sum(e.end - e.start for e in events if e.rank == r) for r in range(schedule.p))
-    return SimResult(schedule=schedule, costs=costs, makespan=max(free, default=0.0), busy=busy,
+    # The step ends with the last compute action: host time after it (the last sends' posting) is not waited
+    # for, as a measured timeline's makespan (first start to last compute end) does not include it either.
+    return SimResult(schedule=schedule, costs=costs, makespan=max((e.end for e in events), default=0.0), busy=busy,
                      peak_in_flight=tuple(_peak(acts, schedule.split_backward) for acts in lists),
                      timeline=tuple(sorted(events, key=lambda e: (e.start, e.rank))))
+
+
+def _host_time(schedule: Schedule, table: dict[str, tuple[float, ...]],
+               post: float) -> tuple[list[float], list[list[float]]]:
+    """Per rank: the host time before its first compute action (posting the receives the list opens with) and,
+    for its k-th compute action, the time after it before the next one can start (``overhead`` of its stage
+    plus ``post`` per communication action that follows it in the list)."""
+    lead, after = [], []
+    for acts in schedule.ranks:
+        head, tails = 0.0, []
+        for a in acts:
+            if a.is_compute:
+                tails.append(table["overhead"][a.stage])
+            elif tails:
+                tails[-1] += post
+            else:
+                head += post
+        lead.append(head)
+        after.append(tails)
+    return lead, after
 
 
 def _duration(a: Action, schedule: Schedule, table: dict[str, tuple[float, ...]]) -> float:
