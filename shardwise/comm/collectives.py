@@ -6,9 +6,11 @@ small native all-gather of each call's signature runs first and a mismatch raise
 rank instead of hanging or returning garbage.
 
 ``algorithm`` picks the implementation: ``"native"`` (the backend's own: gloo or NCCL), ``"ring"``
-(bandwidth-optimal, ``ring.py``), ``"tree"`` (latency-optimal, ``tree.py``) or ``"auto"`` (per call, the one
-with the lowest fitted cost in the mesh's calibration for the group's size; ``native`` without one:
-``auto.py``). Counters and the debug check see the implementation that ran. Uneven sizes follow
+(bandwidth-optimal, ``ring.py``), ``"tree"`` (latency-optimal, ``tree.py``), ``"shm"`` (through a
+shared-memory segment, for groups whose ranks share one host and tensors in host memory: ``shm.py``;
+``ValueError`` otherwise) or ``"auto"`` (per call, the one with the lowest fitted cost in the mesh's
+calibration for the group's size; ``native`` without one: ``auto.py``). Ring, tree and shm run on the
+axis' comm worker thread when ``async_op=True``. Counters and the debug check see the implementation that ran. Uneven sizes follow
 ``shard_sizes``: the first ``L % n`` ranks hold one extra row.
 """
 
@@ -27,6 +29,8 @@ from .handles import Handle, worker_for
 from .ops import ALGORITHM_CHOICES, check_algorithm, check_dtype, check_op, shard_sizes
 from .p2p import AxisLink
 from .ring import DEFAULT_PIECE_BYTES, ring_all_gather, ring_all_reduce, ring_broadcast, ring_reduce_scatter
+from .shm import ShmGroup, check_shm_tensor
+from .shm_rendezvous import shm_group_for
 from .signature import check_agreement
 from .tree import tree_all_gather, tree_all_reduce, tree_broadcast, tree_reduce_scatter
 
@@ -82,6 +86,14 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", algor
         if async_op:
             return Handle(work=work, finish=finish)
         return finish()
+    if algorithm == "shm":
+        group = _shm_group(mesh, axis, t)
+
+        def shm_job() -> torch.Tensor:
+            if group is not None:
+                group.all_reduce(flat, op, piece_bytes)
+            return finish()
+        return _run(mesh, axis, shm_job, async_op)
     link = link_for(mesh, axis)
     algo = ring_all_reduce if algorithm == "ring" else tree_all_reduce
 
@@ -89,6 +101,13 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", algor
         algo(flat, link, op, piece_bytes)
         return finish()
     return _run(mesh, axis, job, async_op)
+
+
+def _shm_group(mesh: Mesh, axis: str, t: torch.Tensor) -> ShmGroup | None:
+    """The axis' shared-memory group (``None`` for a group of one), set up on first use (collective, on the calling thread: never on the
+    worker, so the rendezvous keeps its place among the group's backend collectives)."""
+    check_shm_tensor(t)
+    return shm_group_for(mesh, axis)
 
 
 def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -127,6 +146,14 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: S
 
     if algorithm == "native":
         return _native_all_gather(flat, x, rows, inner, mesh.group(axis), async_op, finish)
+    if algorithm == "shm":
+        group = _shm_group(mesh, axis, t)
+
+        def shm_job() -> torch.Tensor:
+            if group is not None:
+                group.all_gather(flat, offsets, piece_bytes)
+            return finish()
+        return _run(mesh, axis, shm_job, async_op)
     link = link_for(mesh, axis)
 
     def job() -> torch.Tensor:
@@ -184,12 +211,20 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", d
     rows = shard_sizes(x.shape[0], n)
     inner = math.prod(x.shape[1:])
     offsets = [r * inner for r in _cumsum(rows)]
-    buf = x.reshape(-1).clone()
 
     def shaped(flat_shard: torch.Tensor) -> torch.Tensor:
         out = flat_shard.reshape((rows[i], *x.shape[1:]))
         return out.movedim(0, dim) if t.dim() > 0 else out
 
+    if algorithm == "shm":  # reads the input in place (a copy only when the caller may change it meanwhile)
+        group, src = _shm_group(mesh, axis, t), x.reshape(-1).clone() if async_op else x.reshape(-1)
+
+        def shm_job() -> torch.Tensor:
+            if group is None:
+                return shaped(src.clone())
+            return shaped(group.reduce_scatter(src, op, offsets, piece_bytes))
+        return _run(mesh, axis, shm_job, async_op)
+    buf = x.reshape(-1).clone()
     if algorithm == "native":
         return _native_reduce_scatter(buf, rows, inner, i, op, mesh.group(axis), async_op, shaped)
     link = link_for(mesh, axis)
@@ -243,6 +278,14 @@ def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, *, src: int = 0, algorithm
     if algorithm == "native":
         work = dist.broadcast(flat, src=mesh.global_rank(axis, src), group=mesh.group(axis), async_op=async_op)
         return Handle(work=work, finish=finish) if async_op else finish()
+    if algorithm == "shm":
+        group = _shm_group(mesh, axis, t)
+
+        def shm_job() -> torch.Tensor:
+            if group is not None:
+                group.broadcast(flat, src, piece_bytes)
+            return finish()
+        return _run(mesh, axis, shm_job, async_op)
     link = link_for(mesh, axis)
 
     def job() -> torch.Tensor:

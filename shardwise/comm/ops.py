@@ -10,10 +10,11 @@ __all__ = ["ReduceOp", "Algorithm", "REDUCE_OPS", "ALGORITHMS", "ALGORITHM_CHOIC
            "shard_sizes", "shard_offsets", "check_op", "check_algorithm", "check_dtype", "reduce_into"]
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
-Algorithm = Literal["native", "ring", "tree", "auto"]
+Algorithm = Literal["native", "ring", "tree", "shm", "auto"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
-ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree")
-"""The implementations (what a call finally runs, what ``shardwise bench comm`` measures)."""
+ALGORITHMS: tuple[str, ...] = ("native", "ring", "tree", "shm")
+"""The implementations (what a call finally runs, what ``shardwise bench comm`` measures). ``shm`` (shared
+memory, ``shm.py``) needs every rank of the axis group on one host and tensors in host memory."""
 ALGORITHM_CHOICES: tuple[str, ...] = (*ALGORITHMS, "auto")
 """What the collectives accept: an implementation, or ``auto`` — the cheapest by the mesh's calibration
 (``auto.py``), ``native`` without one."""

@@ -1,0 +1,272 @@
+"""``algorithm="shm"``: collectives through a shared-memory segment, for axis groups on one host.
+
+Every member maps the group's segment (``shm_segment.py``); data moves by memory copies instead of loopback
+TCP. A message is cut into *pieces* that go through ``K`` rotating slots (memory stays bounded whatever the
+message size). Piece ``g`` (a sequence number every member counts alike) uses slot ``g % K``; each member
+publishes its progress in its own counters and waits on its peers' (``shm_sync.py``):
+
+* all-reduce (reduce-scatter + all-gather inside one slot): every member copies its piece into its region
+  and publishes ``ARRIVE``; member ``j`` reduces sub-range ``j`` (``shard_sizes`` of the piece) of all
+  regions, **in coordinate order** 0, 1, …, n-1, into the result region and publishes ``REDUCED``; every
+  member copies the whole result out and publishes ``DONE``. Each element is reduced once, in one fixed
+  order, so every member gets bit-identical values whatever the timing. Up to ``SMALL_BYTES`` every member
+  instead reduces the whole piece itself (same order, same values): one wait instead of three.
+* reduce-scatter: member ``r`` copies, for each destination ``j``, its part of ``j``'s shard into
+  sub-slot ``j`` of its region; member ``j`` reduces sub-slot ``j`` of all regions, in coordinate order,
+  straight into its output (``ARRIVE`` then ``DONE``).
+* all-gather: member ``r`` copies its chunk's piece into its region, every member copies everyone else's.
+* broadcast: the source copies a piece in, the others copy it out.
+
+Before writing into a slot a member waits until every member has published ``DONE`` for the slot's
+previous piece (``g - K``), so a fast rank runs at most ``K`` pieces ahead of the slowest.
+
+All methods take flat, contiguous CPU tensors and are collective over the group (every member calls them
+in the same order). A failure (a dead peer, a timeout, any exception) marks the group unusable and raises
+the ``ABORT`` flag so that the peers stop waiting too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections import OrderedDict
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+from .ops import shard_offsets
+from .shm_segment import ABORT, ARRIVE, DONE, REDUCED, Segment
+from .shm_sync import Peer, ShmPeerError, Waiter, WaitPolicy
+
+__all__ = ["ShmGroup", "DEFAULT_SLOTS", "DEFAULT_REGION_BYTES", "SMALL_BYTES", "check_shm_tensor"]
+
+DEFAULT_SLOTS = 4
+"""Slots in flight: lets ranks drift up to 4 pieces apart before the fastest waits."""
+DEFAULT_REGION_BYTES = 1 << 20
+"""Bytes per region (one rank's share of a slot): a piece of an all-reduce is at most this. Segment size
+is ``slots · (n+1) · region`` (20 MiB for 4 ranks)."""
+SMALL_BYTES = 16 << 10
+"""All-reduces up to this size take the one-wait path where every member reduces the whole message."""
+_SMALL_VIEWS = 64
+"""Cached region views for the small path, least recently used dropped first (no per-call allocation)."""
+
+T = TypeVar("T")
+
+
+def check_shm_tensor(t: torch.Tensor) -> None:
+    """``ValueError`` unless ``t`` lives in host memory (the segment is host memory)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"algorithm 'shm' moves host memory, but the tensor is on {t.device}; use "
+                         f"algorithm='native' (NCCL) for device tensors")
+
+
+class ShmGroup:
+    """One member's handle on an axis group's segment. Created by ``shm_rendezvous.shm_group_for``."""
+
+    def __init__(self, seg: Segment, peers: Sequence[Peer], me: int, axis: str, timeout_s: float,
+                 policy: WaitPolicy = WaitPolicy()) -> None:
+        layout = seg.layout
+        self.seg, self.layout, self.n, self.me, self.axis = seg, layout, layout.n, me, axis
+        self.name = seg.name
+        self.base = torch.frombuffer(seg.buf, dtype=torch.uint8)  # the whole segment, as bytes
+        self.addr = self.base.data_ptr()
+        index = [[layout.counter_index(c, f) for c in range(self.n)] for f in range(4)]
+        self.waiter = Waiter(seg.words, index, peers, me, policy, timeout_s, axis, ABORT)
+        self._mine = [index[f][me] for f in range(4)]
+        self.everyone = tuple(range(self.n))
+        self.seq = 0
+        """Pieces this group has started; the same on every member between collectives."""
+        self.broken: str | None = None
+        self._op = ""
+        self._regions: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._small: OrderedDict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = OrderedDict()
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def _guard(self, collective: str, fn: Callable[[], T]) -> T:
+        if self.broken is not None:
+            raise ShmPeerError(f"shm {collective} on axis {self.axis!r}: this group's shared memory is unusable "
+                               f"after an earlier failure ({self.broken}); restart all ranks")
+        self._op = collective
+        try:
+            return fn()
+        except BaseException as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            self.seg.words[self._mine[ABORT]] = 1
+            raise
+
+    def _publish(self, field: int, value: int) -> None:
+        self.seg.words[self._mine[field]] = value
+
+    def _begin(self) -> tuple[int, int]:
+        """Claim the next piece: (its sequence number, its slot), once the slot's previous use is done."""
+        g, k = self.seq, self.layout.slots
+        self.seq = g + 1
+        if g >= k:
+            self.waiter.wait(DONE, g - k + 1, self.everyone, self._op)
+        return g, g % k
+
+    def _region(self, slot: int, region: int, dtype: torch.dtype) -> torch.Tensor:
+        """``region`` of ``slot`` as a 1-D ``dtype`` tensor over the whole region (a view of the segment)."""
+        key = (slot, region, dtype)
+        view = self._regions.get(key)
+        if view is None:
+            off = self.layout.region_offset(slot, region)
+            view = self._regions[key] = self.base[off:off + self.layout.region_bytes].view(dtype)
+        return view
+
+    def _piece_elems(self, piece_bytes: int, itemsize: int, parts: int = 1) -> int:
+        return max(1, min(piece_bytes, self.layout.region_bytes) // itemsize // parts)
+
+    # -- all-reduce ----------------------------------------------------------------------------------
+    def all_reduce(self, flat: torch.Tensor, op: str, piece_bytes: int) -> None:
+        """Reduce ``flat`` over the group in place (``avg`` divided here)."""
+        if self.n == 1 or flat.numel() == 0:
+            return
+        piece = self._piece_elems(piece_bytes, flat.element_size())
+        if flat.numel() * flat.element_size() <= SMALL_BYTES and flat.numel() <= piece:
+            return self._guard("all_reduce", lambda: self._all_reduce_small(flat, op))
+
+        def run() -> None:
+            for a in range(0, flat.numel(), piece):
+                self._all_reduce_piece(flat[a:a + piece], op)
+        self._guard("all_reduce", run)
+
+    def _small_views(self, slot: int, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, ...]:
+        key = (slot, dtype, numel)
+        views = self._small.pop(key, None)
+        if views is None:
+            views = tuple(self._region(slot, j, dtype)[:numel] for j in range(self.n))
+        self._small[key] = views
+        if len(self._small) > _SMALL_VIEWS:
+            self._small.popitem(last=False)
+        return views
+
+    def _all_reduce_small(self, flat: torch.Tensor, op: str) -> None:
+        g, slot = self._begin()
+        views = self._small_views(slot, flat.dtype, flat.numel())
+        ctypes.memmove(self.addr + self.layout.region_offset(slot, self.me), flat.data_ptr(),
+                       flat.numel() * flat.element_size())
+        self._publish(ARRIVE, g + 1)
+        self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
+        reduce_ordered(flat, views, op)
+        self._publish(DONE, g + 1)
+
+    def _all_reduce_piece(self, x: torch.Tensor, op: str) -> None:
+        g, slot = self._begin()
+        m, dtype = x.numel(), x.dtype
+        self._region(slot, self.me, dtype)[:m].copy_(x)
+        self._publish(ARRIVE, g + 1)
+        bounds = shard_offsets(m, self.n)
+        lo, hi = bounds[self.me], bounds[self.me + 1]
+        result = self._region(slot, self.n, dtype)
+        self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
+        if hi > lo:
+            reduce_ordered(result[lo:hi], [self._region(slot, j, dtype)[lo:hi] for j in range(self.n)], op)
+        self._publish(REDUCED, g + 1)
+        self.waiter.wait(REDUCED, g + 1, self.everyone, self._op)
+        x.copy_(result[:m])
+        self._publish(DONE, g + 1)
+
+    # -- reduce-scatter ------------------------------------------------------------------------------
+    def reduce_scatter(self, flat: torch.Tensor, op: str, offsets: Sequence[int], piece_bytes: int) -> torch.Tensor:
+        """Return this member's chunk ``offsets[me]:offsets[me+1]`` of the reduction of ``flat`` (not modified)."""
+        i = self.me
+        if self.n == 1:
+            out = flat[offsets[0]:offsets[1]].clone()
+            return out
+        lens = [b - a for a, b in zip(offsets, offsets[1:])]
+        out = torch.empty(lens[i], dtype=flat.dtype)
+        sub = self._piece_elems(piece_bytes, flat.element_size(), self.n)  # elements per destination
+
+        def run() -> None:
+            for k in range(math.ceil(max(lens) / sub)):
+                self._reduce_scatter_piece(flat, out, op, offsets, lens, k * sub, sub)
+        self._guard("reduce_scatter", run)
+        return out
+
+    def _reduce_scatter_piece(self, flat: torch.Tensor, out: torch.Tensor, op: str, offsets: Sequence[int],
+                              lens: list[int], a: int, sub: int) -> None:
+        g, slot = self._begin()
+        mine = self._region(slot, self.me, flat.dtype)
+        for j in range(self.n):  # my part of j's chunk -> sub-slot j of my region
+            m = min(a + sub, lens[j]) - a
+            if m > 0:
+                mine[j * sub:j * sub + m].copy_(flat[offsets[j] + a:offsets[j] + a + m])
+        self._publish(ARRIVE, g + 1)
+        self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
+        m, lo = min(a + sub, lens[self.me]) - a, self.me * sub
+        if m > 0:
+            parts = [self._region(slot, j, flat.dtype)[lo:lo + m] for j in range(self.n)]
+            reduce_ordered(out[a:a + m], parts, op)
+        self._publish(DONE, g + 1)
+
+    # -- all-gather ----------------------------------------------------------------------------------
+    def all_gather(self, flat: torch.Tensor, offsets: Sequence[int], piece_bytes: int) -> None:
+        """``flat`` holds this member's chunk at ``offsets[me]:offsets[me+1]``; fill in every other chunk."""
+        if self.n == 1:
+            return
+        lens = [b - a for a, b in zip(offsets, offsets[1:])]
+        per = self._piece_elems(piece_bytes, flat.element_size())
+
+        def run() -> None:
+            for k in range(math.ceil(max(lens) / per)):
+                self._all_gather_piece(flat, offsets, lens, k * per, per)
+        self._guard("all_gather", run)
+
+    def _all_gather_piece(self, flat: torch.Tensor, offsets: Sequence[int], lens: list[int], a: int,
+                          per: int) -> None:
+        g, slot = self._begin()
+        m = min(a + per, lens[self.me]) - a
+        if m > 0:
+            start = offsets[self.me] + a
+            self._region(slot, self.me, flat.dtype)[:m].copy_(flat[start:start + m])
+        self._publish(ARRIVE, g + 1)
+        self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
+        for j in range(self.n):
+            m = min(a + per, lens[j]) - a
+            if j != self.me and m > 0:
+                flat[offsets[j] + a:offsets[j] + a + m].copy_(self._region(slot, j, flat.dtype)[:m])
+        self._publish(DONE, g + 1)
+
+    # -- broadcast -----------------------------------------------------------------------------------
+    def broadcast(self, flat: torch.Tensor, root: int, piece_bytes: int) -> None:
+        """Copy the member ``root``'s ``flat`` into every member's ``flat``."""
+        if self.n == 1 or flat.numel() == 0:
+            return
+        per = self._piece_elems(piece_bytes, flat.element_size())
+
+        def run() -> None:
+            for a in range(0, flat.numel(), per):
+                self._broadcast_piece(flat[a:a + per], root)
+        self._guard("broadcast", run)
+
+    def _broadcast_piece(self, x: torch.Tensor, root: int) -> None:
+        g, slot = self._begin()
+        region = self._region(slot, root, x.dtype)[:x.numel()]
+        if self.me == root:
+            region.copy_(x)
+            self._publish(ARRIVE, g + 1)
+        else:
+            self.waiter.wait(ARRIVE, g + 1, (root,), self._op)
+            x.copy_(region)
+        self._publish(DONE, g + 1)
+
+
+def reduce_ordered(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str) -> None:
+    """``out = parts[0] (op) parts[1] (op) ...`` left to right (``avg``: the sum divided by ``len(parts)``).
+    The fixed order is what makes every rank's result bit-identical. ``out`` may alias none of ``parts``
+    except ``parts[0]``."""
+    first, rest = parts[0], parts[1:]
+    if op in ("sum", "avg"):
+        torch.add(first, rest[0], out=out) if rest else out.copy_(first)
+        for p in rest[1:]:
+            out.add_(p)
+        if op == "avg":
+            out.div_(len(parts))
+    elif op in ("max", "min"):
+        fn = torch.maximum if op == "max" else torch.minimum
+        fn(first, rest[0], out=out) if rest else out.copy_(first)
+        for p in rest[1:]:
+            fn(out, p, out=out)
+    else:  # pragma: no cover - validated by the caller
+        raise AssertionError(op)
