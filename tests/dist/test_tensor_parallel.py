@@ -8,6 +8,7 @@ import pytest
 from tests.dist import tp_checks as tc
 
 L = tc.TINY["n_layer"]
+F32 = 4  # bytes per fp32 gradient element
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -38,18 +39,26 @@ def test_world4_training_matches_single_device(worlds, axes):
 
 def test_collective_counts(worlds):
     w = worlds.get(2)
-    fwd, bwd = w.run(tc.check_comm_counts, False)[0]
+    fwd, bwd, _ = w.run(tc.check_comm_counts, False)[0]
     # forward: embedding all-reduce, 2 row-parallel all-reduces per block, loss max + (sum-exp, target)
     assert fwd == {"all_reduce": 1 + 2 * L + 2}
     # backward: column-parallel inputs (qkv, fc) per block + the LM head input; loss and row outputs: none
     assert bwd == {"all_reduce": 2 * L + 1}
-    fwd, bwd = w.run(tc.check_comm_counts, True)[0]
+    fwd, bwd, ar_bytes = w.run(tc.check_comm_counts, True)[0]
     # SP forward: embedding reduce-scatter; per block 2 gathers before qkv/fc and 2 reduce-scatters after
     # the row layers; the LM head's gather; the loss's 2 all-reduces
     assert fwd == {"reduce_scatter": 1 + 2 * L, "all_gather": 2 * L + 1, "all_reduce": 2}
-    # SP backward: the conjugates, plus one all-reduce per replicated parameter with a partial gradient
-    # (ln_1, ln_2 weight+bias and 2 row biases per block, ln_f weight+bias, wpe)
-    assert bwd == {"all_gather": 1 + 2 * L, "reduce_scatter": 2 * L + 1, "all_reduce": 6 * L + 3}
+    # SP backward: the conjugates, plus ONE all-reduce per gradient region of replicated parameters with a
+    # partial gradient (not one per parameter): ln_f, each block, wpe -- in backward order
+    assert bwd == {"all_gather": 1 + 2 * L, "reduce_scatter": 2 * L + 1, "all_reduce": L + 2}
+    h, t = tc.TINY["n_embd"], tc.TINY["block_size"]
+    # ln_f: weight + bias (2h); a block: ln_1 and ln_2 weight + bias (4h), attn.proj and mlp.proj biases (2h);
+    # wpe: its whole (block_size, h) table (an embedding's gradient is dense)
+    assert ar_bytes == [F32 * 2 * h] + [F32 * 6 * h] * L + [F32 * t * h]
+    # without biases: the norm weights only (h each), no row biases
+    _, bwd, ar_bytes = w.run(tc.check_comm_counts, True, {"bias": False})[0]
+    assert bwd["all_reduce"] == L + 2
+    assert ar_bytes == [F32 * h] + [F32 * 2 * h] * L + [F32 * t * h]
 
 
 @pytest.mark.parametrize("vocab", [8, 9, 1])

@@ -77,10 +77,11 @@ def check_training_parity(axes: dict[str, int], cfg_kw: dict, sp: bool, steps: i
     return losses
 
 
-def check_comm_counts(sp: bool) -> tuple[dict[str, int], dict[str, int]]:
-    """Collectives of one forward (+ loss) and one backward of the tp=2 GPT, by op (tp axis only)."""
+def check_comm_counts(sp: bool, cfg_kw: dict | None = None) -> tuple[dict[str, int], dict[str, int], list[int]]:
+    """Collectives of one forward (+ loss) and one backward of the tp=2 GPT, by op (tp axis only), and the
+    bytes of each backward all-reduce in call order."""
     m = mesh(tp=2)
-    cfg = GPTConfig(**TINY)
+    cfg = GPTConfig(**{**TINY, **(cfg_kw or {})})
     model = _parallel(cfg, m, sp)
     x, y = _batches(cfg, 2, 16, 1)[0]
     with CommCounter() as fwd:
@@ -88,7 +89,7 @@ def check_comm_counts(sp: bool) -> tuple[dict[str, int], dict[str, int]]:
     with CommCounter() as bwd:
         loss.backward()
     assert all(r.axis == "tp" for r in fwd.records + bwd.records)
-    return fwd.by_op(), bwd.by_op()
+    return fwd.by_op(), bwd.by_op(), [r.nbytes for r in bwd.records if r.op == "all_reduce"]
 
 
 def check_vocab_ce(vocab: int, n_rows: int = 12) -> float:

@@ -25,11 +25,11 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from ...comm.collectives import all_reduce
 from ...mesh import Mesh
 from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
 from ...sbp.placement import Broadcast, Split
+from .grad_regions import build_regions
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
                              VocabParallelHead, shard_heads, shard_param)
 from .rng import RNGStreams
@@ -60,7 +60,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
 
     ``sequence_parallel``: activations outside column→row pairs are split on the sequence dim (dim 1);
     every trainable parameter outside the sharded layers must then be covered by ``SequenceParallel()``
-    (its gradient is a partial sum, all-reduced over ``axis`` by a gradient hook). ``seed``: mixed with a
+    (its gradient is a partial sum over ``axis``; the partial-gradient parameters of each region — a
+    ``ModuleList`` element such as a block, else the module itself — are summed by one all-reduce per
+    backward, ``grad_regions.py``). ``seed``: mixed with a
     draw from the shared stream and the tp coord to seed each split region's dropout (``tensor_rng.py``;
     default ``torch.initial_seed()``). Local (no communication); raises before changing anything.
     """
@@ -75,8 +77,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     rng = RNGStreams(mesh.device, torch.initial_seed() if seed is None else seed, mesh.coord(axis))
     ctx = TPContext(mesh, axis, sequence_parallel, rng)
     shared: dict[int, tuple[str, nn.Parameter]] = {}
+    partial: list[tuple[str, nn.Module, list[str]]] = []  # (module name, module, its partial-gradient params)
     for name, style in matched.items():
-        _apply(model, name, modules[name], style, ctx, shared)
+        _apply(model, name, modules[name], style, ctx, shared, partial)
+    ctx.regions = build_regions(model, partial, mesh, axis)
     model.register_forward_pre_hook(lambda *_: rng.enter_split() if sequence_parallel else rng.leave_split())
     model.register_forward_hook(lambda *_: rng.leave_split(), always_call=True)
     setattr(model, _MARK, ctx)
@@ -134,10 +138,12 @@ def _check_coverage(model: nn.Module, matched: dict[str, Style], sequence_parall
 
 
 def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TPContext,
-           shared: dict[int, tuple[str, nn.Parameter]]) -> None:
-    """Replace (or hook) one planned module. Local."""
+           shared: dict[int, tuple[str, nn.Parameter]], partial: list[tuple[str, nn.Module, list[str]]]) -> None:
+    """Replace (or hook) one planned module; append the modules whose parameters get partial gradients
+    (sequence parallelism) to ``partial``. Local."""
     if isinstance(style, SequenceParallel):
         _sequence_parallel(module, style, ctx)
+        partial.append((name, module, [n for n, _ in module.named_parameters(remove_duplicate=False)]))
         return
     tp = ctx.mesh.size(ctx.axis)
 
@@ -161,9 +167,9 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
                                                 module.padding_idx)
     elif isinstance(style, RowParallel):
         bias = shard(module.bias, None, "B")
-        if bias is not None and ctx.sequence_parallel:
-            _sum_partial_grad(bias, ctx)  # added to sequence-split activations: partial gradient
         new = RowParallelLinear(shard(module.weight, 1, "S(1)"), bias, ctx, module.in_features)
+        if bias is not None and ctx.sequence_parallel:
+            partial.append((name, new, ["bias"]))  # added to sequence-split activations: partial gradient
     else:
         cls = VocabParallelHead if isinstance(style, VocabParallel) else ColumnParallelLinear
         key = f"heads/{tp}" if isinstance(style, QKVParallel) else "S(0)"
@@ -177,10 +183,8 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
 
 
 def _sequence_parallel(module: nn.Module, style: SequenceParallel, ctx: TPContext) -> None:
-    """Hook gradients of replicated parameters (partial over tp → all-reduce) and, with ``slice_output``,
-    keep this rank's sequence slice of the module's output."""
-    for p in module.parameters():
-        _sum_partial_grad(p, ctx)
+    """With ``slice_output``, keep this rank's sequence slice of the module's output. (Its parameters'
+    partial gradients are summed by the module's gradient region, ``grad_regions.py``.)"""
     if style.slice_output is not None:
         dim = style.slice_output
 
@@ -188,14 +192,6 @@ def _sequence_parallel(module: nn.Module, style: SequenceParallel, ctx: TPContex
             start, length = ctx.split_sequence(out.size(dim))
             return out.narrow(dim, start, length)  # backward: zeros elsewhere -> partial gradient
         module.register_forward_hook(keep_slice)
-
-
-def _sum_partial_grad(p: nn.Parameter, ctx: TPContext) -> None:
-    """Sum ``p``'s gradient over tp as it is produced (a tensor hook runs before accumulation into ``.grad``,
-    so data-parallel hooks that read ``.grad`` afterwards see the summed value). Collective in backward."""
-    if p.requires_grad:
-        mesh, axis = ctx.mesh, ctx.axis
-        p.register_hook(lambda g: all_reduce(g.clone(), mesh, axis, op="sum"))
 
 
 def global_view(param: torch.Tensor, local: torch.Tensor | None = None) -> GlobalTensor | None:

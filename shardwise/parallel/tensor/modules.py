@@ -37,6 +37,8 @@ class TPContext:
     sequence_parallel: bool
     rng: RNGStreams
     seq_sizes: list[int] | None = field(default=None)
+    regions: list = field(default_factory=list)
+    """The sequence-parallel gradient regions (``grad_regions.GradRegion``), in module order."""
 
     def sbp(self, dim: int | None) -> list:
         """One placement per mesh axis: ``Split(dim)`` on the tp axis (B when ``dim`` is None), B elsewhere."""
