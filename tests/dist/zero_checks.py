@@ -151,8 +151,8 @@ def expected_counts(model: Any, stage: int) -> dict[str, dict[str, int]]:
         blocks = groups - rest
         bwd = {"all_gather": blocks, "reduce_scatter": groups} if blocks else {"reduce_scatter": groups}
         return {"forward": {"all_gather": rest + blocks}, "backward": bwd, "step": {}}
-    return {"forward": {}, "backward": {} if stage == 1 else {"reduce_scatter": groups},
-            "step": {"all_gather": groups, **({"reduce_scatter": groups} if stage == 1 else {})}}
+    # Stages 1-2 alike: every bucket reduce-scattered in backward, the step only all-gathers parameters.
+    return {"forward": {}, "backward": {"reduce_scatter": groups}, "step": {"all_gather": groups}}
 
 
 def check_parity(configs: list[tuple]) -> list[dict[str, Any]]:

@@ -6,39 +6,54 @@
     opt.step()                        # consumes the gradients (zero_grad() is optional)
 
 SBP view over ``axis``: the batch is ``S(0)``; optimizer state is ``S(0)`` of the flat parameter buffers
-(stage >= 1); gradients come out of backward as ``P`` and are reduce-scattered to ``S(0)`` (stage 2-3:
-during backward, bucketed and overlapped; stage 1: at the step); parameters are ``B`` (stages 1-2:
-all-gathered after each step) or ``S(0)`` gathered to ``B`` only around each unit's forward and backward
-(stage 3). Per-rank model-state bytes with fp32 Adam (Ψ parameters, N ranks): stage 1 ``8Ψ + 8Ψ/N``,
-stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``; with bf16/fp16 compute and fp32 master
-(``mixed_precision=MixedPrecision()``): ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``.
+(stage >= 1); gradients come out of backward as ``P`` and are reduce-scattered to ``S(0)`` during backward
+in every stage (stages 1-2: the gradient buckets of data parallelism, ``common/buckets.py``; stage 3: the
+units), each bucket as soon as its gradients are ready (``grads.py``, one reducer for all stages);
+parameters are ``B`` (stages 1-2: all-gathered after each step) or ``S(0)`` gathered to ``B`` only around
+each unit's forward and backward (stage 3). Per-rank model-state bytes with fp32 Adam (Ψ parameters, N
+ranks): stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``; with bf16/fp16 compute and fp32
+master (``mixed_precision=MixedPrecision()``): ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``.
 
-Gradient accumulation: backwards without a step accumulate (as in plain PyTorch); stages 2-3 reduce each
+What stage 1 keeps: full parameters (``B``), one persistent full gradient buffer per bucket (4Ψ in fp32,
+``param.grad`` are views of it while gradients accumulate) and the optimizer state of this rank's shard
+only. The averaged gradient shard of a synchronised backward is written into the gradient buffer's own
+slice (no extra memory; ``param.grad`` is ``None`` afterwards and the rest of the buffer holds that
+backward's local gradients until the next backward or step overwrites it); only with
+``MixedPrecision(reduce_dtype=...)`` different from the compute dtype is the shard kept apart, from the
+backward to the step (``4Ψ/N`` more in that dtype). Stage 2 frees each bucket's full gradients as soon as
+its reduce-scatter starts and keeps only the shard.
+
+Gradient accumulation: backwards without a step accumulate (as in plain PyTorch); every stage reduces each
 backward unless it ran inside ``model.no_sync()``, which keeps full local gradients and defers the
-reduction to the next backward outside it. ``step()``/``clip_grad_norm_()`` inside ``no_sync()``, or with
-unreduced local gradients, raise ``RuntimeError``; stage 1 never communicates in backward (it reduces at
-the step). A backward after ``clip_grad_norm_`` but before ``step()`` raises (the clipped gradients would
-silently mix with new ones).
+reduction to the next backward outside it (stage 1 accumulates into its buffers, then re-averages the
+whole sum). ``step()``/``clip_grad_norm_()`` inside ``no_sync()``, or with unreduced local gradients, raise
+``RuntimeError``. A backward after ``clip_grad_norm_`` but before ``step()`` raises (the clipped gradients
+would silently mix with new ones).
 
 Tensor parallelism inside: ``sw.zero(sw.parallelize(model, mesh, plan, axis="tp"), mesh, axis="dp", ...)`` shards each
 tp rank's local (already tp-sharded) parameters over ``axis`` only; every ZeRO collective runs on the ``axis`` group
 of the rank's tp coordinate, the tp collectives stay the tp model's; ``clip_grad_norm_`` counts tp-replicated
 parameters once (``common/grad_norm.py``); ``full_state_dict`` gathers over ``axis`` and then over tp.
 
+Collectives: ``algorithm`` picks the reduce-scatter and all-gather implementation (``comm``); the default
+(``None``) is ``"ring"`` on CPU meshes — gloo's own reduce-scatter is 2-3x slower than the ring on
+0.25-12 MB buckets — and ``"native"`` on CUDA (NCCL), or for dtypes the ring does not take.
+
 Collective calls: ``sw.zero`` (checks and a broadcast from coordinate 0), every forward and backward in
-stage 3, every synchronised backward in stage 2-3, ``step``, ``clip_grad_norm_``, ``full_state_dict``.
+stage 3, every synchronised backward, ``step``, ``clip_grad_norm_``, ``full_state_dict``.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ... import comm
+from ...comm.ops import ALGORITHM_CHOICES, SUPPORTED_DTYPES
 from ...mesh import Mesh
 from ..common.buckets import default_order, plan_buckets
 from ..common.memory import PeakTracker, storage_bytes
@@ -46,19 +61,29 @@ from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
 from ..tensor.api import full_tensor, local_piece
 from .flat import FlatGroup
-from .grads import ShardGradReducer, attach_full_grads
+from .grads import ShardGradReducer
 from .optim import OptimizerFactory, ZeroOptimizer
 from .stage3 import Stage3Runtime, default_units
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
 
 STAGES = (1, 2, 3)
+Algorithm = Literal["native", "ring", "tree", "auto"]
+
+
+def default_algorithm(mesh: Mesh, dtypes: Sequence[torch.dtype]) -> str:
+    """ZeRO's collective implementation when ``algorithm=None``: NCCL's own on CUDA; on CPU the ring, which
+    beats gloo's native reduce-scatter 2-3x at bucket sizes (0.25-12 MB measured on 2 ranks), unless a
+    dtype is one only the backend handles. Pure."""
+    if mesh.device.type == "cuda" or any(d not in SUPPORTED_DTYPES for d in dtypes):
+        return "native"
+    return "ring"
 
 
 def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactory, axis: str = "dp",
          mixed_precision: MixedPrecision | None = None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
          units: Sequence[Sequence[str]] | None = None, prefetch: bool = True,
-         overlap: bool = True) -> tuple["ZeroModel", ZeroOptimizer]:
+         overlap: bool = True, algorithm: Algorithm | None = None) -> tuple["ZeroModel", ZeroOptimizer]:
     """Wrap ``model`` for ZeRO ``stage`` over ``axis`` and build ``optimizer(shard_params)`` on this rank's
     shards. Returns ``(model, opt)``; use ``opt`` instead of an optimizer over ``model.parameters()``.
 
@@ -66,12 +91,14 @@ def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactor
     / ``first_bucket_mb``: gradient bucket sizes of stages 1-2 (MB = 2**20 bytes). ``units`` (stage 3):
     lists of module names gathered together, in forward order (default: each element of ``blocks``; the
     remaining parameters form one more unit). ``prefetch``: gather the next unit while the current one
-    computes. ``overlap``: start a group's reduce-scatter as soon as its gradients are ready.
-    Collective (every rank of the axis calls it with the same model structure).
+    computes. ``overlap``: start a group's reduce-scatter as soon as its gradients are ready (else all when
+    backward ends). ``algorithm``: ``native | ring | tree | auto`` for the reduce-scatters and all-gathers
+    (``None``: ``default_algorithm``). Collective (every rank of the axis calls it with the same model
+    structure and options).
     """
     wrapped = ZeroModel(model, mesh, axis=axis, stage=stage, mixed_precision=mixed_precision,
                         bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, units=units,
-                        prefetch=prefetch, overlap=overlap)
+                        prefetch=prefetch, overlap=overlap, algorithm=algorithm)
     opt = ZeroOptimizer(wrapped, optimizer, wrapped.groups, mesh, axis, stage=stage, scaler=wrapped.scaler,
                         reduce_dtype=wrapped.reduce_dtype)
     wrapped._optimizer = opt
@@ -79,7 +106,7 @@ def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactor
 
 
 def _check_inputs(model: Any, mesh: Mesh, axis: str, stage: Any, bucket_cap_mb: float, first_bucket_mb: float,
-                  mixed_precision: Any) -> None:
+                  mixed_precision: Any, algorithm: Any) -> None:
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {list(STAGES)}, got {stage!r}; 1 shards optimizer state, "
                          f"2 also gradients, 3 also parameters")
@@ -90,6 +117,9 @@ def _check_inputs(model: Any, mesh: Mesh, axis: str, stage: Any, bucket_cap_mb: 
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a number > 0 (megabytes), got {value!r}")
+    if algorithm is not None and algorithm not in ALGORITHM_CHOICES:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}, or None for "
+                         f"the default (ring on CPU, native on CUDA)")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a shardwise MixedPrecision or None, got "
                         f"{type(mixed_precision).__name__}")
@@ -106,8 +136,9 @@ class ZeroModel(nn.Module):
 
     def __init__(self, module: nn.Module, mesh: Mesh, *, axis: str, stage: int,
                  mixed_precision: MixedPrecision | None, bucket_cap_mb: float, first_bucket_mb: float,
-                 units: Sequence[Sequence[str]] | None, prefetch: bool, overlap: bool) -> None:
-        _check_inputs(module, mesh, axis, stage, bucket_cap_mb, first_bucket_mb, mixed_precision)
+                 units: Sequence[Sequence[str]] | None, prefetch: bool, overlap: bool,
+                 algorithm: Algorithm | None = None) -> None:
+        _check_inputs(module, mesh, axis, stage, bucket_cap_mb, first_bucket_mb, mixed_precision, algorithm)
         super().__init__()
         self.module, self.mesh, self.axis, self.stage = module, mesh, axis, stage
         self.mixed_precision = mixed_precision
@@ -117,13 +148,14 @@ class ZeroModel(nn.Module):
         self.compute_dtype = mixed_precision.param_dtype if mixed_precision else named[0][1].dtype
         self.reduce_dtype = (mixed_precision.reduce_dtype or self.compute_dtype) if mixed_precision else self.compute_dtype
         self.scaler = LossScaler(mixed_precision)
+        self.algorithm: str = algorithm or default_algorithm(mesh, [self.compute_dtype, self.reduce_dtype])
         self._sync = True
         self._grads_reduced = False
         self._optimizer: ZeroOptimizer | None = None
         self._peak = PeakTracker(mesh.device)
         self._full_grads: list[torch.Tensor] = []
-        self._shard_grads: list[torch.Tensor] = []
         self._reducer: ShardGradReducer | None = None
+        self._launch_pos: list[int] = []  # group k is the reducer's group _launch_pos[k]
         self._stage3: Stage3Runtime | None = None
         if stage == 3:
             self._build_stage3(named, units, prefetch, overlap)
@@ -139,7 +171,7 @@ class ZeroModel(nn.Module):
     # -- construction -----------------------------------------------------------------------------------
     def _group(self, named: list[tuple[str, nn.Parameter]], sharded: bool) -> FlatGroup:
         return FlatGroup([n for n, _ in named], [p for _, p in named], self.mesh, self.axis,
-                         compute_dtype=self.compute_dtype, sharded_params=sharded)
+                         compute_dtype=self.compute_dtype, sharded_params=sharded, algorithm=self.algorithm)
 
     def _build_stage12(self, named: list[tuple[str, nn.Parameter]], cap_mb: float, first_mb: float,
                        overlap: bool) -> None:
@@ -149,19 +181,16 @@ class ZeroModel(nn.Module):
                             cap_bytes=max(1, int(cap_mb * 2**20)), first_cap_bytes=max(1, int(first_mb * 2**20)),
                             order=default_order(len(named)))
         self.groups = [self._group([named[i] for i in sorted(bucket)], sharded=False) for bucket in plan.buckets]
-        if self.stage == 1:
+        if self.stage == 1:  # the persistent full gradient buffers (param.grad views while accumulating)
             self._full_grads = [torch.zeros(g.layout.total, dtype=self.compute_dtype, device=self.mesh.device)
                                 for g in self.groups]
-            for g, buf in zip(self.groups, self._full_grads):
-                attach_full_grads(g, buf)
-        else:
-            self._make_reducer(self.groups, overlap, on_launched=None, on_end=None)
+        self._make_reducer(self.groups, overlap, on_launched=None, on_end=None)
 
     def _make_reducer(self, launch: list[FlatGroup], overlap: bool, on_launched: Any, on_end: Any) -> None:
-        self._shard_grads = [torch.zeros(g.hi - g.lo, dtype=self.reduce_dtype, device=self.mesh.device)
-                             for g in launch]
-        self._reducer = ShardGradReducer(launch, list(self._shard_grads), self.mesh, self.axis,
-                                         reduce_dtype=self.reduce_dtype, overlap=overlap,
+        self._launch_pos = [next(j for j, h in enumerate(launch) if h is g) for g in self.groups]
+        self._reducer = ShardGradReducer(launch, self.mesh, self.axis, reduce_dtype=self.reduce_dtype,
+                                         algorithm=self.algorithm, overlap=overlap,
+                                         full_grads=self._full_grads or None,
                                          on_launched=on_launched, on_backward_end=on_end)
 
     def _build_stage3(self, named: list[tuple[str, nn.Parameter]], units: Sequence[Sequence[str]] | None,
@@ -195,8 +224,6 @@ class ZeroModel(nn.Module):
             if order[j] >= first:
                 runtime.free(order[j])
         self._make_reducer([self.groups[k] for k in order], overlap, on_launched=launched, on_end=runtime.free_all)
-        # Shard gradients are indexed like the groups everywhere else.
-        self._shard_grads[:] = [self._shard_grads[order.index(k)] for k in range(len(self.groups))]
 
     def _cast_the_rest(self) -> None:
         """Mixed precision: frozen parameters and floating buffers compute in the compute dtype too."""
@@ -242,20 +269,9 @@ class ZeroModel(nn.Module):
         else:
             self._zero_grads()
 
-    @torch.no_grad()
     def _zero_grads(self) -> None:
-        for buf in self._full_grads:
-            buf.zero_()
-        for g, buf in zip(self.groups, self._full_grads):
-            attach_full_grads(g, buf)
-        for buf in self._shard_grads:
-            buf.zero_()
-        if self.stage != 1:
-            for g in self.groups:
-                for p in g.params:
-                    p.grad = None
-            if self._reducer is not None:
-                self._reducer.unreduced = False
+        assert self._reducer is not None
+        self._reducer.clear()  # param.grad = None; the buffers are overwritten by the next backward
 
     def _note_peak(self, opt: ZeroOptimizer | None) -> None:
         self._peak.note(sum(storage_bytes(self.memory_tensors(opt)).values()))
@@ -263,13 +279,17 @@ class ZeroModel(nn.Module):
     # -- ``ZeroGroups`` (what ``ZeroOptimizer`` reads; all local) -----------------------------------------
     @property
     def full_grads(self) -> list[torch.Tensor]:
-        """Stage 1: each group's full local gradient buffer (unreduced until the step); else empty."""
+        """Stage 1: each group's full gradient buffer; after a synchronised backward its slice ``[lo, hi)``
+        holds the averaged shard and the rest this backward's local gradients (see the module docstring);
+        else empty."""
         return list(self._full_grads)
 
     @property
     def shard_grads(self) -> list[torch.Tensor]:
-        """Stages 2-3: this rank's averaged gradient shard of each group (indexed like ``groups``); else empty."""
-        return list(self._shard_grads)
+        """This rank's averaged gradient shard of each group (indexed like ``groups``; zeros for a group not
+        reduced since the last step). Stage 1: a view of the full buffer's slice where dtypes agree."""
+        assert self._reducer is not None
+        return [self._reducer.shard(j) for j in self._launch_pos]
 
     @property
     def syncing(self) -> bool:
@@ -278,7 +298,7 @@ class ZeroModel(nn.Module):
 
     @property
     def has_unreduced_grads(self) -> bool:
-        """Gradients accumulated under ``no_sync()`` not reduced by a synchronised backward yet (stages 2-3)."""
+        """Gradients accumulated under ``no_sync()`` not reduced by a synchronised backward yet."""
         return self._reducer is not None and self._reducer.unreduced
 
     def set_grads_prepared(self, prepared: bool) -> None:
@@ -298,7 +318,7 @@ class ZeroModel(nn.Module):
         managed = {id(p) for g in self.groups for p in g.params}
         params = [t for g in self.groups for t in (g.full, g.master, g.shard)]
         params += [p for p in self.module.parameters() if id(p) not in managed]
-        grads = [*self._full_grads, *self._shard_grads]
+        grads = [*self._full_grads, *(self._reducer.held_shards() if self._reducer is not None else [])]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
         grads += [g.master.grad for g in self.groups if g.master.grad is not None]
         state = [v for s in (opt.optimizer.state.values() if opt is not None else [])

@@ -87,14 +87,14 @@ class FlatGroup:
     precision and stages 1-2 it *aliases* ``full[lo:hi]`` (no extra memory). ``shard``: the compute-dtype
     shard that is all-gathered into ``full`` — ``full[lo:hi]`` itself in stages 1-2, a persistent buffer in
     stage 3 (aliasing ``master`` without mixed precision). After a step, ``shard`` is refreshed from
-    ``master`` when they differ in dtype.
+    ``master`` when they differ in dtype. ``algorithm``: the all-gather implementation (``comm.all_gather``).
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter], mesh: Mesh, axis: str, *,
-                 compute_dtype: torch.dtype, sharded_params: bool) -> None:
+                 compute_dtype: torch.dtype, sharded_params: bool, algorithm: str = "native") -> None:
         assert params, "a flat group holds at least one parameter"
         self.names, self.params = names, params
-        self.mesh, self.axis = mesh, axis
+        self.mesh, self.axis, self.algorithm = mesh, axis, algorithm
         self.shapes = [p.shape for p in params]
         self.layout = flat_layout([p.numel() for p in params], mesh.size(axis))
         self.lo, self.hi = self.layout.shard(mesh.coord(axis))
@@ -133,7 +133,7 @@ class FlatGroup:
     def start_gather(self) -> comm.Handle:
         """Start the all-gather of every rank's ``shard`` (collective). Finish with ``finish_gather``."""
         handle = comm.all_gather(self.shard, self.mesh, self.axis, sizes=list(self.layout.shard_sizes),
-                                 async_op=True)
+                                 algorithm=self.algorithm, async_op=True)
         assert isinstance(handle, comm.Handle)
         return handle
 
@@ -159,10 +159,9 @@ class FlatGroup:
     # -- gradients ------------------------------------------------------------------------------------
     def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """A new ``L``-element flat tensor of the params' gradients (zeros where a param has none)."""
-        out = torch.zeros(self.layout.total, dtype=dtype, device=self.full.device)
+        out = torch.empty(self.layout.total, dtype=dtype, device=self.full.device)  # every element written once
         for view, p in zip(self.views(out), self.params):
-            if p.grad is not None:
-                view.copy_(p.grad)
+            view.copy_(p.grad) if p.grad is not None else view.zero_()
         return out
 
     @torch.no_grad()

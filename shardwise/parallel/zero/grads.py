@@ -1,21 +1,29 @@
 """Gradient reduction for ZeRO: full gradients (``P`` over the axis) become averaged shards (``S(0)``).
 
-Stage 1 keeps full gradients in one persistent flat buffer per group (``param.grad`` are views of it) and
-reduce-scatters them once, lazily, when the optimizer needs them (``clip_grad_norm_`` or ``step``), as
-DeepSpeed's stage 1 does at the accumulation boundary: backward never communicates.
+One reducer, ``ShardGradReducer``, serves every stage. It runs a bucket plan (stages 1-2: the buckets of
+``common/buckets.py``, the plan data parallelism uses; stage 3: the units) *during* backward: every
+parameter has a post-accumulate-grad hook; when all parameters of a group hold their gradient, the group's
+asynchronous averaging reduce-scatter starts while backward goes on with earlier layers. Groups are
+launched strictly in launch order so that every rank issues the same collectives in the same sequence; a
+callback queued on the autograd engine launches what is left (groups with unused parameters contribute
+zeros), waits, and stores the averaged shards before ``backward()`` returns. Repeated backwards without a
+step accumulate, as in plain PyTorch. The two stages differ only in what survives a reduction:
 
-Stages 2-3 reduce *during* backward (``ShardGradReducer``): every parameter has a post-accumulate-grad
-hook; when all parameters of a group (a bucket, or a stage-3 unit) hold their gradient, the group's
-gradients are flattened, the full ``param.grad`` are dropped, and an asynchronous averaging
-reduce-scatter starts while backward goes on with earlier layers. Groups are launched strictly in launch
-order so that every rank issues the same collectives in the same sequence; a callback queued on the
-autograd engine launches what is left (groups with unused parameters contribute zeros), waits, and adds
-the results into the persistent shard-gradient buffers before ``backward()`` returns. Repeated backwards
-without a step therefore accumulate, as in plain PyTorch.
+* stage 1 (``full_grads`` given: one persistent flat buffer per group, ``param.grad`` are views of it while
+  gradients accumulate): the averaged shard is written into the buffer's own slice ``[lo, hi)``, so no
+  shard-sized memory is added; the buffer outside the slice keeps this backward's local gradients until the
+  next backward or step overwrites them. ``param.grad`` is ``None`` after a synchronised backward. A later
+  backward before the step accumulates on top: a parameter whose view holds the averaged slice contributes
+  ``N * average`` (its share of the sum) plus its new gradient, so the next reduce-scatter averages the whole
+  accumulation. Where the reduce dtype differs from the buffer's (``MixedPrecision(reduce_dtype=...)``) the
+  shard is kept apart instead (``4Ψ/N`` more) and the buffer keeps the local sum.
+* stages 2-3 (no ``full_grads``): a group's gradients are flattened into a new tensor, the full
+  ``param.grad`` are dropped (no full-size gradient survives its reduction) and the averaged result is added
+  into the shard (the first reduction after a step is stored as is: no zeroing, no add).
 
-``no_sync``: backwards of forwards run inside it keep full gradients locally (no communication, full
-gradient memory); the next synchronised backward reduces the accumulated sum. Stepping while local
-gradients are unreduced raises instead of silently dropping them.
+``no_sync``: backwards of forwards run inside it keep full gradients locally (no communication; stages 2-3
+hold full gradient memory meanwhile); the next synchronised backward reduces the accumulated sum. Stepping
+while local gradients are unreduced raises instead of silently dropping them.
 """
 
 from __future__ import annotations
@@ -28,12 +36,17 @@ from ... import comm
 from ...mesh import Mesh
 from .flat import FlatGroup
 
-__all__ = ["ShardGradReducer", "reduce_full_grads", "attach_full_grads"]
+__all__ = ["ShardGradReducer", "attach_full_grads"]
+
+# What a stage-1 view holds for its parameter (``ShardGradReducer._state``).
+EMPTY, LOCAL, AVERAGED = 0, 1, 2
+"""EMPTY: nothing (the value is ``param.grad``, or zero); LOCAL: this rank's accumulated gradient (``param.grad``
+is the view); AVERAGED: the rank-average of the part inside the shard slice, zeros outside it."""
 
 
 def attach_full_grads(group: FlatGroup, buffer: torch.Tensor) -> None:
-    """Stage 1: point every ``param.grad`` at its view of ``buffer`` (autograd then accumulates in place);
-    a gradient that was replaced (``model.zero_grad()``) is copied back in first."""
+    """Point every ``param.grad`` at its view of ``buffer`` (autograd then accumulates in place); a gradient
+    that was replaced (``model.zero_grad()``) is copied back in first. (The pipeline's dp buckets use it.)"""
     with torch.no_grad():
         for p, view in zip(group.params, group.views(buffer)):
             if p.grad is None:
@@ -43,45 +56,47 @@ def attach_full_grads(group: FlatGroup, buffer: torch.Tensor) -> None:
             p.grad = view
 
 
-def reduce_full_grads(groups: list[FlatGroup], buffers: list[torch.Tensor], mesh: Mesh, axis: str,
-                      reduce_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Stage 1: average each group's full flat gradient buffer over the axis and return this rank's shard
-    of each (reduce-scatter, one per group, all started before the first wait). Collective."""
-    handles = []
-    for g, buf in zip(groups, buffers):
-        attach_full_grads(g, buf)
-        src = buf if buf.dtype == reduce_dtype else buf.to(reduce_dtype)
-        handles.append(comm.reduce_scatter(src, mesh, axis, op="avg", async_op=True))
-    return [h.wait() for h in handles]  # type: ignore[union-attr]
-
-
 class ShardGradReducer:
-    """Stages 2-3 (see module docstring). ``groups`` are in launch order; ``shard_grads[k]`` is group k's
-    persistent shard-gradient buffer. ``on_launched(k)`` runs after group k's gradients are flattened, or
-    under ``no_sync`` once they are all accumulated (stage 3 frees the unit's parameters there);
-    ``on_backward_end()`` after the final wait."""
+    """Reduce-scatter of each group's gradients during backward (see module docstring). ``groups`` are in
+    launch order. ``full_grads[k]`` (stage 1): group k's persistent flat gradient buffer; ``None`` for
+    stages 2-3. ``algorithm``: the reduce-scatter implementation (``comm.reduce_scatter``). ``on_launched(k)``
+    runs after group k's reduction started, or under ``no_sync`` once its gradients are all accumulated
+    (stage 3 frees the unit's parameters there); ``on_backward_end()`` after the final wait. Collective
+    hooks: every rank of the axis runs the same forward/backward sequence (same ``no_sync`` pattern)."""
 
-    def __init__(self, groups: list[FlatGroup], shard_grads: list[torch.Tensor], mesh: Mesh, axis: str, *,
-                 reduce_dtype: torch.dtype, overlap: bool = True,
+    def __init__(self, groups: list[FlatGroup], mesh: Mesh, axis: str, *, reduce_dtype: torch.dtype,
+                 algorithm: str = "native", overlap: bool = True, full_grads: list[torch.Tensor] | None = None,
                  on_launched: Callable[[int], None] | None = None,
                  on_backward_end: Callable[[], None] | None = None) -> None:
-        self.groups, self.shard_grads = groups, shard_grads
+        self.groups = groups
         self.mesh, self.axis, self.reduce_dtype, self.overlap = mesh, axis, reduce_dtype, overlap
+        self.algorithm = algorithm
         self.on_launched, self.on_backward_end = on_launched, on_backward_end
+        self.full = full_grads
+        self._views = [g.views(b) for g, b in zip(groups, full_grads)] if full_grads is not None else []
+        # Stage 1 writes the averaged shard into the buffer's slice when the dtypes allow it.
+        self._in_slice = [b.dtype == reduce_dtype for b in full_grads] if full_grads is not None else []
+        self._state = [[EMPTY] * len(g.params) for g in groups]
+        self._shards: list[torch.Tensor | None] = [None] * len(groups)
+        self._reduced = [False] * len(groups)  # group reduced since the last clear()
         self.sync = True
         """Whether the current backward reduces (set at forward time from ``no_sync``)."""
         self.unreduced = False
         """Local gradients were accumulated under ``no_sync`` and not reduced yet."""
-        self._handles_hooks = []
-        for k, g in enumerate(groups):
-            for p in g.params:
-                self._handles_hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(k)))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(k, j))
+                       for k, g in enumerate(groups) for j, p in enumerate(g.params)]
         self._reset()
 
+    @property
+    def keeps_full(self) -> bool:
+        """Stage 1: persistent full gradient buffers."""
+        return self.full is not None
+
     def _reset(self) -> None:
-        self.ready = [0] * len(self.groups)
+        self.ready = [[False] * len(g.params) for g in self.groups]
+        self.pending = [len(g.params) for g in self.groups]
         self.next_launch = 0
-        self.pending: list[tuple[int, comm.Handle]] = []
+        self.handles: list[tuple[int, comm.Handle]] = []
         self.callback_queued = False
 
     def prepare_forward(self, sync: bool) -> None:
@@ -91,36 +106,72 @@ class ShardGradReducer:
             self._reset()
         self.sync = sync
 
-    def _hook_for(self, k: int) -> Callable[[torch.Tensor], None]:
+    # -- backward ---------------------------------------------------------------------------------------
+    def _hook_for(self, k: int, j: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
-            if not self.callback_queued:
-                self.callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self.ready[k] += 1
-            if not self.sync:
-                # Nothing to reduce, but the group's backward is over: stage 3 may free its parameters.
-                self.unreduced = True
-                if self.ready[k] == len(self.groups[k].params) and self.on_launched is not None:
-                    self.on_launched(k)
-                return
-            if self.overlap:
-                self._launch_ready()
+            self._on_ready(k, j)
         return hook
 
-    def _launch_ready(self) -> None:
-        while self.next_launch < len(self.groups) and \
-                self.ready[self.next_launch] >= len(self.groups[self.next_launch].params):
-            self._launch(self.next_launch)
+    def _on_ready(self, k: int, j: int) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if self.full is not None:
+            self._adopt(k, j)
+        if self.ready[k][j]:
+            if self.sync and k < self.next_launch:
+                raise RuntimeError(f"ZeRO: parameter {self.groups[k].names[j]!r} received a second gradient in "
+                                   f"one backward after its group's reduce-scatter started (reentrant activation "
+                                   f"checkpointing?); use non-reentrant checkpointing (sw.checkpoint_layers, or "
+                                   f"torch.utils.checkpoint(..., use_reentrant=False))")
+            return
+        self.ready[k][j] = True
+        self.pending[k] -= 1
+        if not self.sync:
+            # Nothing to reduce, but the group's backward is over: stage 3 may free its parameters.
+            self.unreduced = True
+            if self.pending[k] == 0 and self.on_launched is not None:
+                self.on_launched(k)
+            return
+        if self.overlap:
+            while self.next_launch < len(self.groups) and self.pending[self.next_launch] == 0:
+                self._launch(self.next_launch)
+
+    @torch.no_grad()
+    def _adopt(self, k: int, j: int) -> None:
+        """Stage 1: make ``params[j].grad`` the view holding this rank's accumulated gradient (one copy when
+        autograd made a new tensor; an averaged slice turns back into its share of the sum, ``N *``)."""
+        p, view = self.groups[k].params[j], self._views[k][j]
+        g = p.grad
+        if g is not None and g.data_ptr() == view.data_ptr():
+            return  # autograd accumulated into the view in place
+        state = self._state[k][j]
+        if state == EMPTY:
+            view.copy_(g) if g is not None else view.zero_()
+        else:
+            if state == AVERAGED:
+                view.mul_(self.mesh.size(self.axis))
+            if g is not None:
+                view.add_(g)
+        p.grad = view
+        self._state[k][j] = LOCAL
 
     @torch.no_grad()
     def _launch(self, k: int) -> None:
         group = self.groups[k]
-        flat = group.flat_grads(self.reduce_dtype)  # (L,) full gradient of the group, zeros where unused
-        for p in group.params:
-            p.grad = None  # stage 2's point: no full-size gradient survives its reduction
-        handle = comm.reduce_scatter(flat, self.mesh, self.axis, op="avg", async_op=True)
+        if self.full is not None:
+            for j in range(len(group.params)):
+                self._adopt(k, j)  # unused parameters: zeros (or what earlier backwards accumulated)
+            buf = self.full[k]
+            flat = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+        else:
+            flat = group.flat_grads(self.reduce_dtype)  # (L,) full gradient of the group, zeros where unused
+            for p in group.params:
+                p.grad = None  # stage 2's point: no full-size gradient survives its reduction
+        handle = comm.reduce_scatter(flat, self.mesh, self.axis, op="avg", algorithm=self.algorithm,
+                                     async_op=True)
         assert isinstance(handle, comm.Handle)
-        self.pending.append((k, handle))
+        self.handles.append((k, handle))
         self.next_launch = k + 1
         if self.on_launched is not None:
             self.on_launched(k)
@@ -131,10 +182,61 @@ class ShardGradReducer:
             if self.sync:
                 while self.next_launch < len(self.groups):
                     self._launch(self.next_launch)
-                for k, handle in self.pending:
-                    self.shard_grads[k].add_(handle.wait())
+                for k, handle in self.handles:
+                    self._store(k, handle.wait())
                 self.unreduced = False
             if self.on_backward_end is not None:
                 self.on_backward_end()
         finally:
             self._reset()
+
+    def _store(self, k: int, shard: torch.Tensor) -> None:
+        """Keep group k's averaged shard ``(hi - lo,)`` (see the module docstring for each stage)."""
+        g = self.groups[k]
+        self._reduced[k] = True
+        if shard.untyped_storage().nbytes() > shard.numel() * shard.element_size() and not (
+                self.full is not None and self._in_slice[k]):
+            shard = shard.clone()  # the ring returns a view of its full-size working copy: keep only the shard
+        if self.full is None:
+            held = self._shards[k]
+            self._shards[k] = shard if held is None else held.add_(shard)
+        elif not self._in_slice[k]:
+            self._shards[k] = shard  # the buffer keeps the local sum: a later reduction replaces this
+        else:
+            buf = self.full[k]
+            buf[g.lo:g.hi].copy_(shard)
+            for j, (p, off, n) in enumerate(zip(g.params, g.layout.offsets, g.layout.numels)):
+                p.grad = None
+                inside = off < g.hi and off + n > g.lo
+                self._state[k][j] = AVERAGED if inside else EMPTY
+                if inside:  # a parameter across the slice's edge: its part outside holds no average
+                    buf[off:max(off, g.lo)].zero_()
+                    buf[min(off + n, g.hi):off + n].zero_()
+
+    # -- what the optimizer reads -----------------------------------------------------------------------
+    def shard(self, k: int) -> torch.Tensor:
+        """Group k's averaged gradient shard ``(hi - lo,)`` in the reduce dtype (zeros when nothing was
+        reduced since the last ``clear``). Local."""
+        g = self.groups[k]
+        if self.full is not None and self._in_slice[k]:
+            return self.full[k][g.lo:g.hi] if self._reduced[k] else self.full[k].new_zeros(g.hi - g.lo)
+        held = self._shards[k]
+        if held is None:
+            held = self._shards[k] = torch.zeros(g.hi - g.lo, dtype=self.reduce_dtype, device=self.mesh.device)
+        return held
+
+    def held_shards(self) -> list[torch.Tensor]:
+        """The shard tensors this reducer holds apart from the full buffers (for memory reports). Local."""
+        return [s for s in self._shards if s is not None]
+
+    @torch.no_grad()
+    def clear(self) -> None:
+        """Forget every gradient (a step consumed them, or ``zero_grad``): ``param.grad = None`` and nothing
+        is zeroed — the next backward overwrites the buffers. Local."""
+        for k, g in enumerate(self.groups):
+            for p in g.params:
+                p.grad = None
+            self._state[k] = [EMPTY] * len(g.params)
+        self._shards = [None] * len(self.groups)
+        self._reduced = [False] * len(self.groups)
+        self.unreduced = False

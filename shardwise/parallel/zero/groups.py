@@ -27,13 +27,13 @@ class ZeroGroups(Protocol):
 
     @property
     def full_grads(self) -> Sequence[torch.Tensor]:
-        """Each group's full local (unreduced) gradient buffer; empty when the owner keeps none (ZeRO 2-3)."""
+        """Each group's persistent full gradient buffer (ZeRO-1); empty when the owner keeps none (ZeRO 2-3)."""
         ...
 
     @property
     def shard_grads(self) -> Sequence[torch.Tensor]:
-        """This rank's averaged gradient shard of each group (empty for ZeRO-1 of ``sw.zero``, which reduces
-        at the step from ``full_grads``)."""
+        """This rank's averaged gradient shard of each group (reduced during backward by every owner; zeros
+        for a group not reduced since the last step)."""
         ...
 
     @property
@@ -52,7 +52,7 @@ class ZeroGroups(Protocol):
         ...
 
     def clear_grads(self) -> None:
-        """Zero every gradient buffer the owner keeps (in place: the buffers persist)."""
+        """Forget every gradient the owner keeps (the buffers persist and count as zero afterwards)."""
         ...
 
     def after_step(self) -> None:

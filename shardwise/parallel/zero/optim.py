@@ -6,7 +6,7 @@ Element-wise optimizers (SGD, Adam/AdamW, RMSprop, Adagrad, ...) give exactly th
 optimizers that look at whole tensors (per-tensor trust ratios, LBFGS) see one flat tensor per group.
 Every param group gets the factory's hyperparameters.
 
-``step()`` (collective): get the averaged gradient shards (stage 1 reduces here), unscale and check for
+``step()`` (collective): take the averaged gradient shards (reduced during backward), unscale and check for
 overflow (fp16), run the inner step on the shards, copy the master shard into the compute shard (mixed
 precision) and, for stages 1-2, all-gather the updated parameters. Stage 3 gathers at the next forward.
 """
@@ -22,7 +22,6 @@ from ...mesh import Mesh
 from ..common.grad_norm import clip_counted, shard_pieces
 from ..common.mixed_precision import LossScaler
 from .flat import FlatGroup
-from .grads import reduce_full_grads
 from .groups import ZeroGroups
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "make_inner_optimizer"]
@@ -92,21 +91,13 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _prepare_grads(self) -> None:
-        """Put this step's averaged, unscaled fp32 gradient shard into every ``master.grad``. Collective
-        (stage 1's reduce-scatter; the overflow flag's all-reduce under loss scaling)."""
+        """Put this step's averaged, unscaled gradient shard (master dtype) into every ``master.grad``: the
+        owner's shards, reduced during backward (no communication here; with loss scaling, the overflow
+        flag's all-reduce, collective)."""
         if self._ready:
             return
-        if self.stage == 1:
-            shards = reduce_full_grads(self.groups, list(self._owner.full_grads), self.mesh, self.axis,
-                                       self.reduce_dtype)
-        else:
-            shards = list(self._owner.shard_grads)
-        fulls: list[torch.Tensor | None] = list(self._owner.full_grads) or [None] * len(shards)
-        for g, shard, full in zip(self.groups, shards, fulls):
-            if self.stage == 1 and shard.dtype == g.master.dtype and full is not None and full.dtype == shard.dtype:
-                # fp32 stage 1: the averaged shard lives in the full buffer's own slice (no extra memory).
-                full[g.lo:g.hi].copy_(shard)
-                shard = full[g.lo:g.hi]
+        shards = list(self._owner.shard_grads)
+        for g, shard in zip(self.groups, shards):
             g.master.grad = shard if shard.dtype == g.master.dtype else shard.to(g.master.dtype)
             if self.scaler.scale != 1.0:
                 g.master.grad.div_(self.scaler.scale)
@@ -158,9 +149,9 @@ class ZeroOptimizer:
         return not overflow
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers this wrapper keeps (full ones in stage 1, shards in stages 2-3) and
-        drop full gradients still held by parameters. ``set_to_none`` is accepted for compatibility: the
-        persistent buffers are zeroed in place, never reallocated."""
+        """Forget this step's gradients: the owner's buffers count as zero from now on (``sw.zero``: every
+        ``param.grad`` becomes ``None``; persistent buffers are overwritten by the next backward, never
+        reallocated) and ``master.grad`` is dropped. ``set_to_none`` is accepted for compatibility. Local."""
         self._owner.clear_grads()
         for g in self.groups:
             g.master.grad = None
