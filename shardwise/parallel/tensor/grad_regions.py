@@ -86,6 +86,7 @@ class GradRegion:
         self.members: dict[int, list[tuple[nn.Module, str, int]]] = {}  # id(member) -> (owner, attr, param index)
         self._active: dict[int, torch.Tensor] | None = None  # id(param) -> its SumOverAxis output
         self._used: set[int] = set()
+        self._pre_hooks: list[tuple[nn.Module, Any]] = []
 
     def add_member(self, member: nn.Module, slots: list[tuple[nn.Module, str]]) -> None:
         """Register ``member`` (a module whose forward reads the parameters at ``slots``) and hook it. Local."""
@@ -100,8 +101,16 @@ class GradRegion:
                 self.shapes.append(p.shape)
             entries.append((owner, attr, k))
         self.members[id(member)] = entries
-        member.register_forward_pre_hook(self._swap_in)
+        self._pre_hooks.append((member, member.register_forward_pre_hook(self._swap_in)))
         member.register_forward_hook(self._swap_out, always_call=True)
+
+    def hooks_last(self) -> None:
+        """Move the members' swap-in pre-hooks behind every other pre-hook, so that they see the parameters
+        as the forward will (ZeRO-3 registers its gathering pre-hooks after ``parallelize``). Local."""
+        for member, handle in self._pre_hooks:
+            hooks = member._forward_pre_hooks
+            if next(reversed(hooks)) != handle.id:
+                hooks.move_to_end(handle.id)
 
     def _outputs(self, member: nn.Module) -> dict[int, torch.Tensor]:
         """The ``SumOverAxis`` outputs ``member`` should use, applying the node when a new pass starts."""
@@ -123,6 +132,7 @@ class GradRegion:
         return {id(p): o for p, o in zip(live, outs)}
 
     def _swap_in(self, member: nn.Module, _args: Any) -> None:
+        self.hooks_last()  # for the next call (a pre-hook added later runs after this one this time)
         if not torch.is_grad_enabled():
             return
         outs = self._outputs(member)
