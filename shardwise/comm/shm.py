@@ -82,17 +82,29 @@ class ShmGroup:
         self._small: OrderedDict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = OrderedDict()
 
     # -- plumbing ------------------------------------------------------------------------------------
-    def _guard(self, collective: str, fn: Callable[[], T]) -> T:
+    def _guard(self, collective: str, fn: Callable[[], T], nbytes: int) -> T:
+        """Run ``fn`` (one collective); on any failure mark the group broken and raise our ``ABORT`` flag.
+
+        Above ``SMALL_BYTES`` the calling thread's intra-op threads are set to 1 for the duration (a
+        per-thread setting, restored after): copies and reductions here are memory-bound, and OpenMP
+        workers that spin after each parallel region take the cores that peer ranks need — with 2 ranks of
+        2 threads on 2 cores a 16 MiB all-reduce measured 16x slower."""
         if self.broken is not None:
             raise ShmPeerError(f"shm {collective} on axis {self.axis!r}: this group's shared memory is unusable "
                                f"after an earlier failure ({self.broken}); restart all ranks")
         self._op = collective
+        threads = torch.get_num_threads() if nbytes > SMALL_BYTES else 1
         try:
+            if threads > 1:
+                torch.set_num_threads(1)
             return fn()
         except BaseException as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             self.seg.words[self._mine[ABORT]] = 1
             raise
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
 
     def _publish(self, field: int, value: int) -> None:
         self.seg.words[self._mine[field]] = value
@@ -124,12 +136,12 @@ class ShmGroup:
             return
         piece = self._piece_elems(piece_bytes, flat.element_size())
         if flat.numel() * flat.element_size() <= SMALL_BYTES and flat.numel() <= piece:
-            return self._guard("all_reduce", lambda: self._all_reduce_small(flat, op))
+            return self._guard("all_reduce", lambda: self._all_reduce_small(flat, op), 0)
 
         def run() -> None:
             for a in range(0, flat.numel(), piece):
                 self._all_reduce_piece(flat[a:a + piece], op)
-        self._guard("all_reduce", run)
+        self._guard("all_reduce", run, flat.numel() * flat.element_size())
 
     def _small_views(self, slot: int, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, ...]:
         key = (slot, dtype, numel)
@@ -153,15 +165,19 @@ class ShmGroup:
 
     def _all_reduce_piece(self, x: torch.Tensor, op: str) -> None:
         g, slot = self._begin()
-        m, dtype = x.numel(), x.dtype
-        self._region(slot, self.me, dtype)[:m].copy_(x)
-        self._publish(ARRIVE, g + 1)
+        m, dtype, me = x.numel(), x.dtype, self.me
         bounds = shard_offsets(m, self.n)
-        lo, hi = bounds[self.me], bounds[self.me + 1]
+        lo, hi = bounds[me], bounds[me + 1]
+        mine = self._region(slot, me, dtype)
+        # Deposit only what the other reducers need; our own sub-range is read from x itself (less traffic).
+        mine[:lo].copy_(x[:lo])
+        mine[hi:m].copy_(x[hi:m])
+        self._publish(ARRIVE, g + 1)
         result = self._region(slot, self.n, dtype)
         self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
         if hi > lo:
-            reduce_ordered(result[lo:hi], [self._region(slot, j, dtype)[lo:hi] for j in range(self.n)], op)
+            parts = [x[lo:hi] if j == me else self._region(slot, j, dtype)[lo:hi] for j in range(self.n)]
+            reduce_ordered(result[lo:hi], parts, op)
         self._publish(REDUCED, g + 1)
         self.waiter.wait(REDUCED, g + 1, self.everyone, self._op)
         x.copy_(result[:m])
@@ -181,22 +197,23 @@ class ShmGroup:
         def run() -> None:
             for k in range(math.ceil(max(lens) / sub)):
                 self._reduce_scatter_piece(flat, out, op, offsets, lens, k * sub, sub)
-        self._guard("reduce_scatter", run)
+        self._guard("reduce_scatter", run, flat.numel() * flat.element_size())
         return out
 
     def _reduce_scatter_piece(self, flat: torch.Tensor, out: torch.Tensor, op: str, offsets: Sequence[int],
                               lens: list[int], a: int, sub: int) -> None:
         g, slot = self._begin()
-        mine = self._region(slot, self.me, flat.dtype)
-        for j in range(self.n):  # my part of j's chunk -> sub-slot j of my region
+        me, mine = self.me, self._region(slot, self.me, flat.dtype)
+        for j in range(self.n):  # my part of j's chunk -> sub-slot j of my region (my own chunk stays in flat)
             m = min(a + sub, lens[j]) - a
-            if m > 0:
+            if m > 0 and j != me:
                 mine[j * sub:j * sub + m].copy_(flat[offsets[j] + a:offsets[j] + a + m])
         self._publish(ARRIVE, g + 1)
         self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
-        m, lo = min(a + sub, lens[self.me]) - a, self.me * sub
+        m, lo = min(a + sub, lens[me]) - a, me * sub
         if m > 0:
-            parts = [self._region(slot, j, flat.dtype)[lo:lo + m] for j in range(self.n)]
+            own = flat[offsets[me] + a:offsets[me] + a + m]
+            parts = [own if j == me else self._region(slot, j, flat.dtype)[lo:lo + m] for j in range(self.n)]
             reduce_ordered(out[a:a + m], parts, op)
         self._publish(DONE, g + 1)
 
@@ -211,7 +228,7 @@ class ShmGroup:
         def run() -> None:
             for k in range(math.ceil(max(lens) / per)):
                 self._all_gather_piece(flat, offsets, lens, k * per, per)
-        self._guard("all_gather", run)
+        self._guard("all_gather", run, flat.numel() * flat.element_size())
 
     def _all_gather_piece(self, flat: torch.Tensor, offsets: Sequence[int], lens: list[int], a: int,
                           per: int) -> None:
@@ -238,7 +255,7 @@ class ShmGroup:
         def run() -> None:
             for a in range(0, flat.numel(), per):
                 self._broadcast_piece(flat[a:a + per], root)
-        self._guard("broadcast", run)
+        self._guard("broadcast", run, flat.numel() * flat.element_size())
 
     def _broadcast_piece(self, x: torch.Tensor, root: int) -> None:
         g, slot = self._begin()

@@ -141,13 +141,19 @@ class Waiter:
         """Raise if any peer is dead or aborted (any peer: a dead rank we are not waiting for yet will block
         the next step), or if the wait exceeded the timeout."""
         where = f"shm {collective} on axis {self.axis!r}"
-        for peer in self.peers:
-            if peer.coord != self.me and not peer_alive(peer):
-                raise ShmPeerError(f"{where}: rank {peer.rank} (coordinate {peer.coord}, pid {peer.pid}) died "
-                                   f"while this rank waited for it; the job cannot continue: restart all ranks")
         aborts = self.index[self.abort_field]
-        for peer in self.peers:
-            if peer.coord != self.me and self.words[aborts[peer.coord]]:
+        others = [peer for peer in self.peers if peer.coord != self.me]
+        dead = [peer for peer in others if not peer_alive(peer)]
+        if dead:
+            # Name the root cause: a rank that died without raising ABORT (peers that saw the failure raise
+            # ABORT, and may exit, before we look).
+            dead.sort(key=lambda q: self.words[aborts[q.coord]] != 0)
+            peer, also = dead[0], [q.rank for q in dead[1:]]
+            more = f" (ranks {also} have exited too)" if also else ""
+            raise ShmPeerError(f"{where}: rank {peer.rank} (coordinate {peer.coord}, pid {peer.pid}) died "
+                               f"while this rank waited for it{more}; the job cannot continue: restart all ranks")
+        for peer in others:
+            if self.words[aborts[peer.coord]]:
                 raise ShmPeerError(f"{where}: rank {peer.rank} (coordinate {peer.coord}) left a shared-memory "
                                    f"collective with an error (see its log); the job cannot continue")
         if waited > self.timeout_s:
