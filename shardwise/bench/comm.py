@@ -1,4 +1,4 @@
-"""``shardwise bench comm``: bus bandwidth of the collectives (native vs ring vs tree) and an alpha–beta fit.
+"""``shardwise bench comm``: bus bandwidth of the collectives (native vs ring vs tree vs shm) and an alpha–beta fit.
 
 ``shardwise bench comm -n 4`` validates its flags, then starts 4 local ranks through torchrun
 (``run_local``) that re-run this module with ``--worker``. The same worker runs under any torchrun job, e.g.
@@ -10,6 +10,8 @@ Inside a rank, for every (op, size, algorithm): one call on data whose exact res
 barrier, then ``time.perf_counter`` around ``--iters`` back-to-back calls (with ``torch.cuda.synchronize``
 around them on CUDA). The reported time is the maximum over ranks of the mean time per call (nccl-tests
 convention). Rank 0 prints the tables and writes ``--json``, ``--plot`` and ``--calibrate`` files.
+``shm`` is measured only where it can run (every rank on one host, tensors in host memory); elsewhere it is
+left out with a note.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..comm.calibration import fit_calibration, save_calibration
 from ..comm.ops import ALGORITHMS
 from .harness import add_launch_arguments, run_bench
 
-__all__ = ["add_arguments", "main", "bench_op", "DTYPES", "AXIS"]
+__all__ = ["add_arguments", "main", "bench_op", "runnable_algorithms", "DTYPES", "AXIS"]
 
 AXIS = "world"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -75,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated collectives: all_reduce,all_gather,reduce_scatter (the default), "
                              "broadcast (from coordinate 0)")
     parser.add_argument("--algorithms", type=_choices(ALGORITHMS, "algorithm"), default=list(ALGORITHMS),
-                        help="comma-separated algorithms (default: native,ring,tree)")
+                        help=f"comma-separated algorithms (default: {','.join(ALGORITHMS)}; shm is left out "
+                             f"where the ranks are not on one host or use CUDA)")
     # --min-bytes/--max-bytes spell the same flags for torchrun command lines: torchrun's own parser takes
     # a bare --max anywhere on its line for an ambiguous abbreviation of its --max-restarts.
     parser.add_argument("--min", "--min-bytes", dest="min", type=_size, default=8,
@@ -208,19 +211,39 @@ def bench_op(op: str, sizes: list[int], mesh: object, args: argparse.Namespace) 
     n = mesh.size(AXIS)  # type: ignore[attr-defined]
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
+    algorithms = runnable_algorithms(args.algorithms, mesh)
     rows, seen = [], set()
     for nbytes in sizes:
         count = _count_for(op, nbytes, n, itemsize)
         if count in seen:  # tiny sizes round up to the same buffer: measure it once
             continue
         seen.add(count)
-        for algorithm in args.algorithms:
+        for algorithm in algorithms:
             seconds, err = _measure(op, algorithm, count, dtype, mesh, args)
             algbw = count * itemsize / seconds / 1e9
             rows.append(BenchRow(op=op, algorithm=algorithm, nbytes=count * itemsize, count=count,
                                  dtype=args.dtype, time_us=seconds * 1e6, algbw_GBps=algbw,
                                  busbw_GBps=algbw * bus_factor(op, n), max_error=err))
     return rows
+
+
+def runnable_algorithms(algorithms: list[str], mesh: object) -> list[str]:
+    """``algorithms`` without ``shm`` where it cannot run (ranks on several hosts, CUDA tensors); rank 0
+    prints why. Collective over the axis (the host check, on first use)."""
+    from ..comm.shm_rendezvous import shm_group_for
+
+    if "shm" not in algorithms:
+        return list(algorithms)
+    why = None
+    if mesh.device.type != "cpu":  # type: ignore[attr-defined]
+        why = "it moves host memory and this job uses CUDA"
+    elif mesh.size(AXIS) > 1 and shm_group_for(mesh, AXIS, required=False) is None:  # type: ignore[attr-defined, arg-type]
+        why = "the ranks are not all on one host"
+    if why is None:
+        return list(algorithms)
+    if mesh.rank == 0:  # type: ignore[attr-defined]
+        print(f"# shm left out: {why}", flush=True)
+    return [a for a in algorithms if a != "shm"]
 
 
 def _run_worker(args: argparse.Namespace) -> int:

@@ -23,10 +23,10 @@ def test_bench_comm_two_ranks(tmp_path):
                "--json", str(out_json), "--calibrate", str(cal))
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [ln.split() for ln in res.stdout.splitlines() if ln and not ln.startswith("#")]
-    # 3 ops x 3 algorithms x sizes 8..64K (all_gather/reduce_scatter: 8 B rounds up to 2 floats, kept once)
-    assert len(lines) == 3 * 3 * 14
+    # 3 ops x 4 algorithms x sizes 8..64K (all_gather/reduce_scatter: 8 B rounds up to 2 floats, kept once)
+    assert len(lines) == 3 * 4 * 14
     for cells in lines:
-        assert cells[2] == "float32" and cells[3] in ("native", "ring", "tree")
+        assert cells[2] == "float32" and cells[3] in ("native", "ring", "tree", "shm")
         assert cells[7] == "0"  # exact integer pattern: no error allowed
     data = json.loads(out_json.read_text())
     assert data["world_size"] == 2 and data["backend"] == "gloo" and len(data["results"]) == len(lines)
@@ -39,7 +39,7 @@ def test_bench_comm_two_ranks(tmp_path):
     assert calib["world_size"] == 2 and calib["device"] == "cpu"
     assert set(calib["models"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     for algos in calib["models"].values():
-        assert set(algos) == {"native", "ring", "tree"}
+        assert set(algos) == {"native", "ring", "tree", "shm"}
         for m in algos.values():
             assert m["alpha_us"] >= 0 and m["beta_us_per_byte"] >= 0 and m["points"] == 14
 

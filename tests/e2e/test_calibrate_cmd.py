@@ -35,7 +35,7 @@ def test_calibrate_quick_two_ranks(tmp_path):
     assert set(doc["machine"]) == {"host", "cpus", "torch", "gpu"} and doc["machine"]["gpu"] is None
     (cal,) = hardware_collectives(doc)  # two ranks: one group size
     assert cal.world_size == 2 and set(cal.models) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
-    assert all(set(algos) == {"native", "ring", "tree"} for algos in cal.models.values())
+    assert all(set(algos) == {"native", "ring", "tree", "shm"} for algos in cal.models.values())
     from shardwise.planner.hardware import Hardware
 
     hw = Hardware.load(out)
