@@ -27,9 +27,7 @@ def _expected_zero(res: dict, stage: int) -> tuple[dict[str, tuple[int, int]], d
     rs = (groups, local)  # each group's full local (tp-shard) flat gradient, reduce-scattered over dp
     ag = (groups, shard)  # each group's dp shard of it, all-gathered over dp
     clip = {"dp:all_reduce": (1, F64)}
-    if stage == 1:
-        return {}, {"dp:reduce_scatter": rs, "dp:all_gather": ag, **clip}
-    if stage == 2:
+    if stage in (1, 2):  # both reduce-scatter every bucket during backward; the step only all-gathers
         return {"dp:reduce_scatter": rs}, {"dp:all_gather": ag, **clip}
     blocks = res["blocks"]  # stage 3: forward gathers every unit, backward the blocks again (rest unit kept)
     return {"dp:reduce_scatter": rs, "dp:all_gather": (groups + blocks, None)}, clip
