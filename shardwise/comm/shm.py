@@ -100,7 +100,8 @@ class ShmGroup:
             return fn()
         except BaseException as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
-            self.seg.words[self._mine[ABORT]] = 1
+            culprit = getattr(exc, "culprit", None)
+            self.seg.words[self._mine[ABORT]] = 1 + (self.me if culprit is None else culprit)
             raise
         finally:
             if threads > 1:

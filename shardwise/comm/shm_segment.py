@@ -31,8 +31,9 @@ MAGIC = 0x5348_4D57_5331  # "SHMWS1": a mapped file that is not ours (or of anot
 LINE = 128
 """Bytes per header line and per rank's counter line; region sizes are multiples of it (aligned views)."""
 ARRIVE, REDUCED, DONE, ABORT = 0, 1, 2, 3
-"""Counter fields of a rank's line: pieces deposited, pieces reduced, pieces finished; ABORT is 1 once the
-rank left a collective with an error (its peers stop waiting for it)."""
+"""Counter fields of a rank's line: pieces deposited, pieces reduced, pieces finished; ABORT is non-zero
+once the rank left a collective with an error (its peers stop waiting for it): 1 + the coordinate of the
+rank where the failure started (itself, or a peer it saw die or fail)."""
 
 
 @dataclass(frozen=True)

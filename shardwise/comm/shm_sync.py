@@ -27,7 +27,12 @@ class ShmError(RuntimeError):
 
 
 class ShmPeerError(ShmError):
-    """A peer of the axis group died or left a collective with an error while this rank waited for it."""
+    """A peer of the axis group died or left a collective with an error while this rank waited for it.
+    ``culprit`` is the coordinate of the rank where the failure started."""
+
+    def __init__(self, message: str, culprit: int | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
 
 
 class ShmTimeoutError(ShmError):
@@ -151,14 +156,19 @@ class Waiter:
             peer, also = dead[0], [q.rank for q in dead[1:]]
             more = f" (ranks {also} have exited too)" if also else ""
             raise ShmPeerError(f"{where}: rank {peer.rank} (coordinate {peer.coord}, pid {peer.pid}) died "
-                               f"while this rank waited for it{more}; the job cannot continue: restart all ranks")
+                               f"while this rank waited for it{more}; the job cannot continue: restart all ranks",
+                               peer.coord)
         for peer in others:
-            if self.words[aborts[peer.coord]]:
-                raise ShmPeerError(f"{where}: rank {peer.rank} (coordinate {peer.coord}) left a shared-memory "
-                                   f"collective with an error (see its log); the job cannot continue")
+            flag = self.words[aborts[peer.coord]]
+            if flag:  # 1 + the coordinate where the failure started (the peer itself or one it saw fail)
+                origin = self.peers[flag - 1] if 0 < flag <= len(self.peers) else peer
+                via = f", as reported by rank {peer.rank}" if origin is not peer else ""
+                raise ShmPeerError(f"{where}: rank {origin.rank} (coordinate {origin.coord}) left a shared-memory "
+                                   f"collective with an error (see its log{via}); the job cannot continue",
+                                   origin.coord)
         if waited > self.timeout_s:
             late = [self.peers[c] for c in pending]
-            raise ShmTimeoutError(f"{where}: waited {waited:.0f} s (the group's timeout) for ranks "
+            raise ShmTimeoutError(f"{where}: waited {waited:.1f} s (the group's timeout) for ranks "
                                   f"{[q.rank for q in late]} (coordinates {[q.coord for q in late]}), which are "
                                   f"alive but did not arrive; every rank of the axis must call the same "
                                   f"collectives in the same order (Mesh(debug=True) checks it)")
