@@ -139,10 +139,8 @@ class ShmGroup:
         if flat.numel() * flat.element_size() <= SMALL_BYTES and flat.numel() <= piece:
             return self._guard("all_reduce", lambda: self._all_reduce_small(flat, op), 0)
 
-        def run() -> None:
-            for a in range(0, flat.numel(), piece):
-                self._all_reduce_piece(flat[a:a + piece], op)
-        self._guard("all_reduce", run, flat.numel() * flat.element_size())
+        self._guard("all_reduce", lambda: self._all_reduce_pieces(flat, op, piece),
+                    flat.numel() * flat.element_size())
 
     def _small_views(self, slot: int, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, ...]:
         key = (slot, dtype, numel)
@@ -164,24 +162,45 @@ class ShmGroup:
         reduce_ordered(flat, views, op)
         self._publish(DONE, g + 1)
 
-    def _all_reduce_piece(self, x: torch.Tensor, op: str) -> None:
+    def _all_reduce_pieces(self, flat: torch.Tensor, op: str, piece: int) -> None:
+        """Software-pipelined: each piece is deposited before the previous one is collected, so a rank
+        copies its next piece in while waiting for its peers to finish reducing the current one."""
+        prev = None
+        for a in range(0, flat.numel(), piece):
+            cur = self._deposit(flat[a:a + piece])
+            if prev is not None:
+                self._collect(*prev)
+            self._reduce(*cur, op)
+            prev = cur
+        if prev is not None:
+            self._collect(*prev)
+
+    def _deposit(self, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """Claim a piece for ``x`` and copy in what the other reducers need (our own sub-range stays in
+        ``x``: less traffic); publish ``ARRIVE``."""
         g, slot = self._begin()
-        m, dtype, me = x.numel(), x.dtype, self.me
-        bounds = shard_offsets(m, self.n)
-        lo, hi = bounds[me], bounds[me + 1]
-        mine = self._region(slot, me, dtype)
-        # Deposit only what the other reducers need; our own sub-range is read from x itself (less traffic).
+        bounds = shard_offsets(x.numel(), self.n)
+        lo, hi = bounds[self.me], bounds[self.me + 1]
+        mine = self._region(slot, self.me, x.dtype)
         mine[:lo].copy_(x[:lo])
-        mine[hi:m].copy_(x[hi:m])
+        mine[hi:x.numel()].copy_(x[hi:])
         self._publish(ARRIVE, g + 1)
-        result = self._region(slot, self.n, dtype)
+        return g, slot, x
+
+    def _reduce(self, g: int, slot: int, x: torch.Tensor, op: str) -> None:
+        """Reduce our sub-range of the piece, in coordinate order, into the result region; ``REDUCED``."""
+        bounds = shard_offsets(x.numel(), self.n)
+        lo, hi, me = bounds[self.me], bounds[self.me + 1], self.me
         self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
         if hi > lo:
-            parts = [x[lo:hi] if j == me else self._region(slot, j, dtype)[lo:hi] for j in range(self.n)]
-            reduce_ordered(result[lo:hi], parts, op)
+            parts = [x[lo:hi] if j == me else self._region(slot, j, x.dtype)[lo:hi] for j in range(self.n)]
+            reduce_ordered(self._region(slot, self.n, x.dtype)[lo:hi], parts, op)
         self._publish(REDUCED, g + 1)
+
+    def _collect(self, g: int, slot: int, x: torch.Tensor) -> None:
+        """Copy the whole reduced piece out once every reducer is done; ``DONE``."""
         self.waiter.wait(REDUCED, g + 1, self.everyone, self._op)
-        x.copy_(result[:m])
+        x.copy_(self._region(slot, self.n, x.dtype)[:x.numel()])
         self._publish(DONE, g + 1)
 
     # -- reduce-scatter ------------------------------------------------------------------------------

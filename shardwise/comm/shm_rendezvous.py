@@ -17,6 +17,7 @@ collectives of the group issued from another thread.
 from __future__ import annotations
 
 import os
+import platform
 import socket
 
 import torch
@@ -27,10 +28,13 @@ from .shm import DEFAULT_REGION_BYTES, DEFAULT_SLOTS, ShmGroup
 from .shm_segment import SegmentLayout, attach_segment, create_segment, unlink_segment
 from .shm_sync import Peer, process_start_time
 
-__all__ = ["shm_group_for", "host_identity", "DEFAULT_TIMEOUT_S", "group_timeout_s"]
+__all__ = ["shm_group_for", "host_identity", "DEFAULT_TIMEOUT_S", "group_timeout_s", "ORDERED_MACHINES"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Timeout of shared-memory waits when neither the mesh nor the axis' process group states one."""
+ORDERED_MACHINES = ("x86_64", "AMD64", "amd64")
+"""Where plain stores are seen by other cores in program order (x86's total store order): the protocol
+publishes a piece with a plain counter store after the data stores, with no fence in between."""
 
 
 def host_identity() -> str:
@@ -77,6 +81,9 @@ def _rendezvous(mesh: Mesh, axis: str) -> ShmGroup | str:
     hosts = [str(info[0]) for info in infos]  # type: ignore[index]
     if len(set(hosts)) > 1:
         return _not_one_host(axis, ranks, hosts)
+    if platform.machine() not in ORDERED_MACHINES:  # the same answer on every rank of one host
+        return (f"algorithm 'shm' relies on x86-64's store ordering and this machine is {platform.machine()}; "
+                f"use algorithm='native', 'ring' or 'tree' for axis {axis!r}")
     layout = SegmentLayout(n, DEFAULT_SLOTS, DEFAULT_REGION_BYTES)
     seg, made = None, [None]
     if me == 0:

@@ -324,3 +324,23 @@ def fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) 
     results.close()  # type: ignore[attr-defined]
     results.join_thread()  # type: ignore[attr-defined]  # flush the queue's feeder thread before _exit
     os._exit(0)  # a peer is dead: skip the process group's collective teardown
+
+
+def check_data_parallel_gradients() -> list[str]:
+    """``DataParallel(algorithm="shm")`` (asynchronous bucket all-reduces during backward) averages the same
+    gradients as ``algorithm="native"`` from the same weights and data, and calls only shm all-reduces."""
+    m = mesh(dp=-1)
+    grads = {}
+    for algorithm in ("native", "shm"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+        model = sw.DataParallel(net, m, "dp", algorithm=algorithm, bucket_cap_mb=0.002, first_bucket_mb=0.001)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(m.rank))
+        with CommCounter() as c:
+            model(x).square().sum().backward()
+        grads[algorithm] = [p.grad.clone() for p in net.parameters()]
+        used = {r.algorithm for r in c.records if r.op == "all_reduce"}
+        if used != {algorithm}:
+            return [f"{algorithm}: all-reduces {c.by_op()} with {used}"]
+    return [f"grad {k}" for k, (a, b) in enumerate(zip(grads["native"], grads["shm"]))
+            if not torch.allclose(a, b, rtol=1e-6, atol=1e-7)]

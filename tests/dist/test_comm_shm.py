@@ -118,3 +118,8 @@ def test_dead_peer_is_a_named_error_not_a_hang(n, victim):
         assert f"rank {victim} " in message and "died" in message and "all_reduce" in message, message
         assert later.startswith("ShmPeerError") and "unusable" in later, later
         assert not exists  # the file was unlinked at set-up: nothing is left in /dev/shm
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_data_parallel_with_shm_matches_native(worlds, n):
+    assert worlds.get(n).run(sc.check_data_parallel_gradients, timeout=240) == [[]] * n
