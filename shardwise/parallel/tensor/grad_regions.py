@@ -109,7 +109,7 @@ class GradRegion:
         as the forward will (ZeRO-3 registers its gathering pre-hooks after ``parallelize``). Local."""
         for member, handle in self._pre_hooks:
             hooks = member._forward_pre_hooks
-            if next(reversed(hooks)) != handle.id:
+            if handle.id in hooks and next(reversed(hooks)) != handle.id:
                 hooks.move_to_end(handle.id)
 
     def _outputs(self, member: nn.Module) -> dict[int, torch.Tensor]:
