@@ -237,7 +237,7 @@ def runnable_algorithms(algorithms: list[str], mesh: object) -> list[str]:
     why = None
     if mesh.device.type != "cpu":  # type: ignore[attr-defined]
         why = "it moves host memory and this job uses CUDA"
-    elif mesh.size(AXIS) > 1 and shm_group_for(mesh, AXIS, required=False) is None:  # type: ignore[attr-defined, arg-type]
+    elif mesh.size(AXIS) > 1 and shm_group_for(mesh, AXIS, required=False) is None:  # type: ignore
         why = "the ranks are not all on one host"
     if why is None:
         return list(algorithms)

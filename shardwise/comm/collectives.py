@@ -10,8 +10,8 @@ rank instead of hanging or returning garbage.
 shared-memory segment, for groups whose ranks share one host and tensors in host memory: ``shm.py``;
 ``ValueError`` otherwise) or ``"auto"`` (per call, the one with the lowest fitted cost in the mesh's
 calibration for the group's size; ``native`` without one: ``auto.py``). Ring, tree and shm run on the
-axis' comm worker thread when ``async_op=True``. Counters and the debug check see the implementation that ran. Uneven sizes follow
-``shard_sizes``: the first ``L % n`` ranks hold one extra row.
+axis' comm worker thread when ``async_op=True``. Counters and the debug check see the implementation
+that ran. Uneven sizes follow ``shard_sizes``: the first ``L % n`` ranks hold one extra row.
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", algor
 
 
 def _shm_group(mesh: Mesh, axis: str, t: torch.Tensor) -> ShmGroup | None:
-    """The axis' shared-memory group (``None`` for a group of one), set up on first use (collective, on the calling thread: never on the
-    worker, so the rendezvous keeps its place among the group's backend collectives)."""
+    """The axis' shared-memory group (``None`` for a group of one), set up on first use (collective, on the
+    calling thread: never on the worker, so the rendezvous keeps its place among the group's backend
+    collectives)."""
     check_shm_tensor(t)
     return shm_group_for(mesh, axis)
 

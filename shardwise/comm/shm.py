@@ -10,7 +10,10 @@ publishes its progress in its own counters and waits on its peers' (``shm_sync.p
   regions, **in coordinate order** 0, 1, …, n-1, into the result region and publishes ``REDUCED``; every
   member copies the whole result out and publishes ``DONE``. Each element is reduced once, in one fixed
   order, so every member gets bit-identical values whatever the timing. Up to ``SMALL_BYTES`` every member
-  instead reduces the whole piece itself (same order, same values): one wait instead of three.
+  instead reduces the whole piece itself (same order, same values): one wait instead of three. Larger
+  messages are software-pipelined: a member deposits piece ``k+1`` before collecting piece ``k``, so the
+  copy overlaps its peers' reductions. A member deposits only the sub-ranges *others* reduce and reads its
+  own sub-range straight from its tensor (less memory traffic: copies are the cost here).
 * reduce-scatter: member ``r`` copies, for each destination ``j``, its part of ``j``'s shard into
   sub-slot ``j`` of its region; member ``j`` reduces sub-slot ``j`` of all regions, in coordinate order,
   straight into its output (``ARRIVE`` then ``DONE``).

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..mesh import Mesh
 from .shm import DEFAULT_REGION_BYTES, DEFAULT_SLOTS, ShmGroup
 from .shm_segment import SegmentLayout, attach_segment, create_segment, unlink_segment
-from .shm_sync import Peer, process_start_time
+from .shm_sync import Peer, policy_for, process_start_time
 
 __all__ = ["shm_group_for", "host_identity", "DEFAULT_TIMEOUT_S", "group_timeout_s", "ORDERED_MACHINES"]
 
@@ -112,7 +112,15 @@ def _rendezvous(mesh: Mesh, axis: str) -> ShmGroup | str:
         raise RuntimeError(f"shm setup on axis {axis!r}: could not map the shared-memory segment ({'; '.join(bad)})")
     assert seg is not None
     peers = [Peer(ranks[c], c, int(infos[c][1]), int(infos[c][2])) for c in range(n)]  # type: ignore[index]
-    return ShmGroup(seg, peers, me, axis, group_timeout_s(mesh, axis))
+    return ShmGroup(seg, peers, me, axis, group_timeout_s(mesh, axis), policy_for(n, _cores()))
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _not_one_host(axis: str, ranks: list[int], hosts: list[str]) -> str:

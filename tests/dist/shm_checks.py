@@ -162,7 +162,8 @@ def check_async() -> list[str]:
     rs = sw.comm.reduce_scatter(torch.ones(3 * n), m, "dp", algorithm="shm", async_op=True)
     b = sw.comm.broadcast(torch.full((3,), float(r)), m, "dp", src=n - 1, algorithm="shm", async_op=True)
     failures = []
-    if not torch.equal(b.wait(), torch.full((3,), float(n - 1))) or not torch.equal(rs.wait(), torch.full((3,), float(n))):
+    if not torch.equal(b.wait(), torch.full((3,), float(n - 1))) or \
+            not torch.equal(rs.wait(), torch.full((3,), float(n))):
         failures.append("async broadcast/reduce_scatter")
     if not torch.equal(g.wait(), torch.arange(n, dtype=torch.float32).repeat_interleave(2)):
         failures.append("async all_gather")
@@ -320,7 +321,8 @@ def fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) 
         later = "no error"
     except ShmError as exc:
         later = f"{type(exc).__name__}: {exc}"
-    results.put((rank, outcome, elapsed, later, os.path.exists(os.path.join(SHM_DIR, group.name))))  # type: ignore[attr-defined]
+    left = os.path.exists(os.path.join(SHM_DIR, group.name))
+    results.put((rank, outcome, elapsed, later, left))  # type: ignore[attr-defined]
     results.close()  # type: ignore[attr-defined]
     results.join_thread()  # type: ignore[attr-defined]  # flush the queue's feeder thread before _exit
     os._exit(0)  # a peer is dead: skip the process group's collective teardown

@@ -37,8 +37,9 @@ def run(groups: list[ShmGroup], fn: Callable[[ShmGroup], object]) -> list[object
 
 def data(c: int, length: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * c + length)
-    x = torch.randn(length, generator=g) * 100 if dtype.is_floating_point else torch.randint(0, 200, (length,), generator=g)
-    return x.to(dtype)
+    if dtype.is_floating_point:
+        return (torch.randn(length, generator=g) * 100).to(dtype)
+    return torch.randint(0, 200, (length,), generator=g).to(dtype)
 
 
 def fold(xs: list[torch.Tensor], op: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 
 from shardwise.comm.shm_segment import ABORT, ARRIVE, DONE, SegmentLayout, create_segment, unlink_segment
 from shardwise.comm.shm_sync import (Peer, ShmPeerError, ShmTimeoutError, Waiter, WaitPolicy, peer_alive,
-                                     process_start_time)
+                                     policy_for, process_start_time)
 
 FAST = WaitPolicy(spin_s=1e-5, yield_s=1e-4, sleep_min_s=1e-5, sleep_max_s=1e-3, check_s=0.01)
 
@@ -101,7 +101,8 @@ def test_a_dead_peer_ends_the_wait_with_its_rank(segment):
     dead = Peer(rank=11, coord=1, pid=child.pid, start_time=process_start_time(child.pid))
     peers = [me, dead, Peer(12, 2, me.pid, me.start_time)]
     try:
-        with pytest.raises(ShmPeerError, match=rf"all_reduce on axis 'dp': rank 11 \(coordinate 1, pid {child.pid}\) died"):
+        died = rf"all_reduce on axis 'dp': rank 11 \(coordinate 1, pid {child.pid}\) died"
+        with pytest.raises(ShmPeerError, match=died):
             _waiter(segment, peers).wait(ARRIVE, 1, (1, 2), "all_reduce")
     finally:
         child.wait()
@@ -118,3 +119,8 @@ def test_liveness_sees_zombies_and_reused_pids():
         assert not peer_alive(Peer(0, 0, child.pid, -1))
     finally:
         child.wait()
+
+
+def test_oversubscribed_ranks_yield_at_once_instead_of_spinning():
+    assert policy_for(4, 2).spin_s == 0 and policy_for(2, 2).spin_s > 0 and policy_for(2, 16).spin_s > 0
+    assert policy_for(4, 2).yield_s == policy_for(2, 2).yield_s  # only the spin differs
