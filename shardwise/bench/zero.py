@@ -5,7 +5,8 @@ with ``--worker``. Every rank builds the reference GPT and these variants of it 
 
     fsdp2          torch.distributed.fsdp.fully_shard on every block, then on the root (FSDP2, ZeRO-3 like)
     torch-zero1    DDP + torch.distributed.optim.ZeroRedundancyOptimizer (sharded optimizer state)
-    sw-zero1/2/3   sw.zero(stage=1|2|3) with its defaults (25 MB buckets, blocks as stage-3 units)
+    sw-zero1/2/3   sw.zero(stage=1|2|3) with its defaults (25 MB buckets reduce-scattered during backward,
+                   ring collectives on CPU, native on CUDA; blocks as stage-3 units)
     *-bf16         (opt-in) fsdp2 with MixedPrecisionPolicy(param_dtype=bf16) and sw-zero3 with
                    MixedPrecision(param_dtype=bf16): bf16 compute, fp32 master weights and AdamW state
 

@@ -7,7 +7,7 @@ asynchronous averaging reduce-scatter starts while backward goes on with earlier
 launched strictly in launch order so that every rank issues the same collectives in the same sequence; a
 callback queued on the autograd engine launches what is left (groups with unused parameters contribute
 zeros), waits, and stores the averaged shards before ``backward()`` returns. Repeated backwards without a
-step accumulate, as in plain PyTorch. The two stages differ only in what survives a reduction:
+step accumulate, as in plain PyTorch. Stage 1 and stages 2-3 differ only in what survives a reduction:
 
 * stage 1 (``full_grads`` given: one persistent flat buffer per group, ``param.grad`` are views of it while
   gradients accumulate): the averaged shard is written into the buffer's own slice ``[lo, hi)``, so no
@@ -16,10 +16,10 @@ step accumulate, as in plain PyTorch. The two stages differ only in what survive
   backward before the step accumulates on top: a parameter whose view holds the averaged slice contributes
   ``N * average`` (its share of the sum) plus its new gradient, so the next reduce-scatter averages the whole
   accumulation. Where the reduce dtype differs from the buffer's (``MixedPrecision(reduce_dtype=...)``) the
-  shard is kept apart instead (``4Ψ/N`` more) and the buffer keeps the local sum.
+  shard is kept apart instead (``Ψ/N`` more elements in that dtype) and the buffer keeps the local sum.
 * stages 2-3 (no ``full_grads``): a group's gradients are flattened into a new tensor, the full
   ``param.grad`` are dropped (no full-size gradient survives its reduction) and the averaged result is added
-  into the shard (the first reduction after a step is stored as is: no zeroing, no add).
+  into a persistent shard buffer (the first reduction after a step is copied into it: no zeroing).
 
 ``no_sync``: backwards of forwards run inside it keep full gradients locally (no communication; stages 2-3
 hold full gradient memory meanwhile); the next synchronised backward reduces the accumulated sum. Stepping
@@ -77,7 +77,10 @@ class ShardGradReducer:
         # Stage 1 writes the averaged shard into the buffer's slice when the dtypes allow it.
         self._in_slice = [b.dtype == reduce_dtype for b in full_grads] if full_grads is not None else []
         self._state = [[EMPTY] * len(g.params) for g in groups]
-        self._shards: list[torch.Tensor | None] = [None] * len(groups)
+        # Persistent shard buffers (hi - lo,) wherever the shard does not live in a full buffer's slice.
+        self._shards: list[torch.Tensor | None] = [
+            None if (full_grads is not None and self._in_slice[k]) else
+            torch.zeros(g.hi - g.lo, dtype=reduce_dtype, device=mesh.device) for k, g in enumerate(groups)]
         self._reduced = [False] * len(groups)  # group reduced since the last clear()
         self.sync = True
         """Whether the current backward reduces (set at forward time from ``no_sync``)."""
@@ -193,15 +196,12 @@ class ShardGradReducer:
     def _store(self, k: int, shard: torch.Tensor) -> None:
         """Keep group k's averaged shard ``(hi - lo,)`` (see the module docstring for each stage)."""
         g = self.groups[k]
-        self._reduced[k] = True
-        if shard.untyped_storage().nbytes() > shard.numel() * shard.element_size() and not (
-                self.full is not None and self._in_slice[k]):
-            shard = shard.clone()  # the ring returns a view of its full-size working copy: keep only the shard
-        if self.full is None:
-            held = self._shards[k]
-            self._shards[k] = shard if held is None else held.add_(shard)
-        elif not self._in_slice[k]:
-            self._shards[k] = shard  # the buffer keeps the local sum: a later reduction replaces this
+        first, self._reduced[k] = not self._reduced[k], True
+        held = self._shards[k]
+        if held is not None:
+            # Stages 2-3 add each backward's average (the first one after a step is copied: no zeroing);
+            # stage 1 kept apart replaces it (its full buffer holds the whole local sum).
+            held.copy_(shard) if first or self.full is not None else held.add_(shard)
         else:
             buf = self.full[k]
             buf[g.lo:g.hi].copy_(shard)
@@ -218,15 +218,13 @@ class ShardGradReducer:
         """Group k's averaged gradient shard ``(hi - lo,)`` in the reduce dtype (zeros when nothing was
         reduced since the last ``clear``). Local."""
         g = self.groups[k]
-        if self.full is not None and self._in_slice[k]:
-            return self.full[k][g.lo:g.hi] if self._reduced[k] else self.full[k].new_zeros(g.hi - g.lo)
         held = self._shards[k]
-        if held is None:
-            held = self._shards[k] = torch.zeros(g.hi - g.lo, dtype=self.reduce_dtype, device=self.mesh.device)
-        return held
+        if held is None:  # stage 1, in the full buffer's slice
+            return self.full[k][g.lo:g.hi] if self._reduced[k] else self.full[k].new_zeros(g.hi - g.lo)  # type: ignore[index]
+        return held if self._reduced[k] else held.zero_()
 
     def held_shards(self) -> list[torch.Tensor]:
-        """The shard tensors this reducer holds apart from the full buffers (for memory reports). Local."""
+        """The persistent shard buffers apart from the full buffers (for memory reports). Local."""
         return [s for s in self._shards if s is not None]
 
     @torch.no_grad()
@@ -237,6 +235,5 @@ class ShardGradReducer:
             for p in g.params:
                 p.grad = None
             self._state[k] = [EMPTY] * len(g.params)
-        self._shards = [None] * len(self.groups)
         self._reduced = [False] * len(self.groups)
         self.unreduced = False
