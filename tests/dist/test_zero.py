@@ -99,6 +99,7 @@ def test_bad_input(worlds):
         assert out[key].startswith("ValueError") and "already wrapped" in out[key], out[key]
     assert out["mixed-dtypes"].startswith("ValueError") and "torch.float64" in out["mixed-dtypes"]
     assert out["mixed-devices"].startswith("ValueError") and "meta" in out["mixed-devices"]
+    assert out["algorithm"].startswith("ValueError") and "'fast'" in out["algorithm"] and "ring" in out["algorithm"]
     assert out["unit-name"].startswith("ValueError") and "blocks.9" in out["unit-name"]
     assert out["unit-container"].startswith("ValueError") and "ModuleList" in out["unit-container"]
 

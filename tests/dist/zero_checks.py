@@ -283,6 +283,7 @@ def check_bad_input() -> dict[str, str]:
     off = build("uneven")
     off.b.to("meta")
     out["mixed-devices"] = _error(lambda: sw.zero(off, m, stage=3, optimizer=sgd))
+    out["algorithm"] = _error(lambda: sw.zero(build("uneven"), m, stage=1, optimizer=sgd, algorithm="fast"))
     out["unit-name"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, units=[["blocks.9"]]))
     out["unit-container"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, units=[["blocks"]]))
     return out

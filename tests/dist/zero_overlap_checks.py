@@ -39,7 +39,7 @@ GLOBAL_B, STEPS = 12, 4
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-5, weight_decay=0.1)
 CLIP = 0.5
 # micro-batch u of a step: ("local" = inside no_sync, "sync" = a synchronised backward)
-PLANS = {"plain": ["sync"], "serial": ["sync"], "accum": ["local", "local", "sync"],
+PLANS = {"plain": ["sync"], "serial": ["sync"], "native": ["sync"], "accum": ["local", "local", "sync"],
          "accum-sync": ["local", "sync", "sync"]}
 
 
@@ -106,10 +106,14 @@ def _rs_bytes(counter: CommCounter) -> list[int]:
     return [r.nbytes for r in counter.records if r.op == "reduce_scatter"]
 
 
-def _train(stage: int, unused: bool, plan: list[str], overlap: bool) -> dict[str, Any]:
+def _algorithms(counter: CommCounter) -> list[str]:
+    return sorted({r.algorithm for r in counter.records if r.op in ("reduce_scatter", "all_gather")})  # ZeRO's collectives
+
+
+def _train(stage: int, unused: bool, plan: list[str], overlap: bool, **kw: Any) -> dict[str, Any]:
     m = mesh(dp=-1)
     n, i = m.size("dp"), m.coord("dp")
-    model, opt = sw.zero(_build(unused), m, stage=stage, optimizer=ADAMW, overlap=overlap, **CAPS)
+    model, opt = sw.zero(_build(unused), m, stage=stage, optimizer=ADAMW, overlap=overlap, **CAPS, **kw)
     chain: Chain = model.module  # type: ignore[assignment]
     snaps: list[list[int]] = []
     live: list[CommCounter] = []
@@ -136,11 +140,11 @@ def _train(stage: int, unused: bool, plan: list[str], overlap: bool) -> dict[str
             sw.comm.all_reduce(mean, m, "dp", op="avg")
             losses.append(float(mean))
             phases.append({"kind": kind, "at_l0": snaps[0] if snaps else None, "backward": _rs_bytes(cb),
-                           "spare": chain.use_spare})
+                           "spare": chain.use_spare, "algorithms": _algorithms(cb)})
         with CommCounter() as cs:
             norms.append(float(opt.clip_grad_norm_(CLIP)))
             opt.step()
-        phases.append({"kind": "step", "ops": cs.by_op()})
+        phases.append({"kind": "step", "ops": cs.by_op(), "algorithms": _algorithms(cs)})
     return {"state": sw.full_state_dict(model), "losses": losses, "norms": norms, "phases": phases}
 
 
@@ -163,7 +167,8 @@ def check_overlap(configs: list[tuple[int, str, bool]]) -> list[dict[str, Any]]:
     for stage, variant, unused in configs:
         plan = PLANS[variant]
         ref, ref_losses, ref_norms = _reference(unused, plan)
-        got = _train(stage, unused, plan, overlap=variant != "serial")
+        kw = {"algorithm": "native"} if variant == "native" else {}
+        got = _train(stage, unused, plan, overlap=variant != "serial", **kw)
         err = max(float((got["state"][k] - v).abs().max()) / (1e-3 + float(v.abs().max()))
                   for k, v in ref.state_dict().items())
         out.append({"cfg": (stage, variant, unused), "err": err, "phases": got["phases"],
