@@ -52,6 +52,9 @@ SMALL_BYTES = 16 << 10
 """All-reduces up to this size take the one-wait path where every member reduces the whole message."""
 _SMALL_VIEWS = 64
 """Cached region views for the small path, least recently used dropped first (no per-call allocation)."""
+_PER_THREAD_THREADS = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+"""OpenMP's thread count is a per-thread setting, so a collective may lower it for its own thread; the
+native backend's is process-wide (and fixed once parallel work started): left alone there."""
 
 T = TypeVar("T")
 
@@ -96,7 +99,7 @@ class ShmGroup:
             raise ShmPeerError(f"shm {collective} on axis {self.axis!r}: this group's shared memory is unusable "
                                f"after an earlier failure ({self.broken}); restart all ranks")
         self._op = collective
-        threads = torch.get_num_threads() if nbytes > SMALL_BYTES else 1
+        threads = torch.get_num_threads() if nbytes > SMALL_BYTES and _PER_THREAD_THREADS else 1
         try:
             if threads > 1:
                 torch.set_num_threads(1)
