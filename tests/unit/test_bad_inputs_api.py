@@ -124,7 +124,7 @@ CASES: list[tuple[str, Call, type[Exception], tuple[str, ...]]] = [
      ("got half", "torch.bfloat16 or torch.float16")),
     # --- collectives ---
     ("comm-algorithm", lambda e: sw.comm.all_reduce(torch.ones(2), e.d, "dp", algorithm="butterfly"), ValueError,
-     ("algorithm 'butterfly'", "choose one of ['native', 'ring', 'tree', 'auto']")),
+     ("algorithm 'butterfly'", "choose one of ['native', 'ring', 'tree', 'shm', 'auto']")),
     ("comm-op", lambda e: sw.comm.all_reduce(torch.ones(2), e.d, "dp", op="prod"), ValueError,
      ("unknown reduce op 'prod'", "choose one of ['sum', 'avg', 'max', 'min']")),
     ("comm-avg-int", lambda e: sw.comm.all_reduce(torch.ones(2, dtype=torch.int64), e.d, "dp", op="avg"), ValueError,
