@@ -180,8 +180,14 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     grad_b = 2 if plan.precision == "bf16-mixed" else 4
     param_b = 2 if plan.precision == "bf16-mixed" else 4
     # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest);
-    # ZeRO's and the pipeline's collectives run the backend's native ones
-    algorithm = "auto" if plan.zero_stage == 0 and plan.pp == 1 else "native"
+    # ``sw.zero`` runs our ring on a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the
+    # backend's collectives on GPUs; a pipeline's data-parallel/ZeRO-1 reductions run the native ones
+    if plan.pp > 1:
+        algorithm = "native"
+    elif plan.zero_stage == 0:
+        algorithm = "auto"
+    else:
+        algorithm = "ring" if hw.host_cores else "native"
     coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node,  # noqa: E731
                                                  algorithm=algorithm)
     # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
@@ -189,10 +195,9 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_local * grad_b)
     gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
     # On a CPU host (a calibration with host_cores) gloo moves the bytes with the same cores the ranks compute
-    # on: communication takes its time from compute instead of hiding under it. ``sw.zero`` stage 1 reduces
-    # when the optimizer needs the gradients, after backward (a pipeline's ZeRO-1 reduces per stage as its
-    # backward ends, like its data parallelism).
-    overlap = overlap and not hw.host_cores and not (plan.zero_stage == 1 and plan.pp == 1)
+    # on: communication takes its time from compute instead of hiding under it. Every ZeRO stage reduces its
+    # buckets during backward, as data parallelism does (a pipeline's ZeRO-1 per stage as its backward ends).
+    overlap = overlap and not hw.host_cores
     if plan.zero_stage == 3:
         # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
         # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per

@@ -12,7 +12,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.pipeline.schedules import get_schedule
 from shardwise.parallel.pipeline.simulate import Costs, simulate
 from shardwise.planner import Hardware, ModelSpec, Plan, predict
-from shardwise.planner.memory import layer_activation_bytes, model_state_bytes
+from shardwise.planner.memory import layer_activation_bytes, local_params, model_state_bytes
 from shardwise.planner.pipeline_cost import simulate_flush
 from shardwise.planner.published import MEGATRON_TABLE1, ZERO_TABLE1, gpt3_days, megatron_prediction
 
@@ -374,3 +374,23 @@ def test_gradient_buckets_never_exceed_the_gradients():
     assert added == pytest.approx(grads)
     added, grads = buckets(GPTConfig.preset("gpt2-124m"))
     assert added == pytest.approx(2 * 25e6) and grads > added
+
+
+def test_zero_stages_reduce_during_backward_and_cpu_zero_runs_the_ring():
+    # every ZeRO stage now reduce-scatters its buckets during backward: on a GPU preset stages 1 and 2 expose
+    # the same data-parallel communication (before, stage 1 reduced after backward: nothing hidden)
+    spec = ModelSpec.gpt(GPTConfig.preset("gpt-small"))
+    one, two = (predict(spec, Plan(dp=8, zero_stage=z, micro_batch=4), A100, global_batch=32, seq_len=128)
+                for z in (1, 2))
+    assert one.breakdown["dp_comm"] == pytest.approx(two.breakdown["dp_comm"])
+    # on a CPU calibration sw.zero runs our ring (not gloo's reduce-scatter): priced with the ring's fit
+    loaded = Hardware.load("benchmarks/hardware_cpu_4ranks.json")
+    pred = predict(spec, Plan(dp=4, zero_stage=1, micro_batch=2), loaded, global_batch=8, seq_len=128)
+    cpu = loaded.for_devices(4)
+    local = sum(local_params(layer, 1) for layer in spec.layers) * 4  # fp32, the whole model on each replica
+    ring = (cpu.collective_time("reduce_scatter", local, 4, per_node=4, algorithm="ring")
+            + cpu.collective_time("all_gather", local, 4, per_node=4, algorithm="ring") + cpu.sync_skew_s)
+    native = (cpu.collective_time("reduce_scatter", local, 4, per_node=4, algorithm="native")
+              + cpu.collective_time("all_gather", local, 4, per_node=4, algorithm="native") + cpu.sync_skew_s)
+    assert ring != pytest.approx(native, rel=0.05)
+    assert pred.breakdown["dp_comm"] == pytest.approx(ring, rel=1e-6)

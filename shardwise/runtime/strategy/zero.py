@@ -40,9 +40,10 @@ class ZeroStrategy(DataParallelSteps):
         self.optimizer: ZeroOptimizer = optimizer
 
     def grads(self) -> list[Grad]:
-        """Stage 1: each group's full local buffer (unreduced: a non-finite element on any replica would make
-        the averaged shard non-finite, and the flag's agreement carries it everywhere); stages 2-3: this
-        rank's averaged shard of each group, the only gradient it keeps."""
+        """Stage 1: each group's full local buffer (after backward this rank's slice holds the averaged shard
+        and the rest this replica's own gradients: a non-finite element on any replica makes the averaged
+        shards non-finite, and the flag's agreement carries it everywhere); stages 2-3: this rank's averaged
+        shard of each group, the only gradient it keeps."""
         m = self.model
         if m.stage == 1:
             return flat_grads(m.groups, m.full_grads, self.plain, "ZeRO group", shard=False)
