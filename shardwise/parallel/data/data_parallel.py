@@ -59,8 +59,8 @@ class DataParallel(nn.Module):
 
     ``bucket_cap_mb``/``first_bucket_mb``: gradient bucket sizes (MB = 2**20 bytes). ``overlap``: start a
     bucket's all-reduce during backward as soon as its gradients are ready (else all after backward).
-    ``algorithm``: ``native | ring | tree | auto`` collective (``auto``: per bucket, the cheapest by the mesh's
-    calibration; native without one). ``find_unused_parameters``: parameters without a
+    ``algorithm``: ``native | ring | tree | shm | auto`` collective (``shm``: through shared memory, every rank
+    of the axis on one host; ``auto``: per bucket, the cheapest by the mesh's calibration; native without one). ``find_unused_parameters``: parameters without a
     gradient in a backward contribute zero instead of raising. ``broadcast_buffers``: copy coordinate 0's
     buffers to every replica at each forward. ``average``: ``"gradients"`` or ``"parameters"`` (local SGD,
     every ``period`` calls of ``average_parameters()``). ``grad_views``: ``param.grad`` aliases the buckets.
@@ -69,7 +69,7 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, mesh: Mesh, axis: str = "dp", *, bucket_cap_mb: float = 25,
                  first_bucket_mb: float = 1, overlap: bool = True,
-                 algorithm: Literal["native", "ring", "tree", "auto"] = "native",
+                 algorithm: Literal["native", "ring", "tree", "shm", "auto"] = "native",
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  average: Literal["gradients", "parameters"] = "gradients", period: int = 1,
                  grad_views: bool = True) -> None:

@@ -68,7 +68,7 @@ from .stage3 import Stage3Runtime, default_units
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
 
 STAGES = (1, 2, 3)
-Algorithm = Literal["native", "ring", "tree", "auto"]
+Algorithm = Literal["native", "ring", "tree", "shm", "auto"]
 
 
 def default_algorithm(mesh: Mesh, dtypes: Sequence[torch.dtype]) -> str:
@@ -92,7 +92,7 @@ def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactor
     lists of module names gathered together, in forward order (default: each element of ``blocks``; the
     remaining parameters form one more unit). ``prefetch``: gather the next unit while the current one
     computes. ``overlap``: start a group's reduce-scatter as soon as its gradients are ready (else all when
-    backward ends). ``algorithm``: ``native | ring | tree | auto`` for the reduce-scatters and all-gathers
+    backward ends). ``algorithm``: ``native | ring | tree | shm | auto`` for the reduce-scatters and all-gathers
     (``None``: ``default_algorithm``). Collective (every rank of the axis calls it with the same model
     structure and options).
     """
