@@ -150,3 +150,38 @@ def check_zero_parity(stage: int, units: list[list[str]] | None = None) -> dict:
     full = sw.full_state_dict(model)
     err["param"] = max(_rel(full[key], v) for key, v in ref["state"].items())
     return {"err": err, "backwards": backwards, "ref_norms": ref["norms"]}
+
+
+def check_swaps_restored() -> dict:
+    """The region names, and that every module holds its own ``nn.Parameter`` objects again after a
+    forward + backward, after a forward without grad, and after a forward that raised inside ln_1 (its
+    parameters swapped out then)."""
+    m = mesh(tp=2)
+    cfg = GPTConfig(**TINY)
+    torch.manual_seed(0)
+    model = sw.parallelize(GPT(cfg), m, gpt_plan(cfg, sequence_parallel=True), axis="tp", sequence_parallel=True)
+    before = {n: (mod, dict(mod._parameters)) for n, mod in model.named_modules()}
+
+    def intact() -> bool:
+        return all(mod._parameters[k] is p and isinstance(p, torch.nn.Parameter)
+                   for mod, params in before.values() for k, p in params.items() if p is not None)
+
+    x, y = _batches(cfg, 1)[0][0]
+    out = {"regions": [r.name for r in model._shardwise_tensor_parallel.regions]}
+    vocab_parallel_cross_entropy(model(x), y, mesh=m, axis="tp").backward()
+    out["after_backward"] = intact()
+    with torch.no_grad():
+        model(x)
+    out["after_no_grad"] = intact()
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("boom")
+    ln_1 = model.blocks[0].ln_1
+    ln_1.forward = boom  # raises inside ln_1's forward, while its parameters are swapped out
+    try:
+        model(x)
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    del ln_1.forward
+    out["after_raise"] = intact()
+    return out

@@ -60,3 +60,11 @@ def test_zero3_units_finer_than_regions(worlds):
         assert res["err"]["loss"] < 1e-5 and res["err"]["norm"] < 1e-5 and res["err"]["param"] < 1e-4, res["err"]
         for got in res["backwards"]:
             assert got == per_member, got
+
+
+def test_regions_and_parameters_restored(worlds):
+    for res in worlds.get(2).run(sc.check_swaps_restored):
+        # one region per block (its ModuleList element), plus wpe and ln_f on their own, in module order
+        assert res["regions"] == ["wpe"] + [f"blocks.{i}" for i in range(L)] + ["ln_f"], res["regions"]
+        assert res["raised"] == "boom"
+        assert res["after_backward"] and res["after_no_grad"] and res["after_raise"], res

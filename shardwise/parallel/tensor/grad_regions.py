@@ -22,7 +22,14 @@ all-reduce); a reentrant one (whose forward ran without grad) is differentiated 
 ZeRO stage 3: the outputs are views of the parameters as they are when the first member runs (inside the
 block's forward, after ZeRO gathered it), so a region must lie inside one ZeRO unit; if some of its parameters
 are not materialised then, the member's own parameters form the region for that call (one all-reduce per
-member module instead — still correct).
+member module instead — still correct). The members' swap-in pre-hooks are kept behind every other pre-hook
+(``hooks_last``), so they run after ZeRO's gathering pre-hooks although those are registered later.
+
+The all-reduce is synchronous: it runs once per region, after the region's backward, and is not overlapped
+with the previous region's backward (the summed values must exist before autograd accumulates them).
+
+Each such parameter carries ``_shardwise_partial_axis`` (the tp axis): code that computes its gradient outside
+autograd (a closed-form weight gradient) must sum it over that axis itself.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ class SumOverAxis(torch.autograd.Function):
         return (None, None, *sum_flat(list(grads), ctx.metas, ctx.mesh, ctx.axis))
 
 
-def sum_flat(grads: list[torch.Tensor | None], metas: Sequence[tuple], mesh: Mesh, axis: str) -> list[torch.Tensor | None]:
+def sum_flat(grads: list[torch.Tensor | None], metas: Sequence[tuple], mesh: Mesh,
+             axis: str) -> list[torch.Tensor | None]:
     """All-reduce (sum) ``grads`` over ``axis`` as one flat buffer per dtype (in first-seen order); returns
     per-tensor views of the summed buffers (``None`` where the gradient was ``None``). Collective."""
     out: list[torch.Tensor | None] = [None] * len(grads)
@@ -77,16 +85,22 @@ def sum_flat(grads: list[torch.Tensor | None], metas: Sequence[tuple], mesh: Mes
 
 class GradRegion:
     """The partial-gradient parameters of one region and the member modules that use them (see module doc).
-    ``params[i]`` is owned by ``(owner module, attribute name)`` slots (several for a shared parameter)."""
+    A parameter is addressed by its slot ``(owner module, attribute name)`` and read from there at each
+    forward (so a parameter replaced after ``parallelize``, e.g. by ``module.to(...)``, is the one summed)."""
 
     def __init__(self, name: str, mesh: Mesh, axis: str) -> None:
         self.name, self.mesh, self.axis = name, mesh, axis
-        self.params: list[nn.Parameter] = []
-        self.shapes: list[torch.Size] = []
-        self.members: dict[int, list[tuple[nn.Module, str, int]]] = {}  # id(member) -> (owner, attr, param index)
+        self.slots: list[tuple[nn.Module, str, torch.Size]] = []  # (owner, attr, local shape at parallelize)
+        self.members: dict[int, list[int]] = {}  # id(member module) -> indices into slots
         self._active: dict[int, torch.Tensor] | None = None  # id(param) -> its SumOverAxis output
-        self._used: set[int] = set()
+        self._used: set[int] = set()  # members that used _active
+        self._saved: dict[int, list[list[tuple[nn.Module, str, torch.Tensor]]]] = {}  # swapped-out params
         self._pre_hooks: list[tuple[nn.Module, Any]] = []
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The region's parameters as they are now, each once (a parameter in two slots is one)."""
+        return list({id(p): p for p in (owner._parameters[attr] for owner, attr, _ in self.slots)}.values())
 
     def add_member(self, member: nn.Module, slots: list[tuple[nn.Module, str]]) -> None:
         """Register ``member`` (a module whose forward reads the parameters at ``slots``) and hook it. Local."""
@@ -94,12 +108,12 @@ class GradRegion:
         for owner, attr in slots:
             p = owner._parameters[attr]
             assert isinstance(p, nn.Parameter), (self.name, attr)
-            k = next((i for i, q in enumerate(self.params) if q is p), None)
+            p._shardwise_partial_axis = self.axis  # type: ignore[attr-defined]  # its local gradient is P over it
+            k = next((i for i, (o, a, _) in enumerate(self.slots) if o is owner and a == attr), None)
             if k is None:
-                k = len(self.params)
-                self.params.append(p)
-                self.shapes.append(p.shape)
-            entries.append((owner, attr, k))
+                k = len(self.slots)
+                self.slots.append((owner, attr, p.shape))
+            entries.append(k)
         self.members[id(member)] = entries
         self._pre_hooks.append((member, member.register_forward_pre_hook(self._swap_in)))
         member.register_forward_hook(self._swap_out, always_call=True)
@@ -117,14 +131,15 @@ class GradRegion:
         if self._active is not None and id(member) not in self._used:
             self._used.add(id(member))
             return self._active
-        if any(p.shape != s for p, s in zip(self.params, self.shapes)):
+        if any(owner._parameters[attr].shape != shape for owner, attr, shape in self.slots):
             # Some parameter is not materialised (a ZeRO-3 unit finer than the region): this member alone.
             self._active = None
-            return self._apply([self.params[k] for _, _, k in self.members[id(member)]])
+            mine = [self.slots[k] for k in self.members[id(member)]]
+            return self._apply([owner._parameters[attr] for owner, attr, _ in mine])
         self._active, self._used = self._apply(self.params), {id(member)}
         return self._active
 
-    def _apply(self, params: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+    def _apply(self, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         live = list({id(p): p for p in params if p.requires_grad}.values())
         if not live:
             return {}
@@ -136,14 +151,20 @@ class GradRegion:
         if not torch.is_grad_enabled():
             return
         outs = self._outputs(member)
-        for owner, attr, k in self.members[id(member)]:
-            out = outs.get(id(self.params[k]))
-            if out is not None:
-                owner._parameters[attr] = out  # read by the member's forward as owner.<attr>
+        saved = []
+        for k in self.members[id(member)]:
+            owner, attr, _ = self.slots[k]
+            p = owner._parameters[attr]
+            if id(p) in outs:
+                saved.append((owner, attr, p))
+                owner._parameters[attr] = outs[id(p)]  # read by the member's forward as owner.<attr>
+        self._saved.setdefault(id(member), []).append(saved)
 
     def _swap_out(self, member: nn.Module, _args: Any, _out: Any) -> None:
-        for owner, attr, k in self.members[id(member)]:
-            owner._parameters[attr] = self.params[k]
+        stack = self._saved.get(id(member))
+        if stack:
+            for owner, attr, p in stack.pop():
+                owner._parameters[attr] = p
 
 
 def region_of(model: nn.Module, name: str) -> str:

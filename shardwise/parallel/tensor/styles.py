@@ -67,9 +67,10 @@ class VocabParallel:
 @dataclass(frozen=True)
 class SequenceParallel:
     """A module with replicated parameters that runs on sequence-split activations (LayerNorm, dropout): its
-    parameters' gradients are partial sums over tp and are all-reduced by gradient hooks. ``slice_output``:
-    the module's output is computed in full from replicated input and this rank keeps its sequence slice
-    along that dim (the position embedding: ``slice_output=0`` of its (t, h) output). Needs
+    parameters' gradients are partial sums over tp, summed with the other such parameters of its region (the
+    enclosing ``ModuleList`` element, e.g. a block) by one all-reduce per backward (``grad_regions.py``).
+    ``slice_output``: the module's output is computed in full from replicated input and this rank keeps its
+    sequence slice along that dim (the position embedding: ``slice_output=0`` of its (t, h) output). Needs
     ``sequence_parallel=True``."""
 
     slice_output: int | None = None
