@@ -11,6 +11,7 @@ and the same variants of it:
     sw-per-param       one bucket (one all-reduce) per parameter
     sw-copy-in         grads kept apart from the buckets, copied in and out
     sw-ring, sw-tree   our own collective algorithms instead of the backend's
+    sw-shm             the all-reduces through shared memory (``algorithm="shm"``; ranks on one host, CPU)
     sw-bf16            bf16_compress_hook: gradients cross the wire in bfloat16 (half the bytes)
     centralized        reduce to rank 0, optimizer there, broadcast parameters
     sw-cap=X           the bucket-size sweep (``--sweep``)
@@ -42,11 +43,11 @@ __all__ = ["add_arguments", "main"]
 
 AXIS = "dp"
 BASE = ["torch-ddp", "torch-ddp-views", "sw", "sw-no-overlap", "sw-per-param", "sw-copy-in", "sw-ring", "sw-tree",
-        "sw-bf16", "centralized"]
+        "sw-shm", "sw-bf16", "centralized"]
 SW_OPTIONS: dict[str, dict[str, object]] = {
     "sw": {}, "sw-no-overlap": {"overlap": False}, "sw-per-param": {"bucket_cap_mb": 1e-9, "first_bucket_mb": 1e-9},
     "sw-copy-in": {"grad_views": False}, "sw-ring": {"algorithm": "ring"}, "sw-tree": {"algorithm": "tree"},
-    "sw-bf16": {}}
+    "sw-shm": {"algorithm": "shm"}, "sw-bf16": {}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +128,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     mesh = sw.Mesh(dp=-1)
     set_bench_threads(args.threads, world.world_size)
     names = _validate(args)
+    if mesh.device.type != "cpu" and "sw-shm" in names:  # shared memory moves host tensors only
+        names.remove("sw-shm")
+        if world.rank == 0:
+            print("bench dp: sw-shm left out: algorithm='shm' moves host memory, the ranks run on "
+                  f"{mesh.device.type}", flush=True)
     cfg, batches = gpt_workload(args.preset, seq=args.seq, batch=args.batch, mesh=mesh, axis=AXIS)
     runs = {}
     for name in names:
