@@ -38,7 +38,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from .ops import shard_offsets
-from .shm_segment import ABORT, ARRIVE, DONE, REDUCED, Segment
+from .shm_futex import FUTEX_AVAILABLE, futex_wake
+from .shm_segment import ABORT, ARRIVE, DONE, FIELDS, REDUCED, SLEEP, Segment
 from .shm_sync import Peer, ShmPeerError, Waiter, WaitPolicy
 
 __all__ = ["ShmGroup", "DEFAULT_SLOTS", "DEFAULT_REGION_BYTES", "SMALL_BYTES", "check_shm_tensor"]
@@ -76,9 +77,11 @@ class ShmGroup:
         self.name = seg.name
         self.base = torch.frombuffer(seg.buf, dtype=torch.uint8)  # the whole segment, as bytes
         self.addr = self.base.data_ptr()
-        index = [[layout.counter_index(c, f) for c in range(self.n)] for f in range(4)]
-        self.waiter = Waiter(seg.words, index, peers, me, policy, timeout_s, axis, ABORT)
-        self._mine = [index[f][me] for f in range(4)]
+        index = [[layout.counter_index(c, f) for c in range(self.n)] for f in range(FIELDS)]
+        self.waiter = Waiter(seg.words, index, peers, me, policy, timeout_s, axis, ABORT,
+                             futex=(self.addr, index[SLEEP][me]))
+        self._mine = [index[f][me] for f in range(FIELDS)]
+        self._sleepers = [index[SLEEP][c] for c in range(self.n) if c != me]
         self.everyone = tuple(range(self.n))
         self.seq = 0
         """Pieces this group has started; the same on every member between collectives."""
@@ -114,7 +117,15 @@ class ShmGroup:
                 torch.set_num_threads(threads)
 
     def _publish(self, field: int, value: int) -> None:
-        self.seg.words[self._mine[field]] = value
+        """Store our counter, then wake the peers asleep on it (a look at their sleeper words: no system
+        call unless someone sleeps)."""
+        words, k = self.seg.words, self._mine[field]
+        words[k] = value
+        for s in self._sleepers:
+            if words[s] == k + 1:
+                if FUTEX_AVAILABLE:
+                    futex_wake(self.addr + 8 * k)
+                break
 
     def _begin(self) -> tuple[int, int]:
         """Claim the next piece: (its sequence number, its slot), once the slot's previous use is done."""

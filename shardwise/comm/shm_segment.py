@@ -6,7 +6,7 @@ One segment per (mesh, axis) group, mapped by every member::
     slot s = (n + 1) regions of R bytes: region r (r < n) is written only by the rank at coordinate r,
              region n holds all-reduce results (written by every reducer, one disjoint sub-range each)
 
-Each rank owns one 128-byte line of counters (``ARRIVE``, ``REDUCED``, ``DONE``, ``ABORT``) that only it
+Each rank owns one 128-byte line of counters (``ARRIVE``, ``REDUCED``, ``DONE``, ``ABORT``, ``SLEEP``) that only it
 writes, so polling peers never contend for a line another rank writes (two 64-byte lines: no false sharing
 with the adjacent-line prefetcher either). Counters are int64 and only grow (``2^63`` pieces never wrap).
 
@@ -23,17 +23,19 @@ import secrets
 from dataclasses import dataclass
 
 __all__ = ["SegmentLayout", "Segment", "create_segment", "attach_segment", "unlink_segment", "SHM_DIR",
-           "NAME_PREFIX", "ARRIVE", "REDUCED", "DONE", "ABORT"]
+           "NAME_PREFIX", "ARRIVE", "REDUCED", "DONE", "ABORT", "SLEEP", "FIELDS"]
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "shardwise-"
 MAGIC = 0x5348_4D57_5331  # "SHMWS1": a mapped file that is not ours (or of another version) is refused
 LINE = 128
 """Bytes per header line and per rank's counter line; region sizes are multiples of it (aligned views)."""
-ARRIVE, REDUCED, DONE, ABORT = 0, 1, 2, 3
+ARRIVE, REDUCED, DONE, ABORT, SLEEP = 0, 1, 2, 3, 4
+FIELDS = 5
 """Counter fields of a rank's line: pieces deposited, pieces reduced, pieces finished; ABORT is non-zero
 once the rank left a collective with an error (its peers stop waiting for it): 1 + the coordinate of the
-rank where the failure started (itself, or a peer it saw die or fail)."""
+rank where the failure started (itself, or a peer it saw die or fail). SLEEP is non-zero while the rank
+sleeps on a peer's counter: 1 + that counter's int64 index (its publisher wakes it, ``shm_futex``)."""
 
 
 @dataclass(frozen=True)

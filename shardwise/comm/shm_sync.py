@@ -2,9 +2,11 @@
 
 A waiting rank first polls for ``spin_s`` (a peer that is running on another core answers within
 microseconds), then polls with ``sched_yield`` until ``yield_s`` (when ranks outnumber cores the peer we wait
-for may need *our* core: a pure spin would starve it for a whole scheduler slice), then sleeps with
-exponential backoff up to ``sleep_max_s``, so an idle rank costs no core. ``sched_yield`` and ``sleep`` also
-release the GIL, so a wait on the asynchronous comm thread does not stall the caller's Python thread.
+for may need *our* core: a pure spin would starve it for a whole scheduler slice), then sleeps, so an idle
+rank costs no core: in the kernel on the awaited counter, woken by its publisher (``shm_futex``, each sleep
+bounded by ``futex_timeout_s``), or where futexes are unavailable with timed sleeps backing off up to
+``sleep_max_s``. ``sched_yield``, the futex and ``sleep`` release the GIL, so a wait on the asynchronous comm
+thread does not stall the caller's Python thread.
 
 Every ``check_s`` the waiter looks at its peers: a dead process (gone, a zombie, or its pid reused by
 another process — compared by start time) or a raised ``ABORT`` flag ends the wait with ``ShmPeerError``
@@ -17,6 +19,8 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from .shm_futex import FUTEX_AVAILABLE, futex_wait
 
 __all__ = ["ShmError", "ShmPeerError", "ShmTimeoutError", "WaitPolicy", "Peer", "process_start_time",
            "peer_alive", "Waiter", "policy_for"]
@@ -53,6 +57,8 @@ class WaitPolicy:
     extra latency after a long wait is at most ``sleep_max_s``."""
     check_s: float = 0.05
     """Period of the peers' liveness/abort check and of the timeout check."""
+    futex_timeout_s: float = 2e-3
+    """Longest futex sleep: bounds the cost of a wake-up lost to the flag race (see ``shm_futex``)."""
 
 
 def policy_for(ranks_on_host: int, cores: int) -> WaitPolicy:
@@ -117,9 +123,14 @@ class Waiter:
     ``index[field][coord]`` is the int64 index of that peer's counter in ``words`` (the mapped segment)."""
 
     def __init__(self, words: memoryview, index: Sequence[Sequence[int]], peers: Sequence[Peer], me: int,
-                 policy: WaitPolicy, timeout_s: float, axis: str, abort_field: int) -> None:
+                 policy: WaitPolicy, timeout_s: float, axis: str, abort_field: int,
+                 futex: tuple[int, int] | None = None) -> None:
         self.words, self.index, self.peers, self.me = words, index, list(peers), me
         self.policy, self.timeout_s, self.axis, self.abort_field = policy, timeout_s, axis, abort_field
+        self.futex = futex if FUTEX_AVAILABLE else None
+        """``(address of words[0], index of this rank's sleeper word)``: sleep on futexes; ``None``: timed
+        sleeps. The sleeper word holds ``1 + the index slept on`` while asleep, so the publisher of that
+        counter knows to wake us."""
 
     def wait(self, field: int, target: int, coords: Sequence[int], collective: str) -> None:
         """Return once the ``field`` counter of every peer in ``coords`` is ``>= target``; raise
@@ -150,8 +161,22 @@ class Waiter:
             if now - start < p.yield_s:
                 os.sched_yield()
             else:
-                time.sleep(nap)
+                self._sleep(index[pending[0]], target, nap)
                 nap = min(2 * nap, p.sleep_max_s)
+
+    def _sleep(self, k: int, target: int, nap: float) -> None:
+        """Sleep until counter ``k`` may have reached ``target``: a futex on it (woken by its publisher), or
+        at most ``nap`` seconds."""
+        if self.futex is None:
+            time.sleep(nap)
+            return
+        base, sleeper = self.futex
+        words = self.words
+        words[sleeper] = k + 1  # announce before the last look: a publisher after this store wakes us
+        value = words[k]
+        if value < target:
+            futex_wait(base + 8 * k, value, self.policy.futex_timeout_s)
+        words[sleeper] = 0
 
     def _check(self, pending: list[int], collective: str, waited: float) -> None:
         """Raise if any peer is dead or aborted (any peer: a dead rank we are not waiting for yet will block

@@ -5,6 +5,8 @@ are compared with a left-to-right fold computed here."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import reduce
 from typing import Callable
@@ -14,7 +16,8 @@ import torch
 
 from shardwise.comm.ops import shard_offsets
 from shardwise.comm.shm import ShmGroup, reduce_ordered
-from shardwise.comm.shm_segment import SegmentLayout, attach_segment, create_segment, unlink_segment
+from shardwise.comm.shm_futex import FUTEX_AVAILABLE
+from shardwise.comm.shm_segment import ARRIVE, SegmentLayout, attach_segment, create_segment, unlink_segment
 from shardwise.comm.shm_sync import Peer, ShmPeerError, WaitPolicy, process_start_time
 
 POLICY = WaitPolicy(spin_s=0.0, yield_s=1e-3, check_s=0.01)
@@ -142,3 +145,23 @@ def test_reduce_ordered_folds_left_to_right_into_out():
     assert x.tolist() == [3.0, 5.0]
     reduce_ordered(out, [torch.tensor([2.0])], "avg")
     assert out.item() == 2.0
+
+
+@pytest.mark.skipif(not FUTEX_AVAILABLE, reason="futexes: Linux x86-64")
+def test_a_sleeping_waiter_is_woken_by_the_publish():
+    # Sleeps last up to 60 s here, so only the publisher's wake-up can end the wait within the join below.
+    groups = members(2)
+    policy = WaitPolicy(spin_s=0.0, yield_s=0.0, sleep_min_s=60.0, sleep_max_s=60.0, futex_timeout_s=60.0)
+    for g in groups:
+        g.waiter.policy = policy
+    waiter = threading.Thread(target=groups[1].waiter.wait, args=(ARRIVE, 1, (0,), "all_reduce"))
+    waiter.start()
+    for _ in range(1000):  # until it announced its sleep on coordinate 0's ARRIVE counter
+        if groups[0].seg.words[groups[0]._sleepers[0]] == groups[0]._mine[ARRIVE] + 1:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the waiter never went to sleep")
+    groups[0]._publish(ARRIVE, 1)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
