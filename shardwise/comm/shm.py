@@ -49,8 +49,13 @@ DEFAULT_SLOTS = 4
 DEFAULT_REGION_BYTES = 1 << 20
 """Bytes per region (one rank's share of a slot): a piece of an all-reduce is at most this. Segment size
 is ``slots · (n+1) · region`` (20 MiB for 4 ranks)."""
-SMALL_BYTES = 16 << 10
-"""All-reduces up to this size take the one-wait path where every member reduces the whole message."""
+SMALL_BYTES = 64 << 10
+"""All-reduces up to this size take the one-wait path where every member reduces the whole message: the
+redundant reduction (n x 64 KiB read per rank, ~10-25 us) costs less than two more waits for every peer,
+each of which needs all of them scheduled at once (measured at 64 KiB under load on 2 cores: 156 us median
+with three waits)."""
+THREADS_BYTES = 16 << 10
+"""Above this many bytes a collective runs with one intra-op thread (see ``ShmGroup._guard``)."""
 _SMALL_VIEWS = 64
 """Cached region views for the small path, least recently used dropped first (no per-call allocation)."""
 _PER_THREAD_THREADS = "parallel backend: OpenMP" in torch.__config__.parallel_info()
@@ -94,7 +99,7 @@ class ShmGroup:
     def _guard(self, collective: str, fn: Callable[[], T], nbytes: int) -> T:
         """Run ``fn`` (one collective); on any failure mark the group broken and raise our ``ABORT`` flag.
 
-        Above ``SMALL_BYTES`` the calling thread's intra-op threads are set to 1 for the duration (a
+        Above ``THREADS_BYTES`` the calling thread's intra-op threads are set to 1 for the duration (a
         per-thread setting, restored after): copies and reductions here are memory-bound, and OpenMP
         workers that spin after each parallel region take the cores that peer ranks need — with 2 ranks of
         2 threads on 2 cores a 16 MiB all-reduce measured 16x slower."""
@@ -102,7 +107,7 @@ class ShmGroup:
             raise ShmPeerError(f"shm {collective} on axis {self.axis!r}: this group's shared memory is unusable "
                                f"after an earlier failure ({self.broken}); restart all ranks")
         self._op = collective
-        threads = torch.get_num_threads() if nbytes > SMALL_BYTES and _PER_THREAD_THREADS else 1
+        threads = torch.get_num_threads() if nbytes > THREADS_BYTES and _PER_THREAD_THREADS else 1
         try:
             if threads > 1:
                 torch.set_num_threads(1)
@@ -154,7 +159,8 @@ class ShmGroup:
             return
         piece = self._piece_elems(piece_bytes, flat.element_size())
         if flat.numel() * flat.element_size() <= SMALL_BYTES and flat.numel() <= piece:
-            return self._guard("all_reduce", lambda: self._all_reduce_small(flat, op), 0)
+            return self._guard("all_reduce", lambda: self._all_reduce_small(flat, op),
+                               flat.numel() * flat.element_size())
 
         self._guard("all_reduce", lambda: self._all_reduce_pieces(flat, op, piece),
                     flat.numel() * flat.element_size())

@@ -20,7 +20,7 @@ from tests.dist.comm_checks import expected_reduce, rank_input
 from tests.dist.meshes import mesh
 
 LENGTHS = [0, 1, 2, 3, 5, 7, 1000, 4099, 70_001]
-"""Odd lengths; the last is above the small-message path (16 KiB) in every dtype but uint8."""
+"""Odd lengths; the last is above the small-message path (64 KiB) in every dtype."""
 OPS = ("sum", "avg", "max", "min")
 
 
