@@ -25,6 +25,8 @@ CASES = {
         dict(axes=dict(pp=2, tp=2), schedule="1f1b", n_layer=2, m=3, clip=0.5),
         dict(axes=dict(pp=2, tp=2), schedule="zb-h1", n_layer=2, m=2, ckpt=True),
         dict(axes=dict(pp=2, tp=2), schedule="1f1b", n_layer=2, m=2, sp=True, tie=False),
+        # split backward with sequence parallelism: W of the replicated norms/biases/wpe sums over tp
+        dict(axes=dict(pp=2, tp=2), schedule="zb-h1", n_layer=2, m=2, sp=True, tie=False, clip=0.5),
         # shardwise train's pp 2 × tp 2 with ZeRO-1 on 4 ranks: mesh (pp, dp, tp) = (2, 1, 2), dp_axis "dp" of size 1;
         # clipped with SGD for the reason given for the 8-rank cases (with AdamW, 1.25e-5 on some CPUs)
         dict(axes=dict(pp=2, dp=1, tp=2), schedule="1f1b", n_layer=2, m=2, zero=1, clip=0.5),

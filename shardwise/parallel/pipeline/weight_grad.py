@@ -7,7 +7,12 @@ parameters directly; B asks autograd for dL/dy alongside dL/dx (no weight-gradie
 * ``nn.Linear``, ``nn.LayerNorm`` and a plain ``nn.Embedding`` by their closed forms (one matmul, one
   reduction, one ``index_add_``) — the same kernels autograd would run, without one autograd-engine call per
   module per micro-batch, whose fixed cost dominates small CPU matmuls (see ``shardwise bench pp``);
-* any other module by its local backward ``grad(y, own params, dL/dy)``.
+* any other module by its local backward ``grad(y, own params, dL/dy)``. Parameters of a tensor-parallel
+  gradient region (sequence parallelism: the replicated norms, row biases and position embedding, which carry
+  ``_shardwise_partial_axis``) always go this way: the local backward runs through the region's own autograd
+  node, which sums them over tp (one all-reduce per such module in W, where a whole backward has one per
+  region); a closed form would leave the partial, unsummed gradient. So does a module with forward hooks of
+  its own (a hook may change its output, e.g. sequence parallelism keeps a slice of the position embedding's).
 
 Under bf16 autocast a Linear's output ``y`` (so dL/dy) is bf16 while its input and weight are fp32: autocast ran
 the matmul on bf16 casts, so W does too (``x`` cast to dL/dy's dtype, the product cast to the weight's dtype on
@@ -40,6 +45,8 @@ class Captured:
     input: Tensor | None
     version: int
     """``input._version`` at capture time: if the input is changed in place later, W uses autograd instead."""
+    hooked: bool = False
+    """The module has forward hooks besides the capture's: W uses autograd (the hooks may change its output)."""
 
 
 class WeightCapture:
@@ -55,6 +62,8 @@ class WeightCapture:
 
     def __init__(self, stage: nn.Module) -> None:
         self.modules = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
+        # hooks the module had before ours: any of them may change the output the closed forms assume
+        self.foreign_hooks = {id(m) for m in self.modules if m._forward_hooks}
         owners = [id(q) for m in self.modules for q in m.parameters(recurse=False)]
         self.exact = len(owners) == len(set(owners))
         self.active: list[tuple[nn.Module, Any, Any]] | None = None
@@ -82,7 +91,8 @@ class WeightCapture:
             return out, None
         if getattr(stage, "checkpoint", False):  # keeping inputs would undo activation checkpointing: use autograd
             got = [(m, None, y) for m, _, y in got]
-        return out, [(Captured(m, xi, xi._version if xi is not None else 0), y) for m, xi, y in got]
+        return out, [(Captured(m, xi, xi._version if xi is not None else 0, id(m) in self.foreign_hooks), y)
+                     for m, xi, y in got]
 
 
 # -- closed-form weight gradients: (module, input x, dL/dy) -> [(parameter, its gradient contribution)] ----------
@@ -118,8 +128,9 @@ def _embedding(m: nn.Module, idx: Tensor, g: Tensor) -> list[tuple[Tensor, Tenso
 
 
 def _rule(m: nn.Module, x: Tensor | None) -> Callable[..., list[tuple[Tensor, Tensor]]] | None:
-    """The closed form for ``m`` when it applies exactly (plain modules only: subclasses may change forward)."""
-    if x is None:
+    """The closed form for ``m`` when it applies exactly (plain modules only: subclasses may change forward;
+    never for parameters whose gradient autograd sums over a tensor-parallel axis)."""
+    if x is None or any(hasattr(q, "_shardwise_partial_axis") for q in m.parameters(recurse=False)):
         return None
     if type(m) is nn.Linear and x.is_floating_point():
         return _linear
@@ -149,13 +160,16 @@ def weight_gradients(stage: nn.Module, out: Tensor, grad: Any) -> None:
         if g is None:  # the output did not reach the loss: no gradient, as on one device
             continue
         mod, x = rec.module, rec.input
-        rule = _rule(mod, x) if x is None or x._version == rec.version else None
+        ok = not rec.hooked and (x is None or x._version == rec.version)
+        rule = _rule(mod, x) if ok else None
         if rule is not None:
             with torch.no_grad():
                 for q, gq in rule(mod, x, g):
                     if q.requires_grad:
                         _accumulate(q, gq)
             continue
+        # the module's local backward only (its outputs feed later captured modules: one call for several
+        # would count their contributions twice)
         params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
         for q, gq in zip(params, torch.autograd.grad(y, params, g, retain_graph=True, allow_unused=True)):
             if gq is not None:
