@@ -46,39 +46,26 @@ stage 3, every synchronised backward, ``step``, ``clip_grad_norm_``, ``full_stat
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ... import comm
-from ...comm.ops import ALGORITHM_CHOICES, SUPPORTED_DTYPES
 from ...mesh import Mesh
 from ..common.buckets import default_order, plan_buckets
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
-from ..data.replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
+from ..data.replicas import broadcast_coalesced, check_replicas_agree, trainable
 from ..tensor.api import full_tensor, local_piece
 from .flat import FlatGroup
 from .grads import ShardGradReducer
 from .optim import OptimizerFactory, ZeroOptimizer
+from .options import Algorithm, check_inputs, default_algorithm
 from .stage3 import Stage3Runtime, default_units
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
-
-STAGES = (1, 2, 3)
-Algorithm = Literal["native", "ring", "tree", "shm", "auto"]
-
-
-def default_algorithm(mesh: Mesh, dtypes: Sequence[torch.dtype]) -> str:
-    """ZeRO's collective implementation when ``algorithm=None``: NCCL's own on CUDA; on CPU the ring, which
-    beats gloo's native reduce-scatter 2-3x at bucket sizes (0.25-12 MB measured on 2 ranks), unless a
-    dtype is one only the backend handles. Pure."""
-    if mesh.device.type == "cuda" or any(d not in SUPPORTED_DTYPES for d in dtypes):
-        return "native"
-    return "ring"
-
 
 def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactory, axis: str = "dp",
          mixed_precision: MixedPrecision | None = None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
@@ -105,32 +92,6 @@ def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactor
     return wrapped, opt
 
 
-def _check_inputs(model: Any, mesh: Mesh, axis: str, stage: Any, bucket_cap_mb: float, first_bucket_mb: float,
-                  mixed_precision: Any, algorithm: Any) -> None:
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"ZeRO stage must be one of {list(STAGES)}, got {stage!r}; 1 shards optimizer state, "
-                         f"2 also gradients, 3 also parameters")
-    if getattr(model, "_shardwise_zero", False):
-        raise ValueError(f"{type(model).__name__} is already wrapped by sw.zero (or is its wrapper); wrap the "
-                         f"plain model once")
-    check_module(model, mesh, axis)
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0 (megabytes), got {value!r}")
-    if algorithm is not None and algorithm not in ALGORITHM_CHOICES:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}, or None for "
-                         f"the default (ring on CPU, native on CUDA)")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"mixed_precision must be a shardwise MixedPrecision or None, got "
-                        f"{type(mixed_precision).__name__}")
-    kinds = {(p.dtype, p.device) for _, p in trainable(model)}
-    if len(kinds) > 1:
-        found = sorted(f"{d} on {dev}" for d, dev in kinds)
-        raise ValueError(f"ZeRO flattens all trainable parameters into flat buffers of one dtype on one device, "
-                         f"found {found}; convert the model first, e.g. model.to(torch.float32), and use "
-                         f"mixed_precision=MixedPrecision(...) for low-precision compute")
-
-
 class ZeroModel(nn.Module):
     """The model half of ``sw.zero`` (see module docstring). ``module`` is the user's model."""
 
@@ -138,7 +99,7 @@ class ZeroModel(nn.Module):
                  mixed_precision: MixedPrecision | None, bucket_cap_mb: float, first_bucket_mb: float,
                  units: Sequence[Sequence[str]] | None, prefetch: bool, overlap: bool,
                  algorithm: Algorithm | None = None) -> None:
-        _check_inputs(module, mesh, axis, stage, bucket_cap_mb, first_bucket_mb, mixed_precision, algorithm)
+        check_inputs(module, mesh, axis, stage, bucket_cap_mb, first_bucket_mb, mixed_precision, algorithm)
         super().__init__()
         self.module, self.mesh, self.axis, self.stage = module, mesh, axis, stage
         self.mixed_precision = mixed_precision
