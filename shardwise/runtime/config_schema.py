@@ -93,9 +93,10 @@ class ParallelConfig:
     """Forward/backward passes per step (pp > 1: pipeline steps); 0 = global_batch / (micro_batch × dp)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
-    algorithm: Literal["native", "ring", "tree", "auto"] = "auto"
-    """Collective algorithm of the gradient all-reduce. ``auto``: native unless a calibration is loaded, then per
-    message size the one with the lowest fitted cost (``shardwise calibrate``)."""
+    algorithm: Literal["native", "ring", "tree", "shm", "auto"] = "auto"
+    """Collective algorithm of the gradient all-reduce. ``shm``: through shared memory (CPU ranks on one host).
+    ``auto``: native unless a calibration is loaded, then per message size the one with the lowest fitted cost
+    (``shardwise calibrate``)."""
     calibration: str = ""
     """Hardware file of ``shardwise calibrate`` that ``algorithm = "auto"`` chooses from; empty = the local one
     (``~/.cache/shardwise/hardware-DEVICE-NPROC.json``) if it exists."""

@@ -130,6 +130,19 @@ def test_reshard_on_load(baseline, tmp_path, layout):
         assert abs(losses(run)[7] - want[6]) < 0.5 and Checkpoint(run).index["mesh"] == {"dp": 1, "tp": 1}
 
 
+def test_shared_memory_all_reduce_trains_like_gloo(baseline, tmp_path):
+    # steps 4-6 again from the step-3 checkpoint with the gradients all-reduced through shared memory: two
+    # replicas' average is the same float sum whichever transport adds them, so the losses match the gloo run
+    run = tmp_path / "run"
+    shutil.copytree(baseline, run)
+    proc = cli(tmp_path, "train", "--resume", str(run / "checkpoints" / "step_000003"),
+               "--parallel.algorithm", "shm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want, got = losses(baseline), losses(run)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])
+
+
 @pytest.mark.parametrize("flags,expected", [
     (["--parallel.tp", "3"], "parallel.tp = 3 must divide model.n_head = 2"),
     (["--parallel.dp", "3"], "must equal the number of processes parallel.nproc = 2"),

@@ -49,7 +49,7 @@ def test_parse_overrides_both_spellings():
     ("parallel.tp", "x", "parallel.tp must be a int, got 'x'"),
     ("model.bias", "maybe", "model.bias must be a bool"),
     ("optimizer.lr", "fast", "optimizer.lr must be a float"),
-    ("parallel.algorithm", "butterfly", "choose one of ['native', 'ring', 'tree', 'auto']"),
+    ("parallel.algorithm", "butterfly", "choose one of ['native', 'ring', 'tree', 'shm', 'auto']"),
     ("parallel.tpp", "2", "did you mean 'tp'"),
     ("paralel.tp", "2", "unknown config key 'paralel.tp'"),
 ])
@@ -212,3 +212,16 @@ def test_step_batches_see_the_same_samples_under_any_dp_and_resume_position():
     for s in resumed:
         s.load_state_dict(one[0].state_dict())
     assert torch.equal(resumed[1].next()[0][0], two[1].next()[0][0])
+
+
+def test_shm_algorithm_is_for_cpu_ranks(monkeypatch):
+    import shardwise.runtime.config as config_module
+
+    monkeypatch.setattr(config_module, "_cuda_available", lambda: False)
+    assert validate(_cfg(micro_batch=4, algorithm="shm")).parallel.algorithm == "shm"
+    monkeypatch.setattr(config_module, "_cuda_available", lambda: True)
+    with pytest.raises(ValueError, match=r"parallel.algorithm = 'shm' moves host memory .* use --parallel.algorithm "
+                                         r"auto"):
+        validate(_cfg(micro_batch=4, algorithm="shm"))
+    # nothing is launched (predict/plan): no device to check
+    assert validate(_cfg(micro_batch=4, algorithm="shm"), launch=False).parallel.algorithm == "shm"
