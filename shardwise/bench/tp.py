@@ -8,6 +8,8 @@ overhead against DTensor, and the bytes of planned boxing conversions on a 2×2 
 
         sw           sw.parallelize: QKVParallel / RowParallel / ColumnParallel / RowParallel
         sw-sp        the same with sequence parallelism (input and norms split on the sequence)
+        sw-shm, sw-sp-shm   the same two with every tp collective through shared memory (``algorithm="shm"``;
+                     CPU ranks on one host; left out on CUDA)
         torch        torch.distributed.tensor.parallel.parallelize_module, ColwiseParallel/RowwiseParallel
         torch-sp     the same with torch's SequenceParallel on the norms
 
@@ -40,7 +42,12 @@ from .harness import add_launch_arguments, run_bench
 
 __all__ = ["add_arguments", "main"]
 
-VARIANTS = ["sw", "sw-sp", "torch", "torch-sp"]
+VARIANTS = ["sw", "sw-sp", "torch", "torch-sp", "sw-shm", "sw-sp-shm"]
+DEFAULT = VARIANTS
+
+
+def _is_sp(name: str) -> bool:
+    return "-sp" in name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     parser.add_argument("--repeats", type=int, default=8, help="interleaved rounds (default 8)")
     parser.add_argument("--iters", type=int, default=500, help="timed calls per boxing measurement (default 500)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT), help="comma list of: " + ", ".join(VARIANTS)
+                        + " (default: all; the shm ones only on CPU)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
 
@@ -94,14 +102,14 @@ class Stack(nn.Module):
         return x
 
 
-def _sw_variant(net: Stack, cfg, mesh, sp: bool) -> nn.Module:
+def _sw_variant(net: Stack, cfg, mesh, sp: bool, algorithm: str = "native") -> nn.Module:
     import shardwise as sw
 
     plan = {"blocks.*.attn.qkv": sw.QKVParallel(cfg.n_head), "blocks.*.attn.proj": sw.RowParallel(),
             "blocks.*.mlp.fc": sw.ColumnParallel(), "blocks.*.mlp.proj": sw.RowParallel()}
     if sp:
         plan["blocks.*.ln_*"] = sw.SequenceParallel()
-    return sw.parallelize(net, mesh, plan, axis="tp", sequence_parallel=sp)
+    return sw.parallelize(net, mesh, plan, axis="tp", sequence_parallel=sp, algorithm=algorithm)
 
 
 def _head_major(t: torch.Tensor, tp: int) -> torch.Tensor:
@@ -174,12 +182,15 @@ def _step_rows(args: argparse.Namespace, mesh, names: list[str]) -> tuple[list[d
                     n_embd=args.embd, dropout=0.0)
     x = torch.randn(args.batch, args.seq, args.embd, generator=torch.Generator().manual_seed(0)).to(mesh.device)
     tp, steps = mesh.size("tp"), {}
+    if mesh.device.type != "cpu":  # shared memory moves host tensors only
+        names = [n for n in names if not n.endswith("-shm")]
     for name in names:
         torch.manual_seed(0)
         net = Stack(cfg).to(mesh.device)
-        model = (_sw_variant(net, cfg, mesh, name.endswith("sp")) if name.startswith("sw")
-                 else _torch_variant(net, cfg, tp, name.endswith("sp")))
-        steps[name] = _make_step(model, x, name.endswith("sp"), mesh)
+        algorithm = "shm" if name.endswith("-shm") else "native"
+        model = (_sw_variant(net, cfg, mesh, _is_sp(name), algorithm) if name.startswith("sw")
+                 else _torch_variant(net, cfg, tp, _is_sp(name)))
+        steps[name] = _make_step(model, x, _is_sp(name), mesh)
     first = {name: steps[name]() for name in names}  # also a warm-up step
     check = abs(first["sw"] - first["torch"]) if {"sw", "torch"} <= set(names) else float("nan")
     for name in names:
@@ -197,7 +208,7 @@ def _step_rows(args: argparse.Namespace, mesh, names: list[str]) -> tuple[list[d
 def _row(name: str, k: int, names: list[str], rounds: torch.Tensor) -> dict[str, object]:
     """Median step over rounds, and the median over rounds of the paired ratio against torch's variant of
     the same mode in the same round (cancels slow load drift on a shared machine)."""
-    base = "torch-sp" if name.endswith("sp") else "torch"
+    base = "torch-sp" if _is_sp(name) else "torch"
     ratios = (rounds[:, k] / rounds[:, names.index(base)]).tolist() if base in names else []
     return {"variant": name, "step_ms": 1e3 * statistics.median(rounds[:, k].tolist()),
             "vs_torch": statistics.median(ratios) if ratios else float("nan"),

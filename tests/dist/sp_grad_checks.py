@@ -72,7 +72,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / (1e-6 + b.double().abs().max()))
 
 
-def check_parity(axes: dict[str, int], ckpt: str = "none", accum: int = 1, cfg_kw: dict | None = None) -> dict:
+def check_parity(axes: dict[str, int], ckpt: str = "none", accum: int = 1, cfg_kw: dict | None = None,
+                 algorithm: str = "native") -> dict:
     """Train the SP model (``ckpt``: "none" | "layers" (checkpoint_layers, non-reentrant) | "reentrant");
     with a dp axis it is wrapped by ``sw.DataParallel`` and all but the last micro-batch run under ``no_sync``.
     Returns the worst relative errors against one process and, per backward, the tp all-reduces (bytes)."""
@@ -81,7 +82,8 @@ def check_parity(axes: dict[str, int], ckpt: str = "none", accum: int = 1, cfg_k
     batches = _batches(cfg, accum)
     ref = _reference(cfg, batches)
     torch.manual_seed(0)
-    tp_model = sw.parallelize(GPT(cfg), m, gpt_plan(cfg, sequence_parallel=True), axis="tp", sequence_parallel=True)
+    tp_model = sw.parallelize(GPT(cfg), m, gpt_plan(cfg, sequence_parallel=True), axis="tp", sequence_parallel=True,
+                              algorithm=algorithm)
     if ckpt == "layers":
         checkpoint_layers(tp_model)
     elif ckpt == "reentrant":
@@ -93,16 +95,19 @@ def check_parity(axes: dict[str, int], ckpt: str = "none", accum: int = 1, cfg_k
     d, per = (m.coord("dp") if dp > 1 else 0), BATCH // dp
     err = {"loss": 0.0, "grad": 0.0, "norm": 0.0}
     backwards: list[list[int]] = []
+    ran: set[str] = set()  # the implementations the tp collectives of every forward and backward ran with
     k = 0
     for step, pieces in enumerate(batches):
         for i, (x, y) in enumerate(pieces):
             sync = dp == 1 or i == len(pieces) - 1
             with model.no_sync() if not sync else contextlib.nullcontext():
-                loss = vocab_parallel_cross_entropy(model(x[d * per:(d + 1) * per]), y[d * per:(d + 1) * per],
-                                                    mesh=m, axis="tp") / len(pieces)
+                with CommCounter() as fwd:
+                    loss = vocab_parallel_cross_entropy(model(x[d * per:(d + 1) * per]), y[d * per:(d + 1) * per],
+                                                        mesh=m, axis="tp", algorithm=algorithm) / len(pieces)
                 with CommCounter() as c:
                     loss.backward()
             backwards.append([r.nbytes for r in c.records if r.axis == "tp" and r.op == "all_reduce"])
+            ran.update(r.algorithm for r in fwd.records + c.records if r.axis == "tp")
             total = loss.detach().clone()
             if dp > 1:
                 sw.comm.all_reduce(total, m, "dp", op="avg")
@@ -117,7 +122,7 @@ def check_parity(axes: dict[str, int], ckpt: str = "none", accum: int = 1, cfg_k
         opt.zero_grad()
     full = sw.full_state_dict(tp_model)
     err["param"] = max(_rel(full[key], v) for key, v in ref["state"].items())
-    return {"err": err, "backwards": backwards, "ref_norms": ref["norms"]}
+    return {"err": err, "backwards": backwards, "ref_norms": ref["norms"], "algorithms": sorted(ran)}
 
 
 def check_zero_parity(stage: int, units: list[list[str]] | None = None) -> dict:

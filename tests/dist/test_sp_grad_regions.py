@@ -38,6 +38,14 @@ def test_tp2_sp_adamw_clip(worlds, ckpt, accum):
         _check(res, sc.STEPS * accum)
 
 
+def test_tp2_sp_collectives_through_shared_memory(worlds):
+    # parallelize(algorithm="shm"): every tp collective of forward and backward (sequence all-gathers and
+    # reduce-scatters, vocabulary loss, region all-reduces) runs through shared memory, same values
+    for res in worlds.get(2).run(sc.check_parity, {"tp": 2}, "none", 1, None, "shm"):
+        _check(res, sc.STEPS)
+        assert res["algorithms"] == ["shm"], res["algorithms"]
+
+
 @pytest.mark.parametrize("axes", [{"tp": 4}, {"dp": 2, "tp": 2}])
 def test_world4_sp_accumulation_and_checkpointing(worlds, axes):
     # dp x tp: the data-parallel reducer's hooks read .grad after the tp sum; no_sync on the first micro-batch

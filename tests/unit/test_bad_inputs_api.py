@@ -88,6 +88,9 @@ CASES: list[tuple[str, Call, type[Exception], tuple[str, ...]]] = [
      ("got 'column'", "must be one of ['ColumnParallel'")),
     ("tp-axis-missing", lambda e: sw.parallelize(_gpt(), e.m, {"blocks.*.mlp.fc": sw.ColumnParallel()}, axis="model"),
      ValueError, ("axis 'model' is not a mesh axis", "the mesh has ['dp', 'tp']")),
+    ("tp-algorithm", lambda e: sw.parallelize(_gpt(), e.m, {"blocks.*.mlp.fc": sw.ColumnParallel()},
+                                              algorithm="butterfly"),
+     ValueError, ("unknown algorithm 'butterfly' for the tensor-parallel collectives", "'shm'")),
     # --- pipeline ---
     ("pp-schedule-name", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, schedule="1fb1", loss_fn=_loss),
      ValueError, ("unknown pipeline schedule '1fb1'", "did you mean '1f1b'?")),

@@ -25,6 +25,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from ...comm.ops import ALGORITHM_CHOICES
 from ...mesh import Mesh
 from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
@@ -55,7 +56,7 @@ def gpt_plan(config: object, sequence_parallel: bool = False) -> dict[str, Style
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis: str = "tp",
-                sequence_parallel: bool = False, seed: int | None = None) -> nn.Module:
+                sequence_parallel: bool = False, seed: int | None = None, algorithm: str = "native") -> nn.Module:
     """Shard ``model`` in place over ``axis`` of ``mesh`` following ``plan``; returns it (see module doc).
 
     ``sequence_parallel``: activations outside column→row pairs are split on the sequence dim (dim 1);
@@ -64,9 +65,14 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     ``ModuleList`` element such as a block, else the module itself — are summed by one all-reduce per
     backward, ``grad_regions.py``). ``seed``: mixed with a
     draw from the shared stream and the tp coord to seed each split region's dropout (``tensor_rng.py``;
-    default ``torch.initial_seed()``). Local (no communication); raises before changing anything.
+    default ``torch.initial_seed()``). ``algorithm``: the implementation of every tp collective the model
+    runs (``native | ring | tree | shm | auto``, see ``sw.comm``; ``shm`` for CPU ranks on one host). Local
+    (no communication); raises before changing anything.
     """
     _check_call(model, mesh, axis)
+    if algorithm not in ALGORITHM_CHOICES:
+        raise ValueError(f"unknown algorithm {algorithm!r} for the tensor-parallel collectives; choose one of "
+                         f"{list(ALGORITHM_CHOICES)}")
     names = [n for n, _ in model.named_modules()]
     matched = match_plan(names, plan)
     modules = dict(model.named_modules())
@@ -75,12 +81,12 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
         check_style(name, modules[name], modules.get(name.rpartition(".")[0]), style, tp, sequence_parallel)
     _check_coverage(model, matched, sequence_parallel)
     rng = RNGStreams(mesh.device, torch.initial_seed() if seed is None else seed, mesh.coord(axis))
-    ctx = TPContext(mesh, axis, sequence_parallel, rng)
+    ctx = TPContext(mesh, axis, sequence_parallel, rng, algorithm=algorithm)
     shared: dict[int, tuple[str, nn.Parameter]] = {}
     partial: list[tuple[str, nn.Module, list[str]]] = []  # (module name, module, its partial-gradient params)
     for name, style in matched.items():
         _apply(model, name, modules[name], style, ctx, shared, partial)
-    ctx.regions = build_regions(model, partial, mesh, axis)
+    ctx.regions = build_regions(model, partial, mesh, axis, algorithm)
     model.register_forward_pre_hook(lambda *_: _enter(ctx))
     model.register_forward_hook(lambda *_: rng.leave_split(), always_call=True)
     setattr(model, _MARK, ctx)

@@ -51,19 +51,19 @@ class SumOverAxis(torch.autograd.Function):
     sends the same bytes). A gradient that was missing locally stays ``None``. Collective in backward."""
 
     @staticmethod
-    def forward(ctx: Any, mesh: Mesh, axis: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.mesh, ctx.axis = mesh, axis
+    def forward(ctx: Any, mesh: Mesh, axis: str, algorithm: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mesh, ctx.axis, ctx.algorithm = mesh, axis, algorithm
         ctx.metas = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        return (None, None, *sum_flat(list(grads), ctx.metas, ctx.mesh, ctx.axis))
+        return (None, None, None, *sum_flat(list(grads), ctx.metas, ctx.mesh, ctx.axis, ctx.algorithm))
 
 
-def sum_flat(grads: list[torch.Tensor | None], metas: Sequence[tuple], mesh: Mesh,
-             axis: str) -> list[torch.Tensor | None]:
+def sum_flat(grads: list[torch.Tensor | None], metas: Sequence[tuple], mesh: Mesh, axis: str,
+             algorithm: str = "native") -> list[torch.Tensor | None]:
     """All-reduce (sum) ``grads`` over ``axis`` as one flat buffer per dtype (in first-seen order); returns
     per-tensor views of the summed buffers (``None`` where the gradient was ``None``). Collective."""
     out: list[torch.Tensor | None] = [None] * len(grads)
@@ -73,7 +73,7 @@ def sum_flat(grads: list[torch.Tensor | None], metas: Sequence[tuple], mesh: Mes
         # (Σ numel,) = [g_0.flatten() | g_1.flatten() | ...]
         flat = torch.cat([grads[i].reshape(-1) if grads[i] is not None
                           else torch.zeros(metas[i][0].numel(), dtype=dtype, device=metas[i][2]) for i in idx])
-        all_reduce(flat, mesh, axis, op="sum")
+        all_reduce(flat, mesh, axis, op="sum", algorithm=algorithm)
         pos = 0
         for i in idx:
             n = metas[i][0].numel()
@@ -88,8 +88,8 @@ class GradRegion:
     A parameter is addressed by its slot ``(owner module, attribute name)`` and read from there at each
     forward (so a parameter replaced after ``parallelize``, e.g. by ``module.to(...)``, is the one summed)."""
 
-    def __init__(self, name: str, mesh: Mesh, axis: str) -> None:
-        self.name, self.mesh, self.axis = name, mesh, axis
+    def __init__(self, name: str, mesh: Mesh, axis: str, algorithm: str = "native") -> None:
+        self.name, self.mesh, self.axis, self.algorithm = name, mesh, axis, algorithm
         self.slots: list[tuple[nn.Module, str, torch.Size]] = []  # (owner, attr, local shape at parallelize)
         self.members: dict[int, list[int]] = {}  # id(member module) -> indices into slots
         self._active: dict[int, torch.Tensor] | None = None  # id(param) -> its SumOverAxis output
@@ -143,7 +143,7 @@ class GradRegion:
         live = list({id(p): p for p in params if p.requires_grad}.values())
         if not live:
             return {}
-        outs = SumOverAxis.apply(self.mesh, self.axis, *live)
+        outs = SumOverAxis.apply(self.mesh, self.axis, self.algorithm, *live)
         return {id(p): o for p, o in zip(live, outs)}
 
     def _swap_in(self, member: nn.Module, _args: Any) -> None:
@@ -178,7 +178,7 @@ def region_of(model: nn.Module, name: str) -> str:
 
 
 def build_regions(model: nn.Module, members: list[tuple[str, nn.Module, list[str]]], mesh: Mesh,
-                  axis: str) -> list[GradRegion]:
+                  axis: str, algorithm: str = "native") -> list[GradRegion]:
     """Group ``(module name, module, names of its partial-gradient parameters)`` into regions (in first-member
     order) and hook every member. Local."""
     regions: dict[str, GradRegion] = {}
@@ -186,7 +186,7 @@ def build_regions(model: nn.Module, members: list[tuple[str, nn.Module, list[str
         if not pnames:
             continue
         key = region_of(model, name)
-        region = regions.setdefault(key, GradRegion(key, mesh, axis))
+        region = regions.setdefault(key, GradRegion(key, mesh, axis, algorithm))
         slots = []
         for pname in pnames:
             owner_name, _, attr = pname.rpartition(".")

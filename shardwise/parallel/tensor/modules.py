@@ -39,6 +39,8 @@ class TPContext:
     seq_sizes: list[int] | None = field(default=None)
     regions: list = field(default_factory=list)
     """The sequence-parallel gradient regions (``grad_regions.GradRegion``), in module order."""
+    algorithm: str = "native"
+    """Implementation of every tp collective (``comm``: native, ring, tree, shm or auto)."""
 
     def sbp(self, dim: int | None) -> list:
         """One placement per mesh axis: ``Split(dim)`` on the tp axis (B when ``dim`` is None), B elsewhere."""
@@ -54,15 +56,16 @@ class TPContext:
         """Input of a column-parallel layer: B (identity; backward all-reduce) or S(seq) → B (all-gather;
         backward reduce-scatter)."""
         if self.sequence_parallel:
-            return cag.allgather_reducescatter(x, self.mesh, self.axis, dim=SEQ_DIM, sizes=self.seq_sizes)
-        return cag.identity_allreduce(x, self.mesh, self.axis)
+            return cag.allgather_reducescatter(x, self.mesh, self.axis, dim=SEQ_DIM, sizes=self.seq_sizes,
+                                               algorithm=self.algorithm)
+        return cag.identity_allreduce(x, self.mesh, self.axis, algorithm=self.algorithm)
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Partial output: P → B (all-reduce; backward identity) or P → S(seq) (reduce-scatter; backward
         all-gather)."""
         if self.sequence_parallel:
-            return cag.reducescatter_allgather(y, self.mesh, self.axis, dim=SEQ_DIM)
-        return cag.allreduce_identity(y, self.mesh, self.axis)
+            return cag.reducescatter_allgather(y, self.mesh, self.axis, dim=SEQ_DIM, algorithm=self.algorithm)
+        return cag.allreduce_identity(y, self.mesh, self.axis, algorithm=self.algorithm)
 
 
 def shard_param(full: torch.Tensor, ctx: TPContext, dim: int | None) -> nn.Parameter:

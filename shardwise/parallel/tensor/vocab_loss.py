@@ -30,19 +30,19 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, mesh: Mesh, axis: str, start: int,
-                ignore_index: int, reduction: str) -> torch.Tensor:
+                ignore_index: int, reduction: str, algorithm: str) -> torch.Tensor:
         # (N, v_r); at least fp32 for the exp/sum (fp16/bf16 logits are promoted, fp64 kept)
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))
         v_r = z.size(1)
         m = z.max(dim=1).values if v_r > 0 else z.new_full((z.size(0),), float("-inf"))
-        all_reduce(m, mesh, axis, op="max")
+        all_reduce(m, mesh, axis, op="max", algorithm=algorithm)
         exp = (z - m[:, None]).exp()
         local_t = targets - start
         owned = (local_t >= 0) & (local_t < v_r)
         safe_t = local_t.clamp(0, max(v_r - 1, 0))[:, None]
         target_logit = (z.gather(1, safe_t).squeeze(1) - m) * owned if v_r > 0 else torch.zeros_like(m)
         both = torch.stack([exp.sum(dim=1), target_logit])  # (2, N): sum-exp and the owner's target logit
-        all_reduce(both, mesh, axis, op="sum")
+        all_reduce(both, mesh, axis, op="sum", algorithm=algorithm)
         valid = targets != ignore_index
         per_row = (both[0].log() - both[1]) * valid
         count = valid.sum()
@@ -59,12 +59,12 @@ class _VocabParallelCE(torch.autograd.Function):
         if grad.size(1) > 0:
             grad.scatter_add_(1, safe_t, -hit.to(grad.dtype)[:, None])
         grad.mul_(g.to(grad.dtype) * scale)
-        return grad.to(ctx.dtype), None, None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, *, mesh: Mesh, axis: str = "tp",
                                  vocab_size: int | None = None, ignore_index: int = -100,
-                                 reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+                                 reduction: Literal["mean", "sum"] = "mean", algorithm: str = "native") -> torch.Tensor:
     """Cross-entropy of logits split over ``axis`` on the last dim, equal to ``F.cross_entropy`` of the full
     logits (same ``ignore_index`` and ``reduction`` semantics), with every full-vocab tensor avoided.
 
@@ -92,4 +92,4 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
                          f"owns {sizes[coord]} of vocab_size={vocab_size} (shard_sizes rule); check vocab_size")
     start = sum(sizes[:coord])
     flat = local_logits.reshape(targets.numel(), local_logits.size(-1))
-    return _VocabParallelCE.apply(flat, targets.reshape(-1), mesh, axis, start, ignore_index, reduction)
+    return _VocabParallelCE.apply(flat, targets.reshape(-1), mesh, axis, start, ignore_index, reduction, algorithm)
