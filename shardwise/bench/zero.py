@@ -9,6 +9,7 @@ with ``--worker``. Every rank builds the reference GPT and these variants of it 
                    ring collectives on CPU, native on CUDA; blocks as stage-3 units)
     *-bf16         (opt-in) fsdp2 with MixedPrecisionPolicy(param_dtype=bf16) and sw-zero3 with
                    MixedPrecision(param_dtype=bf16): bf16 compute, fp32 master weights and AdamW state
+    sw-zero*-shm   (opt-in) sw.zero(algorithm="shm"): reduce-scatters and all-gathers through shared memory
 
 Two phases. Memory: one variant at a time (built, trained ``--warmup`` steps, measured after the next
 backward, then deleted): ``state MiB`` is this rank's parameter + gradient + optimizer-state storage
@@ -40,7 +41,8 @@ __all__ = ["add_arguments", "main"]
 
 AXIS = "dp"
 BASE = ["fsdp2", "torch-zero1", "sw-zero1", "sw-zero2", "sw-zero3"]
-EXTRA = ["fsdp2-bf16", "sw-zero3-bf16"]  # bf16 compute, fp32 master/state: opt in with --variants
+EXTRA = ["fsdp2-bf16", "sw-zero3-bf16",  # bf16 compute, fp32 master/state: opt in with --variants
+         "sw-zero1-shm", "sw-zero2-shm", "sw-zero3-shm"]  # collectives through shared memory (CPU, one host)
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -87,7 +89,7 @@ def _variant(name: str, net: nn.Module, mesh: Any) -> tuple[nn.Module, Any, Step
     if name.startswith("sw-zero"):
         mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
         model, opt = sw.zero(net, mesh, stage=int(name.split("-")[1][-1]), optimizer=_adamw(), axis=AXIS,
-                             mixed_precision=mp)
+                             mixed_precision=mp, algorithm="shm" if name.endswith("-shm") else None)
     elif name.startswith("fsdp2"):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
