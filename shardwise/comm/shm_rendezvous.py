@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from ..mesh import Mesh
 from .shm import DEFAULT_REGION_BYTES, DEFAULT_SLOTS, ShmGroup
-from .shm_segment import SegmentLayout, attach_segment, create_segment, unlink_segment
+from .shm_segment import Segment, SegmentLayout, attach_segment, create_segment, unlink_segment
 from .shm_sync import Peer, policy_for, process_start_time
 
-__all__ = ["shm_group_for", "host_identity", "DEFAULT_TIMEOUT_S", "group_timeout_s", "ORDERED_MACHINES"]
+__all__ = ["shm_group_for", "attach_group_segment", "host_identity", "cores", "DEFAULT_TIMEOUT_S", "group_timeout_s", "ORDERED_MACHINES"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Timeout of shared-memory waits when neither the mesh nor the axis' process group states one."""
@@ -74,25 +74,37 @@ def shm_group_for(mesh: Mesh, axis: str, *, required: bool = True) -> ShmGroup |
 
 def _rendezvous(mesh: Mesh, axis: str) -> ShmGroup | str:
     """A new attached group, or the reason the axis cannot use shared memory (not on one host)."""
+    n = mesh.size(axis)
+    made = attach_group_segment(mesh, axis, SegmentLayout(n, DEFAULT_SLOTS, DEFAULT_REGION_BYTES))
+    if isinstance(made, str):
+        return made
+    seg, peers = made
+    return ShmGroup(seg, peers, mesh.coord(axis), axis, group_timeout_s(mesh, axis), policy_for(n, cores()))
+
+
+def attach_group_segment(mesh: Mesh, axis: str, layout: object, *,
+                         fix: str = "use algorithm='native', 'ring' or 'tree' for this axis",
+                         what: str = "algorithm 'shm'") -> tuple[Segment, list[Peer]] | str:
+    """Steps 1-3 of the module doc for any segment ``layout`` (an object with ``n`` and ``total_bytes``, as
+    ``create_segment`` takes): this member's mapping and every member's ``Peer``, or the reason the axis cannot
+    use shared memory (``what`` cannot run; ``fix`` is the advice). Collective over the axis group."""
     group, ranks, me = mesh.group(axis), mesh.ranks(axis), mesh.coord(axis)
     n = len(ranks)
     infos: list[object] = [None] * n
     dist.all_gather_object(infos, (host_identity(), os.getpid(), process_start_time(os.getpid())), group=group)
     hosts = [str(info[0]) for info in infos]  # type: ignore[index]
     if len(set(hosts)) > 1:
-        return _not_one_host(axis, ranks, hosts)
+        return _not_one_host(axis, ranks, hosts, fix, what)
     if platform.machine() not in ORDERED_MACHINES:  # the same answer on every rank of one host
-        return (f"algorithm 'shm' relies on x86-64's store ordering and this machine is {platform.machine()}; "
-                f"use algorithm='native', 'ring' or 'tree' for axis {axis!r}")
-    layout = SegmentLayout(n, DEFAULT_SLOTS, DEFAULT_REGION_BYTES)
+        return f"{what} relies on x86-64's store ordering and this machine is {platform.machine()}; {fix}"
     seg, made = None, [None]
     if me == 0:
         try:
-            seg = create_segment(layout)
+            seg = create_segment(layout)  # type: ignore[arg-type]
             made = [("ok", seg.name)]
         except OSError as exc:
-            made = [("error", f"rank {mesh.rank} could not create a {layout.total_bytes} B segment in /dev/shm "
-                              f"({exc}); free space there (or enlarge it) or use algorithm='native'")]
+            made = [("error", f"rank {mesh.rank} could not create a {layout.total_bytes} B segment in /dev/shm "  # type: ignore[attr-defined]
+                              f"({exc}); free space there (or enlarge it) or {fix}")]
     dist.broadcast_object_list(made, src=ranks[0], group=group)
     status, text = made[0]  # type: ignore[misc]
     if status != "ok":
@@ -100,7 +112,7 @@ def _rendezvous(mesh: Mesh, axis: str) -> ShmGroup | str:
     problem = ""
     if me != 0:
         try:
-            seg = attach_segment(text, layout)
+            seg = attach_segment(text, layout)  # type: ignore[arg-type]
         except (OSError, ValueError) as exc:
             problem = f"rank {mesh.rank}: {exc}"
     problems: list[object] = [None] * n
@@ -111,11 +123,10 @@ def _rendezvous(mesh: Mesh, axis: str) -> ShmGroup | str:
     if bad:
         raise RuntimeError(f"shm setup on axis {axis!r}: could not map the shared-memory segment ({'; '.join(bad)})")
     assert seg is not None
-    peers = [Peer(ranks[c], c, int(infos[c][1]), int(infos[c][2])) for c in range(n)]  # type: ignore[index]
-    return ShmGroup(seg, peers, me, axis, group_timeout_s(mesh, axis), policy_for(n, _cores()))
+    return seg, [Peer(ranks[c], c, int(infos[c][1]), int(infos[c][2])) for c in range(n)]  # type: ignore[index]
 
 
-def _cores() -> int:
+def cores() -> int:
     """Cores this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -123,8 +134,8 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _not_one_host(axis: str, ranks: list[int], hosts: list[str]) -> str:
+def _not_one_host(axis: str, ranks: list[int], hosts: list[str], fix: str, what: str) -> str:
     where = "; ".join(f"ranks {[r for r, h2 in zip(ranks, hosts) if h2 == h]} on {h.split('/')[0]!r}"
                       for h in dict.fromkeys(hosts))
-    return (f"algorithm 'shm' needs every rank of axis {axis!r} on one host, but they are on "
-            f"{len(set(hosts))} hosts ({where}); use algorithm='native', 'ring' or 'tree' for this axis")
+    return (f"{what} needs every rank of axis {axis!r} on one host, but they are on "
+            f"{len(set(hosts))} hosts ({where}); {fix}")

@@ -178,6 +178,11 @@ class Waiter:
             futex_wait(base + 8 * k, value, self.policy.futex_timeout_s)
         words[sleeper] = 0
 
+    def check(self, pending: list[int], collective: str, waited: float) -> None:
+        """Raise ``ShmPeerError`` if a peer died or aborted, ``ShmTimeoutError`` (naming ``pending``) once
+        ``waited`` exceeds the timeout; for waits that poll on their own (``shm_p2p``)."""
+        self._check(pending, collective, waited)
+
     def _check(self, pending: list[int], collective: str, waited: float) -> None:
         """Raise if any peer is dead or aborted (any peer: a dead rank we are not waiting for yet will block
         the next step), or if the wait exceeded the timeout."""
