@@ -167,3 +167,35 @@ def check_timeline(schedule: str, m_count: int, path: str) -> list[tuple[int, st
         pipe.step(idx, tgt)
         pipe.zero_grad()
     return [(e.rank, str(e.action), e.start, e.end) for e in pipe.write_trace(path)]
+
+
+def check_transport_parity(cases: list[dict]) -> list[dict]:
+    """Per case: train STEPS steps with ``transport="shm"``, ``"native"`` and ``"auto"`` from the same weights
+    and data; whether losses and final parameters are bit-identical to native's, the transport each used, and
+    per step its sends recorded as (shm, native); the tied embedding/head exchange stays native."""
+    out = []
+    for case in cases:
+        m = mesh(pp=-1, dp=case["dp"]) if "dp" in case else mesh(pp=-1)
+        runs = {}
+        for transport in ("shm", "native", "auto"):
+            pipe = sw.pipeline(_model(case["n_layer"], True), m, "pp", microbatches=case["m"],
+                               schedule=case["schedule"], loss_fn=lm_loss, chunks=case.get("chunks", 1),
+                               dp_axis="dp" if "dp" in case else None, transport=transport)
+            opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+            losses, sends = [], []
+            for idx, tgt in _batches():
+                with sw.comm.CommCounter() as c:
+                    losses.append(pipe.step(idx, tgt))
+                sends.append((c.count("send", algorithm="shm"), c.count("send", algorithm="native")))
+                opt.step()
+                opt.zero_grad()
+            runs[transport] = (losses, sw.full_state_dict(pipe), pipe.used_transport, sends, len(pipe.tied))
+        ref_losses, ref_state = runs["native"][:2]
+        out.append({
+            "resolved": [runs[t][2] for t in ("shm", "native", "auto")],
+            "sends": [runs[t][3] for t in ("shm", "native", "auto")],
+            "tied": runs["native"][4],
+            "losses_equal": all(runs[t][0] == ref_losses for t in ("shm", "auto")),
+            "params_equal": all(torch.equal(runs[t][1][k], v) for t in ("shm", "auto") for k, v in ref_state.items()),
+        })
+    return out

@@ -28,7 +28,8 @@ from ..common.autocast import check_autocast
 from ..common.grad_norm import clip_counted, counted, shard_pieces
 from ..common.mixed_precision import LossScaler
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
-from .communication import lower_communication, receive_placement
+from ...comm.shm_p2p import shm_link_for
+from .communication import check_transport, lower_communication, receive_placement
 from .executor import Interpreter, run_actions
 from .actions import Action
 from .schedules import get_schedule
@@ -48,8 +49,10 @@ class Pipeline:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
                  bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int | None = None,
-                 recv_before_send: bool | None = None, autocast: torch.dtype | None = None) -> None:
+                 recv_before_send: bool | None = None, autocast: torch.dtype | None = None,
+                 transport: str = "auto") -> None:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
+        check_transport(transport, mesh.device.type)
         check_autocast(autocast)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
         p = mesh.size(axis)
@@ -73,6 +76,9 @@ class Pipeline:
         for stage in self.stages.values():
             stage.checkpoint = checkpoint
         self.zero_stage = zero_stage
+        self.transport = transport
+        """As requested: ``native``, ``shm`` or ``auto`` (``used_transport`` says what runs, from the first step)."""
+        self._transport_chosen = False
         self.lowered = lowered
         """The schedule with its send/receive actions, every rank's list (what each interpreter runs)."""
         self.actions = lowered.ranks[me]
@@ -107,6 +113,7 @@ class Pipeline:
             me = self.mesh.coord(self.dp_axis)
             inputs, targets = inputs.chunk(dp)[me], targets.chunk(dp)[me]
         dev = self.mesh.device
+        self._choose_transport()
         if self.grad_sync is not None:
             self.grad_sync.begin_step()
         before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
@@ -119,11 +126,27 @@ class Pipeline:
             self.grad_sync.finish()  # tied buckets start now; the others started inside the schedule
         return self._mean_loss(state.losses)
 
+    @property
+    def used_transport(self) -> str | None:
+        """``shm`` or ``native``: how this pipeline's messages travel; ``None`` before the first step."""
+        return self.interpreter.transport if self._transport_chosen else None
+
+    def _choose_transport(self) -> None:
+        """On the first step: the shared-memory link for ``shm`` (``ValueError`` when the axis' ranks are on
+        several hosts) or ``auto`` (when they share one host and the mesh is on the CPU). Collective along the
+        axis (the rendezvous: every rank of the pipeline axis calls ``step``), before any stage runs."""
+        if self._transport_chosen:
+            return
+        if self.transport != "native" and self.mesh.device.type == "cpu" and self.mesh.size(self.axis) > 1:
+            self.interpreter.p2p = shm_link_for(self.mesh, self.axis, required=self.transport == "shm",
+                                                what="transport='shm'", fix="use transport='native' or 'auto'")
+        self._transport_chosen = True
+
     def _mean_loss(self, losses: list[Tensor]) -> float:
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
         out = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=self.mesh.device)
         if self.mesh.size(self.axis) > 1:
-            comm.broadcast(out, self.mesh, self.axis, src=last_rank)
+            comm.broadcast(out, self.mesh, self.axis, src=last_rank, algorithm=self.interpreter.transport)
         if self.dp_axis and self.mesh.size(self.dp_axis) > 1:
             comm.all_reduce(out, self.mesh, self.dp_axis, op="avg")
         return float(out.item())
@@ -285,7 +308,7 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
              checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True,
              recv_ahead: int | None = None, recv_before_send: bool | None = None,
-             autocast: torch.dtype | None = None) -> Pipeline:
+             autocast: torch.dtype | None = None, transport: str = "auto") -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -310,9 +333,14 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
     ``autocast=torch.bfloat16``: every forward action (stage and ``loss_fn``) runs under ``torch.autocast`` on the
     mesh's device type; parameters, gradients and optimizer state keep their dtype (fp32 master weights).
+    ``transport``: how stage-to-stage messages travel. ``native``: the backend's isend/irecv (gloo, NCCL);
+    ``shm``: a shared-memory channel per ordered pair of ranks (``comm/shm_p2p.py``: a send is a copy into the
+    channel, no thread or socket in between) — CPU meshes whose pipeline ranks share one host; ``auto``
+    (default): shm where it can run, else native. The host check runs at the first ``step`` (collective along
+    the axis); with ``shm`` the loss broadcast goes through shared memory too.
     Bad input raises ``ValueError`` / ``TypeError`` before any communication.
     """
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
                     chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
                     bucket_cap_mb=bucket_cap_mb, release=release, recv_ahead=recv_ahead,
-                    recv_before_send=recv_before_send, autocast=autocast)
+                    recv_before_send=recv_before_send, autocast=autocast, transport=transport)

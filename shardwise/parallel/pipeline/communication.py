@@ -37,7 +37,21 @@ from bisect import bisect_left
 from .actions import Action, Schedule
 from .simulate import simulate
 
-__all__ = ["lower_communication", "message_order", "receive_placement"]
+__all__ = ["lower_communication", "message_order", "receive_placement", "TRANSPORTS", "check_transport"]
+
+TRANSPORTS = ("native", "shm", "auto")
+"""How pipeline messages travel: ``native`` (the backend's isend/irecv: gloo or NCCL), ``shm`` (a shared-memory
+channel per ordered pair of ranks, ``comm/shm_p2p.py``: CPU tensors, every rank of the axis on one host),
+``auto`` (shm where it can run, else native)."""
+
+
+def check_transport(transport: object, device_type: str) -> None:
+    """``ValueError`` unless ``transport`` is one of ``TRANSPORTS`` and can run on ``device_type``. Pure."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "shm" and device_type != "cpu":
+        raise ValueError(f"transport='shm' moves host memory, but the mesh is on {device_type}; use "
+                         f"transport='native' (or 'auto', which picks native there)")
 
 
 def _sends_after(a: Action, schedule: Schedule) -> list[tuple[Action, int, Action]]:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from ... import comm
 from ...comm.counter import record_collective
 from ...comm.p2p import AxisLink
+from ...comm.shm_p2p import ShmLink
 from ...mesh import Mesh
 from ..common.autocast import compute_autocast
 from .actions import Action, Schedule
@@ -89,25 +90,36 @@ class Interpreter:
         """A ``grad_sync.DpGradSync`` (set by ``Pipeline`` with a dp axis): told when each local stage's last
         gradient-producing action starts and ends, so its dp reduction overlaps the rest of the step."""
         self.captures = {k: WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
+        self.p2p: ShmLink | None = None
+        """The shared-memory link every message takes (``transport="shm"``); ``None``: the backend's groups."""
 
     # -- communication ---------------------------------------------------------------------------------
-    def _link(self, sender: int, receiver: int) -> AxisLink:
-        """Messages towards the higher coordinate travel on the axis' collective group, those towards the
-        lower one on its point-to-point group. NCCL runs one pair's sends and receives in one ordered stream
-        per group; with one direction per group, a send never queues behind a receive that waits for the
-        peer's opposite send (neighbouring stages exchange activations and gradients both ways)."""
+    @property
+    def transport(self) -> str:
+        """``shm`` or ``native``: how this interpreter's messages travel (the algorithm ``CommCounter`` records)."""
+        return "native" if self.p2p is None else "shm"
+
+    def _link(self, sender: int, receiver: int) -> AxisLink | ShmLink:
+        """The shared-memory link when set (one FIFO channel per ordered pair: the two directions between
+        neighbours are separate channels already). Otherwise messages towards the higher coordinate travel on
+        the axis' collective group, those towards the lower one on its point-to-point group. NCCL runs one
+        pair's sends and receives in one ordered stream per group; with one direction per group, a send never
+        queues behind a receive that waits for the peer's opposite send (neighbouring stages exchange
+        activations and gradients both ways)."""
+        if self.p2p is not None:
+            return self.p2p
         group = self.mesh.group(self.axis) if sender < receiver else self.mesh.p2p_group(self.axis)
         return AxisLink(group, tuple(self.mesh.ranks(self.axis)), self.mesh.coord(self.axis))
 
     def _isend(self, t: Tensor, dst: int) -> comm.Handle:
         me = self.mesh.coord(self.axis)
-        record_collective("send", "native", self.axis, t.numel() * t.element_size(), self.schedule.p)
+        record_collective("send", self.transport, self.axis, t.numel() * t.element_size(), self.schedule.p)
         work = self._link(me, dst).isend(t, dst)
         return comm.Handle(work=work, finish=lambda: t)
 
     def _irecv(self, t: Tensor, src: int) -> comm.Handle:
         me = self.mesh.coord(self.axis)
-        record_collective("recv", "native", self.axis, t.numel() * t.element_size(), self.schedule.p)
+        record_collective("recv", self.transport, self.axis, t.numel() * t.element_size(), self.schedule.p)
         work = self._link(src, me).irecv(t, src)
         return comm.Handle(work=work, finish=lambda: t)
 
