@@ -367,7 +367,8 @@ def _report(args, n: int, rows, check: float, boxing, bytes_rows) -> None:
         print(f"{src:<10}{dst:<10}{planned:>10d}{base:>10.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tp": n, "args": vars(args), "steps": rows, "loss_check": check, "boxing": boxing,
+            plain = {k: v for k, v in vars(args).items() if not k.startswith("_")}  # not the parser object
+            json.dump({"tp": n, "args": plain, "steps": rows, "loss_check": check, "boxing": boxing,
                        "bytes": bytes_rows, "host": platform.node()}, f, indent=1)
 
 
