@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: sw.pipeline's, 1 on CPU)")
     parser.add_argument("--late-recv", action="store_true",
                         help="do not post receives before their message is sent (sw.pipeline recv_before_send=False)")
+    parser.add_argument("--transport", default="auto", choices=["native", "shm", "auto"],
+                        help="how our stages' messages travel (sw.pipeline transport; default auto: shared memory "
+                             "when the ranks share a host on CPU, else native); torch's side always uses gloo")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining (ours only)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--trace", default=None, metavar="FILE.json", help="Chrome/Perfetto trace of the measured timeline")
@@ -146,7 +149,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     for name in names:
         pipes[name] = sw.pipeline(build(), mesh, AXIS, microbatches=args.microbatches, schedule=name,
                                   loss_fn=lm_loss, chunks=2 if name == "interleaved" else 1,
-                                  recv_ahead=args.recv_ahead, recv_before_send=False if args.late_recv else None)
+                                  recv_ahead=args.recv_ahead, recv_before_send=False if args.late_recv else None,
+                                  transport=args.transport)
         ours[name] = our_runner(pipes[name])
         if not args.no_torch and name in TORCH_SCHEDULES:
             theirs[name], local[name] = torch_runner(name, build(), pipes[name], mesh, AXIS, lm_loss)

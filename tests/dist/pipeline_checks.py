@@ -199,3 +199,34 @@ def check_transport_parity(cases: list[dict]) -> list[dict]:
             "params_equal": all(torch.equal(runs[t][1][k], v) for t in ("shm", "auto") for k, v in ref_state.items()),
         })
     return out
+
+
+def check_transport_hosts() -> dict[str, str]:
+    """Every rank claims its own host: ``transport="shm"`` is refused at the first step (``ValueError``, no
+    message sent), ``"auto"`` falls back to native and trains; a fresh mesh (the host check is cached on it)."""
+    from shardwise.comm import shm_rendezvous
+
+    m = sw.Mesh(pp=-1)
+    real = shm_rendezvous.host_identity
+    shm_rendezvous.host_identity = lambda: f"fake-host-{m.rank}/boot"
+    out: dict[str, str] = {}
+    try:
+        idx, tgt = _batches()[0]
+        for transport in ("shm", "auto"):
+            pipe = sw.pipeline(_model(2, True), m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss,
+                               transport=transport)
+            with sw.comm.CommCounter() as c:
+                try:
+                    loss = pipe.step(idx, tgt)
+                    out[transport] = f"ran {pipe.used_transport} loss {loss:.4f}"
+                except ValueError as exc:
+                    out[transport] = str(exc)
+            out[transport + "_sends"] = str(c.count("send"))
+        try:
+            sw.pipeline(_model(2, True), m, "pp", microbatches=2, loss_fn=lm_loss, transport="tcp")
+            out["tcp"] = ""
+        except ValueError as exc:
+            out["tcp"] = str(exc)
+    finally:
+        shm_rendezvous.host_identity = real
+    return out

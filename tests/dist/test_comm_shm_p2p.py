@@ -97,3 +97,11 @@ def test_pipeline_over_shm_equals_native(worlds, n):
             # the same stage messages on either transport; only the tied embedding/head exchange stays native
             for (s_shm, s_native), (_, n_native) in zip(shm, native):
                 assert s_native == got["tied"] and s_shm == n_native - got["tied"] > 0, (case, got)
+
+
+def test_pipeline_transport_across_hosts(worlds):
+    for r in worlds.get(2).run(pc.check_transport_hosts, timeout=120):
+        assert "transport='shm' needs every rank of axis 'pp' on one host" in r["shm"], r
+        assert "fake-host-0" in r["shm"] and "transport='native'" in r["shm"] and r["shm_sends"] == "0", r
+        assert r["auto"].startswith("ran native loss"), r
+        assert "transport must be one of ('native', 'shm', 'auto'), got 'tcp'" in r["tcp"], r
