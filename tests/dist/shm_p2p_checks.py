@@ -231,3 +231,42 @@ def fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) 
     results.close()  # type: ignore[attr-defined]
     results.join_thread()  # type: ignore[attr-defined]  # flush the queue's feeder thread before _exit
     os._exit(0)  # a peer is dead: skip the process group's collective teardown
+
+
+def pipeline_fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) -> None:
+    """One rank of a fresh world: a GPT pipeline (1F1B, ``transport="shm"``) trains one step; in the next,
+    rank ``victim`` exits (``os._exit``) right after posting its third message. The others report what their
+    step raised, how long it took and whether the link's segment file exists."""
+    from shardwise.comm.shm_sync import ShmError
+    from shardwise.models.gpt import lm_loss
+    from shardwise.world import init
+    from tests.dist.pipeline_checks import _batches, _model
+
+    init(backend="gloo", init_method=f"file://{init_file}", rank=rank, world_size=n, timeout_s=600)
+    m = sw.Mesh(pp=-1)
+    pipe = sw.pipeline(_model(n, True), m, "pp", microbatches=6, schedule="1f1b", loss_fn=lm_loss,
+                       transport="shm")
+    (idx, tgt), *_ = _batches()
+    pipe.step(idx, tgt)
+    link = pipe.interpreter.p2p
+    assert link is not None
+    if rank == victim:
+        isend, sent = link.isend, [0]
+
+        def dying(t: torch.Tensor, to: int, tag: int = 0) -> object:
+            h = isend(t, to, tag)
+            sent[0] += 1
+            if sent[0] == 3:
+                os._exit(3)
+            return h
+        link.isend = dying  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        pipe.step(idx, tgt)
+        outcome = ("no error", "")
+    except ShmError as exc:
+        outcome = (type(exc).__name__, str(exc))
+    results.put((rank, outcome, time.monotonic() - start, os.path.exists(os.path.join(SHM_DIR, link.name))))  # type: ignore[attr-defined]
+    results.close()  # type: ignore[attr-defined]
+    results.join_thread()  # type: ignore[attr-defined]
+    os._exit(0)

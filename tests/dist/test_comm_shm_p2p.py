@@ -52,13 +52,12 @@ def test_bad_inputs_and_mismatched_receive(worlds):
         assert r["still_ok"] == "True", r
 
 
-@pytest.mark.parametrize("n,victim", [(2, 1), (4, 2)])
-def test_dead_peer_mid_transfer_is_a_named_error_not_a_hang(n, victim):
+def _survivors(target, n: int, victim: int) -> list[tuple]:
+    """Run ``target`` on a fresh spawned world of ``n``; the survivors' reports (the victim must exit 3)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(prefix="shardwise-shm-p2p-fault-"), "rendezvous")
-    procs = [ctx.Process(target=sc.fault_rank, args=(r, n, init_file, victim, results), daemon=True)
-             for r in range(n)]
+    procs = [ctx.Process(target=target, args=(r, n, init_file, victim, results), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     try:
@@ -72,12 +71,27 @@ def test_dead_peer_mid_transfer_is_a_named_error_not_a_hang(n, victim):
             if p.is_alive():
                 p.kill()
     assert procs[victim].exitcode == 3
+    return got
+
+
+@pytest.mark.parametrize("n,victim", [(2, 1), (4, 2)])
+def test_dead_peer_mid_transfer_is_a_named_error_not_a_hang(n, victim):
+    got = _survivors(sc.fault_rank, n, victim)
     assert sorted(r for r, *_ in got) == [r for r in range(n) if r != victim]
     for rank, (kind, message), _elapsed, later, exists in got:
         assert kind == "ShmPeerError", (rank, kind, message)
         assert f"rank {victim} " in message and "died" in message, message
         assert later.startswith("ShmPeerError") and "unusable" in later, later
         assert not exists  # the file was unlinked at set-up: nothing is left in /dev/shm
+
+
+@pytest.mark.parametrize("n,victim", [(2, 0), (4, 1)])
+def test_dead_stage_mid_step_is_a_named_error_not_a_hang(n, victim):
+    got = _survivors(sc.pipeline_fault_rank, n, victim)
+    assert sorted(r for r, *_ in got) == [r for r in range(n) if r != victim]
+    for rank, (kind, message), _elapsed, exists in got:
+        assert kind == "ShmPeerError" and f"rank {victim} " in message and "died" in message, (rank, message)
+        assert not exists
 
 
 PIPE_CASES = {
