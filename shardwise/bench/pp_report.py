@@ -58,7 +58,8 @@ def gather_and_report(args: argparse.Namespace, names: list[str], pipes: dict, r
                            "microbatches": args.microbatches, "threads": args.threads, "steps": args.steps,
                            "repeats": args.repeats, "recv_ahead": pipes[names[0]].recv_ahead,
                            "recv_before_send": pipes[names[0]].recv_before_send, "transport": args.transport,
-                           "transport_used": pipes[names[0]].used_transport, "device": mesh.device.type, "host": platform.node(),
+                           "transport_used": pipes[names[0]].used_transport, "device": mesh.device.type,
+                           "host": platform.node(),
                            "torch": torch.__version__, "params": params,
                            "load_avg_start": load_start[0], "load_avg_end": os.getloadavg()[0], "schedules": {}}
     for j, name in enumerate(names):
@@ -125,9 +126,9 @@ def _print(o: dict[str, Any]) -> None:
           f"{o['preset']} n_layer={o['n_layer']} n_embd={o['n_embd']} ({o['params'] / 1e6:.2f}M params, untied), "
           f"batch {o['batch']}x{o['seq']}, m={o['microbatches']}, {o['repeats']} rounds x {o['steps']} steps, "
           f"torch {o['torch']}, {o['host']}, load avg {o['load_avg_start']:.2f} -> {o['load_avg_end']:.2f}, "
-          f"receives posted >= {o['recv_ahead']} action(s) ahead" + (" and before their send" if o["recv_before_send"] else "")
-          + f", transport {o['transport']}" + (f" ({o['transport_used']})" if o["transport"] == "auto" else "")
-          + " (torch: gloo)")
+          f"receives posted >= {o['recv_ahead']} action(s) ahead"
+          + (" and before their send" if o["recv_before_send"] else "") + f", transport {o['transport']}"
+          + (f" ({o['transport_used']})" if o["transport"] == "auto" else "") + " (torch: gloo)")
     print(f"{'schedule':<12}{'ours ms':>9}{'torch ms':>10}{'vs torch':>10}{'loss diff':>11}{'bubble':>8}{'sim':>8}"
           f"{'rel diff':>10}{'held/rank':>12}  saved MiB/rank ours | torch")
     for name, r in o["schedules"].items():

@@ -187,8 +187,9 @@ class ShmLink:
             raise ValueError(f"shm p2p on axis {self.axis!r}: cannot {what} coordinate {peer} (this rank is "
                              f"coordinate {self.me} of {self.n}); pass another member's coordinate")
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"shm p2p moves contiguous host memory, got a {'contiguous' if t.is_contiguous() else 'non-contiguous'} "
-                             f"tensor on {t.device}; pass t.contiguous() on the CPU (or use the native transport)")
+            layout = "contiguous" if t.is_contiguous() else "non-contiguous"
+            raise ValueError(f"shm p2p moves contiguous host memory, got a {layout} tensor on {t.device}; pass "
+                             f"t.contiguous() on the CPU (or use the native transport)")
 
     # -- copies ----------------------------------------------------------------------------------------
     def _push(self, op: ShmSend, who: int) -> bool:
@@ -237,8 +238,8 @@ class ShmLink:
             if nbytes != op.nbytes or tag != op.tag or seq != self._seq_in[peer]:
                 raise ShmError(f"shm p2p on axis {self.axis!r}: message {seq} from rank {self.ranks[peer]} has "
                                f"{nbytes} bytes and tag {tag}, but receive {self._seq_in[peer]} expects {op.nbytes} "
-                               f"bytes and tag {tag if op.tag == tag else op.tag}; post receives from one sender in its "
-                               f"send order (messages of one pair are matched in order)")
+                               f"bytes and tag {op.tag}; post receives from one sender in its send order "
+                               f"(messages of one pair are matched in order)")
             self._seq_in[peer] += 1
             tail, op.started, moved = tail + HEADER, True, True
         base = self.addr + lay.ring(c)

@@ -1,6 +1,7 @@
 """Setting up an axis group's shared memory: who is on which host, one segment, everyone attached, unlinked.
 
-``shm_group_for(mesh, axis)`` is collective over the axis group the first time it is called for a
+``shm_group_for(mesh, axis)`` (and ``shm_p2p.shm_link_for`` for point-to-point segments, through
+``attach_group_segment``) is collective over the axis group the first time it is called for a
 (mesh, axis) and cached on the mesh afterwards (like the per-axis comm worker). The backend's process group
 carries only this rendezvous, in three small object collectives on ``mesh.group(axis)``:
 
@@ -28,7 +29,8 @@ from .shm import DEFAULT_REGION_BYTES, DEFAULT_SLOTS, ShmGroup
 from .shm_segment import Segment, SegmentLayout, attach_segment, create_segment, unlink_segment
 from .shm_sync import Peer, policy_for, process_start_time
 
-__all__ = ["shm_group_for", "attach_group_segment", "host_identity", "cores", "DEFAULT_TIMEOUT_S", "group_timeout_s", "ORDERED_MACHINES"]
+__all__ = ["shm_group_for", "attach_group_segment", "host_identity", "cores", "DEFAULT_TIMEOUT_S", "group_timeout_s",
+           "ORDERED_MACHINES"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Timeout of shared-memory waits when neither the mesh nor the axis' process group states one."""
@@ -103,7 +105,8 @@ def attach_group_segment(mesh: Mesh, axis: str, layout: object, *,
             seg = create_segment(layout)  # type: ignore[arg-type]
             made = [("ok", seg.name)]
         except OSError as exc:
-            made = [("error", f"rank {mesh.rank} could not create a {layout.total_bytes} B segment in /dev/shm "  # type: ignore[attr-defined]
+            size = layout.total_bytes  # type: ignore[attr-defined]
+            made = [("error", f"rank {mesh.rank} could not create a {size} B segment in /dev/shm "
                               f"({exc}); free space there (or enlarge it) or {fix}")]
     dist.broadcast_object_list(made, src=ranks[0], group=group)
     status, text = made[0]  # type: ignore[misc]

@@ -266,7 +266,8 @@ def pipeline_fault_rank(rank: int, n: int, init_file: str, victim: int, results:
         outcome = ("no error", "")
     except ShmError as exc:
         outcome = (type(exc).__name__, str(exc))
-    results.put((rank, outcome, time.monotonic() - start, os.path.exists(os.path.join(SHM_DIR, link.name))))  # type: ignore[attr-defined]
+    left = os.path.exists(os.path.join(SHM_DIR, link.name))
+    results.put((rank, outcome, time.monotonic() - start, left))  # type: ignore[attr-defined]
     results.close()  # type: ignore[attr-defined]
     results.join_thread()  # type: ignore[attr-defined]
     os._exit(0)
