@@ -190,6 +190,13 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def _check_devices(config: Config) -> None:
+    """What only the machine that launches can check: its devices."""
+    if config.parallel.algorithm == "shm" and _cuda_available():
+        raise ValueError("parallel.algorithm = 'shm' moves host memory between CPU ranks, but this machine trains "
+                         "on its GPUs; use --parallel.algorithm auto (or native)")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -236,9 +243,8 @@ def validate(config: Config, *, launch: bool = True) -> Config:
         raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
                          f"--optimizer.min_lr {o.lr / 10:g}")
     _check_strategies(config)
-    if launch and p.algorithm == "shm" and _cuda_available():
-        raise ValueError("parallel.algorithm = 'shm' moves host memory between CPU ranks, but this machine trains "
-                         "on its GPUs; use --parallel.algorithm auto (or native)")
+    if launch:
+        _check_devices(config)
     nproc = p.nproc or (default_nproc() if launch else p.dp * p.tp * p.pp)
     if not nproc:
         raise ValueError("parallel.nproc = 0 (infer it) needs local devices, but nothing is launched here; give the "
