@@ -89,7 +89,7 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("flag-bad-bool", ["train", "--model.bias", "maybe"], None,
      ("model.bias must be a bool, got 'maybe'", "e.g. --model.bias true")),
     ("flag-bad-enum", ["train", "--parallel.algorithm", "butterfly"], None,
-     ("'butterfly'", "choose one of ['native', 'ring', 'tree', 'auto']")),
+     ("'butterfly'", "choose one of ['native', 'ring', 'tree', 'shm', 'auto']")),
     ("flag-bad-format", ["train", "--data.format", "csv"], None,
      ("data.format = 'csv'", "choose one of ['auto', 'text', 'bin']")),
     ("flag-bad-precision", ["train", "--train.precision", "fp16"], None,
