@@ -3,14 +3,10 @@ one host, and a dead peer is a named error instead of a hang."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import tempfile
-
 import pytest
 
 from tests.dist import shm_checks as sc
+from tests.dist.fault_worlds import survivors
 
 SIZES = [2, 4]
 
@@ -94,24 +90,7 @@ def test_no_segment_file_is_left_after_setup(worlds, n):
 
 @pytest.mark.parametrize("n,victim", [(2, 1), (4, 2)])
 def test_dead_peer_is_a_named_error_not_a_hang(n, victim):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(prefix="shardwise-shm-fault-"), "rendezvous")
-    procs = [ctx.Process(target=sc.fault_rank, args=(r, n, init_file, victim, results), daemon=True)
-             for r in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        # The collective timeout is 600 s: answers well within 120 s come from the liveness check.
-        got = [results.get(timeout=120) for _ in range(n - 1)]
-    except queue.Empty:
-        pytest.fail("survivors of a dead shm peer did not report within 120 s (hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert procs[victim].exitcode == 3
+    got = survivors(sc.fault_rank, n, victim, "shm")
     assert sorted(r for r, *_ in got) == [r for r in range(n) if r != victim]
     for rank, (kind, message), _elapsed, later, exists in got:
         assert kind == "ShmPeerError", (rank, kind, message)

@@ -7,15 +7,11 @@ Rank-side code: tests/dist/shm_p2p_checks.py (link) and tests/dist/pipeline_chec
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import tempfile
-
 import pytest
 
 from tests.dist import pipeline_checks as pc
 from tests.dist import shm_p2p_checks as sc
+from tests.dist.fault_worlds import survivors
 
 SIZES = [2, 4]
 
@@ -53,25 +49,7 @@ def test_bad_inputs_and_mismatched_receive(worlds):
 
 
 def _survivors(target, n: int, victim: int) -> list[tuple]:
-    """Run ``target`` on a fresh spawned world of ``n``; the survivors' reports (the victim must exit 3)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(prefix="shardwise-shm-p2p-fault-"), "rendezvous")
-    procs = [ctx.Process(target=target, args=(r, n, init_file, victim, results), daemon=True) for r in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        # The group timeout is 600 s: answers well within 120 s come from the liveness check.
-        got = [results.get(timeout=120) for _ in range(n - 1)]
-    except queue.Empty:
-        pytest.fail("survivors of a dead shm p2p peer did not report within 120 s (hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert procs[victim].exitcode == 3
-    return got
+    return survivors(target, n, victim, "shm p2p")
 
 
 @pytest.mark.parametrize("n,victim", [(2, 1), (4, 2)])
