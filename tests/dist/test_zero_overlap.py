@@ -14,7 +14,8 @@ from tests.dist import zero_overlap_checks as zo
 
 RTOL = 1e-5
 CONFIGS = [(stage, variant, unused) for stage in (1, 2)
-           for variant, unused in (("plain", False), ("serial", False), ("native", False), ("plain", True),
+           for variant, unused in (("plain", False), ("serial", False), ("native", False), ("shm", False),
+                                   ("plain", True),
                                    ("accum", True),
                                    ("accum-sync", True), ("accum-sync", False))]
 
@@ -34,7 +35,7 @@ def test_overlapped_reduction_matches_one_process(worlds, n):
             buckets = zo.BUCKET_BYTES_UNUSED if unused else zo.BUCKET_BYTES
             for ph in res["phases"]:
                 if ph["kind"] != "local":  # CPU default: the ring (gloo's own reduce-scatter is slower)
-                    assert ph["algorithms"] == ["native" if variant == "native" else "ring"], (cfg, ph)
+                    assert ph["algorithms"] == [variant if variant in ("native", "shm") else "ring"], (cfg, ph)
                 if ph["kind"] == "step":
                     assert "reduce_scatter" not in ph["ops"], (cfg, ph)
                     assert ph["ops"].get("all_gather") == len(buckets), (cfg, ph)

@@ -39,7 +39,7 @@ GLOBAL_B, STEPS = 12, 4
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-5, weight_decay=0.1)
 CLIP = 0.5
 # micro-batch u of a step: ("local" = inside no_sync, "sync" = a synchronised backward)
-PLANS = {"plain": ["sync"], "serial": ["sync"], "native": ["sync"], "accum": ["local", "local", "sync"],
+PLANS = {"plain": ["sync"], "serial": ["sync"], "native": ["sync"], "shm": ["sync"], "accum": ["local", "local", "sync"],
          "accum-sync": ["local", "sync", "sync"]}
 
 
@@ -167,7 +167,7 @@ def check_overlap(configs: list[tuple[int, str, bool]]) -> list[dict[str, Any]]:
     for stage, variant, unused in configs:
         plan = PLANS[variant]
         ref, ref_losses, ref_norms = _reference(unused, plan)
-        kw = {"algorithm": "native"} if variant == "native" else {}
+        kw = {"algorithm": variant} if variant in ("native", "shm") else {}
         got = _train(stage, unused, plan, overlap=variant != "serial", **kw)
         err = max(float((got["state"][k] - v).abs().max()) / (1e-3 + float(v.abs().max()))
                   for k, v in ref.state_dict().items())

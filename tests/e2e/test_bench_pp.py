@@ -78,6 +78,7 @@ def test_bench_pp_two_ranks(tmp_path):
     data = json.loads(out.read_text())
     assert data["ranks"] == 2 and data["microbatches"] == 2 and set(data["schedules"]) == {"1f1b", "zb-h1"}
     assert data["recv_ahead"] == 2 and data["recv_before_send"] is False
+    assert data["transport"] == "auto" and data["transport_used"] == "shm"  # CPU ranks on one host
     for name, row in data["schedules"].items():
         assert row["ours_ms"] > 0 and row["torch_ms"] > 0 and row["vs_torch"] > 0
         # same weights, same batch: torch's pipeline computes the same first-step loss as ours
