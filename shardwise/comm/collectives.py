@@ -87,13 +87,7 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", algor
             return Handle(work=work, finish=finish)
         return finish()
     if algorithm == "shm":
-        group = _shm_group(mesh, axis, t)
-
-        def shm_job() -> torch.Tensor:
-            if group is not None:
-                group.all_reduce(flat, op, piece_bytes)
-            return finish()
-        return _run(mesh, axis, shm_job, async_op)
+        return _shm_run(mesh, axis, t, lambda g: g.all_reduce(flat, op, piece_bytes), finish, async_op)
     link = link_for(mesh, axis)
     algo = ring_all_reduce if algorithm == "ring" else tree_all_reduce
 
@@ -109,6 +103,19 @@ def _shm_group(mesh: Mesh, axis: str, t: torch.Tensor) -> ShmGroup | None:
     collectives)."""
     check_shm_tensor(t)
     return shm_group_for(mesh, axis)
+
+
+def _shm_run(mesh: Mesh, axis: str, t: torch.Tensor, move: Callable[[ShmGroup], object],
+             finish: Callable[[], torch.Tensor], async_op: bool) -> torch.Tensor | Handle:
+    """An in-place shm collective: ``move(group)`` (skipped for a group of one), then ``finish``; on the axis'
+    worker when asynchronous, like ring and tree."""
+    group = _shm_group(mesh, axis, t)
+
+    def job() -> torch.Tensor:
+        if group is not None:
+            move(group)
+        return finish()
+    return _run(mesh, axis, job, async_op)
 
 
 def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -148,13 +155,7 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: S
     if algorithm == "native":
         return _native_all_gather(flat, x, rows, inner, mesh.group(axis), async_op, finish)
     if algorithm == "shm":
-        group = _shm_group(mesh, axis, t)
-
-        def shm_job() -> torch.Tensor:
-            if group is not None:
-                group.all_gather(flat, offsets, piece_bytes)
-            return finish()
-        return _run(mesh, axis, shm_job, async_op)
+        return _shm_run(mesh, axis, t, lambda g: g.all_gather(flat, offsets, piece_bytes), finish, async_op)
     link = link_for(mesh, axis)
 
     def job() -> torch.Tensor:
@@ -280,13 +281,7 @@ def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, *, src: int = 0, algorithm
         work = dist.broadcast(flat, src=mesh.global_rank(axis, src), group=mesh.group(axis), async_op=async_op)
         return Handle(work=work, finish=finish) if async_op else finish()
     if algorithm == "shm":
-        group = _shm_group(mesh, axis, t)
-
-        def shm_job() -> torch.Tensor:
-            if group is not None:
-                group.broadcast(flat, src, piece_bytes)
-            return finish()
-        return _run(mesh, axis, shm_job, async_op)
+        return _shm_run(mesh, axis, t, lambda g: g.broadcast(flat, src, piece_bytes), finish, async_op)
     link = link_for(mesh, axis)
 
     def job() -> torch.Tensor:
