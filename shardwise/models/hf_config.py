@@ -1,0 +1,203 @@
+"""Read a Hugging Face ``config.json`` of a Llama-family decoder into plain data, without ``transformers``.
+
+Only the fields that decide the architecture and its numerics are read; everything else in the file (token
+ids, ``use_cache``, ``torch_dtype``, ``architectures`` ...) is ignored because it does not change what
+``shardwise.models.llama.Llama`` computes in training. What the native model does not implement is refused
+with one line naming the field, its value and what is supported — never silently approximated:
+
+* ``model_type``: ``llama``, ``mistral``, ``qwen2`` (MoE families such as ``mixtral`` or ``qwen2_moe`` are
+  other model types and refused by name);
+* ``hidden_act``: ``silu`` (SwiGLU);
+* rotary scaling (``rope_scaling`` / ``rope_parameters``): ``default`` and ``linear`` (positions divided by
+  ``factor``);
+* sliding-window attention is accepted only where it cannot change the result: a window of at least the
+  training sequence length (``check_block_size``); a real window is refused;
+* ``pretraining_tp`` > 1 (a Llama-1 era sliced matmul) is refused.
+
+Field defaults are those of the ``transformers`` config classes of each type (a field absent from the file
+means its default, as ``from_pretrained`` reads it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["HFDecoderConfig", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ROPE_TYPES = ("default", "linear")
+
+# Per model type: (q/k/v bias, o bias) when the file does not say (llama: ``attention_bias`` sets both; qwen2:
+# always a q/k/v bias and no o bias), and the defaults of fields the types disagree on.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFDecoderConfig:
+    """The architecture of a Llama-family decoder, as read from its ``config.json`` (field names are HF's)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    """Width of one attention head (``hidden_size / num_attention_heads`` unless the file gives it)."""
+    rms_norm_eps: float
+    rope_theta: float
+    rope_linear_factor: float = 1.0
+    """``rope_scaling`` of type ``linear``: positions are divided by this factor (1: no scaling)."""
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    sliding_window: int | None = None
+    """A window that the model type would apply (Mistral; Qwen2 with ``use_sliding_window``); None: none."""
+    source: str = ""
+    """Where it was read from (for messages)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` that ``transformers.AutoConfig.for_model(**d)`` reads back to this architecture."""
+        d: dict[str, Any] = {k: getattr(self, k) for k in (
+            "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+            "max_position_embeddings", "tie_word_embeddings", "attention_dropout", "initializer_range")}
+        d["hidden_act"] = "silu"
+        if self.rope_linear_factor != 1.0:
+            d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_linear_factor}
+        if self.model_type == "llama":
+            d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        return d
+
+    def check_block_size(self, block_size: int) -> None:
+        """``ValueError`` when training windows of ``block_size`` tokens would not compute what the HF model
+        computes: longer than ``max_position_embeddings``, or longer than a sliding window."""
+        if block_size > self.max_position_embeddings:
+            raise ValueError(f"model.block_size = {block_size} exceeds max_position_embeddings = "
+                             f"{self.max_position_embeddings} of {self.source or 'the HF config'}; use --model.block_size "
+                             f"{self.max_position_embeddings} or less")
+        if self.sliding_window is not None and block_size > self.sliding_window:
+            raise ValueError(f"{self.source or 'the HF config'}: sliding_window = {self.sliding_window} is shorter than "
+                             f"model.block_size = {block_size}; sliding-window attention is not supported (only a "
+                             f"window >= the sequence, where it changes nothing): use --model.block_size "
+                             f"{self.sliding_window} or less, or set sliding_window to null")
+
+
+def load_hf_config(path: str | Path) -> HFDecoderConfig:
+    """Parse the ``config.json`` at ``path``. ``ValueError`` (one line) for a missing or unreadable file, invalid
+    JSON, an unsupported model type or feature, or a bad value."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"model.hf_config = {str(path)!r}: no such file; pass the path of a Hugging Face "
+                         f"config.json (e.g. examples/hf/tiny-llama.json)")
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"model.hf_config = {str(path)!r} cannot be read ({exc}); pass a readable config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model.hf_config = {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg}); pass a "
+                         f"Hugging Face config.json") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"model.hf_config = {str(path)!r} holds a JSON {type(raw).__name__}, not an object of "
+                         f"config fields; pass a Hugging Face config.json")
+    return hf_config_from_dict(raw, source=str(p))
+
+
+def hf_config_from_dict(raw: Mapping[str, Any], *, source: str = "") -> HFDecoderConfig:
+    """The config of a parsed ``config.json`` dict (see ``load_hf_config``)."""
+    where = source or "the HF config"
+    mt = raw.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type = {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                         f"(dense Llama-family decoders)")
+    d = _DEFAULTS[mt]
+    get = _Reader(raw, where)
+    heads = get.int("num_attention_heads")
+    hidden = get.int("hidden_size")
+    kv = get.int("num_key_value_heads", heads)
+    head_dim = get.int("head_dim", hidden // heads if hidden % heads == 0 else 0)
+    if heads % kv:
+        raise ValueError(f"{where}: num_attention_heads = {heads} must be a multiple of num_key_value_heads = {kv} "
+                         f"(grouped-query attention shares each key/value head among a whole group of query heads)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act = {act!r} is not supported; supported: 'silu' (SwiGLU)")
+    if raw.get("pretraining_tp", 1) not in (1, None):
+        raise ValueError(f"{where}: pretraining_tp = {raw['pretraining_tp']!r} is not supported; supported: 1")
+    theta, linear = _rope(raw, where)
+    qkv_bias = bool(raw.get("attention_bias", False)) if mt != "qwen2" else True
+    o_bias = bool(raw.get("attention_bias", False)) if mt == "llama" else False
+    window = raw.get("sliding_window", d.get("sliding_window")) if mt == "mistral" else (
+        raw.get("sliding_window", 4096) if mt == "qwen2" and raw.get("use_sliding_window", False) else None)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{where}: sliding_window = {window!r} must be a positive int or null")
+    dropout = get.float("attention_dropout", 0.0)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{where}: attention_dropout = {dropout} must be in [0, 1)")
+    return HFDecoderConfig(
+        model_type=mt, vocab_size=get.int("vocab_size"), hidden_size=hidden,
+        intermediate_size=get.int("intermediate_size"), num_hidden_layers=get.int("num_hidden_layers"),
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        rms_norm_eps=get.float("rms_norm_eps", d["rms_norm_eps"]), rope_theta=theta, rope_linear_factor=linear,
+        max_position_embeddings=get.int("max_position_embeddings", d["max_position_embeddings"]),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if mt == "llama" else False, attention_dropout=dropout,
+        initializer_range=get.float("initializer_range", 0.02), sliding_window=window, source=source)
+
+
+def _rope(raw: Mapping[str, Any], where: str) -> tuple[float, float]:
+    """``(rope_theta, linear factor)`` from the old (``rope_theta`` + ``rope_scaling``) or the new
+    (``rope_parameters``) spelling."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ValueError(f"{where}: rope_parameters / rope_scaling must be objects, got {params!r} / {scaling!r}")
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"{where}: rope type {kind!r} (rope_scaling / rope_parameters) is not supported; supported: "
+                         f"{', '.join(_ROPE_TYPES)}")
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    factor = merged.get("factor", 1.0) if kind == "linear" else 1.0
+    for name, value in (("rope_theta", theta), ("rope factor", factor)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{where}: {name} = {value!r} must be a positive number")
+    return float(theta), float(factor)
+
+
+class _Reader:
+    """Typed reads of one config dict, each failure naming the field."""
+
+    def __init__(self, raw: Mapping[str, Any], where: str) -> None:
+        self.raw, self.where = raw, where
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.raw.get(key, default)
+        if value is None:
+            raise ValueError(f"{self.where}: the field {key!r} is missing; a Llama-family config.json gives it")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{self.where}: {key} = {value!r} must be a positive int")
+        return value
+
+    def float(self, key: str, default: float) -> float:
+        value = self.raw.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{self.where}: {key} = {value!r} must be a non-negative number")
+        return float(value)

@@ -1,0 +1,214 @@
+"""A native Llama-family decoder (Llama, Mistral, Qwen2) built from a Hugging Face config, with no parallel code
+inside and no dependency on ``transformers``.
+
+Parameter names are Hugging Face's, so a ``state_dict`` moves between this model and ``LlamaForCausalLM`` /
+``MistralForCausalLM`` / ``Qwen2ForCausalLM`` with ``load_state_dict`` (the rotary table is computed, not a
+buffer, exactly as HF's non-persistent ``inv_freq``)::
+
+    model.embed_tokens, model.layers[i].{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+    mlp.{gate,up,down}_proj}, model.norm, lm_head
+
+``lm_head.weight`` *is* ``model.embed_tokens.weight`` with ``tie_word_embeddings``. Shapes: ``b`` batch, ``t``
+sequence, ``h`` hidden, ``nh`` query heads, ``nkv`` key/value heads, ``hd`` head_dim, ``f`` intermediate,
+``v`` vocabulary. Numerics follow HF's: RMSNorm in fp32, rotary cos/sin computed in fp32 and cast to the
+activations' dtype, ``scaled_dot_product_attention`` with a causal mask and the ``hd**-0.5`` scale.
+
+Like ``GPT``, the model carries its tensor-parallel plan (``tensor_parallel_plan``) and its pipeline cut points
+(``pipeline_units``) as plain data; strategies ask for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..parallel.pipeline.stage import Unit
+from ..parallel.tensor.styles import ColumnParallel, RowParallel, Style, VocabParallel
+from .hf_config import HFDecoderConfig
+
+__all__ = ["Llama", "RMSNorm", "rotary_tables"]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x²) + eps)``, normalised in fp32 and cast back before the scale (as HF)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotary_tables(t: int, c: HFDecoderConfig, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of positions ``0..t-1``, each (t, hd): computed in fp32 outside autocast, cast to ``dtype``.
+    Recomputed per call (a few thousand elements) so that no buffer enters the state dict or a pipeline stage."""
+    hd = c.head_dim
+    with torch.autocast(device_type=device.type, enabled=False):
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=device) / hd))
+        pos = torch.arange(t, device=device, dtype=torch.float) / c.rope_linear_factor
+        freqs = pos[:, None] * inv_freq[None, :]  # (t, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (t, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of ``x`` (b, heads, t, hd) with the half-split layout HF uses."""
+    x1, x2 = x[..., : x.size(-1) // 2], x[..., x.size(-1) // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query causal attention: ``nh`` query heads share ``nkv`` key/value heads (``nh / nkv`` each)."""
+
+    def __init__(self, c: HFDecoderConfig) -> None:
+        super().__init__()
+        self.head_dim, self.dropout = c.head_dim, c.attention_dropout
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, hd = x.size(0), x.size(1), self.head_dim
+        # Head counts come from the projections' outputs, so a tensor-parallel layer (whole heads per rank: nh/tp
+        # query and nkv/tp key/value heads) runs this code unchanged; the groups stay aligned because both are
+        # split into the same number of contiguous blocks.
+        q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)  # (b, nh, t, hd)
+        k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)  # (b, nkv, t, hd)
+        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        group = q.size(1) // k.size(1)
+        if group > 1:  # (b, nkv, t, hd) -> (b, nh, t, hd): kv head j serves query heads j*group .. (j+1)*group-1
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (b, t, nh*hd) @ (nh*hd, h)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, h → f → h."""
+
+    def __init__(self, c: HFDecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-RMSNorm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. ``forward(x)`` builds its own rotary
+    tables from ``x``'s length, so a layer is a ``Tensor -> Tensor`` unit (pipeline stages, checkpointing)."""
+
+    def __init__(self, c: HFDecoderConfig) -> None:
+        super().__init__()
+        self._hf = c  # plain attribute: not a module, not in the state dict
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        cos, sin = rotary_tables(x.size(1), self._hf, x.device, x.dtype)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's ``LlamaModel`` tree (``embed_tokens``, ``layers``, ``norm``) so that keys carry the ``model.`` prefix."""
+
+    def __init__(self, c: HFDecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """A Llama-family causal LM of ``config`` (``HFDecoderConfig``), trained on windows of ``block_size`` tokens.
+
+    Initialisation is deterministic given ``torch.manual_seed``: Linear and Embedding weights N(0,
+    ``initializer_range``), biases zero, norms one (HF's scheme; the values differ from HF's draws)."""
+
+    def __init__(self, config: HFDecoderConfig, block_size: int) -> None:
+        super().__init__()
+        if not isinstance(config, HFDecoderConfig):
+            raise TypeError(f"Llama expects an HFDecoderConfig (shardwise.models.hf_config.load_hf_config), got "
+                            f"{type(config).__name__}")
+        config.check_block_size(block_size)
+        self.config, self.block_size = config, block_size
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two uses
+
+    def _init_weights(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def _check(self, idx: Tensor) -> None:
+        if idx.dim() != 2 or idx.size(1) > self.block_size:
+            raise ValueError(f"Llama input must be (batch, seq) token ids with seq <= block_size {self.block_size}, "
+                             f"got shape {tuple(idx.shape)}")
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """``idx`` (b, t) int64 token ids → logits (b, t, v)."""
+        self._check(idx)
+        x = self.model.embed_tokens(idx)  # (b, t, h)
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(self.model.norm(x))
+
+    def num_params(self) -> int:
+        """Unique parameter elements (a tied weight counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def block_names(self) -> list[str]:
+        """The repeated layers (activation checkpointing and ZeRO-3 gather units): ``model.layers.i``."""
+        return [f"model.layers.{i}" for i in range(len(self.model.layers))]
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, Style]:
+        """Megatron's pairing for this decoder: q/k/v column-parallel in whole heads (query and key/value heads
+        split alike, so every rank keeps whole GQA groups), ``o_proj`` row-parallel; gate/up column, down row;
+        vocabulary-parallel embedding and head. Sequence parallelism is refused: the rotary tables index
+        positions of the whole sequence, which a sequence shard does not know."""
+        if sequence_parallel:
+            raise ValueError("sequence parallelism is not supported for Hugging Face decoders (model.hf_config): "
+                             "rotary positions need the whole sequence; use tensor parallelism without it")
+        c = self.config
+        return {"model.embed_tokens": VocabParallel(), "lm_head": VocabParallel(),
+                "model.layers.*.self_attn.q_proj": ColumnParallel(heads=c.num_attention_heads),
+                "model.layers.*.self_attn.k_proj": ColumnParallel(heads=c.num_key_value_heads),
+                "model.layers.*.self_attn.v_proj": ColumnParallel(heads=c.num_key_value_heads),
+                "model.layers.*.self_attn.o_proj": RowParallel(),
+                "model.layers.*.mlp.gate_proj": ColumnParallel(), "model.layers.*.mlp.up_proj": ColumnParallel(),
+                "model.layers.*.mlp.down_proj": RowParallel()}
+
+    def pipeline_units(self) -> list[Unit]:
+        """Cut points for ``sw.pipeline``: ``model.embed_tokens`` (token ids → hidden), one unit per layer
+        ``model.layers.i`` (each builds its rotary tables, so only the hidden state crosses a cut), then
+        ``model.norm`` running ``lm_head(norm(x))``. Modules are read when called, so replacements made by
+        ``sw.parallelize`` are used."""
+        stack, head = self.model, self.lm_head
+
+        def embed(idx: Tensor) -> Tensor:
+            self._check(idx)
+            return stack.embed_tokens(idx)
+
+        units = [Unit("model.embed_tokens", embed, (("model.embed_tokens", stack.embed_tokens),))]
+        units += [Unit(name, layer, ((name, layer),)) for name, layer in zip(self.block_names(), stack.layers)]
+        units.append(Unit("model.norm", lambda x: head(stack.norm(x)), (("model.norm", stack.norm), ("lm_head", head))))
+        return units
