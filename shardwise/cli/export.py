@@ -2,7 +2,10 @@
 
 Reads the sharded checkpoint (any layout it was saved in), assembles every model tensor in full, restores
 tied keys (``lm_head.weight`` next to ``wte.weight``) and writes a single safetensors file whose keys are
-exactly those of ``GPT(config).state_dict()``; the model config is stored in the file's metadata.
+exactly those of ``GPT(config).state_dict()``; the model config is stored in the file's metadata. A model trained
+from a Hugging Face config (``model.hf_config``) exports HF's keys (``model.layers.0.self_attn.q_proj.weight``,
+..., ``lm_head.weight``) and its architecture as the ``hf_config`` metadata entry (a ``config.json`` object):
+``transformers`` loads the file with ``load_state_dict`` into the model of that config.
 
 The checkpoint is verified first (``verify_checkpoint``: every piece present, confined, readable, of the
 indexed shape and checksum) and a non-finite model tensor is refused. The output is written to a temporary
@@ -49,6 +52,8 @@ def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         out[alias] = out[original].clone()  # safetensors stores no shared storage: a tied key gets a copy
     meta = {"format": "shardwise-export-v1", "step": str(ckpt.step),
             "model_config": json.dumps(ckpt.state.get("config", {}).get("model", {}))}
+    if "hf_config" in ckpt.state:  # model.hf_config: the keys are HF's; this rebuilds the HF model to load them into
+        meta["hf_config"] = json.dumps(ckpt.state["hf_config"])
     return out, meta
 
 

@@ -25,6 +25,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
+from .model_build import build_model, check_replicate, check_tp, resolve_hf
 
 
 _SECTIONS = {f.name: f for f in fields(Config)}
@@ -120,6 +121,7 @@ def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
         changes.setdefault(section, {})[name] = _coerce(key, value, types_[name])
     try:
         parts = {s: dataclasses.replace(getattr(config, s), **changes.get(s, {})) for s in _SECTIONS}
+        parts["model"] = resolve_hf(parts["model"], changes.get("model", {}))  # model.hf_config sets the shape
     except ValueError as exc:
         # [model] is GPTConfig, which checks its shape when built: name the config keys, not the class
         raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
@@ -294,9 +296,8 @@ def _check_strategies(config: Config) -> None:
         if not _optional_module("shardwise.parallel.tensor.api"):
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
-        if m.n_head % p.tp:
-            raise ValueError(f"parallel.tp = {p.tp} must divide model.n_head = {m.n_head} (whole heads per rank); "
-                             f"use a tp from {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
+        check_tp(m, p.tp)
+    check_replicate(m, p.replicate)
     unknown = [name for name in p.replicate if name not in REPLICABLE]
     if unknown:
         raise ValueError(f"parallel.replicate = {list(p.replicate)}: {unknown} cannot be kept whole; the modules "
@@ -378,11 +379,10 @@ def _check_pipeline(config: Config, *, cut: bool = True) -> int:
                          f"{exc}") from None
     import torch
 
-    from ..models.gpt import GPT
     from ..parallel.pipeline.stage import build_stages
 
     with torch.device("meta"):  # names and parameter counts only: nothing is allocated
-        model = GPT(config.model)
+        model = build_model(config.model)
     try:
         build_stages(model, p.pp * p.pp_chunks, list(p.pp_split) or None)
     except ValueError as exc:

@@ -15,9 +15,17 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "Config", "PRESETS", "describe_fields"]
 
 
-ModelConfig = GPTConfig
-"""The ``[model]`` section *is* the model's own config (one definition: fields, defaults, field docstrings and
-shape validation all live in ``shardwise.models.gpt``), so a trained config builds the model as ``GPT(cfg.model)``."""
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(GPTConfig):
+    """The ``[model]`` section: the reference GPT's own config (its fields, defaults, docstrings and shape checks
+    live in ``shardwise.models.gpt``) plus ``hf_config``. With ``hf_config`` set, the model is the Llama-family
+    decoder of that file (``shardwise.models.llama``) and ``vocab_size``, ``n_layer``, ``n_head``, ``n_embd``,
+    ``tie_weights``, ``bias`` and ``dropout`` are filled from it (``config.resolve_hf``); ``block_size`` stays the
+    training sequence length. ``runtime/model_build.py`` builds either model."""
+
+    hf_config: str = ""
+    """Path of a Hugging Face ``config.json`` (model_type llama, mistral or qwen2): train that decoder, built from
+    the config with random weights (nothing is downloaded); its shape fields replace model.n_layer etc."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,10 +209,11 @@ def describe_fields() -> list[tuple[str, str, str]]:
         section = f_section.name
         cls = typing.get_type_hints(Config)[section]
         docs: dict[str, str] = {}
-        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+        for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # inherited fields too
+            body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+            for node, nxt in zip(body, body[1:]):
+                if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                    docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
         for f in fields(cls):
             out.append((f"{section}.{f.name}", repr(f.default), docs.get(f.name, "")))
     return out

@@ -6,7 +6,6 @@ Nothing here communicates; rank 0 writes the files.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import resource
 import sys
@@ -207,16 +206,15 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
     from rich.console import Console
     from rich.table import Table
 
-    from ..models.gpt import GPT, GPTConfig
+    from .model_build import attention_width, num_params
 
     ranks = _rank_summaries(run_dir)
     if not ranks:
         print(f"shardwise train: finished, but no rank summaries in {run_dir / 'ranks'}")
         return None
     head = ranks[0]
-    with torch.device("meta"):
-        n_params = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).num_params()
-    flops = flops_per_token(n_params=n_params, n_layer=cfg.model.n_layer, n_embd=cfg.model.n_embd,
+    n_params = num_params(cfg.model)  # the GPT's or the HF decoder's
+    flops = flops_per_token(n_params=n_params, n_layer=cfg.model.n_layer, n_embd=attention_width(cfg.model),
                             block_size=cfg.model.block_size)
     peak = peak_flops(torch.device(head["device"])) if head["device"].startswith("cuda") else None
     mfu = f"{head['tokens_per_s'] * flops / (peak * len(ranks)):.1%}" if peak else "n/a (peak FLOP/s unknown for this device)"

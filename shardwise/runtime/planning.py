@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ..planner import Hardware, ModelSpec, Plan
+from ..planner import Hardware, Plan
 from ..planner.search import SearchResult, search
 from .config import REPLICABLE, Config, validate
+from .model_build import model_spec, planner_split_names, train_split_names
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "plan_config", "apply_plan", "PIN_FIELDS"]
 
@@ -125,12 +126,18 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     fixed); returns the result and, per ranked plan, the ``parallel`` fields train runs it with."""
     pins = dict(pins)
     pins.setdefault("precision", cfg.train.precision)
-    result = search(ModelSpec.gpt(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
+    if "pp_split" in pins:  # train's unit names → the planner's layer names (an HF decoder's differ)
+        pins["pp_split"] = planner_split_names(cfg.model, tuple(pins["pp_split"]))
+    result = search(model_spec(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
                     memory_margin=memory_margin, top=top)
     # module pins run as parallel.replicate (train's names); a pin train cannot run is refused there
     layers = {layer: module for module, layer in REPLICABLE.items()}
     replicate = tuple(sorted({layers.get(name, name) for name in pins.get("modules", {})}))
-    return result, [{**config_from_plan(p.plan), **({"replicate": replicate} if replicate else {})} for p in result]
+    fields = []
+    for p in result:
+        f = {**config_from_plan(p.plan), **({"replicate": replicate} if replicate else {})}
+        fields.append({**f, "pp_split": train_split_names(cfg.model, f["pp_split"])})
+    return result, fields
 
 
 def apply_plan(cfg: Config, fields: Mapping[str, Any], nproc: int) -> Config:

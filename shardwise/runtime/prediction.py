@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
 from .config import Config
+from .model_build import planner_split_names
 
 __all__ = ["plan_from_config", "gpt_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware", "launch_hardware",
            "predict_launch",
@@ -59,7 +60,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Plan:
         activation_checkpointing="full" if p.activation_checkpointing else "none",
         precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
         schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1,
-        pp_split=tuple(p.pp_split) if p.pp > 1 else ())
+        pp_split=planner_split_names(cfg.model, tuple(p.pp_split)) if p.pp > 1 else ())
     if p.pp == 1:
         fields.update(micro_batch=p.micro_batch)
     elif train_passes:
@@ -209,10 +210,12 @@ def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction,
 
 
 def gpt_spec(cfg: Config) -> ModelSpec:
-    """The planner's spec of ``cfg``'s GPT, with the modules ``parallel.replicate`` keeps whole."""
+    """The planner's spec of ``cfg``'s model (the GPT, or the Llama shape of ``model.hf_config``), with the modules
+    ``parallel.replicate`` keeps whole."""
     from .config import REPLICABLE, replicated_modules
+    from .model_build import model_spec
 
-    spec = ModelSpec.gpt(cfg.model)
+    spec = model_spec(cfg.model)
     whole = replicated_modules(cfg)
     return spec.replicate(sorted(REPLICABLE[name] for name in whole)) if whole else spec
 

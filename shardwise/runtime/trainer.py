@@ -42,6 +42,7 @@ from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
 from ..world import World, barrier_all, bind_to_launcher, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
+from .model_build import hf_of
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
 from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy, mesh_axes
@@ -188,6 +189,9 @@ class Trainer:
         """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
         state: dict[str, Any] = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
                                  "aliases": tied_aliases(self.plain)}
+        hf = hf_of(self.cfg.model)
+        if hf is not None:  # the architecture itself, so that an export stays loadable if the file moves
+            state["hf_config"] = hf.hf_dict()
         pieces = self.strategy.pieces()  # collective for ZeRO (gathers the parameters)
         state.update(self.strategy.shared_state())
         rank_state: dict[str, Any] = {"rank": self.world.rank, **self.strategy.rank_state()}

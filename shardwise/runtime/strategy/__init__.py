@@ -3,13 +3,11 @@ that picks a layout from the config."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ...mesh import Mesh
-from ...models.gpt import GPT, GPTConfig
 from ..config import Config, ParallelConfig
+from ..model_build import build_model
 from .base import Strategy, build_optimizer, tensor_parallel
 from .pipeline import PipelineStrategy
 from .plain import PlainStrategy
@@ -26,12 +24,12 @@ def mesh_axes(p: ParallelConfig) -> dict[str, int]:
 
 
 def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:
-    """The reference GPT of ``cfg.model`` (same seed → same weights on every rank) run by the layout of
+    """The model of ``cfg.model`` — the reference GPT, or the HF decoder of ``model.hf_config`` — (same seed → same weights on every rank) run by the layout of
     ``cfg.parallel``: a pipeline when ``pp > 1`` (tp, ZeRO-1 and activation checkpointing inside its stages),
     else ``sw.zero`` when ``zero_stage > 0``, else plain / ``DataParallel`` / tensor parallel. Collective (the
     wrappers broadcast or check the weights over their axes)."""
     torch.manual_seed(cfg.train.seed)
-    plain = GPT(GPTConfig(**dataclasses.asdict(cfg.model))).to(mesh.device)
+    plain = build_model(cfg.model).to(mesh.device)
     p = cfg.parallel
     if p.pp > 1:
         return PipelineStrategy(cfg, mesh, plain)

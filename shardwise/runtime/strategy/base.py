@@ -21,7 +21,7 @@ from torch import nn
 
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
-from ...models.gpt import GPT, lm_loss
+from ...models.gpt import lm_loss
 from ..config import Config, OptimizerConfig, replicated_modules
 from ..nonfinite import Grad
 
@@ -96,17 +96,18 @@ def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-def tensor_parallel(cfg: Config, mesh: Mesh, plain: GPT) -> tuple[nn.Module, LossFn]:
-    """``(model, loss)``: with ``parallel.tp > 1`` the GPT ``sw.parallelize``-d over ``tp`` (in place) and the
+def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Module, LossFn]:
+    """``(model, loss)``: with ``parallel.tp > 1`` the model (GPT or HF decoder: its own ``tensor_parallel_plan``)
+    ``sw.parallelize``-d over ``tp`` (in place) and the
     vocab-parallel cross-entropy (the logits stay vocab-sharded); else ``plain`` and ``lm_loss``. The one
     tensor-parallel setup of the trainer: the plain path and a pipeline's stages both use it. Collective only
     as ``sw.parallelize`` is."""
     if cfg.parallel.tp <= 1:
         return plain, lm_loss
-    from ...parallel.tensor.api import gpt_plan, parallelize, vocab_parallel_cross_entropy
+    from ...parallel.tensor.api import parallelize, vocab_parallel_cross_entropy
 
     whole = replicated_modules(cfg)  # parallel.replicate: kept whole (the tied embedding and head)
-    plan = {pattern: style for pattern, style in gpt_plan(plain.config).items() if pattern not in whole}
+    plan = {pattern: style for pattern, style in plain.tensor_parallel_plan().items() if pattern not in whole}
     model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed)
     if "lm_head" in whole:
         return model, lm_loss  # every tp rank holds the whole logits: the plain cross-entropy

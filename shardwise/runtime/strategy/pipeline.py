@@ -20,12 +20,12 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from ...checkpoint.pipeline_layout import load_pipeline, pipeline_model_pieces, pipeline_optimizer_pieces
 from ...checkpoint.pipeline_zero import load_pipeline_zero, pipeline_zero_groups, pipeline_zero_pieces
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
-from ...models.gpt import GPT
 from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.memory import storage_bytes
 from ...parallel.pipeline.api import Pipeline, pipeline
@@ -41,7 +41,7 @@ class PipelineStrategy:
     """``sw.pipeline`` over ``pp`` with dp, tp, ZeRO-1 and activation checkpointing inside (``Strategy``).
     Building is collective only as ``sw.parallelize`` is (``sw.pipeline`` itself is pure)."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
         p = cfg.parallel
         module, loss = tensor_parallel(cfg, mesh, plain)
 

@@ -17,7 +17,6 @@ from ...checkpoint.layout import load_model, load_optimizer, model_pieces, optim
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...comm.collectives import all_reduce
 from ...mesh import Mesh
-from ...models.gpt import GPT
 from ...parallel.common.autocast import compute_autocast, precision_dtype
 from ...parallel.common.memory import memory_report
 from ..config import Config
@@ -31,8 +30,10 @@ def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
     """``model`` with activation checkpointing per block when ``parallel.activation_checkpointing``. Local."""
     if cfg.parallel.activation_checkpointing:
         from ...parallel.common.activation_checkpointing import checkpoint_layers
+        from ..model_build import block_names
 
-        checkpoint_layers(model)
+        blocks = set(block_names(model))  # blocks.i of the GPT, model.layers.i of an HF decoder
+        checkpoint_layers(model, policy=lambda name, _: name in blocks)
     return model
 
 
@@ -92,7 +93,7 @@ class PlainStrategy(DataParallelSteps):
     """Single process, ``DataParallel`` over ``dp`` and/or ``sw.parallelize`` over ``tp`` (``Strategy``).
     Building is collective (``DataParallel`` broadcasts the weights; ``parallelize``)."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
         p = cfg.parallel
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)

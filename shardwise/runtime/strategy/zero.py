@@ -10,15 +10,17 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from torch import nn
+
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pieces, zero_optimizer_pieces
 from ...mesh import Mesh
-from ...models.gpt import GPT
 from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.memory import memory_report
 from ...parallel.zero.api import ZeroModel, zero
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
+from ..model_build import block_names
 from ..nonfinite import Grad, flat_grads
 from .base import build_optimizer, tensor_parallel
 from .plain import DataParallelSteps, checkpointed
@@ -29,13 +31,15 @@ __all__ = ["ZeroStrategy"]
 class ZeroStrategy(DataParallelSteps):
     """``sw.zero(stage=parallel.zero_stage)`` over ``dp`` (``Strategy``). Building is collective over dp."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, plain: GPT) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
         p = cfg.parallel
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
         self.plain = checkpointed(cfg, module)
+        # ZeRO-3 gathers one transformer layer at a time (its default finds only a ``blocks`` list)
+        units = [[name] for name in block_names(self.plain)] or None
         model, optimizer = zero(self.plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
-                                optimizer=partial(build_optimizer, o=cfg.optimizer))
+                                optimizer=partial(build_optimizer, o=cfg.optimizer), units=units)
         self.model: ZeroModel = model
         self.optimizer: ZeroOptimizer = optimizer
 

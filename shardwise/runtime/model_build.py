@@ -1,0 +1,142 @@
+"""Which model a training config describes, and what the runtime needs to know about it: the reference GPT, or
+(``model.hf_config``) the Llama-family decoder of a Hugging Face ``config.json`` (``shardwise.models.llama``).
+
+The one place that tells the two apart: the strategies, the pipeline check, the metrics and the planner's spec
+all ask here. Pure: nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models.gpt import GPT, GPTConfig
+from ..models.hf_config import HFDecoderConfig, load_hf_config
+from .config_schema import ModelConfig
+
+__all__ = ["hf_of", "build_model", "block_names", "num_params", "attention_width", "model_spec", "hf_fields",
+           "train_split_names", "planner_split_names"]
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int) -> HFDecoderConfig:
+    return load_hf_config(path)
+
+
+def hf_of(m: ModelConfig) -> HFDecoderConfig | None:
+    """The parsed HF config of ``m.hf_config`` (cached while the file is unchanged); None for the GPT."""
+    path = getattr(m, "hf_config", "")
+    if not path:
+        return None
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        stamp = -1  # load_hf_config names the problem
+    return _load(path, stamp)
+
+
+def hf_fields(hf: HFDecoderConfig) -> dict[str, Any]:
+    """The ``[model]`` fields an HF config decides (``config.resolve_hf`` fills them in)."""
+    return {"vocab_size": hf.vocab_size, "n_layer": hf.num_hidden_layers, "n_head": hf.num_attention_heads,
+            "n_embd": hf.hidden_size, "tie_weights": hf.tie_word_embeddings,
+            "bias": hf.qkv_bias or hf.o_bias or hf.mlp_bias, "dropout": hf.attention_dropout}
+
+
+def build_model(m: ModelConfig) -> nn.Module:
+    """A freshly initialised model of ``m`` (draws from the global RNG: seed first for identical replicas)."""
+    hf = hf_of(m)
+    if hf is not None:
+        from ..models.llama import Llama
+
+        return Llama(hf, m.block_size)
+    return GPT(GPTConfig(**{f.name: getattr(m, f.name) for f in dataclasses.fields(GPTConfig)}))
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """Qualified names of the repeated transformer layers (activation checkpointing, ZeRO-3 gather units)."""
+    names = getattr(model, "block_names", None)
+    if callable(names):
+        return list(names())
+    return [name for name, _ in model.named_modules() if re.fullmatch(r"blocks\.\d+", name)]
+
+
+def num_params(m: ModelConfig) -> int:
+    """Unique parameters of the model of ``m`` (built on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        return build_model(m).num_params()  # type: ignore[operator]
+
+
+def attention_width(m: ModelConfig) -> int:
+    """Width of the attention scores' inner products: ``n_embd`` for the GPT, heads × head_dim for an HF decoder
+    (the attention term of ``metrics.flops_per_token``)."""
+    hf = hf_of(m)
+    return hf.num_attention_heads * hf.head_dim if hf is not None else m.n_embd
+
+
+def model_spec(m: ModelConfig) -> Any:
+    """The planner's analytic spec: ``ModelSpec.gpt`` or ``ModelSpec.llama`` (GQA k/v widths, three MLP matrices,
+    the tied head). Approximations for an HF decoder: q/k/v and MLP biases are not counted (h-sized vectors), and
+    an explicit ``head_dim`` other than hidden / heads is priced as hidden / heads."""
+    from ..planner import ModelSpec
+
+    hf = hf_of(m)
+    if hf is None:
+        return ModelSpec.gpt(m)
+    return ModelSpec.llama(n_layer=hf.num_hidden_layers, hidden=hf.hidden_size, heads=hf.num_attention_heads,
+                           kv_heads=hf.num_key_value_heads, ffn=hf.intermediate_size, vocab_size=hf.vocab_size,
+                           seq_len=m.block_size, tie_weights=hf.tie_word_embeddings, name=f"hf-{hf.model_type}")
+
+
+# The planner's Llama layers are ``embed_tokens``, ``layers.i``, ``norm``; the model's pipeline units are the
+# same under ``model.``.
+def train_split_names(m: ModelConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Planner layer names → pipeline unit names of the model of ``m``."""
+    return tuple(f"model.{n}" for n in names) if hf_of(m) is not None else tuple(names)
+
+
+def planner_split_names(m: ModelConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Pipeline unit names → the planner's layer names."""
+    return tuple(n.removeprefix("model.") for n in names) if hf_of(m) is not None else tuple(names)
+
+
+def resolve_hf(m: ModelConfig, given: dict[str, Any]) -> ModelConfig:
+    """``m`` with the fields its ``hf_config`` decides filled in (the path made absolute, so that ranks and a later
+    ``--resume`` from elsewhere read the same file). ``given``: the ``[model]`` values set explicitly (TOML, flags);
+    one that contradicts the file is a ``ValueError`` naming both. Unchanged without ``hf_config``."""
+    if not m.hf_config:
+        return m
+    path = str(os.path.abspath(os.path.expanduser(m.hf_config)))
+    hf = hf_of(dataclasses.replace(m, hf_config=path))
+    assert hf is not None
+    fields = hf_fields(hf)
+    for key, value in fields.items():
+        if key in given and given[key] != value:
+            raise ValueError(f"model.{key} = {given[key]!r} contradicts model.hf_config {path!r}, which makes it "
+                             f"{value!r}; drop --model.{key} (the HF config sets the model's shape)")
+    hf.check_block_size(m.block_size)
+    return dataclasses.replace(m, hf_config=path, **fields)
+
+
+def check_tp(m: ModelConfig, tp: int) -> None:
+    """``ValueError`` when ``tp`` cannot split the model's heads (whole heads per rank; for an HF decoder also
+    whole key/value heads, so that every rank keeps whole query groups)."""
+    hf = hf_of(m)
+    counts = {"model.n_head": m.n_head} if hf is None else {
+        "num_attention_heads": hf.num_attention_heads, "num_key_value_heads": hf.num_key_value_heads}
+    for name, n in counts.items():
+        if n % tp:
+            raise ValueError(f"parallel.tp = {tp} must divide {name} = {n} (whole heads per rank); use a tp from "
+                             f"{[d for d in range(1, n + 1) if n % d == 0]}")
+
+
+def check_replicate(m: ModelConfig, names: tuple[str, ...]) -> None:
+    """``parallel.replicate`` is the GPT's (``wte``, ``lm_head``): refused for an HF decoder."""
+    if names and hf_of(m) is not None:
+        raise ValueError(f"parallel.replicate = {list(names)} is not supported with model.hf_config (an HF decoder's "
+                         f"embedding and head are always vocabulary-parallel under tp); drop parallel.replicate")
