@@ -7,6 +7,7 @@ from . import comm, models, planner
 from .checkpoint import full_state_dict
 from .mesh import Mesh, MeshLayout
 from .parallel.common.activation_checkpointing import checkpoint_layers
+from .parallel.auto import Plan, auto
 from .parallel.data.data_parallel import DataParallel
 from .parallel.common.memory import memory_report
 from .parallel.common.mixed_precision import MixedPrecision
@@ -29,5 +30,5 @@ __all__ = [
     # state and accounting
     "full_state_dict", "memory_report", "models", "__version__",
     # planning (pure: no processes)
-    "planner",
+    "planner", "auto", "Plan",
 ]

@@ -55,7 +55,7 @@ def gpt_plan(config: object, sequence_parallel: bool = False) -> dict[str, Style
     return plan_of(sequence_parallel=sequence_parallel)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis: str = "tp",
+def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis: str | None = None,
                 sequence_parallel: bool = False, seed: int | None = None, algorithm: str = "native") -> nn.Module:
     """Shard ``model`` in place over ``axis`` of ``mesh`` following ``plan``; returns it (see module doc).
 
@@ -67,8 +67,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     draw from the shared stream and the tp coord to seed each split region's dropout (``tensor_rng.py``;
     default ``torch.initial_seed()``). ``algorithm``: the implementation of every tp collective the model
     runs (``native | ring | tree | shm | auto``, see ``sw.comm``; ``shm`` for CPU ranks on one host). Local
-    (no communication); raises before changing anything.
+    (no communication); raises before changing anything. ``axis`` defaults to the plan's ``tp_axis`` (an
+    ``sw.auto`` plan), else ``"tp"``.
     """
+    axis = axis if axis is not None else (getattr(plan, "tp_axis", None) or "tp")
     _check_call(model, mesh, axis)
     if algorithm not in ALGORITHM_CHOICES:
         raise ValueError(f"unknown algorithm {algorithm!r} for the tensor-parallel collectives; choose one of "

@@ -1,0 +1,201 @@
+"""The layouts each traced node may take on the tensor-parallel axis, with their prices.
+
+Activations are split on the batch over every data axis; on the tp axis a value is ``B`` (replicated) or
+``Sf`` (split on its last dim: features, or whole heads). A node's option says what it needs (``need``) and
+what it delivers (``gives``); a plan is feasible when every node's inputs are delivered as it needs them —
+exactly the transitions ``sw.parallelize`` performs (a row layer's partial output is all-reduced inside it,
+a column layer's replicated input gets its gradient all-reduced in backward):
+
+| kind     | module                    | weight on tp | need | gives | communication priced (boxing planner)          |
+|----------|---------------------------|--------------|------|-------|------------------------------------------------|
+| ``B``    | any unit                  | B            | B    | B     | none on tp (compute not divided)               |
+| column   | ``nn.Linear``             | S(0)         | B    | Sf    | backward: input gradient P -> B                |
+| row      | ``nn.Linear``             | S(1)         | Sf   | B     | forward: output P -> B                         |
+| vocab    | ``nn.Embedding``          | S(0)         | any  | B     | forward: output P -> B                         |
+| vocab    | ``nn.Linear``, model output | S(0)       | B    | Sf    | backward input gradient; the loss's two (N,) all-reduces |
+| ``B``/``Sf`` | join (residual add, gating, attention core) | — | = | =  | none (all inputs must agree)                   |
+
+Every unit also pays its gradient all-reduce over the data axes (in buckets) and ``STATE_COPIES`` times its
+parameter bytes plus its output's bytes of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from ..tensor.styles import ColumnParallel, QKVParallel, RowParallel, Style, VocabParallel
+from .cost import STATE_COPIES, CostModel
+from .trace import Graph, Node
+
+__all__ = ["Option", "NodeOptions", "node_options", "applicable", "KINDS"]
+
+KINDS = ("B", "column", "row", "vocab")
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: str
+    """``B``, ``column``, ``row``, ``vocab`` (units) or ``B``/``Sf`` (joins)."""
+    style: Style | None
+    need: str
+    """What its inputs must be on tp: ``B``, ``Sf`` or ``any``."""
+    gives: str
+    time_s: float
+    memory: float
+    parts: tuple[tuple[str, float], ...] = ()
+    """Breakdown of ``time_s``: compute, tp communication, gradient all-reduce."""
+
+
+@dataclass
+class NodeOptions:
+    options: list[Option]
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """kind -> why it cannot apply (for pins)."""
+
+
+def _bytes(shape: tuple[int, ...], cm: CostModel, div: int = 1) -> float:
+    return math.prod(shape) * cm.itemsize / cm.d / div
+
+
+def _option(kind: str, style: Style | None, need: str, gives: str, compute: float, comm: float, grad: float,
+            memory: float) -> Option:
+    return Option(kind, style, need, gives, compute + comm + grad, memory,
+                  (("compute", compute), ("tp comm", comm), ("grad all-reduce", grad)))
+
+
+def _param_bytes(graph: Graph, node: Node, cm: CostModel) -> float:
+    return sum(p.numel() for _, p in graph.params[node.name]) * cm.itemsize
+
+
+def _heads(node: Node, parent: nn.Module | None, features: int, t: int) -> tuple[int | None, str | None]:
+    """(heads, None) when ``features`` are attention heads of the parent (``head_dim``); (None, why) when a
+    split over ``t`` would cut a head; (None, None) when the features are not heads."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or features % head_dim:
+        return None, None
+    heads = features // head_dim
+    if heads % t:
+        return None, f"its {heads} attention heads (head_dim={head_dim}) do not divide over tp={t}"
+    return heads, None
+
+
+def _linear_splits(node: Node, mod: nn.Linear, parent: nn.Module | None, cm: CostModel,
+                   out: NodeOptions) -> tuple[Style | None, bool]:
+    """The column style (or None, reason recorded) and whether row applies."""
+    t, i, o = cm.t, mod.in_features, mod.out_features
+    col: Style | None = None
+    n_head = getattr(parent, "n_head", None)
+    if isinstance(n_head, int) and o == 3 * i:  # a fused [q | k | v] projection (reference GPT)
+        col = QKVParallel(n_head) if n_head % t == 0 else None
+        if col is None:
+            out.unavailable["column"] = f"its {n_head} fused heads do not divide over tp={t}"
+    elif isinstance(n_head, int):
+        out.unavailable["column"] = (f"its parent {type(parent).__name__} reshapes by n_head={n_head}, which a "
+                                     f"column split would not lower (only QKVParallel does, for a fused h -> 3h)")
+    elif o % t:
+        out.unavailable["column"] = f"out_features={o} is not divisible by tp={t}"
+    else:
+        heads, why = _heads(node, parent, o, t)
+        col = ColumnParallel(heads=heads) if why is None else None
+        if why:
+            out.unavailable["column"] = why
+    _, why_row = _heads(node, parent, i, t)
+    row_ok = i % t == 0 and why_row is None
+    if not row_ok:
+        out.unavailable["row"] = why_row or f"in_features={i} is not divisible by tp={t}"
+    return col, row_ok
+
+
+def _linear(graph: Graph, node: Node, parent: nn.Module | None, cm: CostModel) -> NodeOptions:
+    mod = node.module
+    assert isinstance(mod, nn.Linear)
+    t, i, o = cm.t, mod.in_features, mod.out_features
+    tokens = math.prod(node.out_shape[:-1]) / cm.d
+    pb, out_b = _param_bytes(graph, node, cm), _bytes(node.out_shape, cm)
+    in_shape = (*node.out_shape[:-1], i)
+    res = NodeOptions([_option("B", None, "B", "B", cm.gemm(tokens, o, i), 0.0, cm.grad_allreduce(pb),
+                               STATE_COPIES * pb + out_b)])
+    if t == 1:
+        return res
+    col, row_ok = _linear_splits(node, mod, parent, cm, res)
+    split = cm.gemm(tokens, o / t, i)
+    bias_b = (mod.bias.numel() * cm.itemsize) if mod.bias is not None else 0.0
+    if col is not None:
+        res.options.append(_option("column", col, "B", "Sf", split, cm.reduce_over_tp(in_shape),
+                                   cm.grad_allreduce(pb / t), STATE_COPIES * pb / t + out_b / t))
+    if row_ok:
+        w = pb - bias_b
+        res.options.append(_option("row", RowParallel(), "Sf", "B", split, cm.reduce_over_tp(node.out_shape),
+                                   cm.grad_allreduce(w / t + bias_b), STATE_COPIES * (w / t + bias_b) + out_b))
+    if not node.sink or node.succs:
+        res.unavailable["vocab"] = "a vocabulary-parallel Linear must produce the model's output (the logits)"
+    elif o < t:
+        res.unavailable["vocab"] = f"out_features={o} is smaller than tp={t}"
+    else:
+        loss = 2 * cm.reduce_over_tp((*node.out_shape[:-1],))
+        res.options.append(_option("vocab", VocabParallel(), "B", "Sf", split,
+                                   cm.reduce_over_tp(in_shape) + loss, cm.grad_allreduce(pb / t),
+                                   STATE_COPIES * pb / t + out_b / t))
+    return res
+
+
+def _embedding(graph: Graph, node: Node, cm: CostModel) -> NodeOptions:
+    mod = node.module
+    assert isinstance(mod, nn.Embedding)
+    pb, out_b = _param_bytes(graph, node, cm), _bytes(node.out_shape, cm)
+    res = NodeOptions([_option("B", None, "any", "B", cm.elementwise(out_b), 0.0, cm.grad_allreduce(pb),
+                               STATE_COPIES * pb + out_b)])
+    if cm.t == 1:
+        return res
+    if mod.num_embeddings < cm.t or mod.max_norm is not None or mod.sparse:
+        res.unavailable["vocab"] = (f"num_embeddings={mod.num_embeddings} < tp={cm.t}, or max_norm/sparse set "
+                                    f"(VocabParallel needs a plain table with at least one row per rank)")
+        return res
+    res.options.append(_option("vocab", VocabParallel(), "any", "B", cm.elementwise(out_b),
+                               cm.reduce_over_tp(node.out_shape), cm.grad_allreduce(pb / cm.t),
+                               STATE_COPIES * pb / cm.t + out_b))
+    return res
+
+
+def node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: CostModel) -> NodeOptions:
+    """Every layout ``node`` may take under ``cm`` (the tp axis and its size), priced."""
+    return _sink_rule(node, _node_options(graph, node, parents, cm))
+
+
+def _node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: CostModel) -> NodeOptions:
+    out_b = _bytes(node.out_shape, cm)
+    if node.kind == "join":
+        opts = [_option("B", None, "B", "B", cm.elementwise(out_b), 0.0, 0.0, out_b)]
+        if cm.t > 1:
+            opts.append(_option("Sf", None, "Sf", "Sf", cm.elementwise(out_b / cm.t), 0.0, 0.0, out_b / cm.t))
+        return NodeOptions(opts)
+    if isinstance(node.module, nn.Linear):
+        return _linear(graph, node, parents.get(node.name), cm)
+    if isinstance(node.module, nn.Embedding):
+        return _embedding(graph, node, cm)
+    pb = _param_bytes(graph, node, cm)
+    res = NodeOptions([_option("B", None, "B", "B", cm.elementwise(out_b), 0.0, cm.grad_allreduce(pb),
+                               STATE_COPIES * pb + out_b)])
+    return res
+
+
+def applicable(node: Node) -> tuple[str, ...]:
+    """The kinds that exist for this node's module type (the others are not alternatives at all)."""
+    module = node.module
+    if isinstance(module, nn.Linear):
+        return KINDS if node.sink else KINDS[:3]
+    return ("B", "vocab") if isinstance(module, nn.Embedding) else ("B",)
+
+
+def _sink_rule(node: Node, res: NodeOptions) -> NodeOptions:
+    """A value that leaves the model must be whole, except vocabulary-split logits (their loss is split)."""
+    if not node.sink:
+        return res
+    for o in res.options:
+        if o.gives == "Sf" and o.kind != "vocab":
+            res.unavailable[o.kind] = "its output leaves the model and would stay split (only vocab logits may)"
+    res.options = [o for o in res.options if o.gives != "Sf" or o.kind == "vocab"]
+    return res
