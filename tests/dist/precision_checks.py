@@ -87,7 +87,8 @@ def run_layout(overrides: dict[str, str], precision: str, world: World, mesh_of:
     params, opt = _tensor_dtypes(t)
     full = {k: v.float().cpu() for k, v in sw.full_state_dict(t.model).items()}
     interpreter = getattr(t.model, "interpreter", None)  # a pipeline: what crossed its stage boundaries
-    boundary = {str(dtype) for dtype, _ in interpreter.shapes.values()} if interpreter is not None else set()
+    boundary = ({str(spec.dtype) for specs in interpreter.shapes.values() for spec in specs}
+                if interpreter is not None else set())
     return {"losses": losses, "params": full, "grad_dtypes": grads, "param_dtypes": params, "opt_dtypes": opt,
             "output_dtypes": outputs, "boundary": boundary}
 
@@ -123,7 +124,7 @@ def check_bf16_boundary() -> dict[str, Any]:
     pipe = sw.pipeline(model, mesh(pp=2), microbatches=1, schedule="1f1b", split=["2"],
                        loss_fn=nn.functional.mse_loss, autocast=torch.bfloat16)
     loss = pipe.step(x, y)
-    dtypes = {str(dtype) for dtype, _ in pipe.interpreter.shapes.values()}
+    dtypes = {str(spec.dtype) for specs in pipe.interpreter.shapes.values() for spec in specs}
     names = dict(ref.named_parameters())
     err = max(float((q.grad - names[n.removeprefix("parts.").replace("/", ".")].grad).abs().max())
               for s in pipe.stages.values() for n, q in s.named_parameters())  # stage keys: parts.<name with />

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ... import comm
@@ -36,6 +37,9 @@ from .schedules import get_schedule
 from .grad_sync import DpGradSync, PipelineZeroGroups
 from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
+from .batching import normalize_example, split_chain, split_graph
+from .capture import Graph
+from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
 from .validate import check_args, check_hybrid, check_keys
 
@@ -46,12 +50,12 @@ class Pipeline:
     """This rank's stages of a pipelined model plus the interpreter of its schedule. Build with ``pipeline``."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None, chunks: int,
+                 loss_fn: Callable[[Any, Tensor], Tensor] | None, split: Sequence[str] | None, chunks: int,
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
                  bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int | None = None,
                  recv_before_send: bool | None = None, autocast: torch.dtype | None = None,
-                 transport: str = "auto") -> None:
-        check_args(mesh, axis, microbatches, schedule, loss_fn, chunks)
+                 transport: str = "auto", example_inputs: Any = None) -> None:
+        check_args(mesh, axis, microbatches, schedule, loss_fn, chunks, graph=example_inputs is not None)
         check_transport(transport, mesh.device.type)
         check_autocast(autocast)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
@@ -62,7 +66,11 @@ class Pipeline:
         # validates recv_ahead up front, before the model is cut
         lowered = lower_communication(self.schedule, recv_ahead=self.recv_ahead,
                                       recv_before_send=self.recv_before_send)
-        self.all_stages: list[Stage] = build_stages(model, p * chunks, split)
+        self.all_stages: list[Any] = (build_stages(model, p * chunks, split) if example_inputs is None else
+                                      build_graph_stages(model, p * chunks, split, _example_on(model, example_inputs)))
+        self.graph: Graph | None = self.all_stages[0].graph if example_inputs is not None else None
+        """The captured forward (graph pipelines; ``graph.describe()`` prints it), else ``None``."""
+        self.loss_fn = loss_fn
         self.model = model  # keys and shapes of the whole model, for full_state_dict
         me = mesh.coord(axis)
         check_keys(model, self.all_stages)
@@ -83,7 +91,8 @@ class Pipeline:
         """The schedule with its send/receive actions, every rank's list (what each interpreter runs)."""
         self.actions = lowered.ranks[me]
         self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
-                                       loss_fn=loss_fn, autocast=autocast)
+                                       loss_fn=loss_fn, autocast=autocast,
+                                       n_values={s.index: getattr(s, "n_send", 1) for s in self.all_stages})
         self.grad_sync: DpGradSync | None = None
         if dp_axis is not None and mesh.size(dp_axis) > 1:
             self.grad_sync = DpGradSync(self._stage_params(), mesh, dp_axis, zero=zero_stage == 1,
@@ -95,30 +104,30 @@ class Pipeline:
         """After ``step``: this rank's compute actions with host-clock start and end (see ``timeline``)."""
 
     # -- training ------------------------------------------------------------------------------------
-    def step(self, inputs: Tensor, targets: Tensor) -> float:
+    def step(self, *args: Any, **kwargs: Any) -> float:
         """One training step over all micro-batches: forward, backward, gradients accumulated into this
         rank's stage parameters (tied ones summed across their two ranks). Returns the mean loss over the
-        micro-batches on every rank. Collective along the pipeline axis; every rank passes the same tensors."""
+        micro-batches on every rank. Collective along the pipeline axis; every rank passes the same tensors.
+
+        Chain pipelines: ``step(inputs, targets)``. Graph pipelines (built with ``example_inputs``): the model's
+        own arguments, ``step(input_ids=ids, labels=ids)``, with the targets last when ``loss_fn`` is given
+        (``batching.py``)."""
         m = self.microbatches
         dp = self.mesh.size(self.dp_axis) if self.dp_axis else 1
-        for label, t in (("inputs", inputs), ("targets", targets)):
-            if not isinstance(t, Tensor) or t.dim() == 0 or t.size(0) % (m * dp) != 0:
-                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"pipeline {label} must be a tensor whose batch dim 0 is divisible by microbatches="
-                                 f"{m}" + (f" x {self.dp_axis} size {dp}" if dp > 1 else "") + f", got {shape}; "
-                                 f"use a batch size that is a multiple of {m * dp}")
-        if inputs.size(0) != targets.size(0):
-            raise ValueError(f"inputs and targets disagree on the batch size: {inputs.size(0)} vs {targets.size(0)}")
-        if self.dp_axis:  # S(0) over dp: this replica's contiguous slice of the global batch
-            me = self.mesh.coord(self.dp_axis)
-            inputs, targets = inputs.chunk(dp)[me], targets.chunk(dp)[me]
-        dev = self.mesh.device
+        me = self.mesh.coord(self.dp_axis) if self.dp_axis else 0
+        if self.graph is None:
+            if len(args) != 2 or kwargs:
+                raise TypeError("pipe.step(inputs, targets) takes two tensors for this pipeline; keyword inputs "
+                                "need sw.pipeline(..., example_inputs=...)")
+            inputs, targets = split_chain(args[0], args[1], m, dp, me, self.dp_axis, self.mesh.device)
+        else:
+            inputs, targets = split_graph(args, kwargs, self.loss_fn is not None, self.graph, m, dp, me,
+                                          self.dp_axis, self.mesh.device)
         self._choose_transport()
         if self.grad_sync is not None:
             self.grad_sync.begin_step()
         before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
-        state = run_actions(self.interpreter, self.actions, list(inputs.to(dev).chunk(m)),
-                            list(targets.to(dev).chunk(m)))
+        state = run_actions(self.interpreter, self.actions, inputs, targets)  # type: ignore[arg-type]
         self.last_peak_held = state.peak_held
         self.last_events = state.events
         self._sum_tied_grads(before)
@@ -282,7 +291,14 @@ class Pipeline:
         return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
 
 
-def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Parameter, int]]:
+def _example_on(model: nn.Module, example: Any) -> tuple[tuple, dict]:
+    """``example_inputs`` as ``(args, kwargs)``, its tensors on the model's device (the capture runs there)."""
+    args, kwargs = normalize_example(example)
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, (args, kwargs))
+
+
+def _tied_parameters(stages: list[Any], p: int, me: int) -> list[tuple[nn.Parameter, int]]:
     """(parameter, peer rank) for each parameter this rank shares with one other rank's stages (pure).
 
     Every rank lists them in the same order (stage order, then parameter order), so the exchanges pair up.
@@ -304,11 +320,11 @@ def _tied_parameters(stages: list[Stage], p: int, me: int) -> list[tuple[nn.Para
 
 
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
-             loss_fn: Callable[[Tensor, Tensor], Tensor], split: Sequence[str] | None = None,
+             loss_fn: Callable[[Any, Tensor], Tensor] | None = None, split: Sequence[str] | None = None,
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
              checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True,
              recv_ahead: int | None = None, recv_before_send: bool | None = None,
-             autocast: torch.dtype | None = None, transport: str = "auto") -> Pipeline:
+             autocast: torch.dtype | None = None, transport: str = "auto", example_inputs: Any = None) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -343,4 +359,5 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     return Pipeline(model, mesh, axis, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn, split=split,
                     chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
                     bucket_cap_mb=bucket_cap_mb, release=release, recv_ahead=recv_ahead,
-                    recv_before_send=recv_before_send, autocast=autocast, transport=transport)
+                    recv_before_send=recv_before_send, autocast=autocast, transport=transport,
+                    example_inputs=example_inputs)

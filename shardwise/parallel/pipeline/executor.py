@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ... import comm
@@ -41,27 +42,30 @@ from ...comm.shm_p2p import ShmLink
 from ...mesh import Mesh
 from ..common.autocast import compute_autocast
 from .actions import Action, Schedule
+from .graph_stage import GraphStage, model_loss
+from .messages import Spec, alloc, decode_meta, encode_meta, META_LEN, pack, spec_of, unpack
 from .stage import Stage
 from .weight_grad import WeightCapture, weight_gradients
 
 __all__ = ["Interpreter", "StepState", "run_actions"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
-_META_LEN = 10  # [dtype code, ndim, up to 8 sizes]
 
 
 @dataclass
 class StepState:
     """Everything one step's interpreter keeps between actions, keyed by (stage, micro-batch)."""
 
-    inputs: list[Tensor]
-    targets: list[Tensor]
-    inputs_kept: dict[tuple[int, int], Tensor] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    inputs: list[Any]
+    """Per micro-batch: the input tensor (chain stages) or ``(args, kwargs)`` (graph stages)."""
+    targets: list[Tensor | None]
+    inputs_kept: dict[tuple[int, int], list[Tensor]] = field(default_factory=dict)
+    """The received tensors that require grad (their ``.grad`` is the gradient sent back)."""
+    outputs: dict[tuple[int, int], list[Tensor]] = field(default_factory=dict)
+    """The tensors sent to the next stage, or ``[loss / m]`` on the last stage."""
     out_grads: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Split backward: the stage output's gradient, or (module, output, gradient) pairs for W."""
     captured: dict[tuple[int, int], list[tuple[nn.Module, Tensor]]] = field(default_factory=dict)
-    in_grads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    in_grads: dict[tuple[int, int], list[Tensor]] = field(default_factory=dict)
     pending: dict[tuple[str, int, int], comm.Handle | Tensor] = field(default_factory=dict)
     deferred: dict[int, list[Action]] = field(default_factory=dict)
     """Sender rank -> receives not posted yet, in that sender's send order (see module doc)."""
@@ -76,13 +80,16 @@ class StepState:
 class Interpreter:
     """Runs lowered action lists for the stages this rank holds (``stages[s]`` for local ``s``)."""
 
-    def __init__(self, *, schedule: Schedule, stages: dict[int, Stage], mesh: Mesh, axis: str,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: torch.dtype | None = None) -> None:
+    def __init__(self, *, schedule: Schedule, stages: dict[int, Stage | GraphStage], mesh: Mesh, axis: str,
+                 loss_fn: Callable[[Any, Tensor], Tensor] | None, autocast: torch.dtype | None = None,
+                 n_values: dict[int, int] | None = None) -> None:
         self.schedule, self.stages, self.mesh, self.axis, self.loss_fn = schedule, stages, mesh, axis, loss_fn
+        self.n_values = n_values or {}
+        """Boundary ``s`` -> how many tensors stage ``s`` sends (default 1: a chain's hidden states)."""
         self.autocast = autocast
         """Dtype of the forward's ``torch.autocast`` (stage and loss; ``None``: none). Parameters and gradients
         stay in their own dtype; recomputation (activation checkpointing) restores the same autocast state."""
-        self.shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # boundary s -> s+1: output of s
+        self.shapes: dict[int, list[Spec]] = {}  # boundary s -> s+1: the tensors stage s sends
         self.shape_key: tuple | None = None
         self.last = schedule.num_stages - 1
         self.synchronize_timings = False
@@ -129,29 +136,25 @@ class Interpreter:
         st.sends = [h for h in st.sends if not h.is_completed()]
         st.sends.append(self._isend(t.contiguous(), self.schedule.rank_of(to_stage)))
 
-    def _send_meta(self, s: int, t: Tensor) -> None:
-        meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.mesh.device)
-        if t.dim() > _META_LEN - 2 or t.dtype not in _DTYPES:
-            raise ValueError(f"stage {s} output must have at most {_META_LEN - 2} dims and a dtype in {_DTYPES}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
-        meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
-        meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        self._isend(meta, self.schedule.rank_of(s + 1)).wait()
+    def _send_meta(self, s: int, outs: list[Tensor]) -> None:
+        self._isend(encode_meta(s, outs, self.mesh.device), self.schedule.rank_of(s + 1)).wait()
 
     def _recv_meta(self, s: int) -> None:
-        meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.mesh.device)
+        meta = torch.zeros(self.n_values.get(s, 1) * META_LEN, dtype=torch.int64, device=self.mesh.device)
         self._irecv(meta, self.schedule.rank_of(s)).wait()
-        code, ndim = int(meta[0]), int(meta[1])
-        self.shapes[s] = (_DTYPES[code], tuple(int(v) for v in meta[2:2 + ndim]))
+        self.shapes[s] = decode_meta(meta)
 
     def _post_recv(self, a: Action, st: StepState) -> None:
         boundary = _boundary(a)
         if boundary not in self.shapes:
             assert a.kind == "RECV_F", "a backward receive always follows this stage's own forward"
             self._recv_meta(boundary)
-        dtype, shape = self.shapes[boundary]
-        buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
-        st.pending[(a.kind, a.stage, a.microbatch)] = self._irecv(buf, self._source(a))
+        forward = a.kind == "RECV_F"
+        # backward: the gradients of the tensors that require grad, in the same order
+        specs = [sp for sp in self.shapes[boundary] if forward or sp.requires_grad]
+        handle = self._irecv(alloc(specs, self.mesh.device), self._source(a))
+        st.pending[(a.kind, a.stage, a.microbatch)] = comm.Handle(
+            finish=lambda: unpack(handle.wait(), specs, leaves=forward))  # type: ignore[arg-type,return-value]
 
     def _source(self, a: Action) -> int:
         """The rank that sends receive ``a``'s message."""
@@ -180,56 +183,76 @@ class Interpreter:
             self._post_recv(waiting.pop(0), st)
             upto -= 1
 
-    def _take(self, kind: str, stage: int, mb: int, st: StepState) -> Tensor:
+    def _take(self, kind: str, stage: int, mb: int, st: StepState) -> list[Tensor]:
         got = st.pending.pop((kind, stage, mb))
-        return got.wait() if isinstance(got, comm.Handle) else got
+        return got.wait() if isinstance(got, comm.Handle) else got  # type: ignore[return-value]
 
     # -- compute ---------------------------------------------------------------------------------------
+    def _stage_args(self, s: int, i: int, received: list[Tensor], st: StepState) -> tuple:
+        """A graph stage takes the micro-batch's inputs and the received tensors; a chain stage one tensor."""
+        if isinstance(self.stages[s], GraphStage):
+            return (st.inputs[i], received)
+        return (st.inputs[i] if s == 0 else received[0],)
+
     def _forward(self, s: int, i: int, st: StepState) -> None:
-        if s == 0:
-            x = st.inputs[i]
-        else:
-            x = self._take("RECV_F", s, i, st)
-            x.requires_grad_(x.is_floating_point())  # a leaf: backward leaves dL/dx in x.grad
+        received = self._take("RECV_F", s, i, st) if s > 0 else []
         with compute_autocast(self.mesh.device, self.autocast):
-            capture = self.captures.get(s)
+            args, capture = self._stage_args(s, i, received, st), self.captures.get(s)
             if capture is None:
-                out = self.stages[s](x)
+                out = self.stages[s](*args)
             else:
-                out, captured = capture.run(self.stages[s], x)
+                out, captured = capture.run(self.stages[s], *args)
                 if captured is not None:
                     st.captured[(s, i)] = captured
-            loss = self.loss_fn(out, st.targets[i]) if s == self.last else None
-        if loss is not None:
+            if s == self.last:
+                loss = self.loss_fn(out, st.targets[i]) if self.loss_fn is not None else model_loss(out)
+        if s == self.last:
             st.losses.append(loss.detach())
-            out = loss / len(st.inputs)  # d(mean over micro-batches) / d(loss_i) = 1/m
-        st.inputs_kept[(s, i)], st.outputs[(s, i)] = x, out
+            outs = [loss / len(st.inputs)]  # d(mean over micro-batches) / d(loss_i) = 1/m
+        else:
+            outs = out if isinstance(out, list) else [out]
+        st.inputs_kept[(s, i)] = [x for x in received if x.requires_grad]
+        st.outputs[(s, i)] = outs
         st.peak_held = max(st.peak_held, len(st.outputs))
 
-    def _out_grad(self, s: int, i: int, st: StepState) -> Tensor | None:
+    def _out_grad(self, s: int, i: int, st: StepState) -> list[Tensor] | None:
         return None if s == self.last else self._take("RECV_B", s, i, st)
 
+    def _roots(self, s: int, outs: list[Tensor]) -> list[Tensor]:
+        """The outputs backward starts from: the loss, or the sent tensors that require grad (their
+        gradients come back in that order)."""
+        return outs if s == self.last else [o for o in outs if o.requires_grad]
+
     def _backward_full(self, s: int, i: int, st: StepState) -> None:
-        x, out = st.inputs_kept.pop((s, i)), st.outputs.pop((s, i))
-        torch.autograd.backward(out, self._out_grad(s, i, st))
+        xs, outs = st.inputs_kept.pop((s, i)), st.outputs.pop((s, i))
+        roots = self._roots(s, outs)
+        grads = self._out_grad(s, i, st)
+        if roots:
+            torch.autograd.backward(roots, grads)
         if s > 0:
-            st.in_grads[(s, i)] = x.grad  # type: ignore[assignment]
+            st.in_grads[(s, i)] = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs]
 
     def _backward_input(self, s: int, i: int, st: StepState) -> None:
         """Split B: dL/dx for the previous stage, plus dL/dy for every captured weight-owning module output y
         (on the way to x anyway), so W needs only each module's local backward."""
-        grad, x, out = self._out_grad(s, i, st), st.inputs_kept[(s, i)], st.outputs[(s, i)]
+        grad, xs = self._out_grad(s, i, st), st.inputs_kept[(s, i)]
+        roots = self._roots(s, st.outputs[(s, i)])
         captured = st.captured.pop((s, i), None)
-        wrt = ([x] if s > 0 else []) + [y for _, y in captured or []]
-        grads = list(torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)) if wrt else []
+        wrt = xs + [y for _, y in captured or []]
+        grads = list(torch.autograd.grad(roots, wrt, grad, retain_graph=True, allow_unused=True)) \
+            if wrt and roots else [None] * len(wrt)
         if s > 0:
-            st.in_grads[(s, i)] = grads.pop(0)  # type: ignore[assignment]
-        st.out_grads[(s, i)] = list(zip(captured, grads)) if captured is not None else grad  # type: ignore[assignment]
+            st.in_grads[(s, i)] = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+        grads = grads[len(xs):]
+        st.out_grads[(s, i)] = list(zip(captured, grads)) if captured is not None else \
+            (tuple(grad) if grad is not None else None)
 
     def _backward_weight(self, s: int, i: int, st: StepState) -> None:
-        out, grad = st.outputs.pop((s, i)), st.out_grads.pop((s, i))
+        outs, grad = st.outputs.pop((s, i)), st.out_grads.pop((s, i))
         st.inputs_kept.pop((s, i))
-        weight_gradients(self.stages[s], out, grad)
+        roots = self._roots(s, outs)
+        if roots:
+            weight_gradients(self.stages[s], roots, grad)
 
     # -- the loop --------------------------------------------------------------------------------------
     def _wait_input(self, a: Action, st: StepState) -> None:
@@ -247,7 +270,8 @@ class Interpreter:
         if a.kind == "F":
             self._forward(s, i, st)
             if s < self.last and same_rank(s + 1) == same_rank(s):
-                st.pending[("RECV_F", s + 1, i)] = st.outputs[(s, i)].detach().clone()
+                st.pending[("RECV_F", s + 1, i)] = [o.detach().clone().requires_grad_(o.requires_grad)
+                                                    for o in st.outputs[(s, i)]]
         elif a.kind == "B":
             (self._backward_input if self.schedule.split_backward else self._backward_full)(s, i, st)
             if s > 0 and same_rank(s - 1) == same_rank(s):
@@ -260,18 +284,18 @@ class Interpreter:
         if a.kind in ("RECV_F", "RECV_B"):
             self._queue_recv(a, st)
         elif a.kind == "SEND_F":
-            out = st.outputs[(s, i)].detach()
+            outs = st.outputs[(s, i)]
             if s not in sent_meta:
-                self._send_meta(s, out)
-                self.shapes[s] = (out.dtype, tuple(out.shape))
+                self._send_meta(s, outs)
+                self.shapes[s] = [spec_of(o) for o in outs]
                 sent_meta.add(s)
-            self._send(out, s + 1, st)
+            self._send(pack([o.detach() for o in outs], self.mesh.device), s + 1, st)
         else:  # SEND_B
-            self._send(st.in_grads.pop((s, i)), s - 1, st)
+            self._send(pack(st.in_grads.pop((s, i)), self.mesh.device), s - 1, st)
 
     def run(self, actions: Sequence[Action], st: StepState) -> None:
         """Execute ``actions`` (this rank's lowered list) for one step. Collective along the pipeline axis."""
-        key = (tuple(st.inputs[0].shape), st.inputs[0].dtype)
+        key = _shape_key(st.inputs[0])
         if key != self.shape_key:
             self.shapes, self.shape_key = {}, key
         sent_meta = set(self.shapes)
@@ -297,6 +321,12 @@ class Interpreter:
             "schedule left work undone (validated schedules never do)"
 
 
+def _shape_key(mb: Any) -> tuple:
+    """Shapes and dtypes of a micro-batch's input tensors: a change resets the cached message shapes."""
+    leaves = pytree.tree_flatten(mb)[0]
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor))
+
+
 def _boundary(recv: Action) -> int:
     """The stage whose output a receive carries (forward: the previous stage's; backward: the input gradient
     of the next stage, shaped like this stage's output): the key of ``Interpreter.shapes``."""
@@ -308,8 +338,8 @@ def _final_grad_actions(actions: Sequence[Action], kind: str) -> dict[int, int]:
     return {a.stage: k for k, a in enumerate(actions) if a.kind == kind}
 
 
-def run_actions(interpreter: Interpreter, actions: Sequence[Action], inputs: list[Tensor],
-                targets: list[Tensor]) -> StepState:
+def run_actions(interpreter: Interpreter, actions: Sequence[Action], inputs: list[Any],
+                targets: list[Tensor | None]) -> StepState:
     """Run one step; the state holds the last stage's per-micro-batch losses (empty on other ranks)."""
     st = StepState(inputs=inputs, targets=targets)
     interpreter.run(actions, st)

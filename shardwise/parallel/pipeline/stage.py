@@ -80,8 +80,9 @@ def model_units(model: nn.Module) -> list[Unit]:
         if post:
             units.append(Unit(post[0][0], _chain([m for _, m in post]), tuple(post)))
         return units
-    raise TypeError(f"sw.pipeline needs an nn.Sequential or a model with a 'blocks' nn.ModuleList, got "
-                    f"{type(model).__name__}; wrap the layers in nn.Sequential(...) in forward order")
+    raise TypeError(f"sw.pipeline without example_inputs needs an nn.Sequential or a model with a 'blocks' "
+                    f"nn.ModuleList, got {type(model).__name__}; pass example_inputs= (one micro-batch) to capture "
+                    f"any model's forward and cut it at named modules, or wrap the layers in nn.Sequential(...)")
 
 
 def balance_by_params(weights: Sequence[int], n: int) -> list[int]:

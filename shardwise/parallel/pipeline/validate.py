@@ -42,7 +42,8 @@ def check_hybrid(mesh: Mesh, axis: str, dp_axis: str | None, zero_stage: Any, ch
                         f"got {checkpoint!r}")
 
 
-def check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn: Callable, chunks: int) -> None:
+def check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn: Callable | None, chunks: int,
+               graph: bool = False) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"sw.pipeline needs mesh= a shardwise.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axes:
@@ -54,5 +55,9 @@ def check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn:
         raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
-    if not callable(loss_fn):
+    if loss_fn is None and not graph:
+        raise TypeError("loss_fn is required: a chain pipeline's last stage returns the model output, and "
+                        "loss_fn(output, targets) turns it into the loss; (loss_fn=None works with example_inputs= "
+                        "for a model that returns its own loss, e.g. given labels=)")
+    if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {loss_fn!r}")

@@ -75,11 +75,11 @@ class WeightCapture:
             x = args[0] if args and isinstance(args[0], Tensor) else None
             self.active.append((module, x, output))
 
-    def run(self, stage: nn.Module, x: Tensor) -> tuple[Tensor, list[tuple[Captured, Tensor]] | None]:
-        """``stage(x)`` and the captured (record, output) pairs, or ``None`` when W must use the fallback."""
+    def run(self, stage: nn.Module, *inputs: Any) -> tuple[Any, list[tuple[Captured, Tensor]] | None]:
+        """``stage(*inputs)`` and the captured (record, output) pairs, or ``None`` when W must use the fallback."""
         self.active = []
         try:
-            out = stage(x)
+            out = stage(*inputs)
         finally:
             got, self.active = self.active, None
         trainable = [m for m in self.modules if any(q.requires_grad for q in m.parameters(recurse=False))]
@@ -147,9 +147,10 @@ def _accumulate(q: Tensor, gq: Tensor) -> None:
     q.grad = gq if q.grad is None else q.grad.add_(gq)
 
 
-def weight_gradients(stage: nn.Module, out: Tensor, grad: Any) -> None:
+def weight_gradients(stage: nn.Module, out: Tensor | list[Tensor], grad: Any) -> None:
     """W for one (stage, micro-batch): ``grad`` is the list of ((record, y), dL/dy) pairs B left, or, when the
-    capture fell back, the stage output's gradient (``out`` is then differentiated again). Accumulates ``.grad``."""
+    capture fell back, the gradients of the stage outputs ``out`` (a tuple, or ``None`` for the loss), which are
+    then differentiated again. Accumulates ``.grad``."""
     if not isinstance(grad, list):  # fallback: differentiate the whole stage again (see WeightCapture)
         params = [q for q in stage.parameters() if q.requires_grad]
         for q, gq in zip(params, torch.autograd.grad(out, params, grad, retain_graph=True, allow_unused=True)):
