@@ -31,7 +31,7 @@ from .cost import CostModel, NominalHardware
 from .options import applicable
 from .pins import Pin, parse_pins
 from .plan import Plan, Row
-from .search import Search, check_pins, search
+from .search import PinError, Search, search
 from .solve import NoFit
 from .trace import Graph, trace_graph
 
@@ -82,29 +82,33 @@ def _searches(graph: Graph, parents: dict[str, nn.Module], cms: list[CostModel],
     found: dict[str | None, Search] = {}
     layouts: list[tuple[str, float | None, str]] = []
     pin_errors: list[str] = []
+    errors: list[str] = []
     smallest: float | None = None
     for cm in cms:
         label = _label(cm.tp, cm.axes, cm.shape)
-        why = check_pins(graph, [], pins, cm) if cm.tp is None else None
         try:
-            if why is None:
-                s = search(graph, parents, cm, pins, budget)
-                why = check_pins(graph, s.options, pins, cm)
-            if why is not None:
-                pin_errors.append(why)
-                layouts.append((label, None, f"excluded: {why}"))
-                continue
+            s = search(graph, parents, cm, pins, budget)
+        except PinError as exc:
+            pin_errors.append(str(exc))
+            layouts.append((label, None, f"excluded: {exc}"))
+            continue
         except NoFit as exc:
             smallest = exc.min_memory if smallest is None else min(smallest, exc.min_memory)
             layouts.append((label, None, f"over budget (smallest {exc.min_memory / 2**20:.2f} MiB)"))
+            continue
+        except ValueError as exc:
+            errors.append(str(exc))
+            layouts.append((label, None, "infeasible"))
             continue
         found[cm.tp] = s
         layouts.append((label, s.solution.time_s, f"{s.solution.memory / 2**20:.2f} MiB"))
     if not found and smallest is not None:
         raise ValueError(f"memory_budget={budget:.0f} bytes per rank is below the smallest predicted footprint of "
                          f"any layout, {smallest:.0f} bytes; raise the budget, add ranks, or use sw.zero")
-    if not found:
+    if not found and pin_errors and not errors:
         raise ValueError(pin_errors[-1] + "; change the pin or the mesh")
+    if not found:
+        raise ValueError(errors[-1])
     return found, layouts
 
 
@@ -174,7 +178,9 @@ def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_
     hw = hardware if hardware is not None else NominalHardware(calibrations=calibrations)
     cms = [CostModel(hw, axes, shape, tp, itemsize, dtype) for tp in [None, *(a for a, s in zip(axes, shape) if s > 1)]]
     found, layouts = _searches(graph, parents, cms, node_pins, memory_budget)
-    best = min(found.values(), key=lambda s: (s.solution.time_s, s.solution.memory))
+    # ties: pure data parallelism first (simplest), then the innermost axis (fastest links by convention)
+    rank = {tp: (-1 - len(axes) if tp is None else -axes.index(tp)) for tp in found}
+    best = min(found.values(), key=lambda s: (s.solution.time_s, s.solution.memory, rank[s.cm.tp]))
     chosen = {graph.nodes[i].name: o for i, o in enumerate(best.chosen) if graph.nodes[i].kind == "module"}
     styles = {name: o.style for name, o in chosen.items() if o.style is not None}
     styles = _compress(styles, list(modules), {n: o.style for n, o in chosen.items()})

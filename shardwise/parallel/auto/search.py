@@ -19,7 +19,7 @@ from .pins import Pin
 from .solve import NoFit, Solution, solve
 from .trace import Graph
 
-__all__ = ["Search", "search", "tie_groups", "MAX_TIE_COMBOS"]
+__all__ = ["Search", "search", "tie_groups", "check_pins", "PinError", "MAX_TIE_COMBOS"]
 
 MAX_TIE_COMBOS = 64
 
@@ -63,9 +63,13 @@ def _filtered(opts: list[NodeOptions], forced: dict[int, str], pins: dict[int, P
     return out
 
 
+class PinError(ValueError):
+    """A pin cannot hold on this tp axis (the message says why)."""
+
+
 def check_pins(graph: Graph, opts: list[NodeOptions], pins: dict[int, Pin], cm: CostModel) -> str | None:
     """Why ``pins`` cannot hold with tp on ``cm.tp`` (None: they can)."""
-    for i, pin in pins.items():
+    for i, pin in sorted(pins.items()):
         if pin.kind == "B":
             continue
         if cm.tp is None or (pin.axis is not None and pin.axis != cm.tp):
@@ -81,6 +85,9 @@ def search(graph: Graph, parents: dict[str, nn.Module], cm: CostModel, pins: dic
            budget: float | None, forced: dict[int, str] | None = None, max_states: int = 20000) -> Search:
     """The best layout with tp on ``cm.tp``. ``NoFit`` over budget; ``ValueError`` when infeasible."""
     opts = [node_options(graph, n, parents, cm) for n in graph.nodes]
+    why = check_pins(graph, opts, pins, cm)
+    if why is not None:
+        raise PinError(why)
     groups = tie_groups(graph)
     per_group = [sorted(set.intersection(*({o.kind for o in opts[i].options} for i in g))) for g in groups]
     combos: Sequence[tuple[str, ...]] = list(itertools.product(*per_group))
@@ -106,7 +113,10 @@ def search(graph: Graph, parents: dict[str, nn.Module], cm: CostModel, pins: dic
     if best is None:
         if nofit is not None:
             raise nofit
-        raise ValueError("no feasible layout with these pins")
+        shown = sorted({f"{p.pattern}={p.kind}" for p in pins.values()})
+        raise ValueError(f"no feasible layout with the pins {shown} over {cm.tp}: a column layer's output must "
+                         f"reach a row layer (or the model output, for vocab) through per-feature ops, and each "
+                         f"row layer's input must come from column layers; pin the partner layers too, or use 'B'")
     sol, filtered = best
     sol = Solution(sol.choice, sol.time_s, sol.memory, sol.exact and exact)
     return Search(cm, opts, sol, [filtered[i][j] for i, j in enumerate(sol.choice)])
