@@ -180,16 +180,25 @@ def build_graph_stages(model: nn.Module, n: int, split: Sequence[str] | None,
     stages = []
     for s in range(n):
         nodes = [k for k, st in enumerate(stage_of) if st == s]
-        used = {r.index for k in nodes for r in refs_in((graph.nodes[k].args, graph.nodes[k].kwargs))}
-        mods = {graph.nodes[k].target for k in nodes if graph.nodes[k].op == "module"}
-        mods |= {_owner(graph.nodes[k].target) for k in used if graph.nodes[k].op == "attr"}
-        if s == n - 1:
-            mods |= {_owner(graph.nodes[r.index].target) for r in refs_in(graph.output)
-                     if graph.nodes[r.index].op == "attr"}
         named = dict(model.named_modules())
         stages.append(GraphStage(s, graph, nodes, cross[s - 1] if s else [], cross[s] if s < n - 1 else None,
-                                 {m: named[m] for m in mods}, device))
+                                 {m: named[m] for m in _stage_modules(graph, nodes, s == n - 1)}, device))
     return stages
+
+
+def _stage_modules(graph: Graph, nodes: list[int], last: bool) -> list[str]:
+    """The modules a stage runs or reads parameters of, in graph order: the same order on every rank (a set's
+    order is not — string hashes differ between processes — and dp buckets are laid out in this order)."""
+    out: dict[str, None] = {}
+    refs = [r for k in nodes for r in refs_in((graph.nodes[k].args, graph.nodes[k].kwargs))]
+    refs += list(refs_in(graph.output)) if last else []
+    for k in sorted({*nodes, *(r.index for r in refs)}):
+        node = graph.nodes[k]
+        if node.op == "module" and k in nodes:
+            out[node.target] = None
+        elif node.op == "attr":
+            out[_owner(node.target)] = None
+    return list(out)
 
 
 def model_loss(output: Any) -> Tensor:
