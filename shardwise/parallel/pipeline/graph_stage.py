@@ -2,9 +2,9 @@
 
 Which modules stay whole (**leaves**, the places a cut may fall before): every child of the root and of each
 module on the way to the model's layer lists, and each element of those lists. A layer list is an outermost
-``nn.ModuleList`` / ``nn.ModuleDict`` (a Hugging Face decoder's ``model.layers``, a GPT's ``blocks``); the
-modules above it (``model``) are traced through, so the glue between layers — masks, position ids, rotary
-tables, residual adds, the loss — becomes graph nodes. Naming a deeper module in ``split`` traces through its
+``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` (a Hugging Face decoder's ``model.layers``, a GPT's
+``blocks``); the modules above it (``model``) are traced through, so the glue between layers — masks, position
+ids, rotary tables, residual adds, the loss — becomes graph nodes. Naming a deeper module in ``split`` traces through its
 ancestors too.
 
 Where nodes run: a ``module``/``call`` node runs on the stage its position falls in (a stage starts at its split
@@ -38,8 +38,9 @@ def leaf_modules(model: nn.Module, split: Sequence[str] = ()) -> dict[str, nn.Mo
     """Name -> module of the leaves (see module doc), in registration order."""
     names = dict(model.named_modules())
     through = {""}
-    lists = [n for n, m in names.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    lists = [n for n, m in names.items() if n and isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential))]
     outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
+    through.update(outer)  # an nn.Sequential runs its children in order: trace through it like a list
     for name in [*outer, *split]:
         parts = name.split(".")
         through.update(".".join(parts[:k]) for k in range(len(parts)))

@@ -1,0 +1,145 @@
+"""Graph capture and cutting for ``sw.pipeline(..., example_inputs=...)``: pure, one process, no mesh.
+
+What crosses a cut of a Hugging Face decoder, FLOP-balanced automatic splits, the bad inputs (split names,
+stages without parameters, data-dependent control flow, shapes that differ from the capture), and that a capture
+leaves the model and the random stream untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.parallel.pipeline.batching import normalize_example, split_graph
+from shardwise.parallel.pipeline.capture import CaptureError
+from shardwise.parallel.pipeline.graph_stage import build_graph_stages, leaf_modules, model_loss
+
+
+def _llama(layers: int = 4) -> nn.Module:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _example(b: int = 2, t: int = 8) -> tuple[tuple, dict]:
+    ids = torch.arange(b * t).reshape(b, t) % 64
+    return normalize_example({"labels": ids, "input_ids": ids})
+
+
+def test_llama_cut_sends_hidden_states_position_ids_and_rotary_tables():
+    stages = build_graph_stages(_llama(), 2, ["model.layers.2"], _example())
+    graph = stages[0].graph
+    assert stages[0].owned_names() == sorted(["model.embed_tokens", "model.rotary_emb", "model.layers.0",
+                                              "model.layers.1"])
+    assert stages[1].owned_names() == sorted(["model.layers.2", "model.layers.3", "model.norm", "lm_head"])
+    sent = [graph.nodes[k] for k in stages[0].send]
+    assert stages[1].recv == stages[0].send
+    metas = sorted((str(n.meta[0]), n.meta[1], n.requires_grad) for n in sent)
+    assert metas == sorted([("torch.int64", (1, 8), False), ("torch.float32", (1, 8, 8), False),
+                            ("torch.float32", (1, 8, 8), False), ("torch.float32", (2, 8, 32), True)])
+    assert "module:model.layers.2" in graph.describe()
+
+
+def test_two_stages_replayed_in_one_process_equal_the_model():
+    model = _llama()
+    example = _example()
+    ref = model(*example[0], **example[1])
+    stages = build_graph_stages(model, 3, None, example)
+    values: list = []
+    for s in stages:
+        values = s(example, values)
+    assert torch.equal(values.logits, ref.logits) and torch.equal(model_loss(values), ref.loss)
+
+
+class _Wide(nn.Module):
+    """Layer 0 does 16x the matmul work of each other layer: a FLOP balance gives it a stage alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64)] + [nn.Linear(64, 16) if i == 0 else nn.Linear(16, 16)
+                                                           for i in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def test_automatic_split_balances_forward_flops():
+    stages = build_graph_stages(_Wide(), 2, None, ((torch.randn(4, 64),), {}))
+    # flops: 64*64, 64*16, 16*16 x3 -> {layer 0} = 4096 vs the rest = 1024 + 768: layer 0 alone
+    assert stages[0].owned_names() == ["layers.0"]
+
+
+def test_leaves_follow_layer_lists_and_split_names():
+    model = _llama(2)
+    leaves = leaf_modules(model)
+    assert "model.layers.0" in leaves and "lm_head" in leaves and "model" not in leaves
+    deeper = leaf_modules(model, ["model.layers.1.mlp"])
+    assert "model.layers.1.mlp" in deeper and "model.layers.1.self_attn" in deeper and "model.layers.1" not in deeper
+
+
+@pytest.mark.parametrize("split, message", [
+    (["model.layer.2"], "not a module of LlamaForCausalLM; did you mean 'model.layers.2'"),
+    (["model.layers"], "container of other cut points"),
+    (["model.layers.3", "model.layers.1"], "not in forward order"),
+    (["model.rotary_emb", "model.layers.0"], "without parameters"),
+    (["model.layers.1"], "makes 2 stages but"),
+])
+def test_bad_splits_are_refused_with_the_fix(split, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        build_graph_stages(_llama(), 3, split, _example())
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # a branch on the inputs' values: one run cannot stand for every input
+            x = x * 2
+        return self.layers[1](self.layers[0](x)).sum()
+
+
+def test_data_dependent_control_flow_names_the_construct_and_the_line():
+    with pytest.raises(CaptureError, match=r"data-dependent control flow.*test_pipeline_graph.py:\d+.*nn.Sequential"):
+        build_graph_stages(_Branchy(), 2, None, ((torch.randn(2, 4),), {}))
+
+
+def test_capture_changes_neither_buffers_nor_the_random_stream():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    wrapper = nn.Module()
+    wrapper.layers = model
+    wrapper.forward = lambda x: model(x).sum()  # type: ignore[method-assign]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    example = ((torch.randn(5, 4),), {})
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    build_graph_stages(wrapper, 2, None, example)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_step_inputs_must_match_the_captured_micro_batch():
+    stages = build_graph_stages(_llama(), 2, None, _example(b=2))
+    graph = stages[0].graph
+    ids = torch.zeros(8, 8, dtype=torch.long)
+    mbs, targets = split_graph((), {"input_ids": ids, "labels": ids}, False, graph, 4, 1, 0, None,
+                               torch.device("cpu"))
+    assert len(mbs) == 4 and targets == [None] * 4 and mbs[0][1]["input_ids"].shape == (2, 8)
+    with pytest.raises(ValueError, match="example_inputs must be one micro-batch"):
+        split_graph((), {"input_ids": ids, "labels": ids}, False, graph, 2, 1, 0, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="same arguments"):
+        split_graph((), {"input_ids": ids}, False, graph, 4, 1, 0, None, torch.device("cpu"))
+
+
+def test_model_loss_finds_the_loss_or_says_what_to_pass():
+    loss = torch.tensor(2.0)
+    assert model_loss({"loss": loss}) == 2.0 and model_loss((loss, torch.zeros(3))) == 2.0
+    with pytest.raises(ValueError, match="give loss_fn="):
+        model_loss(torch.zeros(2, 3))
