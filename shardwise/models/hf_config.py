@@ -8,8 +8,8 @@ with one line naming the field, its value and what is supported — never silent
 * ``model_type``: ``llama``, ``mistral``, ``qwen2`` (MoE families such as ``mixtral`` or ``qwen2_moe`` are
   other model types and refused by name);
 * ``hidden_act``: ``silu`` (SwiGLU);
-* rotary scaling (``rope_scaling`` / ``rope_parameters``): ``default`` and ``linear`` (positions divided by
-  ``factor``);
+* rotary scaling (``rope_scaling`` / ``rope_parameters``): ``default``, ``linear`` (frequencies divided by
+  ``factor``) and ``llama3`` (Llama 3.1's wavelength-dependent scaling); ``partial_rotary_factor`` 1 only;
 * sliding-window attention is accepted only where it cannot change the result: a window of at least the
   training sequence length (``check_block_size``); a real window is refused;
 * ``pretraining_tp`` > 1 (a Llama-1 era sliced matmul) is refused.
@@ -28,7 +28,7 @@ from typing import Any, Mapping
 __all__ = ["HFDecoderConfig", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_ROPE_TYPES = ("default", "linear")
+_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Per model type: (q/k/v bias, o bias) when the file does not say (llama: ``attention_bias`` sets both; qwen2:
 # always a q/k/v bias and no o bias), and the defaults of fields the types disagree on.
@@ -54,8 +54,16 @@ class HFDecoderConfig:
     """Width of one attention head (``hidden_size / num_attention_heads`` unless the file gives it)."""
     rms_norm_eps: float
     rope_theta: float
-    rope_linear_factor: float = 1.0
-    """``rope_scaling`` of type ``linear``: positions are divided by this factor (1: no scaling)."""
+    rope_type: str = "default"
+    """``default``, ``linear`` or ``llama3`` (``rope_scaling`` / ``rope_parameters``)."""
+    rope_factor: float = 1.0
+    """``linear`` and ``llama3``: the frequencies' scaling factor."""
+    rope_low_freq_factor: float = 1.0
+    """``llama3`` only."""
+    rope_high_freq_factor: float = 4.0
+    """``llama3`` only."""
+    rope_original_max_positions: int = 8192
+    """``llama3`` only: ``original_max_position_embeddings`` (the pre-training context)."""
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -78,8 +86,12 @@ class HFDecoderConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
             "max_position_embeddings", "tie_word_embeddings", "attention_dropout", "initializer_range")}
         d["hidden_act"] = "silu"
-        if self.rope_linear_factor != 1.0:
-            d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_linear_factor}
+        if self.rope_type != "default":
+            d["rope_scaling"] = {"rope_type": self.rope_type, "factor": self.rope_factor}
+        if self.rope_type == "llama3":
+            d["rope_scaling"].update(low_freq_factor=self.rope_low_freq_factor,
+                                     high_freq_factor=self.rope_high_freq_factor,
+                                     original_max_position_embeddings=self.rope_original_max_positions)
         if self.model_type == "llama":
             d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
         if self.model_type == "mistral":
@@ -141,7 +153,7 @@ def hf_config_from_dict(raw: Mapping[str, Any], *, source: str = "") -> HFDecode
         raise ValueError(f"{where}: hidden_act = {act!r} is not supported; supported: 'silu' (SwiGLU)")
     if raw.get("pretraining_tp", 1) not in (1, None):
         raise ValueError(f"{where}: pretraining_tp = {raw['pretraining_tp']!r} is not supported; supported: 1")
-    theta, linear = _rope(raw, where)
+    rope = _rope(raw, where)
     qkv_bias = bool(raw.get("attention_bias", False)) if mt != "qwen2" else True
     o_bias = bool(raw.get("attention_bias", False)) if mt == "llama" else False
     window = raw.get("sliding_window", d.get("sliding_window")) if mt == "mistral" else (
@@ -155,16 +167,16 @@ def hf_config_from_dict(raw: Mapping[str, Any], *, source: str = "") -> HFDecode
         model_type=mt, vocab_size=get.int("vocab_size"), hidden_size=hidden,
         intermediate_size=get.int("intermediate_size"), num_hidden_layers=get.int("num_hidden_layers"),
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=get.float("rms_norm_eps", d["rms_norm_eps"]), rope_theta=theta, rope_linear_factor=linear,
+        rms_norm_eps=get.float("rms_norm_eps", d["rms_norm_eps"]), **rope,
         max_position_embeddings=get.int("max_position_embeddings", d["max_position_embeddings"]),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) if mt == "llama" else False, attention_dropout=dropout,
         initializer_range=get.float("initializer_range", 0.02), sliding_window=window, source=source)
 
 
-def _rope(raw: Mapping[str, Any], where: str) -> tuple[float, float]:
-    """``(rope_theta, linear factor)`` from the old (``rope_theta`` + ``rope_scaling``) or the new
-    (``rope_parameters``) spelling."""
+def _rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``rope_*`` fields from the old (``rope_theta`` + ``rope_scaling``) or the new (``rope_parameters``)
+    spelling."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
@@ -174,12 +186,24 @@ def _rope(raw: Mapping[str, Any], where: str) -> tuple[float, float]:
     if kind not in _ROPE_TYPES:
         raise ValueError(f"{where}: rope type {kind!r} (rope_scaling / rope_parameters) is not supported; supported: "
                          f"{', '.join(_ROPE_TYPES)}")
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
-    factor = merged.get("factor", 1.0) if kind == "linear" else 1.0
-    for name, value in (("rope_theta", theta), ("rope factor", factor)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{where}: {name} = {value!r} must be a positive number")
-    return float(theta), float(factor)
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor = {partial!r} is not supported; supported: 1.0")
+    out: dict[str, Any] = {"rope_theta": merged.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_type": kind}
+    if kind != "default":
+        out["rope_factor"] = merged.get("factor")
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=merged.get("low_freq_factor"), rope_high_freq_factor=merged.get("high_freq_factor"),
+                   rope_original_max_positions=merged.get("original_max_position_embeddings",
+                                                          raw.get("max_position_embeddings")))
+    for name, value in out.items():
+        if name != "rope_type" and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{where}: rope {name.removeprefix('rope_')} = {value!r} (rope type {kind!r}) must be a "
+                             f"positive number")
+    if kind == "llama3" and out["rope_high_freq_factor"] <= out["rope_low_freq_factor"]:
+        raise ValueError(f"{where}: rope high_freq_factor = {out['rope_high_freq_factor']} must exceed "
+                         f"low_freq_factor = {out['rope_low_freq_factor']}")
+    return {k: (v if k in ("rope_type", "rope_original_max_positions") else float(v)) for k, v in out.items()}
 
 
 class _Reader:

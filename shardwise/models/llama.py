@@ -19,6 +19,8 @@ Like ``GPT``, the model carries its tensor-parallel plan (``tensor_parallel_plan
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -49,13 +51,31 @@ class RMSNorm(nn.Module):
 def rotary_tables(t: int, c: HFDecoderConfig, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(cos, sin)`` of positions ``0..t-1``, each (t, hd): computed in fp32 outside autocast, cast to ``dtype``.
     Recomputed per call (a few thousand elements) so that no buffer enters the state dict or a pipeline stage."""
-    hd = c.head_dim
     with torch.autocast(device_type=device.type, enabled=False):
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=device) / hd))
-        pos = torch.arange(t, device=device, dtype=torch.float) / c.rope_linear_factor
+        inv_freq = inverse_frequencies(c, device)
+        pos = torch.arange(t, device=device, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]  # (t, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (t, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def inverse_frequencies(c: HFDecoderConfig, device: torch.device) -> Tensor:
+    """(hd/2,) rotary frequencies ``theta^(-2i/hd)``, scaled as ``rope_type`` says: ``linear`` divides all by the
+    factor; ``llama3`` divides the long wavelengths (longer than the original context / low_freq_factor) by it,
+    keeps the short ones (shorter than context / high_freq_factor) and interpolates in between."""
+    hd = c.head_dim
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=device) / hd))
+    if c.rope_type == "linear":
+        return inv_freq / c.rope_factor
+    if c.rope_type != "llama3":
+        return inv_freq
+    context, low, high = c.rope_original_max_positions, c.rope_low_freq_factor, c.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / c.rope_factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, scaled)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ def test_examples_parse_with_their_fields():
 def test_defaults_of_an_absent_field_are_the_model_types():
     c = hf_config_from_dict(BASE)
     assert c.num_key_value_heads == 4 and c.head_dim == 8 and c.rope_theta == 10000.0
-    assert c.max_position_embeddings == 2048 and c.sliding_window is None and c.rope_linear_factor == 1.0
+    assert c.max_position_embeddings == 2048 and c.sliding_window is None and c.rope_type == "default"
     m = hf_config_from_dict({**BASE, "model_type": "mistral"})
     assert m.sliding_window == 4096 and m.max_position_embeddings == 4096 * 32
     assert hf_config_from_dict({**BASE, "model_type": "qwen2", "sliding_window": 16}).sliding_window is None
@@ -50,7 +50,13 @@ def test_both_rotary_spellings():
     old = hf_config_from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = hf_config_from_dict({**BASE, "rope_parameters": {"rope_type": "linear", "rope_theta": 500000.0,
                                                            "factor": 2.0}})
-    assert (old.rope_theta, old.rope_linear_factor) == (new.rope_theta, new.rope_linear_factor) == (500000.0, 2.0)
+    assert (old.rope_theta, old.rope_type, old.rope_factor) == (new.rope_theta, new.rope_type, new.rope_factor) == (
+        500000.0, "linear", 2.0)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    c = hf_config_from_dict({**BASE, "rope_scaling": llama3})
+    assert (c.rope_type, c.rope_factor, c.rope_high_freq_factor, c.rope_original_max_positions) == ("llama3", 8, 4, 64)
+    assert hf_config_from_dict(c.hf_dict()) == c  # what export writes reads back to the same architecture
     assert hf_config_from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7
 
 
@@ -59,13 +65,16 @@ def test_both_rotary_spellings():
     ({"model_type": None}, ["model_type = None"]),
     ({"hidden_act": "gelu"}, ["hidden_act = 'gelu'", "silu"]),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope type 'yarn'", "default, linear"]),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, ["rope type 'llama3'"]),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.0}}, ["rope type 'dynamic'"]),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["rope low_freq_factor = None", "'llama3'"]),
+    ({"rope_scaling": {"rope_type": "linear"}}, ["rope factor = None"]),
+    ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor = 0.5", "1.0"]),
     ({"num_key_value_heads": 3}, ["num_attention_heads = 4", "num_key_value_heads = 3"]),
     ({"vocab_size": 0}, ["vocab_size = 0", "positive int"]),
     ({"hidden_size": None}, ["'hidden_size' is missing"]),
     ({"pretraining_tp": 2}, ["pretraining_tp = 2"]),
     ({"attention_dropout": 1.5}, ["attention_dropout = 1.5"]),
-    ({"rope_theta": -1}, ["rope_theta = -1"]),
+    ({"rope_theta": -1}, ["rope theta = -1"]),
 ])
 def test_unsupported_or_bad_fields_are_named(change, words):
     raw = {**BASE, **change}

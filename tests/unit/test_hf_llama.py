@@ -26,6 +26,10 @@ CASES = {
     "llama-bias-tied-headdim": {**BASE, "model_type": "llama", "attention_bias": True, "mlp_bias": True,
                                 "tie_word_embeddings": True, "head_dim": 16},
     "llama-linear-rope": {**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "llama3-rope": {**BASE, "model_type": "llama", "rope_theta": 500000.0, "max_position_embeddings": 256,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 400}},
+    # (with hd 8 the wavelengths are 6.3, 167, 4456, 118 000: one kept, one interpolated, two scaled)
     "llama-mha-default-theta": {**BASE, "model_type": "llama", "num_key_value_heads": 4},
     "mistral": {**BASE, "model_type": "mistral", "sliding_window": 64},
     "qwen2": {**BASE, "model_type": "qwen2", "tie_word_embeddings": True, "rope_theta": 1e6},
