@@ -23,6 +23,7 @@ from ..checkpoint.sharded import (CHECKPOINTS, Checkpoint, CheckpointError, late
 from ..runtime.config import (PRESETS, Config, DebugConfig, ParallelConfig, config_from_dict, default_nproc, describe_fields,
                      load_config, validate)
 from ..runtime.calibration import calibration_note, check_calibration_setting
+from ..runtime.model_build import saved_model
 from ..runtime.job import LAUNCH_CONFIG, Nodes, atomic_json, launch_ranks, publish_config, run_job
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "publish_config", "add_config_arguments",
@@ -107,6 +108,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
 def _check_resume(cfg: Config, resume: Path) -> None:
     ckpt = Checkpoint(resume)
     saved = ckpt.state.get("config", {}).get("model")
+    saved = saved_model(saved) if saved is not None else None  # fields added later (hf_config) at their defaults
     if saved is not None and saved != dataclasses.asdict(cfg.model):
         diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg.model).items() if saved.get(k) != v}
         raise ValueError(f"--resume: checkpoint {resume} was trained with a different model: "

@@ -21,7 +21,8 @@ from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "attention_width", "model_spec", "hf_fields",
-           "train_split_names", "planner_split_names"]
+           "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
+           "check_tp", "check_replicate"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -103,6 +104,12 @@ def train_split_names(m: ModelConfig, names: tuple[str, ...]) -> tuple[str, ...]
 def planner_split_names(m: ModelConfig, names: tuple[str, ...]) -> tuple[str, ...]:
     """Pipeline unit names → the planner's layer names."""
     return tuple(n.removeprefix("model.") for n in names) if hf_of(m) is not None else tuple(names)
+
+
+def saved_model(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's ``[model]`` dict with the fields added since it was written at their defaults (a checkpoint
+    from before ``hf_config`` existed trained the GPT), so that it compares equal to the config it resumes under."""
+    return {"hf_config": "", **saved}
 
 
 def resolve_hf(m: ModelConfig, given: dict[str, Any]) -> ModelConfig:

@@ -42,7 +42,7 @@ from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
 from ..world import World, barrier_all, bind_to_launcher, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
-from .model_build import hf_of
+from .model_build import hf_of, saved_model
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
 from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy, mesh_axes
@@ -122,7 +122,7 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         """Load model, optimizer state and data position from a checkpoint of any layout. Local (file reads)."""
         ckpt = Checkpoint(path)
-        saved = ckpt.state["config"]["model"]
+        saved = saved_model(ckpt.state["config"]["model"])
         if saved != dataclasses.asdict(self.cfg.model):
             raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not "
                              f"{dataclasses.asdict(self.cfg.model)}; "

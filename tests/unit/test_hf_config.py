@@ -145,3 +145,13 @@ def test_layout_checks_know_the_hf_shape(tmp_path):
     ok = validate(load_config(overrides={**hf, "parallel.pp": "2", "parallel.pp_split": "model.layers.1"}))
     assert ok.parallel.pp_split == ("model.layers.1",)
 
+
+
+def test_a_checkpoint_from_before_hf_config_resumes_under_the_same_model():
+    from shardwise.models.gpt import GPTConfig
+    from shardwise.runtime.model_build import saved_model
+
+    old = dataclasses.asdict(GPTConfig())  # what a checkpoint's [model] held before the field existed
+    assert "hf_config" not in old
+    assert saved_model(old) == dataclasses.asdict(load_config().model)
+    assert saved_model(old) != dataclasses.asdict(load_config(overrides={"model.hf_config": str(LLAMA)}).model)
