@@ -69,6 +69,8 @@ def _bench(name: str) -> Command:
         from ..bench import faults as module
     elif name == "planner":
         from ..bench import planner as module
+    elif name == "auto":
+        from ..bench import auto as module
     else:
         raise KeyError(name)
     return module
@@ -99,6 +101,8 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
     "zero": (partial(_bench, "zero"), "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
     "faults": (partial(_bench, "faults"), "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
     "planner": (partial(_bench, "planner"), "planner predictions vs published tables and vs measured layouts"),
+    "auto": (partial(_bench, "auto"), "sw.auto's plan vs the hand-written Megatron plan: step time, collectives, "
+             "planning time"),
 }
 
 # The packages the loaders import from. An ImportError naming one of them means the command's module is not in
