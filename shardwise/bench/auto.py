@@ -55,6 +55,8 @@ def _validate(args: argparse.Namespace) -> None:
     for name in ("layers", "embd", "heads", "vocab", "batch", "seq", "steps", "repeats", "plan_layers"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.batch % args.nproc:
+        raise ValueError(f"--batch {args.batch} must be a multiple of -n {args.nproc} (a data-parallel plan splits it)")
     if args.embd % args.heads:
         raise ValueError(f"--embd {args.embd} must be a multiple of --heads {args.heads}")
     if args.model == "llama":
@@ -95,6 +97,7 @@ def _builder(args: argparse.Namespace, layers: int) -> tuple[Callable[[], nn.Mod
 
 
 def _step(model: nn.Module, ids: torch.Tensor, vocab_split: bool, mesh: Any) -> Callable[[], float]:
+    """One SGD step on ``ids`` (this rank's rows of the global batch)."""
     from ..parallel.tensor.api import vocab_parallel_cross_entropy
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -123,7 +126,12 @@ def _variants(args: argparse.Namespace, mesh: Any) -> tuple[dict[str, Callable[[
     torch.manual_seed(0)
     model = build()
     plan = sw.auto(model, mesh, (ids[:, :-1],))
-    steps = {"auto": _step(sw.parallelize(model, mesh, plan), ids, plan.vocab_parallel_loss, mesh)}
+    if plan.tp_axis is None:  # pure data parallelism: each rank steps on its rows of the same global batch
+        n, c = mesh.size("tp"), mesh.coord("tp")
+        steps = {"auto": _step(sw.DataParallel(model, mesh, axis="tp"), ids[c * args.batch // n:(c + 1) * args.batch // n],
+                               False, mesh)}
+    else:
+        steps = {"auto": _step(sw.parallelize(model, mesh, plan), ids, plan.vocab_parallel_loss, mesh)}
     torch.manual_seed(0)
     head_split = any(isinstance(s, VocabParallel) and p.endswith("lm_head") for p, s in megatron.items())
     steps["megatron"] = _step(sw.parallelize(build(), mesh, megatron, axis="tp"), ids, head_split, mesh)

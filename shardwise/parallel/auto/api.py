@@ -128,31 +128,39 @@ def _compress(by_name: dict[str, Any], all_names: list[str], unit_kind: dict[str
     return out
 
 
-def _rows(graph: Graph, parents: dict[str, nn.Module], s: Search, pins: dict[int, Pin],
-          budget: float | None) -> tuple[Row, ...]:
+def _forced(graph: Graph, parents: dict[str, nn.Module], found: dict[str | None, Search], members: list[int],
+            kind: str, pins: dict[int, Pin], budget: float | None) -> tuple[float | None, str]:
+    """The best step time over every axis choice with ``members`` forced to ``kind`` (None and why if none)."""
+    best: float | None = None
+    why = "no feasible plan around it"
+    for s in found.values():
+        missing = [i for i in members if kind not in {o.kind for o in s.options[i].options}]
+        if missing:
+            if s.cm.tp is not None:
+                why = s.options[missing[0]].unavailable.get(kind, why)
+            continue
+        try:
+            t = search(graph, parents, s.cm, {i: p for i, p in pins.items() if i not in members}, budget,
+                       forced={i: kind for i in members}).solution.time_s
+        except ValueError:
+            continue
+        best = t if best is None else min(best, t)
+    return best, ("" if best is not None else why)
+
+
+def _rows(graph: Graph, parents: dict[str, nn.Module], found: dict[str | None, Search], best: Search,
+          pins: dict[int, Pin], budget: float | None) -> tuple[Row, ...]:
+    """Per module group: the chosen kind, its own price, and every alternative's best whole-plan time."""
     groups: dict[str, list[int]] = {}
     for n in graph.units():
         groups.setdefault(_pattern(n.name), []).append(n.index)
     rows = []
     for pattern, members in groups.items():
-        kinds = {s.chosen[i].kind for i in members}
+        kinds = {best.chosen[i].kind for i in members}
         kind = kinds.pop() if len(kinds) == 1 else "mixed"
-        alts: list[tuple[str, float | None, str]] = []
-        for alt in applicable(graph.nodes[members[0]]) if s.cm.t > 1 else ("B",):
-            if alt == kind:
-                continue
-            missing = [i for i in members if alt not in {o.kind for o in s.options[i].options}]
-            if missing:
-                alts.append((alt, None, s.options[missing[0]].unavailable.get(alt, "infeasible")))
-                continue
-            try:
-                forced = search(graph, parents, s.cm, {i: p for i, p in pins.items() if i not in members}, budget,
-                                forced={i: alt for i in members})
-                alts.append((alt, forced.solution.time_s, ""))
-            except ValueError:
-                alts.append((alt, None, "no feasible plan around it"))
-        own = sum(s.chosen[i].time_s for i in members)
-        rows.append(Row(pattern, kind, own, tuple(alts)))
+        alts = tuple((alt, *_forced(graph, parents, found, members, alt, pins, budget))
+                     for alt in applicable(graph.nodes[members[0]]) if alt != kind)
+        rows.append(Row(pattern, kind, sum(best.chosen[i].time_s for i in members), alts))
     return tuple(rows)
 
 
@@ -188,4 +196,4 @@ def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_
                     for i, o in enumerate(best.chosen))
     dp_axes = tuple(a for a in axes if a != best.cm.tp)
     return Plan(styles, best.cm.tp, dp_axes, vocab_out, best.solution.time_s, best.solution.memory,
-                best.solution.exact, tuple(layouts), _rows(graph, parents, best, node_pins, memory_budget))
+                best.solution.exact, tuple(layouts), _rows(graph, parents, found, best, node_pins, memory_budget))
