@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how our stages' messages travel (sw.pipeline transport; default auto: shared memory "
                              "when the ranks share a host on CPU, else native); torch's side always uses gloo")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining (ours only)")
+    parser.add_argument("--hf", default=None, choices=["llama", "qwen2"],
+                        help="instead of the GPT: a Hugging Face decoder built from a config (needs transformers), "
+                             "captured by sw.pipeline(example_inputs=) vs torch.distributed.pipelining's export "
+                             "frontend on the same split (gpipe, 1f1b); --layers (default 4), --hf-hidden")
+    parser.add_argument("--hf-hidden", type=int, default=256, help="hidden size of the --hf decoder (default 256)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--trace", default=None, metavar="FILE.json", help="Chrome/Perfetto trace of the measured timeline")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="timeline PNG of the measured timings (matplotlib)")
@@ -125,6 +130,9 @@ def output_path(path: str, name: str, names: list[str]) -> str:
 
 # -- inside a rank ----------------------------------------------------------------------------------
 def _run_worker(args: argparse.Namespace) -> int:
+    if args.hf:
+        from .pp_hf import run_hf
+        return run_hf(args)
     import shardwise as sw
 
     from ..models.gpt import GPT, lm_loss, synthetic_batch

@@ -54,6 +54,16 @@ def test_two_stages_replayed_in_one_process_equal_the_model():
     assert torch.equal(values.logits, ref.logits) and torch.equal(model_loss(values), ref.loss)
 
 
+def test_one_tensor_passed_twice_is_captured_as_two_inputs():
+    model = _llama(2)
+    ids = torch.arange(16).reshape(2, 8) % 64
+    stages = build_graph_stages(model, 2, None, normalize_example({"input_ids": ids, "labels": ids}))
+    other = (ids + 1) % 64  # later steps pass different labels: the loss must use them, not the token ids
+    mb = normalize_example({"input_ids": ids, "labels": other})
+    out = stages[1](mb, stages[0](mb, []))
+    assert torch.equal(model_loss(out), model(input_ids=ids, labels=other).loss)
+
+
 class _Wide(nn.Module):
     """Layer 0 does 16x the matmul work of each other layer: a FLOP balance gives it a stage alone."""
 

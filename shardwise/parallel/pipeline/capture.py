@@ -270,6 +270,10 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], leave
     """Run ``model(*args, **kwargs)`` once and return its graph; ``leaves`` (name -> module) stay opaque."""
     rec = _Recorder(model, leaves)
     flat, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    # one tensor passed twice (labels=input_ids) must still be two inputs: later steps may pass two tensors
+    seen: set[int] = set()
+    flat = [x.clone() if isinstance(x, Tensor) and (id(x) in seen or seen.add(id(x))) else x for x in flat]
+    args, kwargs = pytree.tree_unflatten(flat, in_spec)
     for k, x in enumerate(flat):
         if isinstance(x, Tensor):
             rec.add("input", k, value=x, taint=True)
