@@ -69,7 +69,7 @@ class GraphStage(nn.Module):
                  modules: dict[str, nn.Module], device_of_capture: torch.device) -> None:
         super().__init__()
         self.index, self.graph, self.nodes, self.recv, self.send = index, graph, nodes, recv, send
-        self.names = sorted(modules)
+        self.names = list(modules)  # graph order (the first module called first)
         # original qualified names (dots -> '/': module names cannot hold dots); original keys via owned_names
         self.parts = nn.ModuleDict({n.replace(".", "/"): m for n, m in modules.items()})
         self.capture_device = device_of_capture
