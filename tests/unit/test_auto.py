@@ -170,3 +170,54 @@ def test_bad_input():
         sw.auto(SmallMLP(), TP2, torch.randn(4, 32), memory_budget=-1)
     with pytest.raises(TypeError, match="mesh"):
         sw.auto(SmallMLP(), {"tp": 2}, torch.randn(4, 32))
+
+
+def test_keyword_example_inputs():
+    torch.manual_seed(0)
+    model = hf_llama(layers=1)
+    if model is None:
+        pytest.skip("transformers is not installed")
+    by_kw = sw.auto(model, TP2, {"input_ids": _ids()[0]})
+    assert dict(by_kw) == dict(sw.auto(model, TP2, _ids()))
+
+
+@pytest.mark.parametrize("argv, match", [(["--embd", "100", "--heads", "8"], "multiple of --heads"),
+                                         (["--batch", "3"], "multiple of -n 2"), (["--steps", "0"], "--steps")])
+def test_bench_auto_rejects_bad_flags(argv, match, capsys):
+    import argparse
+
+    from shardwise.bench import auto as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.main(parser.parse_args(argv)) == 2  # before any rank starts
+    assert match in capsys.readouterr().err
+
+
+def _calibrated(alpha_us: float, beta_us_per_byte: float):  # type: ignore[no-untyped-def]
+    from shardwise.comm.calibration import AlphaBeta, Calibration
+    from shardwise.parallel.auto.cost import NominalHardware
+
+    model = AlphaBeta(alpha_us, beta_us_per_byte)
+    cal = Calibration(world_size=2, backend="gloo", device="cpu",
+                      models={op: {"native": model} for op in ("all_reduce", "all_gather", "reduce_scatter")})
+    return NominalHardware(calibrations={2: cal})
+
+
+def test_calibrated_collectives_decide():
+    """The same model flips between tensor and data parallelism with the measured alpha-beta of the link: a
+    call that costs 2 ms (latency-bound link) makes the 14 per-step all-reduces of tp lose to data
+    parallelism's one bucket; a latency-free, slow link (1 GB/s) makes moving every weight gradient lose to tp."""
+    torch.manual_seed(0)
+    model = TinyLlama()
+    latency = sw.auto(model, TP2, _ids(), hardware=_calibrated(2e3, 1e-6))
+    assert latency.tp_axis is None
+    bandwidth = sw.auto(model, TP2, _ids(), hardware=_calibrated(0.0, 1e-3))
+    assert bandwidth.tp_axis == "tp"
+    _assert_megatron(bandwidth, model)
+
+
+def test_planner_hardware_preset_is_accepted():
+    torch.manual_seed(0)
+    plan = sw.auto(TinyLlama(), TP2, _ids(), hardware=sw.planner.Hardware.preset("a100-80g-sxm"))
+    assert plan.time_s is not None and plan.time_s > 0

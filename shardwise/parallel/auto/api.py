@@ -101,7 +101,9 @@ def _searches(graph: Graph, parents: dict[str, nn.Module], cms: list[CostModel],
             layouts.append((label, None, "infeasible"))
             continue
         found[cm.tp] = s
-        layouts.append((label, s.solution.time_s, f"{s.solution.memory / 2**20:.2f} MiB"))
+        idle = cm.tp is not None and all(o.style is None for o in s.chosen)
+        note = " (splits nothing: every rank of the axis computes the same)" if idle else ""
+        layouts.append((label, s.solution.time_s, f"{s.solution.memory / 2**20:.2f} MiB{note}"))
     if not found and smallest is not None:
         raise ValueError(f"memory_budget={budget:.0f} bytes per rank is below the smallest predicted footprint of "
                          f"any layout, {smallest:.0f} bytes; raise the budget, add ranks, or use sw.zero")
