@@ -25,7 +25,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
-from .model_build import build_model, check_replicate, check_tp, resolve_hf
+from .model_build import HF_REPLICABLE, build_model, check_tp, hf_of, resolve_hf
 
 
 _SECTIONS = {f.name: f for f in fields(Config)}
@@ -277,11 +277,16 @@ REPLICABLE = {"wte": "wte", "lm_head": "ln_f"}
 """``parallel.replicate`` names → the planner's layer that holds the module (the head layer is ``ln_f``)."""
 
 
+def replicable(model: ModelConfig) -> dict[str, str]:
+    """``REPLICABLE`` of the GPT, or of the HF decoder of ``model.hf_config`` (``model.embed_tokens``, ``lm_head``)."""
+    return HF_REPLICABLE if hf_of(model) is not None else REPLICABLE
+
+
 def replicated_modules(config: Config) -> set[str]:
-    """The GPT modules ``parallel.replicate`` keeps whole on every tp rank: the named ones, and with
+    """The modules ``parallel.replicate`` keeps whole on every tp rank: the named ones, and with
     ``model.tie_weights`` their partner (one weight, split alike in both uses)."""
     names = set(config.parallel.replicate)
-    return {"wte", "lm_head"} if names and config.model.tie_weights else names
+    return set(replicable(config.model)) if names and config.model.tie_weights else names
 
 
 def _positive(*pairs: tuple[str, int]) -> None:
@@ -297,12 +302,12 @@ def _check_strategies(config: Config) -> None:
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
         check_tp(m, p.tp)
-    check_replicate(m, p.replicate)
-    unknown = [name for name in p.replicate if name not in REPLICABLE]
+    allowed = replicable(m)
+    unknown = [name for name in p.replicate if name not in allowed]
     if unknown:
         raise ValueError(f"parallel.replicate = {list(p.replicate)}: {unknown} cannot be kept whole; the modules "
-                         f"tensor parallelism splits that may stay data-parallel are {list(REPLICABLE)} (tied: "
-                         f"either keeps both whole), e.g. --parallel.replicate wte")
+                         f"tensor parallelism splits that may stay data-parallel are {list(allowed)} (tied: "
+                         f"either keeps both whole), e.g. --parallel.replicate {next(iter(allowed))}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3; e.g. --parallel.zero_stage 1 "
                          f"(0 = plain data parallelism)")

@@ -22,7 +22,7 @@ from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "attention_width", "model_spec", "hf_fields",
            "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
-           "check_tp", "check_replicate"]
+           "check_tp", "HF_REPLICABLE"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -142,8 +142,5 @@ def check_tp(m: ModelConfig, tp: int) -> None:
                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
 
 
-def check_replicate(m: ModelConfig, names: tuple[str, ...]) -> None:
-    """``parallel.replicate`` is the GPT's (``wte``, ``lm_head``): refused for an HF decoder."""
-    if names and hf_of(m) is not None:
-        raise ValueError(f"parallel.replicate = {list(names)} is not supported with model.hf_config (an HF decoder's "
-                         f"embedding and head are always vocabulary-parallel under tp); drop parallel.replicate")
+HF_REPLICABLE = {"model.embed_tokens": "embed_tokens", "lm_head": "norm"}
+"""An HF decoder's ``parallel.replicate`` names → the planner's Llama layer that holds the module."""

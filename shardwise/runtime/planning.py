@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..planner import Hardware, Plan
 from ..planner.search import SearchResult, search
-from .config import REPLICABLE, Config, validate
+from .config import REPLICABLE, Config, replicable, validate
 from .model_build import model_spec, planner_split_names, train_split_names
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "plan_config", "apply_plan", "PIN_FIELDS"]
@@ -128,10 +128,13 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     pins.setdefault("precision", cfg.train.precision)
     if "pp_split" in pins:  # train's unit names → the planner's layer names (an HF decoder's differ)
         pins["pp_split"] = planner_split_names(cfg.model, tuple(pins["pp_split"]))
+    names = replicable(cfg.model)  # module pins: train's names → the planner's layers (pins_from_flags knows the GPT's)
+    if "modules" in pins:
+        pins["modules"] = {names.get(name, name): value for name, value in pins["modules"].items()}
     result = search(model_spec(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
                     memory_margin=memory_margin, top=top)
     # module pins run as parallel.replicate (train's names); a pin train cannot run is refused there
-    layers = {layer: module for module, layer in REPLICABLE.items()}
+    layers = {layer: module for module, layer in names.items()}
     replicate = tuple(sorted({layers.get(name, name) for name in pins.get("modules", {})}))
     fields = []
     for p in result:

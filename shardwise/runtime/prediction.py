@@ -212,12 +212,12 @@ def predict_launch(cfg: Config, *, device: str, nproc: int) -> tuple[Prediction,
 def gpt_spec(cfg: Config) -> ModelSpec:
     """The planner's spec of ``cfg``'s model (the GPT, or the Llama shape of ``model.hf_config``), with the modules
     ``parallel.replicate`` keeps whole."""
-    from .config import REPLICABLE, replicated_modules
+    from .config import replicable, replicated_modules
     from .model_build import model_spec
 
     spec = model_spec(cfg.model)
     whole = replicated_modules(cfg)
-    return spec.replicate(sorted(REPLICABLE[name] for name in whole)) if whole else spec
+    return spec.replicate(sorted(replicable(cfg.model)[name] for name in whole)) if whole else spec
 
 
 def _states(memory: dict[str, Any]) -> float:

@@ -132,7 +132,7 @@ def test_layout_checks_know_the_hf_shape(tmp_path):
     hf = {"model.hf_config": str(LLAMA)}  # 4 query heads, 2 key/value heads
     with pytest.raises(ValueError, match=r"parallel.tp = 4 must divide num_key_value_heads = 2 .* \[1, 2\]"):
         validate(load_config(overrides={**hf, "parallel.tp": "4", "parallel.nproc": "4"}))
-    with pytest.raises(ValueError, match="parallel.replicate = \\['wte'\\] is not supported with model.hf_config"):
+    with pytest.raises(ValueError, match=r"\['wte'\] cannot be kept whole; .* \['model.embed_tokens', 'lm_head'\]"):
         validate(load_config(overrides={**hf, "parallel.tp": "2", "parallel.replicate": "wte"}))
     with pytest.raises(ValueError, match="sliding_window = 16 is shorter than model.block_size = 64"):
         load_config(overrides={"model.hf_config": str(write(tmp_path, {**BASE, "model_type": "mistral",
@@ -155,3 +155,17 @@ def test_a_checkpoint_from_before_hf_config_resumes_under_the_same_model():
     assert "hf_config" not in old
     assert saved_model(old) == dataclasses.asdict(load_config().model)
     assert saved_model(old) != dataclasses.asdict(load_config(overrides={"model.hf_config": str(LLAMA)}).model)
+
+
+def test_replicate_names_the_hf_modules():
+    from shardwise.runtime.config import replicated_modules
+    from shardwise.runtime.prediction import gpt_spec
+
+    llama = validate(load_config(overrides={"model.hf_config": str(LLAMA), "parallel.tp": "2",
+                                            "parallel.replicate": "model.embed_tokens", "parallel.nproc": "2"}))
+    assert replicated_modules(llama) == {"model.embed_tokens"}  # untied: the head stays vocabulary-parallel
+    assert [layer.name for layer in gpt_spec(llama).layers if layer.replicated] == ["embed_tokens"]
+    qwen2 = validate(load_config(overrides={"model.hf_config": str(QWEN2), "parallel.tp": "2",
+                                            "parallel.replicate": "lm_head", "parallel.nproc": "2"}))
+    assert replicated_modules(qwen2) == {"model.embed_tokens", "lm_head"}  # tied: one weight, both whole
+    assert {layer.name for layer in gpt_spec(qwen2).layers if layer.replicated} == {"embed_tokens", "norm"}
