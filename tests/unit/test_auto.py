@@ -221,3 +221,19 @@ def test_planner_hardware_preset_is_accepted():
     torch.manual_seed(0)
     plan = sw.auto(TinyLlama(), TP2, _ids(), hardware=sw.planner.Hardware.preset("a100-80g-sxm"))
     assert plan.time_s is not None and plan.time_s > 0
+
+
+def test_reference_gpt_gets_its_hand_written_plan():
+    """The project's GPT carries a hand-written Megatron plan (fused qkv by whole heads, tied vocabulary-parallel
+    embedding and head); sw.auto finds the same one, and a pin that breaks the tie is refused."""
+    from shardwise.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=1024, block_size=64, n_layer=2, n_head=8, n_embd=512)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ids = (torch.randint(0, 1024, (4, 64)),)
+    plan = sw.auto(model, TP2, ids)
+    assert dict(plan) == cfg.tensor_parallel_plan() and plan.vocab_parallel_loss
+    with pytest.raises(ValueError, match="share parameters") as info:
+        sw.auto(model, TP2, ids, pins={"wte": "B", "lm_head": "vocab"})
+    assert "\n" not in str(info.value)  # tied: one table, one layout

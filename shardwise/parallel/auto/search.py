@@ -89,6 +89,11 @@ def search(graph: Graph, parents: dict[str, nn.Module], cm: CostModel, pins: dic
     if why is not None:
         raise PinError(why)
     groups = tie_groups(graph)
+    for g in groups:
+        pinned = {graph.nodes[i].name: pins[i].kind for i in g if i in pins}
+        if len(set(pinned.values())) > 1:
+            raise PinError(f"pins give modules that share parameters (tied weights or one module called twice) "
+                           f"different layouts {pinned}; pin them alike")
     per_group = [sorted(set.intersection(*({o.kind for o in opts[i].options} for i in g))) for g in groups]
     combos: Sequence[tuple[str, ...]] = list(itertools.product(*per_group))
     exact = len(combos) <= MAX_TIE_COMBOS

@@ -92,6 +92,7 @@ class _Tracer(TorchFunctionMode):
         self.nodes: list[Node] = []
         self.source: dict[int, int] = {}  # id(tensor) -> node index
         self.alive: list[torch.Tensor] = []  # keeps stamped tensors alive so their ids stay unique
+        self.inside = 0  # > 0 while a unit runs: its internals are its own business (no stamps, no joins)
 
     def stamp(self, tensors: Iterable[torch.Tensor], node: int) -> None:
         for t in tensors:
@@ -112,6 +113,8 @@ class _Tracer(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.inside:
+            return out
         preds = self.sources((args, kwargs))
         if len(preds) == 1:
             self.stamp(_tensors(out), preds[0])
@@ -142,9 +145,11 @@ def trace_graph(model: nn.Module, example_inputs: Any) -> Graph:
     for name, mod in units.items():
         def pre(_m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
             tracer._pending = (tracer.sources((args, kwargs)), _tensors((args, kwargs)))  # type: ignore[attr-defined]
+            tracer.inside += 1
 
         def post(m: nn.Module, _a: Any, _k: Any, out: Any, name: str = name) -> None:
             preds, ins = tracer._pending  # type: ignore[attr-defined]
+            tracer.inside -= 1
             in_shape = tuple(ins[0].shape) if ins else ()
             tracer.add("module", name, preds, out, in_shape=in_shape, module=m)
         hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
