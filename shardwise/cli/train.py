@@ -194,6 +194,10 @@ def _check_data(cfg: Config) -> None:
                          f"model.block_size={cfg.model.block_size}, fewer than one step's data.global_batch="
                          f"{cfg.data.global_batch}; use more data or a smaller global batch / block size")
     top = int(tokens.to(torch.int32).max()) if tokens.numel() else 0  # uint16 has no max kernel
+    if top >= cfg.model.vocab_size and cfg.model.hf_config:
+        raise ValueError(f"data.path = {cfg.data.path!r} contains token id {top} but model.hf_config's vocab_size = "
+                         f"{cfg.model.vocab_size}; use data tokenized for that model, or a config.json with vocab_size "
+                         f">= {top + 1}")
     if top >= cfg.model.vocab_size:
         raise ValueError(f"data.path = {cfg.data.path!r} contains token id {top} but model.vocab_size = "
                          f"{cfg.model.vocab_size}; set --model.vocab_size {top + 1} or larger")

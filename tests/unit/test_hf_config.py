@@ -169,3 +169,15 @@ def test_replicate_names_the_hf_modules():
                                             "parallel.replicate": "lm_head", "parallel.nproc": "2"}))
     assert replicated_modules(qwen2) == {"model.embed_tokens", "lm_head"}  # tied: one weight, both whole
     assert {layer.name for layer in gpt_spec(qwen2).layers if layer.replicated} == {"embed_tokens", "norm"}
+
+
+def test_data_beyond_the_hf_vocabulary_is_refused(tmp_path):
+    import numpy as np
+
+    from shardwise.cli.train import _check_data
+
+    data = tmp_path / "tokens.bin"
+    np.arange(0, 400, dtype=np.uint16).repeat(8).tofile(data)  # token ids up to 399; the example's vocabulary: 256
+    cfg = load_config(overrides={"model.hf_config": str(LLAMA), "data.path": str(data), "data.global_batch": "2"})
+    with pytest.raises(ValueError, match=r"token id 399 but model.hf_config's vocab_size = 256; use data tokenized"):
+        _check_data(cfg)
