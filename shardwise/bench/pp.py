@@ -117,7 +117,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``-n`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    return run_bench("pp", args, validate=_validate, worker=_run_worker)
+    return run_bench("pp", args, validate=_validate, worker=_dispatch)
 
 
 def output_path(path: str, name: str, names: list[str]) -> str:
@@ -129,10 +129,15 @@ def output_path(path: str, name: str, names: list[str]) -> str:
 
 
 # -- inside a rank ----------------------------------------------------------------------------------
-def _run_worker(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace) -> int:
+    """One rank: the GPT comparison, or with ``--hf`` a transformers decoder's (``pp_hf.py``)."""
     if args.hf:
         from .pp_hf import run_hf
         return run_hf(args)
+    return _run_worker(args)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
     import shardwise as sw
 
     from ..models.gpt import GPT, lm_loss, synthetic_batch

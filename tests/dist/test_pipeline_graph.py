@@ -24,10 +24,17 @@ CASES = {
     2: [
         dict(model="toy", schedule="1f1b", m=2),
         dict(model="toy", schedule="zb-h1", m=2, loss_fn=True),  # loss_fn on the dataclass output
+        # both architectures under every schedule
         dict(model="llama", schedule="gpipe", m=2),
+        dict(model="llama", schedule="1f1b", m=4, split=["model.layers.1"]),
+        dict(model="llama", schedule="interleaved", m=2, chunks=2),
+        dict(model="llama", schedule="zb-h1", m=2),
         dict(model="llama", schedule="zb-h2", m=4, split=["model.layers.3"]),
+        dict(model="qwen2", schedule="gpipe", m=2, checkpoint=True),
+        dict(model="qwen2", schedule="1f1b", m=2),
         dict(model="qwen2", schedule="interleaved", m=2, chunks=2),
         dict(model="qwen2", schedule="zb-h1", m=2, checkpoint=True),
+        dict(model="qwen2", schedule="zb-h2", m=4),
     ],
     4: [
         dict(model="llama", schedule="1f1b", m=2, dp=2),
