@@ -20,7 +20,7 @@ class ModelConfig(GPTConfig):
     """The ``[model]`` section: the reference GPT's own config (its fields, defaults, docstrings and shape checks
     live in ``shardwise.models.gpt``) plus ``hf_config``. With ``hf_config`` set, the model is the Llama-family
     decoder of that file (``shardwise.models.llama``) and ``vocab_size``, ``n_layer``, ``n_head``, ``n_embd``,
-    ``tie_weights``, ``bias`` and ``dropout`` are filled from it (``config.resolve_hf``); ``block_size`` stays the
+    ``tie_weights``, ``bias`` and ``dropout`` are filled from it (``model_build.resolve_hf``); ``block_size`` stays the
     training sequence length. ``runtime/model_build.py`` builds either model."""
 
     hf_config: str = ""

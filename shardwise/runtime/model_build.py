@@ -43,7 +43,7 @@ def hf_of(m: ModelConfig) -> HFDecoderConfig | None:
 
 
 def hf_fields(hf: HFDecoderConfig) -> dict[str, Any]:
-    """The ``[model]`` fields an HF config decides (``config.resolve_hf`` fills them in)."""
+    """The ``[model]`` fields an HF config decides (``resolve_hf`` fills them in)."""
     return {"vocab_size": hf.vocab_size, "n_layer": hf.num_hidden_layers, "n_head": hf.num_attention_heads,
             "n_embd": hf.hidden_size, "tie_weights": hf.tie_word_embeddings,
             "bias": hf.qkv_bias or hf.o_bias or hf.mlp_bias, "dropout": hf.attention_dropout}
