@@ -1,8 +1,8 @@
 """The search space as plain data (``Space``), pins, and the candidates with their lower bounds.
 
 A candidate is a ``Plan`` plus two bounds that need no pipeline simulation: ``memory_lb`` (the first
-pipeline rank with the fewest activation sets any schedule holds there — ``min(m, p)``, gpipe ``m × chunks``)
-and ``time_lb`` (``pipeline_cost.flush_lower_bound`` × flushes + the optimizer). Both come from the same layer
+pipeline rank with the activation sets its schedule holds there at the peak, ``first_rank_in_flight``: for an
+interleaved schedule many more than ``p``, which prunes those plans before they are simulated) and ``time_lb`` (``pipeline_cost.flush_lower_bound`` × flushes + the optimizer). Both come from the same layer
 costs ``predict`` uses (memoised in the search's cache), so ``time_lb ≤ predict(...).step_time_s`` and
 ``memory_lb ≤ predict(...).memory.total`` hold by construction (tested).
 """
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from .hardware import Hardware
 from .memory import local_params, rank_memory, rank_parts
-from .pipeline_cost import balance_minmax, flush_lower_bound
+from .pipeline_cost import balance_minmax, first_rank_in_flight, flush_lower_bound
 from .plan import CHECKPOINTING, SCHEDULES, Plan
 from .predict import (_bucket_cap, _dp_comm, _hardware_for, _optimizer, fold_transfers, layer_costs, shares_cores,
                       stage_sums)
@@ -77,6 +77,11 @@ class Candidate:
     plan: Plan
     time_lb: float
     memory_lb: float
+    """Pipeline rank 0's memory with the activation sets its schedule holds there at the peak."""
+    memory_floor: float = 0.0
+    """Rank 0's memory with the fewest activation sets any schedule holds (``min(m, p)``, gpipe ``m × chunks``):
+    the micro-batch early stop and the closest-plan report rank by it (they did before ``memory_lb`` counted
+    the schedule's own peak, and their results stay as they were)."""
 
 
 @dataclass
@@ -268,7 +273,7 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
                         activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
             cand = _bounds(spec, plan, hw, per_layer, runtime, cache, budget)
             pool.total += 1
-            least = min(least, cand.memory_lb)
+            least = min(least, cand.memory_floor)
             if cand.memory_lb > budget:
                 _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
                       f"{plan.describe()}: ≥ {cand.memory_lb / 1e9:.2f} GB", need=cand.memory_lb)
@@ -315,10 +320,11 @@ def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], run
     """The candidate's bounds; a plan whose memory bound is over ``budget`` gets ``time_lb`` 0 (never predicted,
     so its time is not worth bounding)."""
     stages, starts, ranks, rank_layers, n_local, tensors = _shape(spec, plan, cache)
-    memory_lb = _memory_bound(plan, hw, stages, ranks, rank_layers, cache)
+    memory_lb, floor = _memory_bound(plan, hw, stages, ranks, rank_layers, cache)
     if memory_lb > budget:
-        return Candidate(plan=plan, time_lb=0.0, memory_lb=memory_lb)
-    return Candidate(plan=plan, time_lb=_time_bound(spec, plan, hw, per_layer, runtime, cache), memory_lb=memory_lb)
+        return Candidate(plan=plan, time_lb=0.0, memory_lb=memory_lb, memory_floor=floor)
+    return Candidate(plan=plan, time_lb=_time_bound(spec, plan, hw, per_layer, runtime, cache), memory_lb=memory_lb,
+                     memory_floor=floor)
 
 
 def _time_bound(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict) -> float:
@@ -349,18 +355,25 @@ def _time_bound(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any],
     return plan.grad_accum * cache[flush_key] + opt + cache[dp_key]
 
 
-def _memory_bound(plan: Plan, hw: Hardware, stages: list, ranks: list, rank_layers: list, cache: dict) -> float:
-    """The first pipeline rank's memory with the fewest activation sets any schedule holds there."""
+def _memory_bound(plan: Plan, hw: Hardware, stages: list, ranks: list, rank_layers: list,
+                  cache: dict) -> tuple[float, float]:
+    """``(memory_lb, memory_floor)`` of the candidate (see ``Candidate``): rank 0's memory with the activation
+    sets its schedule holds at the peak (``first_rank_in_flight``, what ``predict`` counts there) and with the
+    fewest any schedule holds."""
     m = plan.microbatches if plan.pp > 1 else 1
-    held = m * plan.chunks if plan.schedule == "gpipe" else min(m * plan.chunks, plan.pp)
+    fewest = m * plan.chunks if plan.schedule == "gpipe" else min(m * plan.chunks, plan.pp)
     if plan.pp == 1:
-        held = 1
+        fewest = 1
+    held = first_rank_in_flight(plan.schedule, plan.pp, m, plan.chunks)
     parts_key = ("mem_parts", plan.tp, plan.pp, plan.chunks, plan.pp_split, plan.micro_batch,
                  plan.activation_checkpointing, plan.sequence_parallel, plan.precision)
     if parts_key not in cache:
         cache[parts_key] = rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan)
-    mem_key = (parts_key, plan.zero_stage, plan.dp, held)
-    if mem_key not in cache:
-        cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], held, plan, hw.memory_bytes,
-                                     bucket_cap=_bucket_cap(plan), parts=cache[parts_key]).total
-    return cache[mem_key]
+    out = []
+    for sets in (held, fewest):
+        mem_key = (parts_key, plan.zero_stage, plan.dp, sets)
+        if mem_key not in cache:
+            cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan, hw.memory_bytes,
+                                         bucket_cap=_bucket_cap(plan), parts=cache[parts_key]).total
+        out.append(cache[mem_key])
+    return out[0], out[1]

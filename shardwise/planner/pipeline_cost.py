@@ -22,7 +22,7 @@ from ..parallel.pipeline.stage import balance_by_params
 from .flush_sim import fast_simulate
 from .layers import Layer
 
-__all__ = ["split_stages", "split_at", "Flush", "simulate_flush", "flush_lower_bound"]
+__all__ = ["split_stages", "split_at", "Flush", "simulate_flush", "flush_lower_bound", "first_rank_in_flight"]
 
 
 def split_stages(layers: Sequence[Layer], stages: int, weights: Sequence[float] | None = None) -> list[list[Layer]]:
@@ -112,6 +112,10 @@ class Flush:
     """Activation sets (one chunk × one micro-batch) each rank holds at its peak."""
 
 
+_CAP = 4
+"""Micro-batches simulated per flush, in units of ``p`` (longer flushes extend the steady state by its period)."""
+
+
 def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float], B: Sequence[float],
                    W: Sequence[float], comm: Sequence[float]) -> Flush:
     """Time of one flush of ``m`` micro-batches; ``F``, ``B``, ``W`` per stage (``p × chunks``), ``comm`` per
@@ -119,7 +123,7 @@ def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float
     if p == 1:
         per = sum(F) + sum(B) + sum(W)
         return Flush(time=m * per, busy=(m * per,), in_flight=(1,))
-    cap = 4 * p
+    cap = _CAP * p
     run = lambda k: fast_simulate(_schedule(schedule, p, k, chunks), F, B, W, comm)  # noqa: E731
     makespan, busy0, peaks = run(min(m, cap))
     per_rank = [sum(F[s] + B[s] + W[s] for s in range(r, p * chunks, p)) for r in range(p)]
@@ -134,6 +138,23 @@ def simulate_flush(schedule: str, p: int, m: int, chunks: int, F: Sequence[float
     busy = tuple(b + extra * w for b, w in zip(busy0, per_rank))
     held = tuple(m * chunks if schedule == "gpipe" else k for k in peaks)
     return Flush(time=time, busy=busy, in_flight=held)
+
+
+def first_rank_in_flight(schedule: str, p: int, m: int, chunks: int) -> int:
+    """``simulate_flush(...).in_flight[0]`` without building the schedule: the activation sets pipeline rank 0
+    holds at its peak (the search's memory bound needs it for thousands of plans; tested equal to the
+    simulation). Rank 0 starts with the most warm-up forwards of any rank in every schedule here."""
+    if p == 1:
+        return 1
+    if schedule == "gpipe":
+        return m * chunks
+    k = min(m, _CAP * p)  # the flush ``simulate_flush`` counts its peaks on
+    if schedule in ("1f1b", "zb-h1"):
+        return min(p, k)  # p - 1 warm-up forwards, then one more before the first backward (or weight gradient)
+    if schedule == "zb-h2":
+        return min(2 * p - 1, k)  # 2p - 1 warm-up forwards; each steady B W F frees one set and takes one
+    total = k * chunks  # interleaved: Megatron's warm-up, then one forward before the first backward
+    return total if k == p else min(2 * (p - 1) + (chunks - 1) * p + 1, total)
 
 
 _SCHEDULE_CACHE: dict[tuple[str, int, int, int], object] = {}

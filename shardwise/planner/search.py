@@ -8,7 +8,8 @@ tp within a node (unless pinned), tp dividing the model's heads/widths, stages �
 
 Branch and bound, not blind enumeration (``enumerate.py`` lists the candidates, ``groups.py`` makes them on
 demand): groups of candidates that share their layer costs are bounded first and expanded only while their
-bound beats the K-th best plan so far; every candidate gets cheap lower bounds — memory with one activation set in flight (gpipe: all of them), time from the flush bound of
+bound beats the K-th best plan so far; every candidate gets cheap lower bounds — memory of the first pipeline
+rank with the activation sets its schedule holds there, time from the flush bound of
 ``pipeline_cost.flush_lower_bound`` — from layer costs memoised per (tp, micro-batch, recomputation, sp).
 Candidates whose memory bound exceeds the budget are pruned; the rest are predicted in order of their time
 bound, and the search stops once the next bound is slower than the K-th best plan found.
@@ -170,7 +171,7 @@ def _raise_infeasible(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batc
                          f"pins, the device count or the global batch")
     # the closest plan: smallest predicted peak among the candidates with the smallest memory bounds
     closest = min((predict(spec, c.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
-                   for c in sorted(everything, key=lambda c: c.memory_lb)[:16]), key=lambda p: p.memory.total)
+                   for c in sorted(everything, key=lambda c: c.memory_floor)[:16]), key=lambda p: p.memory.total)
     mem = closest.memory
     raise NoFeasiblePlan(
         f"model {spec.name!r} fits no layout on {devices} devices of {hw.memory_bytes / 1e9:.1f} GB (budget "
