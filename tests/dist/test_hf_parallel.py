@@ -27,9 +27,10 @@ def test_tp2_collective_pattern(worlds):
     # each hidden-state all-reduce moves the whole (b, t, h) fp32 activation; the loss's: (b·t) maxima, then the
     # (b·t) sums of exponentials with the (b·t) target logits
     assert fwd_bytes == F32 * batch * seq * (H * (1 + 2 * L) + 3), fwd_bytes
-    # backward: the input gradient of every column-parallel layer (q, k, v, gate, up: each is its own Linear, as
-    # HF names them, so 5 per layer, where a fused qkv and gate_up would need 2) and the LM head's input
-    assert bwd == {"all_reduce": 5 * L + 1}
+    # backward: the input gradient of each group of column-parallel layers reading one tensor — q, k, v (three
+    # Linears, as HF names them) share one all-reduce, gate and up another: 2 per layer, as Megatron's fused
+    # qkv and gate_up — and the LM head's input
+    assert bwd == {"all_reduce": 2 * L + 1}
 
 
 @pytest.mark.parametrize("schedule, split", [("1f1b", None), ("zb-h1", ["model.layers.1"]),

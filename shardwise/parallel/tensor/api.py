@@ -90,7 +90,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
         _apply(model, name, modules[name], style, ctx, shared, partial)
     ctx.regions = build_regions(model, partial, mesh, axis, algorithm)
     model.register_forward_pre_hook(lambda *_: _enter(ctx))
-    model.register_forward_hook(lambda *_: rng.leave_split(), always_call=True)
+    model.register_forward_hook(lambda *_: _leave(ctx), always_call=True)
     setattr(model, _MARK, ctx)
     model.full_state_dict = types.MethodType(_full_state_dict, model)  # type: ignore[method-assign]
     return model
@@ -99,12 +99,19 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
 def _enter(ctx: TPContext) -> None:
     """The root's forward pre-hook: start the forward in the right RNG region and put the regions' swap-in
     hooks behind any pre-hook added since ``parallelize`` (ZeRO-3's gathers). Local."""
+    ctx.forget_input()
     if ctx.sequence_parallel:
         ctx.rng.enter_split()
     else:
         ctx.rng.leave_split()
     for region in ctx.regions:
         region.hooks_last()
+
+
+def _leave(ctx: TPContext) -> None:
+    """The root's forward hook (returns None: a value would replace the model's output)."""
+    ctx.rng.leave_split()
+    ctx.forget_input()
 
 
 def _check_call(model: nn.Module, mesh: Mesh, axis: str) -> None:

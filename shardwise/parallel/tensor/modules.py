@@ -8,6 +8,7 @@ Shapes: ``b`` batch, ``t`` sequence, ``t_r`` this rank's sequence slice, ``i``/`
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,8 @@ class TPContext:
     """The sequence-parallel gradient regions (``grad_regions.GradRegion``), in module order."""
     algorithm: str = "native"
     """Implementation of every tp collective (``comm``: native, ring, tree, shm or auto)."""
+    last_input: tuple | None = field(default=None, repr=False)
+    """(weakref to a column layer's input, (version, grad mode), its conversion): see ``gather_input``."""
 
     def sbp(self, dim: int | None) -> list:
         """One placement per mesh axis: ``Split(dim)`` on the tp axis (B when ``dim`` is None), B elsewhere."""
@@ -54,11 +57,28 @@ class TPContext:
 
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:
         """Input of a column-parallel layer: B (identity; backward all-reduce) or S(seq) → B (all-gather;
-        backward reduce-scatter)."""
+        backward reduce-scatter).
+
+        Column layers that read the same tensor one after the other (separate q, k, v projections of one
+        normed input; a SwiGLU's gate and up) share one conversion: autograd then sums their input gradients
+        locally and backward runs ONE all-reduce (or reduce-scatter) for the group, as for Megatron's fused
+        qkv — not one per layer. The last conversion is kept for the next call only when it is the same
+        tensor, unchanged since (``_version``), under the same grad mode; ``forget_input`` drops it at the
+        model's forward boundaries."""
+        key = (x._version, torch.is_grad_enabled())
+        last = self.last_input
+        if last is not None and last[0]() is x and last[1] == key:
+            return last[2]
         if self.sequence_parallel:
-            return cag.allgather_reducescatter(x, self.mesh, self.axis, dim=SEQ_DIM, sizes=self.seq_sizes,
-                                               algorithm=self.algorithm)
-        return cag.identity_allreduce(x, self.mesh, self.axis, algorithm=self.algorithm)
+            y = cag.allgather_reducescatter(x, self.mesh, self.axis, dim=SEQ_DIM, sizes=self.seq_sizes,
+                                            algorithm=self.algorithm)
+        else:
+            y = cag.identity_allreduce(x, self.mesh, self.axis, algorithm=self.algorithm)
+        self.last_input = (weakref.ref(x), key, y)
+        return y
+
+    def forget_input(self) -> None:
+        self.last_input = None
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Partial output: P → B (all-reduce; backward identity) or P → S(seq) (reduce-scatter; backward
