@@ -12,14 +12,13 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from .bounds import memory_bounds, option_of, time_bound
 from .hardware import Hardware
-from .memory import local_params, rank_memory, rank_parts
-from .pipeline_cost import balance_minmax, first_rank_in_flight, flush_lower_bound
+from .pipeline_cost import balance_minmax
 from .plan import CHECKPOINTING, SCHEDULES, Plan
-from .predict import (_bucket_cap, _dp_comm, _hardware_for, _optimizer, fold_transfers, layer_costs, shares_cores,
-                      stage_sums)
+from .predict import _hardware_for, layer_costs
 from .spec import ModelSpec
 
 __all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors", "layouts", "variants"]
@@ -64,11 +63,14 @@ class Region:
     """Memory regions: the least memory any of their candidates needs (a lower bound)."""
 
 
-def _note(regions: dict[str, Region], reason: str, count: int, example: str, need: float = float("inf")) -> None:
+def _note(regions: dict[str, Region], reason: str, count: int, example: str | Callable[[], str],
+          need: float = float("inf")) -> None:
+    """Count ``count`` candidates under ``reason``; ``example`` (or a function making it, called only when the
+    example is kept) names the one needing the least memory."""
     region = regions.setdefault(reason, Region(reason=reason))
     region.count += count
     if need < region.need_bytes or not region.example:
-        region.example = example
+        region.example = example() if callable(example) else example
         region.need_bytes = min(region.need_bytes, need)
 
 
@@ -252,6 +254,13 @@ def note_mb_stop(regions: dict, *, tp: int, pp: int, dp: int, ckpt: str, mb: int
                         f"{least / 1e9:.2f} GB", need=least)
 
 
+def note_over_memory(regions: dict, tp: int, pp: int, plan: Callable[[], Plan], need: float) -> None:
+    """Count one candidate whose memory bound ``need`` is over the budget; ``plan`` makes it (called only when
+    it becomes the region's example)."""
+    _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
+          lambda: f"{plan().describe()}: ≥ {need / 1e9:.2f} GB", need=need)
+
+
 _MB_STOP = 1.25
 """How far over the budget a micro-batch's least memory must be before larger micro-batches are skipped (the
 margin covers a time-balanced cut that moves a layer between micro-batch sizes)."""
@@ -259,8 +268,9 @@ margin covers a time-balanced cut that moves a layer between micro-batch sizes).
 
 def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: int, pp: int, dp: int, per: int,
                mb: int, ckpt: str, sp: bool, zeros: list[int], pins: dict[str, Any], space: Space, precision: str,
-               budget: float, runtime: str, cache: dict) -> float:
-    """The candidates of one micro-batch size; returns the least memory bound among them."""
+               budget: float, runtime: str, cache: dict, note: bool = True) -> float:
+    """The candidates of one micro-batch size; returns the least memory floor among them. ``note``: count the
+    ones over the budget in ``regions`` (``groups.LazyPool`` counted them when it bounded the group)."""
     base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
                 precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
@@ -275,8 +285,8 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
             pool.total += 1
             least = min(least, cand.memory_floor)
             if cand.memory_lb > budget:
-                _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
-                      f"{plan.describe()}: ≥ {cand.memory_lb / 1e9:.2f} GB", need=cand.memory_lb)
+                if note:
+                    note_over_memory(regions, tp, pp, lambda: cand.plan, cand.memory_lb)
                 pool.over_memory.append(cand)
             else:
                 pool.feasible.append(cand)
@@ -298,82 +308,13 @@ def _split(spec: ModelSpec, per_layer: list[Any], n_stages: int, space: Space, p
     return cache[ck]
 
 
-def _shape(spec: ModelSpec, plan: Plan, cache: dict) -> tuple:
-    """Stages, their first layer indices, each pipeline rank's layers, and the largest rank's local parameters
-    and tensor count (memoised per tp, pp, chunks, split)."""
-    from .predict import stages_of
-
-    key = ("shape", plan.tp, plan.pp, plan.chunks, plan.pp_split)
-    if key not in cache:
-        stages = stages_of(spec, plan)
-        starts = [sum(len(st) for st in stages[:i]) for i in range(len(stages))]
-        ranks = [[s for s in range(len(stages)) if s % plan.pp == r] for r in range(plan.pp)]
-        rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(plan.pp)]
-        n_local = max(sum(local_params(layer, plan.tp) for layer in rl) for rl in rank_layers)
-        tensors = max(len(rl) for rl in rank_layers) * 12
-        cache[key] = (stages, starts, ranks, rank_layers, n_local, tensors)
-    return cache[key]
-
-
 def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict,
             budget: float = math.inf) -> Candidate:
     """The candidate's bounds; a plan whose memory bound is over ``budget`` gets ``time_lb`` 0 (never predicted,
     so its time is not worth bounding)."""
-    stages, starts, ranks, rank_layers, n_local, tensors = _shape(spec, plan, cache)
-    memory_lb, floor = _memory_bound(plan, hw, stages, ranks, rank_layers, cache)
+    opt = option_of(plan, cache)
+    memory_lb, floor = memory_bounds(spec, plan, opt, hw, cache)
     if memory_lb > budget:
         return Candidate(plan=plan, time_lb=0.0, memory_lb=memory_lb, memory_floor=floor)
-    return Candidate(plan=plan, time_lb=_time_bound(spec, plan, hw, per_layer, runtime, cache), memory_lb=memory_lb,
-                     memory_floor=floor)
-
-
-def _time_bound(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict) -> float:
-    """Flushes × the flush bound + the optimizer + the least exposed data-parallel communication."""
-    stages, starts, ranks, rank_layers, n_local, tensors = _shape(spec, plan, cache)
-    sums_key = ("sums", id(per_layer), plan.pp, plan.chunks, plan.pp_split)
-    if sums_key not in cache:
-        cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
-    fused = runtime == "megatron"
-    opt = _optimizer(plan, hw, n_local, tensors, fused=fused)
-    m = plan.microbatches if plan.pp > 1 else 1
-    flush_key = ("flush_lb", sums_key, plan.dp, plan.schedule, m)
-    if flush_key not in cache:
-        fold_key = ("fold", sums_key, plan.dp)
-        if fold_key not in cache:
-            cache[fold_key] = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=fused)
-        F, B, W, comm = cache[fold_key]
-        if shares_cores(plan, hw):
-            cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
-        else:
-            cache[flush_key] = flush_lower_bound(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
-    # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
-    # (``_dp_comm`` only decreases as forward and backward grow)
-    dp_key = ("dp_lb", n_local, plan.dp, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
-    if dp_key not in cache:
-        units = max(len(rl) for rl in rank_layers)
-        cache[dp_key] = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units)
-    return plan.grad_accum * cache[flush_key] + opt + cache[dp_key]
-
-
-def _memory_bound(plan: Plan, hw: Hardware, stages: list, ranks: list, rank_layers: list,
-                  cache: dict) -> tuple[float, float]:
-    """``(memory_lb, memory_floor)`` of the candidate (see ``Candidate``): rank 0's memory with the activation
-    sets its schedule holds at the peak (``first_rank_in_flight``, what ``predict`` counts there) and with the
-    fewest any schedule holds."""
-    m = plan.microbatches if plan.pp > 1 else 1
-    fewest = m * plan.chunks if plan.schedule == "gpipe" else min(m * plan.chunks, plan.pp)
-    if plan.pp == 1:
-        fewest = 1
-    held = first_rank_in_flight(plan.schedule, plan.pp, m, plan.chunks)
-    parts_key = ("mem_parts", plan.tp, plan.pp, plan.chunks, plan.pp_split, plan.micro_batch,
-                 plan.activation_checkpointing, plan.sequence_parallel, plan.precision)
-    if parts_key not in cache:
-        cache[parts_key] = rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan)
-    out = []
-    for sets in (held, fewest):
-        mem_key = (parts_key, plan.zero_stage, plan.dp, sets)
-        if mem_key not in cache:
-            cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan, hw.memory_bytes,
-                                         bucket_cap=_bucket_cap(plan), parts=cache[parts_key]).total
-        out.append(cache[mem_key])
-    return out[0], out[1]
+    return Candidate(plan=plan, time_lb=time_bound(spec, plan, opt, hw, per_layer, runtime, cache),
+                     memory_lb=memory_lb, memory_floor=floor)

@@ -1,0 +1,116 @@
+"""Lower bounds of one candidate's step time and memory, without a pipeline simulation.
+
+A candidate is a ``Plan``; its bounds depend on two parts of it: the pipeline option ``Option`` (schedule,
+chunks, stage split, micro-batches per flush) and everything else (dp, tp, pp, ZeRO stage, micro-batch,
+gradient accumulation, recomputation, sequence parallelism, precision), which any ``Plan`` carrying those
+fields supplies — the candidate's own, or one per ZeRO stage of a whole group (``groups.LazyPool`` bounds a
+group's options that way before it makes a ``Plan`` per candidate). Both routes run the same arithmetic, so
+a group's least bound is bit for bit its best candidate's. Everything is memoised in the search's ``cache``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .hardware import Hardware
+from .memory import local_params, rank_memory, rank_parts
+from .pipeline_cost import first_rank_in_flight, flush_lower_bound, split_at, split_stages
+from .plan import Plan
+from .predict import _bucket_cap, _dp_comm, _optimizer, fold_transfers, shares_cores, stage_sums
+from .spec import ModelSpec
+
+__all__ = ["Option", "split_id", "option_of", "shape_of", "time_bound", "memory_bounds"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """The pipeline part of a candidate: schedule, model chunks per rank, stage starts (layer names, ``()``:
+    by parameters), micro-batches per flush (1 without a pipeline), and the split's number in the search's cache
+    (``split_id``: memo keys hold it instead of the split, whose hash costs a pass over up to hundreds of names)."""
+
+    schedule: str
+    chunks: int
+    split: tuple[str, ...]
+    m: int
+    sid: int
+
+
+def split_id(split: tuple[str, ...], cache: dict) -> int:
+    """A number per distinct split (the same for equal splits) within one search's ``cache``."""
+    ids = cache.setdefault(("split ids",), {})
+    return ids.setdefault(split, len(ids))
+
+
+def option_of(plan: Plan, cache: dict) -> Option:
+    return Option(plan.schedule, plan.chunks, plan.pp_split, plan.microbatches if plan.pp > 1 else 1,
+                  split_id(plan.pp_split, cache))
+
+
+def shape_of(spec: ModelSpec, tp: int, pp: int, opt: Option, cache: dict) -> tuple:
+    """Stages, their first layer indices, each pipeline rank's stages and layers, and the largest rank's local
+    parameters and tensor count (memoised per tp, pp, chunks, split)."""
+    key = ("shape", tp, pp, opt.chunks, opt.sid)
+    if key not in cache:
+        # ``predict.stages_of``: cut at the split, else balanced by parameters
+        stages = split_at(spec.layers, opt.split) if opt.split else split_stages(spec.layers, pp * opt.chunks)
+        starts = [sum(len(st) for st in stages[:i]) for i in range(len(stages))]
+        ranks = [[s for s in range(len(stages)) if s % pp == r] for r in range(pp)]
+        rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(pp)]
+        n_local = max(sum(local_params(layer, tp) for layer in rl) for rl in rank_layers)
+        tensors = max(len(rl) for rl in rank_layers) * 12
+        cache[key] = (stages, starts, ranks, rank_layers, n_local, tensors)
+    return cache[key]
+
+
+def time_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_layer: list[Any], runtime: str,
+               cache: dict) -> float:
+    """Flushes × the flush bound + the optimizer + the least exposed data-parallel communication (``plan``
+    supplies everything but the pipeline option, see module doc)."""
+    stages, starts, ranks, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache)
+    sums_key = ("sums", id(per_layer), plan.pp, opt.chunks, opt.sid)
+    if sums_key not in cache:
+        cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
+    fused = runtime == "megatron"
+    optimizer = _optimizer(plan, hw, n_local, tensors, fused=fused)
+    m = opt.m
+    flush_key = ("flush_lb", sums_key, plan.dp, opt.schedule, m)
+    if flush_key not in cache:
+        fold_key = ("fold", sums_key, plan.dp)
+        if fold_key not in cache:
+            cache[fold_key] = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=fused)
+        F, B, W, comm = cache[fold_key]
+        if shares_cores(plan, hw):
+            cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
+        else:
+            cache[flush_key] = flush_lower_bound(opt.schedule, plan.pp, m, opt.chunks, F, B, W, comm)
+    # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
+    # (``_dp_comm`` only decreases as forward and backward grow)
+    dp_key = ("dp_lb", n_local, plan.dp, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
+    if dp_key not in cache:
+        units = max(len(rl) for rl in rank_layers)
+        cache[dp_key] = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units)
+    return plan.grad_accum * cache[flush_key] + optimizer + cache[dp_key]
+
+
+def memory_bounds(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, cache: dict) -> tuple[float, float]:
+    """``(memory_lb, memory_floor)`` (see ``enumerate.Candidate``): pipeline rank 0's memory with the activation
+    sets its schedule holds at the peak (``first_rank_in_flight``, what ``predict`` counts there) and with the
+    fewest any schedule holds (``min(m, p)``, gpipe ``m × chunks``)."""
+    stages, _, ranks, rank_layers, _, _ = shape_of(spec, plan.tp, plan.pp, opt, cache)
+    m, pp = opt.m, plan.pp
+    fewest = 1 if pp == 1 else m * opt.chunks if opt.schedule == "gpipe" else min(m * opt.chunks, pp)
+    held = first_rank_in_flight(opt.schedule, pp, m, opt.chunks)
+    parts_key = ("mem_parts", plan.tp, pp, opt.chunks, opt.sid, plan.micro_batch, plan.activation_checkpointing,
+                 plan.sequence_parallel, plan.precision)
+    if parts_key not in cache:
+        cache[parts_key] = rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan)
+    out = []
+    for sets in (held, fewest):
+        mem_key = (parts_key, plan.zero_stage, plan.dp, sets)
+        if mem_key not in cache:
+            cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan, hw.memory_bytes,
+                                         bucket_cap=_bucket_cap(plan), parts=cache[parts_key]).total
+        out.append(cache[mem_key])
+    return out[0], out[1]
