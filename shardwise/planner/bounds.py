@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .hardware import Hardware
 from .memory import local_params, rank_memory, rank_parts
@@ -21,7 +21,7 @@ from .plan import Plan
 from .predict import _bucket_cap, _dp_comm, _optimizer, fold_transfers, shares_cores, stage_sums
 from .spec import ModelSpec
 
-__all__ = ["Option", "split_id", "option_of", "shape_of", "time_bound", "memory_bounds"]
+__all__ = ["Option", "split_id", "option_of", "shape_of", "time_bound", "flush_bound", "rest_bounds", "memory_bounds"]
 
 
 @dataclass(frozen=True)
@@ -68,36 +68,57 @@ def time_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_layer
                cache: dict) -> float:
     """Flushes × the flush bound + the optimizer + the least exposed data-parallel communication (``plan``
     supplies everything but the pipeline option, see module doc)."""
-    stages, starts, ranks, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache)
+    optimizer, dp = rest_bounds(spec, plan, opt, hw, runtime, cache)
+    return plan.grad_accum * flush_bound(spec, plan, opt, hw, per_layer, runtime, cache) + optimizer + dp
+
+
+def flush_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_layer: list[Any], runtime: str,
+                cache: dict) -> float:
+    """One flush's lower bound (``pipeline_cost.flush_lower_bound``; the mean busy time where pipeline ranks
+    share a host's cores); it does not depend on the ZeRO stage or the accumulation."""
     sums_key = ("sums", id(per_layer), plan.pp, opt.chunks, opt.sid)
-    if sums_key not in cache:
-        cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
-    fused = runtime == "megatron"
-    optimizer = _optimizer(plan, hw, n_local, tensors, fused=fused)
-    m = opt.m
-    flush_key = ("flush_lb", sums_key, plan.dp, opt.schedule, m)
+    flush_key = ("flush_lb", sums_key, plan.dp, opt.schedule, opt.m)
     if flush_key not in cache:
+        stages, starts, *_ = shape_of(spec, plan.tp, plan.pp, opt, cache)
+        if sums_key not in cache:
+            cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
         fold_key = ("fold", sums_key, plan.dp)
         if fold_key not in cache:
-            cache[fold_key] = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=fused)
+            cache[fold_key] = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=runtime == "megatron")
         F, B, W, comm = cache[fold_key]
+        m = opt.m
         if shares_cores(plan, hw):
             cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
         else:
             cache[flush_key] = flush_lower_bound(opt.schedule, plan.pp, m, opt.chunks, F, B, W, comm)
+    return cache[flush_key]
+
+
+def rest_bounds(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, runtime: str,
+                cache: dict) -> tuple[float, float]:
+    """``(optimizer seconds, least exposed data-parallel seconds)`` of a step: what the largest pipeline rank's
+    parameters cost besides the flushes."""
+    _, _, _, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache)
+    fused = runtime == "megatron"
+    opt_key = ("optimizer", n_local, tensors, plan.dp, plan.zero_stage, fused)
+    if opt_key not in cache:
+        cache[opt_key] = _optimizer(plan, hw, n_local, tensors, fused=fused)
     # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
     # (``_dp_comm`` only decreases as forward and backward grow)
     dp_key = ("dp_lb", n_local, plan.dp, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
     if dp_key not in cache:
         units = max(len(rl) for rl in rank_layers)
         cache[dp_key] = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units)
-    return plan.grad_accum * cache[flush_key] + optimizer + cache[dp_key]
+    return cache[opt_key], cache[dp_key]
 
 
-def memory_bounds(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, cache: dict) -> tuple[float, float]:
-    """``(memory_lb, memory_floor)`` (see ``enumerate.Candidate``): pipeline rank 0's memory with the activation
+def memory_bounds(spec: ModelSpec, plans: Sequence[Plan], opt: Option, hw: Hardware,
+                  cache: dict) -> list[tuple[float, float]]:
+    """``(memory_lb, memory_floor)`` (see ``enumerate.Candidate``) per plan of ``plans`` (plans that differ
+    only in ZeRO stage or accumulation, under one pipeline option): pipeline rank 0's memory with the activation
     sets its schedule holds at the peak (``first_rank_in_flight``, what ``predict`` counts there) and with the
     fewest any schedule holds (``min(m, p)``, gpipe ``m × chunks``)."""
+    plan = plans[0]
     stages, _, ranks, rank_layers, _, _ = shape_of(spec, plan.tp, plan.pp, opt, cache)
     m, pp = opt.m, plan.pp
     fewest = 1 if pp == 1 else m * opt.chunks if opt.schedule == "gpipe" else min(m * opt.chunks, pp)
@@ -107,10 +128,14 @@ def memory_bounds(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, cache:
     if parts_key not in cache:
         cache[parts_key] = rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan)
     out = []
-    for sets in (held, fewest):
-        mem_key = (parts_key, plan.zero_stage, plan.dp, sets)
-        if mem_key not in cache:
-            cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan, hw.memory_bytes,
-                                         bucket_cap=_bucket_cap(plan), parts=cache[parts_key]).total
-        out.append(cache[mem_key])
-    return out[0], out[1]
+    for plan in plans:
+        pair = []
+        for sets in (held, fewest):
+            mem_key = (parts_key, plan.zero_stage, plan.dp, sets)
+            if mem_key not in cache:
+                cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan,
+                                             hw.memory_bytes, bucket_cap=_bucket_cap(plan),
+                                             parts=cache[parts_key]).total
+            pair.append(cache[mem_key])
+        out.append((pair[0], pair[1]))
+    return out

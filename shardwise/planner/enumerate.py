@@ -313,7 +313,7 @@ def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], run
     """The candidate's bounds; a plan whose memory bound is over ``budget`` gets ``time_lb`` 0 (never predicted,
     so its time is not worth bounding)."""
     opt = option_of(plan, cache)
-    memory_lb, floor = memory_bounds(spec, plan, opt, hw, cache)
+    ((memory_lb, floor),) = memory_bounds(spec, [plan], opt, hw, cache)
     if memory_lb > budget:
         return Candidate(plan=plan, time_lb=0.0, memory_lb=memory_lb, memory_floor=floor)
     return Candidate(plan=plan, time_lb=time_bound(spec, plan, opt, hw, per_layer, runtime, cache),

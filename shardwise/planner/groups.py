@@ -1,24 +1,18 @@
-"""Candidates expanded on demand: the search bounds whole groups before it bounds single plans.
+"""The search's candidates, made on demand: groups of candidates are bounded before single plans are made.
 
-A **group** is every plan of one ``(tp, pp, dp, recomputation, sequence parallelism, micro-batch)``: they share
-their layer costs and differ in ZeRO stage, schedule, chunks and gradient accumulation. Its ``time_lb`` needs
-no stage split and no schedule: a step runs ``per / mb`` micro-batches through the whole model, spread over
-``pp`` ranks at best evenly, so no pipeline rank computes less than ``per / mb × (F + B + W of the model) / pp``;
-the optimizer and the exposed data-parallel communication, both increasing in the parameters a rank holds, are
-at least those of ``1/pp`` of the model's parameters (the least over the group's ZeRO stages). Every candidate
-bound of the group (``enumerate._bounds``) is at least this (tested), so a group whose bound is no better than
-the K-th best prediction holds no plan of the top K and is never expanded. A pipeline adds its fill: rank ``r``
-starts after micro-batch 0's forward through the ``r`` stages before it (at least the ``r`` cheapest layers),
-and the slowest rank ends no earlier than the ranks' mean start plus their mean work (not on a CPU host whose
-ranks share cores: there the flush bound is the mean work alone).
+A group (``group_bounds.Group``: every plan of one ``(tp, pp, dp, recomputation, sequence parallelism,
+micro-batch)``) has two bounds (``group_bounds``): ``group_bound``, which needs neither the stage split nor
+memory, for every group when the pool is built, and ``group_least``, the exact least bound of its candidates
+whose memory bound fits. Groups are *reached* in the order of the first: the second is computed (one ``Plan``
+per ZeRO stage, no candidate made) and the group waits in a second heap on it; when it comes up there, the
+group is *expanded*: its candidates are made and predicted in the order of their own bounds. A group whose
+bound is no better than the K-th best prediction holds no plan of the top K and goes no further (at 1,024
+devices for GPT-3: ~390 groups reached, a handful expanded). The first bound is loose where it matters: the
+fast schedules of a group often do not fit (an interleaved pipeline holds many micro-batches) and what fits
+is slow, which only the second sees.
 
-That bound sees neither the stage split nor memory, and most groups it lets through hold no plan of the top K:
-their fast schedules do not fit (an interleaved pipeline holds many micro-batches) and what fits is slow. So a
-group whose bound comes up is first *reached*: ``group_least`` computes the exact least bound of its candidates
-within the memory budget (per schedule option and ZeRO stage, on one ``Plan`` per ZeRO stage, no candidate
-made), and the group waits in a second heap on that number; only when it comes up there are its candidates
-made and queued for prediction (at 1,024 devices for GPT-3: ~390 groups reached, a handful expanded). The
-micro-batch early stop is applied when a group is reached, in the order of the first bound, as before.
+The micro-batch early stop (``enumerate._MB_STOP``, as the exhaustive enumeration) is applied when a group is
+reached, in the order of the first bound.
 """
 
 from __future__ import annotations
@@ -26,45 +20,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from .bounds import Option, memory_bounds, split_id, time_bound
-from .enumerate import (_MB_STOP, Candidate, Pool, Space, _expand_mb, _note, _schedule_options, _split, layouts,
-                        note_mb_stop, note_over_memory, variants)
+from .enumerate import (_MB_STOP, Candidate, Pool, Space, _expand_mb, _note, _schedule_options, layouts,
+                        note_mb_stop, variants)
+from .group_bounds import Group, group_bound, group_least
 from .hardware import Hardware
-from .memory import local_params
-from .plan import Plan
-from .predict import _dp_comm, _hardware_for, _optimizer, layer_costs, shares_cores
+from .predict import _hardware_for
 from .spec import ModelSpec
 
 __all__ = ["Group", "LazyPool"]
 
 
-@dataclass(frozen=True, order=True)
-class Group:
-    time_lb: float
-    order: int
-    """Construction order (ties and the micro-batch early stop follow it)."""
-    tp: int = field(compare=False)
-    pp: int = field(compare=False)
-    dp: int = field(compare=False)
-    per: int = field(compare=False)
-    mb: int = field(compare=False)
-    ckpt: str = field(compare=False)
-    sp: bool = field(compare=False)
-    zeros: tuple[int, ...] = field(compare=False)
-    larger: tuple[int, ...] = field(compare=False)
-    """The family's larger micro-batches (skipped when this one is already far over the memory budget)."""
-    size: int = field(compare=False)
-
-
 @dataclass
 class LazyPool:
-    """The search's candidates, made on demand in three steps, each in the order of its lower bound: a group
-    (cheap bound, ``group_bound``) is *reached* — its options bounded exactly (``group_least``: the least
-    candidate bound within the memory budget) and its micro-batch early stop applied — then *expanded* into
-    candidates when that least bound comes up, and its candidates are predicted in the order of theirs."""
+    """The search's candidates (module doc): groups in the order of their first bound, reached groups in a heap
+    on their second, candidates in a heap on theirs."""
 
     spec: ModelSpec
     hw: Hardware
@@ -185,71 +157,3 @@ class LazyPool:
             if g.order in self.fitting:  # reached, not stopped
                 self._expand(g, pool)
         return pool.feasible + pool.over_memory
-
-
-def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], space: Space, budget: float,
-                runtime: str, cache: dict, regions: dict) -> tuple[float, float, int]:
-    """``(least time bound, least memory floor, count)`` of the group's candidates whose memory bound is within
-    ``budget`` — the same numbers ``enumerate._bounds`` gives each candidate (``bounds`` module doc), without
-    making them: one ``Plan`` per ZeRO stage and accumulation carries the fields the bounds read. The ones
-    over the budget are counted in ``regions``."""
-    precision = pins.get("precision", space.precision)
-    base = Plan(dp=g.dp, tp=g.tp, pp=g.pp, micro_batch=g.mb, activation_checkpointing=g.ckpt,
-                sequence_parallel=g.sp, precision=precision)
-    per_layer = layer_costs(spec, base, hw, cache)
-    plans: dict[tuple[int, int], Plan] = {}
-    best = least = math.inf
-    fit = 0
-    for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers)):
-        split = _split(spec, per_layer, g.pp * chunks, space, pins, cache, key=(g.tp, g.mb, g.ckpt, g.sp))
-        opt = Option(schedule, chunks, split, g.per // g.mb // accum if g.pp > 1 else 1, split_id(split, cache))
-        for zero in g.zeros:
-            plan = plans.get((zero, accum))
-            if plan is None:
-                plan = plans[zero, accum] = replace(base, zero_stage=zero, grad_accum=accum)
-            memory_lb, floor = memory_bounds(spec, plan, opt, hw, cache)
-            least = min(least, floor)
-            if memory_lb > budget:
-                note_over_memory(regions, g.tp, g.pp, lambda: _candidate(plan, opt), memory_lb)
-                continue
-            fit += 1
-            best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
-    return best, least, fit
-
-
-def _candidate(plan: Plan, opt: Option) -> Plan:
-    """The candidate ``Plan`` of a group's per-stage ``plan`` and a pipeline option (for region examples)."""
-    return replace(plan, schedule=opt.schedule, chunks=opt.chunks, pp_split=opt.split,
-                   microbatches=opt.m if plan.pp > 1 else 0)
-
-
-def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per: int, mb: int, ckpt: str, sp: bool,
-                zeros: list[int], accum: int, precision: str, runtime: str, cache: dict) -> float:
-    """The least ``time_lb`` any plan of the group can have (module doc)."""
-    base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
-                precision=precision)
-    key = ("work", tp, mb, ckpt, sp, precision)
-    if key not in cache:
-        costs = layer_costs(spec, base, hw, cache)
-        # cheapest[r]: the sum of the r cheapest layer forwards (r = 0 … layers); it does not depend on pp
-        cheapest = list(itertools.accumulate(sorted(c.F for c in costs), initial=0.0))
-        cache[key] = (sum(c.F + c.B + c.W for c in costs), cheapest)
-    work, cheapest = cache[key]
-    compute = per / mb * work / pp
-    if not shares_cores(base, hw):
-        # rank r starts after micro-batch 0's forward through the r stages before it (each at least one layer:
-        # at least the r cheapest forwards); the slowest rank ends no earlier than the ranks' mean start + work
-        compute += sum(cheapest[:pp]) / pp
-    rest_key = ("rest", tp, pp, dp, tuple(zeros), accum, precision, runtime)  # all the rest depends on
-    if rest_key not in cache:
-        n_local = sum(local_params(layer, tp) for layer in spec.layers) / pp
-        least_layers = math.ceil(len(spec.layers) / pp)
-        fused = runtime == "megatron"
-        rest = math.inf
-        for z in zeros:
-            plan = replace(base, zero_stage=z, grad_accum=accum)
-            opt = _optimizer(plan, hw, n_local, least_layers * 12, fused=fused)
-            comm = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", least_layers)
-            rest = min(rest, opt + comm)
-        cache[rest_key] = rest
-    return compute + cache[rest_key]

@@ -82,22 +82,34 @@ def layer_costs(spec: ModelSpec, plan: Plan, hw: Hardware, cache: dict | None = 
         return cache[key]
     tp_per_node = min(plan.tp, hw.devices_per_node)
     flash = spec.attention == "flash"
-    # identical layers (a transformer's blocks differ only in name) are costed once
-    first: dict[Any, LayerTime] = {}
-    out = []
-    names_key = ("unnamed", id(spec))
-    unnamed = cache.get(names_key) if cache is not None else None
-    if unnamed is None:
-        unnamed = [replace(layer, name="") for layer in spec.layers]
+    # identical layers (a transformer's blocks differ only in name) are costed once, on their first occurrence
+    classes_key = ("layer classes", id(spec))
+    classes = cache.get(classes_key) if cache is not None else None
+    if classes is None:
+        classes = _layer_classes(spec)
         if cache is not None:
-            cache[names_key] = unnamed
-    for layer, same in zip(spec.layers, unnamed):
-        if same not in first:
-            first[same] = layer_time(layer, plan, hw, flash=flash, tp_per_node=tp_per_node)
-        out.append(first[same])
+            cache[classes_key] = classes
+    firsts, index = classes
+    costed = [layer_time(spec.layers[i], plan, hw, flash=flash, tp_per_node=tp_per_node) for i in firsts]
+    out = [costed[c] for c in index]
     if cache is not None:
         cache[key] = out
     return out
+
+
+def _layer_classes(spec: ModelSpec) -> tuple[list[int], list[int]]:
+    """``(first layer index of each class, class of each layer)``: layers equal but for their name are one
+    class (a dataclass hash per layer is dear; the search asks for hundreds of (tp, micro-batch, ...) costs)."""
+    first: dict[Any, int] = {}
+    firsts: list[int] = []
+    index = []
+    for i, layer in enumerate(spec.layers):
+        same = replace(layer, name="")
+        if same not in first:
+            first[same] = len(firsts)
+            firsts.append(i)
+        index.append(first[same])
+    return firsts, index
 
 
 def stages_of(spec: ModelSpec, plan: Plan) -> list[list[Any]]:
