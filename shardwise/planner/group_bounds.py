@@ -117,14 +117,16 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     fit = 0
     precision = pins.get("precision", space.precision)
     made: dict[int, list[Plan]] = {}
+    carriers = _plans(g, 1, precision, made)  # memory does not read the accumulation
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
-        plans = _plans(g, accum, precision, made)
-        for plan, (memory_lb, floor) in zip(plans, memory_bounds(spec, plans, opt, hw, cache)):
+        for i, (memory_lb, floor) in enumerate(memory_bounds(spec, carriers, opt, hw, cache)):
             least = min(least, floor)
             if memory_lb > budget:
-                note_over_memory(regions, g.tp, g.pp, lambda: _candidate(plan, opt), memory_lb)
+                note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made)[i], opt),
+                                 memory_lb)
                 continue
             fit += 1
+            plan = _plans(g, accum, precision, made)[i]
             best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
     return best, least, fit
 
