@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from .hardware import Hardware
 from .memory import local_params, rank_memory, rank_parts
-from .pipeline_cost import first_rank_in_flight, flush_lower_bound, split_at, split_stages
+from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
+                            split_stages)
 from .plan import Plan
 from .predict import _bucket_cap, _dp_comm, _optimizer, fold_transfers, shares_cores, stage_sums
 from .spec import ModelSpec
@@ -84,13 +85,18 @@ def flush_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_laye
             cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
         fold_key = ("fold", sums_key, plan.dp)
         if fold_key not in cache:
-            cache[fold_key] = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=runtime == "megatron")
-        F, B, W, comm = cache[fold_key]
+            F, B, W, comm = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=runtime == "megatron")
+            # the flush bound's terms serve every schedule and micro-batch count on this split (one pass)
+            terms = flush_terms(plan.pp, opt.chunks, F, B, W, comm) if plan.pp > 1 else None
+            cache[fold_key] = (F, B, W, comm, terms)
+        F, B, W, comm, terms = cache[fold_key]
         m = opt.m
         if shares_cores(plan, hw):
             cache[flush_key] = m * sum(F[s] + B[s] + W[s] for s in range(len(F))) / plan.pp  # mean busy
-        else:
+        elif terms is None:
             cache[flush_key] = flush_lower_bound(opt.schedule, plan.pp, m, opt.chunks, F, B, W, comm)
+        else:
+            cache[flush_key] = bound_of_terms(opt.schedule, m, terms)  # = flush_lower_bound, bit for bit
     return cache[flush_key]
 
 

@@ -2,9 +2,10 @@
 
 A candidate is a ``Plan`` plus two bounds that need no pipeline simulation: ``memory_lb`` (the first
 pipeline rank with the activation sets its schedule holds there at the peak, ``first_rank_in_flight``: for an
-interleaved schedule many more than ``p``, which prunes those plans before they are simulated) and ``time_lb`` (``pipeline_cost.flush_lower_bound`` × flushes + the optimizer). Both come from the same layer
-costs ``predict`` uses (memoised in the search's cache), so ``time_lb ≤ predict(...).step_time_s`` and
-``memory_lb ≤ predict(...).memory.total`` hold by construction (tested).
+interleaved schedule many more than ``p``, which prunes those plans before they are simulated) and ``time_lb``
+(``pipeline_cost.flush_lower_bound`` × flushes + the optimizer), both computed in ``bounds``. Both come from
+the same layer costs ``predict`` uses (memoised in the search's cache), so ``time_lb ≤
+predict(...).step_time_s`` and ``memory_lb ≤ predict(...).memory.total`` hold by construction (tested).
 """
 
 from __future__ import annotations

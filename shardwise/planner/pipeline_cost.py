@@ -22,7 +22,8 @@ from ..parallel.pipeline.stage import balance_by_params
 from .flush_sim import fast_simulate
 from .layers import Layer
 
-__all__ = ["split_stages", "split_at", "Flush", "simulate_flush", "flush_lower_bound", "first_rank_in_flight"]
+__all__ = ["split_stages", "split_at", "Flush", "simulate_flush", "flush_lower_bound", "flush_terms", "bound_of_terms",
+           "first_rank_in_flight"]
 
 
 def split_stages(layers: Sequence[Layer], stages: int, weights: Sequence[float] | None = None) -> list[list[Layer]]:
@@ -183,14 +184,37 @@ def flush_lower_bound(schedule: str, p: int, m: int, chunks: int, F: Sequence[fl
     ``r-1 … 0`` still run theirs. The bound is the largest such sum over the ranks."""
     if p == 1:
         return m * (sum(F) + sum(B) + sum(W))
+    return bound_of_terms(schedule, m, flush_terms(p, chunks, F, B, W, comm))
+
+
+FlushTerms = tuple[list[float], list[float], list[float]]
+"""Per pipeline rank: its stages' work for one micro-batch, the fill before it, and the fill plus drain."""
+
+
+def flush_terms(p: int, chunks: int, F: Sequence[float], B: Sequence[float], W: Sequence[float],
+                comm: Sequence[float]) -> FlushTerms:
+    """What ``flush_lower_bound`` needs of the costs, for any schedule and micro-batch count (the search bounds
+    several of each on one stage split)."""
     n = p * chunks
+    work = [f + b + w for f, b, w in zip(F, B, W)]
+    sums = [sum(work[r::p]) for r in range(p)]
+    fill, drain = [], []
+    edge_fill = edge_drain = 0.0  # fill (+ drain) of stages 0 … r-1
+    for r in range(p):
+        fill.append(edge_fill)
+        drain.append(edge_drain)
+        edge_fill += F[r] + comm[r] + 0.0 if r < n - 1 else 0.0
+        edge_drain += F[r] + comm[r] + (B[r] + W[r] + comm[r]) if r < n - 1 else 0.0
+    return sums, fill, drain
+
+
+def bound_of_terms(schedule: str, m: int, terms: FlushTerms) -> float:
+    """``flush_lower_bound`` of ``m`` micro-batches from ``flush_terms``."""
+    sums, fill, drain = terms
     # gpipe, 1f1b and Megatron's interleaved order end each rank on its first stage's backward of the last
     # micro-batch; zero-bubble schedules may end on deferred weight gradients instead
-    drains = schedule in ("gpipe", "1f1b", "interleaved")
-    best = edge = 0.0  # edge: fill (+ drain) of stages 0 … r-1
-    work = [f + b + w for f, b, w in zip(F, B, W)]
-    for r in range(p):
-        busy = m * sum(work[r::p])
-        best = max(best, edge + busy)
-        edge += F[r] + comm[r] + ((B[r] + W[r] + comm[r]) if drains else 0.0) if r < n - 1 else 0.0
+    edges = drain if schedule in ("gpipe", "1f1b", "interleaved") else fill
+    best = 0.0
+    for work, edge in zip(sums, edges):
+        best = max(best, edge + m * work)
     return best
