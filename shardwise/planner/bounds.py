@@ -11,8 +11,7 @@ a group's least bound is bit for bit its best candidate's. Everything is memoise
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .hardware import Hardware
 from .memory import local_params, rank_memory, rank_parts
@@ -25,8 +24,7 @@ from .spec import ModelSpec
 __all__ = ["Option", "split_id", "option_of", "shape_of", "time_bound", "flush_bound", "rest_bounds", "memory_bounds"]
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """The pipeline part of a candidate: schedule, model chunks per rank, stage starts (layer names, ``()``:
     by parameters), micro-batches per flush (1 without a pipeline), and the split's number in the search's cache
     (``split_id``: memo keys hold it instead of the split, whose hash costs a pass over up to hundreds of names)."""

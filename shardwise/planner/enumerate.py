@@ -255,10 +255,10 @@ def note_mb_stop(regions: dict, *, tp: int, pp: int, dp: int, ckpt: str, mb: int
                         f"{least / 1e9:.2f} GB", need=least)
 
 
-def note_over_memory(regions: dict, tp: int, pp: int, plan: Callable[[], Plan], need: float) -> None:
-    """Count one candidate whose memory bound ``need`` is over the budget; ``plan`` makes it (called only when
-    it becomes the region's example)."""
-    _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", 1,
+def note_over_memory(regions: dict, tp: int, pp: int, plan: Callable[[], Plan], need: float, count: int = 1) -> None:
+    """Count ``count`` candidates whose memory bound is over the budget, the least of them ``need``; ``plan``
+    makes that one (called only when it becomes the region's example)."""
+    _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", count,
           lambda: f"{plan().describe()}: ≥ {need / 1e9:.2f} GB", need=need)
 
 

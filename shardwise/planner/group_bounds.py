@@ -93,9 +93,12 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
                 sequence_parallel=g.sp, precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers)):
-        split = _split(spec, per_layer, g.pp * chunks, space, pins, cache, key=(g.tp, g.mb, g.ckpt, g.sp))
-        opt = Option(schedule, chunks, split, g.per // g.mb // accum if g.pp > 1 else 1, split_id(split, cache))
-        yield opt, accum, per_layer
+        key = ("split and id", g.tp, g.mb, g.ckpt, g.sp, g.pp * chunks)
+        if key not in cache:
+            split = _split(spec, per_layer, g.pp * chunks, space, pins, cache, key=(g.tp, g.mb, g.ckpt, g.sp))
+            cache[key] = (split, split_id(split, cache))
+        split, sid = cache[key]
+        yield Option(schedule, chunks, split, g.per // g.mb // accum if g.pp > 1 else 1, sid), accum, per_layer
 
 
 def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Plan]]) -> list[Plan]:
@@ -118,16 +121,22 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     precision = pins.get("precision", space.precision)
     made: dict[int, list[Plan]] = {}
     carriers = _plans(g, 1, precision, made)  # memory does not read the accumulation
+    over, need, example = 0, math.inf, None  # the ones over the budget, noted once (the least need first)
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
         for i, (memory_lb, floor) in enumerate(memory_bounds(spec, carriers, opt, hw, cache)):
             least = min(least, floor)
             if memory_lb > budget:
-                note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made)[i], opt),
-                                 memory_lb)
+                over += 1
+                if memory_lb < need or example is None:
+                    need, example = min(need, memory_lb), (accum, i, opt, memory_lb)
                 continue
             fit += 1
             plan = _plans(g, accum, precision, made)[i]
             best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
+    if example is not None:
+        accum, i, opt, memory_lb = example
+        note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made)[i], opt),
+                         memory_lb, count=over)
     return best, least, fit
 
 

@@ -50,17 +50,27 @@ def balance_minmax(weights: Sequence[float], n: int) -> list[int]:
 
     prefix = list(itertools.accumulate(weights, initial=0.0))  # prefix[i]: weight of layers 0 … i-1
 
+    total, search = prefix[k], bisect.bisect_right
+
     def cuts(limit: float) -> list[int] | None:
         # greedy: each part takes the most layers whose sum stays within the limit while leaving one layer for
-        # every part still to come (a binary search on the prefix sums per part, not a pass per layer)
+        # every part still to come (a binary search on the prefix sums per part, not a pass per layer). What is
+        # left clearly over the parts left times the limit fits no cut: give up early (the margin keeps this to
+        # cases the full pass rejects too, whatever the rounding of the prefix sums)
         starts, i = [0], 0
         for part in range(1, n):
-            j = min(bisect.bisect_right(prefix, prefix[i] + limit) - 1, k - (n - part))
+            start = prefix[i]
+            if total - start > (n - part + 1) * limit * (1 + 1e-9):
+                return None
+            j = search(prefix, start + limit, i + 1) - 1  # prefix[i] <= start + limit: the answer is above i
+            last = k - (n - part)
+            if j > last:
+                j = last
             if j <= i:
                 return None  # layer i alone is over the limit
             starts.append(j)
             i = j
-        return starts if prefix[k] - prefix[i] <= limit else None
+        return starts if total - prefix[i] <= limit else None
 
     # the optimum lies in [max(heaviest layer, mean part), mean part + heaviest layer]: a greedy part that
     # cannot take its next layer already holds more than the mean
