@@ -129,17 +129,19 @@ def memory_bounds(spec: ModelSpec, plans: Sequence[Plan], opt: Option, hw: Hardw
     held = first_rank_in_flight(opt.schedule, pp, m, opt.chunks)
     parts_key = ("mem_parts", plan.tp, pp, opt.chunks, opt.sid, plan.micro_batch, plan.activation_checkpointing,
                  plan.sequence_parallel, plan.precision)
-    if parts_key not in cache:
-        cache[parts_key] = rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan)
+    memo = cache.get(parts_key)
+    if memo is None:  # rank 0's parts, and its totals by (ZeRO stage, dp, sets held)
+        memo = cache[parts_key] = (rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan), {})
+    parts, totals = memo
     out = []
     for plan in plans:
         pair = []
         for sets in (held, fewest):
-            mem_key = (parts_key, plan.zero_stage, plan.dp, sets)
-            if mem_key not in cache:
-                cache[mem_key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan,
-                                             hw.memory_bytes, bucket_cap=_bucket_cap(plan),
-                                             parts=cache[parts_key]).total
-            pair.append(cache[mem_key])
+            key = (plan.zero_stage, plan.dp, sets)
+            total = totals.get(key)
+            if total is None:
+                total = totals[key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan,
+                                                  hw.memory_bytes, bucket_cap=_bucket_cap(plan), parts=parts).total
+            pair.append(total)
         out.append((pair[0], pair[1]))
     return out
