@@ -156,3 +156,22 @@ def test_a_groups_least_bound_is_its_best_fitting_candidates_bound():
         assert bound == (min(fitting) if fitting else math.inf)
         counted["some fit" if fitting else "none fit"] += 1
     assert all(counted.values()), counted
+
+
+def test_the_search_leaves_the_garbage_collector_as_it_found_it():
+    """The search pauses Python's cyclic collector while it runs; it must come back on (or stay off), also when
+    the search raises."""
+    import gc
+
+    assert gc.isenabled()
+    search(small_gpt(), A100, devices=8, global_batch=32, top=1)
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        search(small_gpt(), A100, devices=8, global_batch=32, pins={"tp": 3})
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        search(small_gpt(), A100, devices=8, global_batch=32, top=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
