@@ -63,6 +63,15 @@ def test_one_tensor_passed_twice_is_captured_as_two_inputs():
     assert torch.equal(model_loss(out), model(input_ids=ids, labels=other).loss)
 
 
+def test_a_model_returning_a_tuple_gives_its_loss_from_the_last_stage():
+    model = _llama(2)
+    ids = torch.arange(16).reshape(2, 8) % 64
+    example = normalize_example({"input_ids": ids, "labels": ids, "return_dict": False})
+    stages = build_graph_stages(model, 2, None, example)
+    out = stages[1](example, stages[0](example, []))
+    assert isinstance(out, tuple) and torch.equal(model_loss(out), model(input_ids=ids, labels=ids).loss)
+
+
 class _Wide(nn.Module):
     """Layer 0 does 16x the matmul work of each other layer: a FLOP balance gives it a stage alone."""
 
