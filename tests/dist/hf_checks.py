@@ -16,6 +16,7 @@ from shardwise.models.hf_config import load_hf_config
 from shardwise.models.llama import Llama
 from shardwise.parallel.tensor.api import vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
+from tests.dist.reference import sgd_reference
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hf"
 SEQ = 16
@@ -32,16 +33,7 @@ def _batches(vocab: int, batch: int, steps: int) -> list[tuple[torch.Tensor, tor
 
 
 def _reference(example: str, batches, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    ref = _model(example)
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in ref.state_dict().items()}
+    return sgd_reference(_model(example), batches, lr)
 
 
 def check_tp_parity(example: str, steps: int = 4, lr: float = 0.5) -> list[float]:

@@ -16,6 +16,7 @@ from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 from shardwise.parallel.tensor.api import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
+from tests.dist.reference import sgd_reference
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
@@ -27,16 +28,7 @@ def _batches(cfg: GPTConfig, batch: int, seq: int, steps: int) -> list[tuple[tor
 
 def _reference(cfg: GPTConfig, batches, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    ref = GPT(cfg)
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in ref.state_dict().items()}
+    return sgd_reference(GPT(cfg), batches, lr)
 
 
 def _parallel(cfg: GPTConfig, m: sw.Mesh, sp: bool) -> torch.nn.Module:

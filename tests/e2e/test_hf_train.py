@@ -10,31 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardwise.checkpoint.sharded import Checkpoint
+from tests.e2e.runs import cli, losses, resume_in_layout
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hf"
 QWEN2 = str(EXAMPLES / "tiny-qwen2.json")  # tied embedding, q/k/v biases, GQA 4/2, vocabulary 301 (uneven over tp 2)
 LLAMA = str(EXAMPLES / "tiny-llama.json")  # untied head, GQA 4/2
 TINY = ["--data.global_batch", "8", "--parallel.micro_batch", "2", "--optimizer.warmup_steps", "2",
         "--train.log_every", "1", "--model.block_size", "32"]
-
-
-def cli(cwd: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "kind" not in r}
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +52,7 @@ def test_trains_and_checkpoints_under_hf_names(baseline):
 @pytest.mark.parametrize("layout", [["--parallel.tp", "2"], ["--parallel.pp", "2"], ["--parallel.zero_stage", "3"]],
                          ids=["dp2-to-tp2", "dp2-to-pp2", "dp2-to-zero3"])
 def test_reshard_on_load(baseline, tmp_path, layout):
-    run = tmp_path / "run"
-    shutil.copytree(baseline, run)
-    proc = cli(tmp_path, "train", "--resume", str(run / "checkpoints" / "step_000003"), *layout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    want, got = losses(baseline), losses(run)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in (4, 5, 6):
-        assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got[step], want[step])
+    run = resume_in_layout(baseline, tmp_path, layout)
     saved = Checkpoint(run)
     key = "model/model.layers.0.mlp.gate_proj.weight"
     torch.testing.assert_close(saved.full(key), Checkpoint(baseline).full(key), rtol=1e-3, atol=1e-5)

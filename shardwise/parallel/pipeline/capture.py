@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CaptureError", "Node", "Graph", "capture"]
+__all__ = ["CaptureError", "Node", "Graph", "Ref", "capture", "refs_in", "walk"]
 
 # torch functions whose result turns a tensor value into Python (a branch, a loop bound, a shape)
 _VALUE_READS = {Tensor.__bool__, Tensor.item, Tensor.tolist, Tensor.__int__, Tensor.__float__, Tensor.__index__,
@@ -99,6 +99,20 @@ class Graph:
         return "\n".join(lines)
 
 
+def walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``leaf`` applied to everything that is not a tuple, list, dict or slice (the
+    containers a call's arguments are made of; named tuples are leaves)."""
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(walk(x, leaf) for x in obj)
+    if isinstance(obj, list):
+        return [walk(x, leaf) for x in obj]
+    if isinstance(obj, dict):
+        return {k: walk(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, slice):
+        return slice(walk(obj.start, leaf), walk(obj.stop, leaf), walk(obj.step, leaf))
+    return leaf(obj)
+
+
 def refs_in(obj: Any) -> Iterator[Ref]:
     """Every ``Ref`` inside nested tuples/lists/dicts/slices."""
     if isinstance(obj, Ref):
@@ -144,20 +158,15 @@ class _Recorder(TorchFunctionMode):
     def ref(self, obj: Any) -> Any:
         """``obj`` with every tensor replaced by a ``Ref`` to the node holding it (new attr/const nodes for
         tensors first seen here)."""
-        if isinstance(obj, Tensor):
-            if id(obj) not in self.of:
-                name = self.attrs.get(id(obj))
-                self.add("attr", name, value=obj) if name else self.add("const", obj.detach().clone(), value=obj)
-            return Ref(self.of[id(obj)])
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self.ref(x) for x in obj)
-        if isinstance(obj, list):
-            return [self.ref(x) for x in obj]
-        if isinstance(obj, dict):
-            return {k: self.ref(v) for k, v in obj.items()}
-        if isinstance(obj, slice):
-            return slice(self.ref(obj.start), self.ref(obj.stop), self.ref(obj.step))
-        return obj
+        return walk(obj, self._ref_leaf)
+
+    def _ref_leaf(self, obj: Any) -> Any:
+        if not isinstance(obj, Tensor):
+            return obj
+        if id(obj) not in self.of:
+            name = self.attrs.get(id(obj))
+            self.add("attr", name, value=obj) if name else self.add("const", obj.detach().clone(), value=obj)
+        return Ref(self.of[id(obj)])
 
     def result(self, index: int, out: Any) -> None:
         """Register the tensors of node ``index``'s result as ``pick`` nodes (by pytree leaf position)."""

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .capture import Graph, Node, Ref, capture, refs_in
+from .capture import Graph, Node, Ref, capture, refs_in, walk
 from .stage import balance_by_params
 
 __all__ = ["GraphStage", "leaf_modules", "build_graph_stages", "model_loss"]
@@ -103,18 +103,14 @@ class _Runner:
         self.stage, self.env, self.flat, self.device = stage, env, flat, device
 
     def value(self, obj: Any) -> Any:
+        """``obj`` (a node's arguments) with every ``Ref`` replaced by its value on this stage."""
+        return walk(obj, self._leaf)
+
+    def _leaf(self, obj: Any) -> Any:
         if isinstance(obj, Ref):
             if obj.index not in self.env:
                 self.env[obj.index] = self.free(self.stage.graph.nodes[obj.index])
             return self.env[obj.index]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self.value(x) for x in obj)
-        if isinstance(obj, list):
-            return [self.value(x) for x in obj]
-        if isinstance(obj, dict):
-            return {k: self.value(v) for k, v in obj.items()}
-        if isinstance(obj, slice):
-            return slice(self.value(obj.start), self.value(obj.stop), self.value(obj.step))
         if isinstance(obj, torch.device) and obj == self.stage.capture_device:
             return self.device  # captured on one device, replayed on the stage's
         return obj
