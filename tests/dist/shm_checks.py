@@ -17,6 +17,7 @@ from shardwise.comm import shm_rendezvous
 from shardwise.comm.ops import SUPPORTED_DTYPES
 from shardwise.comm.shm_segment import NAME_PREFIX, SHM_DIR
 from tests.dist.comm_checks import expected_reduce, rank_input
+from tests.dist.fault_worlds import report_and_exit
 from tests.dist.meshes import mesh
 
 LENGTHS = [0, 1, 2, 3, 5, 7, 1000, 4099, 70_001]
@@ -322,10 +323,7 @@ def fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) 
     except ShmError as exc:
         later = f"{type(exc).__name__}: {exc}"
     left = os.path.exists(os.path.join(SHM_DIR, group.name))
-    results.put((rank, outcome, elapsed, later, left))  # type: ignore[attr-defined]
-    results.close()  # type: ignore[attr-defined]
-    results.join_thread()  # type: ignore[attr-defined]  # flush the queue's feeder thread before _exit
-    os._exit(0)  # a peer is dead: skip the process group's collective teardown
+    report_and_exit(results, (rank, outcome, elapsed, later, left))
 
 
 def check_data_parallel_gradients() -> list[str]:

@@ -16,6 +16,7 @@ import shardwise as sw
 from shardwise.comm import CommCounter
 from shardwise.comm.shm_p2p import shm_link_for
 from shardwise.comm.shm_segment import NAME_PREFIX, SHM_DIR
+from tests.dist.fault_worlds import report_and_exit
 from tests.dist.meshes import mesh
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
@@ -227,10 +228,7 @@ def fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) 
     except ShmError as exc:
         later = f"{type(exc).__name__}: {exc}"
     left = os.path.exists(os.path.join(SHM_DIR, link.name))
-    results.put((rank, outcome, elapsed, later, left))  # type: ignore[attr-defined]
-    results.close()  # type: ignore[attr-defined]
-    results.join_thread()  # type: ignore[attr-defined]  # flush the queue's feeder thread before _exit
-    os._exit(0)  # a peer is dead: skip the process group's collective teardown
+    report_and_exit(results, (rank, outcome, elapsed, later, left))
 
 
 def pipeline_fault_rank(rank: int, n: int, init_file: str, victim: int, results: object) -> None:
@@ -267,7 +265,4 @@ def pipeline_fault_rank(rank: int, n: int, init_file: str, victim: int, results:
     except ShmError as exc:
         outcome = (type(exc).__name__, str(exc))
     left = os.path.exists(os.path.join(SHM_DIR, link.name))
-    results.put((rank, outcome, time.monotonic() - start, left))  # type: ignore[attr-defined]
-    results.close()  # type: ignore[attr-defined]
-    results.join_thread()  # type: ignore[attr-defined]
-    os._exit(0)
+    report_and_exit(results, (rank, outcome, time.monotonic() - start, left))
