@@ -128,6 +128,28 @@ def test_data_dependent_control_flow_names_the_construct_and_the_line():
         build_graph_stages(_Branchy(), 2, None, ((torch.randn(2, 4),), {}))
 
 
+class _TensorMath(nn.Module):
+    """Value-dependent tensor math without a Python decision on a value: captured, and replayed exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = (x > 0).any(dim=-1, keepdim=True).to(x.dtype)  # a tensor, not a branch
+        rows = [row * (i + 1) for i, row in enumerate(x)]     # iteration: the shape decides, not the values
+        return (self.layers[1](self.layers[0](torch.stack(rows))) * keep).sum()
+
+
+def test_tensor_valued_reductions_and_iteration_are_not_refused():
+    model = _TensorMath()
+    stages = build_graph_stages(model, 2, None, ((torch.randn(3, 4),), {}))
+    x = torch.randn(3, 4)
+    x[1] = -x[1].abs()  # a row whose mask differs from the captured example's
+    mb = ((x,), {})
+    assert torch.allclose(stages[1](mb, stages[0](mb, [])), model(x))
+
+
 def test_capture_changes_neither_buffers_nor_the_random_stream():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
     wrapper = nn.Module()

@@ -36,9 +36,9 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["CaptureError", "Node", "Graph", "Ref", "capture", "refs_in", "walk"]
 
-# torch functions whose result turns a tensor value into Python (a branch, a loop bound, a shape)
-_VALUE_READS = {Tensor.__bool__, Tensor.item, Tensor.tolist, Tensor.__int__, Tensor.__float__, Tensor.__index__,
-                Tensor.__len__, Tensor.__iter__, Tensor.nonzero, torch.nonzero, Tensor.any, Tensor.all}
+# torch functions whose result turns a tensor's *value* into Python (a branch, a loop bound, a size). Tensor-valued
+# reductions (``x.any(dim=1)``, ``nonzero``) replay fine, and ``len(x)`` / iteration depend on the shape only.
+_VALUE_READS = {Tensor.__bool__, Tensor.item, Tensor.tolist, Tensor.__int__, Tensor.__float__, Tensor.__index__}
 
 
 class CaptureError(ValueError):

@@ -174,10 +174,9 @@ def build_graph_stages(model: nn.Module, n: int, split: Sequence[str] | None,
     stage_of = _stage_of_nodes(graph, starts)
     cross = _crossings(graph, stage_of, n)
     device = next((t.device for t in pytree.tree_flatten(example)[0] if isinstance(t, Tensor)), torch.device("cpu"))
-    stages = []
+    stages, named = [], dict(model.named_modules())
     for s in range(n):
         nodes = [k for k, st in enumerate(stage_of) if st == s]
-        named = dict(model.named_modules())
         stages.append(GraphStage(s, graph, nodes, cross[s - 1] if s else [], cross[s] if s < n - 1 else None,
                                  {m: named[m] for m in _stage_modules(graph, nodes, s == n - 1)}, device))
     return stages
