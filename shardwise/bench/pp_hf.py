@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -78,12 +77,9 @@ def causal_lm_loss(out: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _times(step: Step, ids: torch.Tensor, count: int) -> list[float]:
-    out = []
-    for _ in range(count):
-        t = time.perf_counter()
-        step(ids)
-        out.append(time.perf_counter() - t)
-    return out
+    """Seconds of ``count`` steps on ``ids`` (``steps.time_steps``, which takes ``step(x, y)``)."""
+    from .steps import time_steps
+    return time_steps(lambda x, _y: step(x), [(ids, ids)], count)
 
 
 def run_hf(args: argparse.Namespace) -> int:
