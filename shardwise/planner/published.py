@@ -13,7 +13,7 @@ from .plan import Plan
 from .predict import Prediction, predict
 from .spec import ModelSpec
 
-__all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "gpt3_days",
+__all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "GPT3_175B_LAYOUT", "gpt3_plan", "gpt3_days",
            "ZERO_TABLE1"]
 
 
@@ -70,9 +70,22 @@ def megatron_prediction(row: MegatronRow, hw: Hardware | None = None) -> Predict
                    hw, global_batch=row.batch, runtime="megatron")
 
 
+GPT3_175B_LAYOUT = {"tp": 8, "pp": 16, "schedule": "1f1b", "micro_batch": 1}
+"""The layout of NVIDIA/Megatron-LM's own GPT-3 175B launch script of the paper's time
+(``examples/pretrain_gpt3_175B.sh``: 128 nodes × 8 GPUs, tensor parallel 8, pipeline parallel 16, micro-batch 1,
+global batch 1536, fp16, activation checkpointing, no virtual pipeline stages — so the non-interleaved 1F1B).
+§5.1 of the paper does not state the layout behind its 140 TF/s; this script is the published one."""
+
+
+def gpt3_plan() -> Plan:
+    """GPT-3 175B on 1024 GPUs in ``GPT3_175B_LAYOUT`` (data parallel 8)."""
+    lay = GPT3_175B_LAYOUT
+    return Plan(dp=1024 // (lay["tp"] * lay["pp"]), tp=lay["tp"], pp=lay["pp"], micro_batch=lay["micro_batch"],
+                schedule=lay["schedule"], activation_checkpointing="full", precision="bf16-mixed")
+
+
 def gpt3_days(hw: Hardware | None = None) -> tuple[float, Prediction]:
-    """Predicted days to train GPT-3 175B on 300B tokens with 1024 A100s (tp 8, pp 8, dp 16, batch 1536)."""
+    """Predicted days to train GPT-3 175B on 300B tokens with 1024 A100s, batch 1536, in ``GPT3_175B_LAYOUT``."""
     hw = hw or Hardware.preset("a100-80g-sxm")
-    pred = predict(megatron_spec(96, 12288, 96), megatron_plan(96, 8, 8, 1024), hw, global_batch=1536,
-                   runtime="megatron")
+    pred = predict(megatron_spec(96, 12288, 96), gpt3_plan(), hw, global_batch=1536, runtime="megatron")
     return 300e9 / pred.tokens_per_s / 86400, pred

@@ -39,8 +39,9 @@ def test_megatron_largest_row_and_parameter_counts():
 
 def test_gpt3_days_is_in_the_published_range():
     days, pred = gpt3_days()
-    # §5.1 quotes 34 days from 140 TF/s measured; we predict the same layout at higher TF/s (see docs/planner.md)
-    assert 25 < days < 37 and pred.fits
+    # §5.1: 34 days from 140 TF/s measured; the issue asks 34 ± 3 days with Megatron-LM's own launch layout
+    assert 31 <= days <= 37 and pred.fits
+    assert (pred.plan.tp, pred.plan.pp, pred.plan.dp, pred.plan.schedule) == (8, 16, 8, "1f1b")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
