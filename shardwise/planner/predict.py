@@ -19,7 +19,6 @@ from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Plan
-from .shared_cores import shared_flush_time
 from .spec import ModelSpec
 
 __all__ = ["Prediction", "predict"]
@@ -171,12 +170,16 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
         flush = simulate_flush(plan.schedule, plan.pp, m, plan.chunks, F, B, W, comm)
         if cache is not None:
             cache[key] = flush
+    cores = hw.host_cores
     if shares_cores(plan, hw):
-        # ranks share a host's cores: while a pipeline rank idles in the bubble, the busy ones get its share
-        # (processor sharing, simulated action by action: ``shared_cores``)
+        # ranks share a host's cores: while a pipeline rank idles in the bubble, the busy ones get its share.
+        # Greedy sharing of C cores among the ranks' work is bounded by Graham's list-scheduling bound,
+        # T <= W / C + T_cp · (1 - 1/C): at full-core speed the total work W over C cores is the mean busy
+        # time and the critical path T_cp is the unshared flush time × C/n.
         n = min(plan.devices, hw.devices_per_node)
-        shared = shared_flush_time(plan, m, F, B, W, comm, hw.host_cores, n, hw.calibrated_ranks or n)
-        flush = Flush(time=min(flush.time, shared), busy=flush.busy, in_flight=flush.in_flight)
+        mean_busy = sum(flush.busy) / len(flush.busy)
+        shared = min(flush.time, mean_busy + flush.time * cores / n * (1 - 1 / cores))
+        flush = Flush(time=shared, busy=flush.busy, in_flight=flush.in_flight)
     return flush
 
 
