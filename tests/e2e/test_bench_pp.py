@@ -118,3 +118,21 @@ def test_bad_flags_exit_2_before_launch(args, message, monkeypatch, capsys):
     assert cli.main(["bench", "pp", *args]) == 2
     err = capsys.readouterr()
     assert message in err.err and err.out == "", err
+
+
+def test_bench_pp_hf_decoder_two_ranks(tmp_path):
+    # a transformers decoder built from a config, captured by sw.pipeline vs torch.distributed.pipelining's
+    # export frontend on the same split: both sides run and compute the same first loss
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    res = _cli("-n", "2", "--hf", "llama", "--layers", "2", "--hf-hidden", "64", "--seq", "16", "--batch", "4",
+               "-m", "2", "--steps", "1", "--warmup", "1", "--repeats", "2", "--schedules", "gpipe,1f1b",
+               "--json", str(out), timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["schedule"] for r in rows] == ["gpipe", "1f1b"]
+    for row in rows:
+        assert row["split"] == ["model.layers.1"]
+        assert row["loss"]["ours"] == pytest.approx(row["loss"]["torch"], rel=1e-5)
+        assert row["ours_ms"] > 0 and row["torch_ms"] > 0 and row["ratio"] > 0
+    assert "ours/torch" in res.stdout
