@@ -191,13 +191,11 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     per_node = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
     grad_b = 2 if plan.precision == "bf16-mixed" else 4
     param_b = 2 if plan.precision == "bf16-mixed" else 4
-    # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest);
-    # ``sw.zero`` runs our ring on a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the
-    # backend's collectives on GPUs; a pipeline's data-parallel/ZeRO-1 reductions run the native ones
-    if plan.pp > 1:
-        algorithm = "native"
-    elif plan.zero_stage == 0:
-        algorithm = "auto"
+    # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest), a
+    # pipeline's the backend's own; every ZeRO stage (``sw.zero``, and ZeRO-1 inside a pipeline) runs our ring
+    # on a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the backend's collectives on GPUs
+    if plan.zero_stage == 0:
+        algorithm = "native" if plan.pp > 1 else "auto"
     else:
         algorithm = "ring" if hw.host_cores else "native"
     coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node,  # noqa: E731

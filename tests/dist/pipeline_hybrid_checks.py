@@ -69,14 +69,15 @@ def _run_case(case: dict) -> dict:
             for x, y in _pieces(case, idx, tgt):
                 losses.append(pipe.step(x, y))
         step_counts.append({op: c.count(op, axis="dp") for op in ("all_reduce", "reduce_scatter")}
-                           | {"rs_bytes": c.bytes("reduce_scatter", axis="dp"),
+                           | {"rs_ring": c.count("reduce_scatter", axis="dp", algorithm="ring"),
+                              "rs_bytes": c.bytes("reduce_scatter", axis="dp"),
                               "ar_bytes": c.bytes("all_reduce", axis="dp")})
         in_backward.append(pipe.grad_sync.launched_in_backward if pipe.grad_sync else 0)
         if "clip" in case:
             norms.append(float(pipe.clip_grad_norm_(case["clip"])))
         with sw.comm.CommCounter() as c:
             opt.step()
-        opt_counts.append(c.count("all_gather", axis="dp"))
+        opt_counts.append(c.count("all_gather", axis="dp", algorithm="ring"))
         opt.zero_grad()
     full = sw.full_state_dict(pipe)
     ref_losses, ref_state, ref_norms = _reference(case)

@@ -77,6 +77,9 @@ def _check_dp_pattern(case: dict, res: dict) -> None:
         assert moved == k * res["local_bytes"], (case, counts, res["local_bytes"])
     if case.get("zero"):
         assert all(c["all_reduce"] == k for c in res["step_counts"]), res  # the losses only
+        # on CPU with sw.zero's collective, our ring (gloo's own reduce-scatter is 2-3x slower); the step's
+        # all-gathers (opt_all_gathers counts ring ones) likewise
+        assert all(c["rs_ring"] == c["reduce_scatter"] for c in res["step_counts"]), res
         assert all(n == (res["n_params"] if tiny else 1 + (res["n_tied"] > 0)) for n in res["opt_all_gathers"])
         # AdamW state exists for this rank's shard: 1/dp of the elements, up to one element per bucket
         buckets = res["n_params"] if tiny else 2
