@@ -91,7 +91,8 @@ def _published() -> tuple[list[str], dict[str, Any]]:
                      f"{p.tflops_per_device:.1f} | {err:+.1%} | {share['pipeline_bubble']:.1%} | {share['tp_comm']:.1%} |")
     days, pred = gpt3_days()
     lines += ["", f"GPT-3 175B, 300B tokens, 1024 A100 (tp 8, pp 16, dp 8, 1F1B, micro-batch 1, batch 1536: "
-                  f"the layout of Megatron-LM's examples/pretrain_gpt3_175B.sh): predicted {days:.1f} days at {pred.tflops_per_device:.1f} TF/s per GPU (published: 34 days from 140 TF/s measured).", "",
+                  f"the layout of Megatron-LM's examples/pretrain_gpt3_175B.sh): predicted {days:.1f} days at "
+                  f"{pred.tflops_per_device:.1f} TF/s per GPU (published: 34 days from 140 TF/s measured).", "",
               "| ZeRO stage | published GB | predicted GB |", "|---|---|---|"]
     for stage, gb in ZERO_TABLE1["gb"].items():
         got = model_state_bytes(ZERO_TABLE1["params"], precision="bf16-mixed", zero_stage=stage, dp=ZERO_TABLE1["dp"])

@@ -13,8 +13,8 @@ from .plan import Plan
 from .predict import Prediction, predict
 from .spec import ModelSpec
 
-__all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "GPT3_175B_LAYOUT", "gpt3_plan", "gpt3_days",
-           "ZERO_TABLE1"]
+__all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "GPT3_175B_LAYOUT",
+           "gpt3_plan", "gpt3_days", "ZERO_TABLE1"]
 
 
 @dataclass(frozen=True)

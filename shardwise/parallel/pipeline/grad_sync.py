@@ -141,8 +141,8 @@ class DpGradSync:
     def _launch(self, b: _Bucket) -> None:
         attach_full_grads(b.group, b.grads)  # a gradient autograd replaced instead of accumulating: copy back
         if self.zero:
-            b.handle = comm.reduce_scatter(b.grads, self.mesh, self.axis, op="avg", algorithm=self.algorithm,  # type: ignore[assignment]
-                                           async_op=True)
+            b.handle = comm.reduce_scatter(  # type: ignore[assignment]
+                b.grads, self.mesh, self.axis, op="avg", algorithm=self.algorithm, async_op=True)
         else:
             b.handle = comm.all_reduce(b.grads, self.mesh, self.axis, op="avg", async_op=True)  # type: ignore[assignment]
 
