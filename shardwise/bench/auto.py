@@ -228,7 +228,9 @@ def _report(args: argparse.Namespace, n: int, r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    from shardwise.world import exit_rank
+
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.auto",
                                       description="sw.auto benchmark (see `shardwise bench auto -h`)")
     add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+    exit_rank(main(_parser.parse_args()))

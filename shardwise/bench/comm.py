@@ -298,7 +298,9 @@ def _write_outputs(args: argparse.Namespace, rows: list[BenchRow], n: int, backe
 
 
 if __name__ == "__main__":
+    from shardwise.world import exit_rank
+
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.comm",
                                       description="collective bus bandwidth (see `shardwise bench comm -h`)")
     add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+    exit_rank(main(_parser.parse_args()))

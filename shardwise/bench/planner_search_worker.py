@@ -192,4 +192,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.world import exit_rank
+
+    exit_rank(main())

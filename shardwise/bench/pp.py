@@ -214,7 +214,9 @@ def _write_timelines(args: argparse.Namespace, names: list[str], pipes: dict, me
 
 
 if __name__ == "__main__":
+    from shardwise.world import exit_rank
+
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.pp",
                                       description="pipeline schedules vs torch (see `shardwise bench pp -h`)")
     add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+    exit_rank(main(_parser.parse_args()))

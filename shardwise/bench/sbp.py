@@ -117,6 +117,8 @@ def _worker(iters: int) -> None:
 
 
 if __name__ == "__main__":
+    from shardwise.world import exit_rank
+
     parser = argparse.ArgumentParser(prog="shardwise bench sbp")
     add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    exit_rank(main(parser.parse_args()))

@@ -373,7 +373,9 @@ def _report(args, n: int, rows, check: float, boxing, bytes_rows) -> None:
 
 
 if __name__ == "__main__":
+    from shardwise.world import exit_rank
+
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.tp",
                                       description="tensor-parallel benchmark (see `shardwise bench tp -h`)")
     add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+    exit_rank(main(_parser.parse_args()))

@@ -20,6 +20,9 @@ publishes its progress in its own counters and waits on its peers' (``shm_sync.p
 * all-gather: member ``r`` copies its chunk's piece into its region, every member copies everyone else's.
 * broadcast: the source copies a piece in, the others copy it out.
 
+Messages up to ``SMALL_BYTES`` go as one piece through raw ``memmove``s (no tensor ops: at a few bytes their
+dispatch, not the copy, is the cost) with a single wait for the peers.
+
 Before writing into a slot a member waits until every member has published ``DONE`` for the slot's
 previous piece (``g - K``), so a fast rank runs at most ``K`` pieces ahead of the slowest.
 
@@ -152,6 +155,25 @@ class ShmGroup:
     def _piece_elems(self, piece_bytes: int, itemsize: int, parts: int = 1) -> int:
         return max(1, min(piece_bytes, self.layout.region_bytes) // itemsize // parts)
 
+    def _small_fits(self, flat: torch.Tensor) -> bool:
+        """Whether the whole message goes as one piece through raw copies (``SMALL_BYTES`` and the region)."""
+        nbytes = flat.numel() * flat.element_size()
+        return nbytes <= min(SMALL_BYTES, self.layout.region_bytes)
+
+    def _memmove_in(self, slot: int, flat: torch.Tensor, a: int, b: int) -> None:
+        """Elements ``a:b`` of ``flat`` to the start of our region of ``slot``."""
+        size = flat.element_size()
+        if b > a:
+            ctypes.memmove(self.addr + self.layout.region_offset(slot, self.me), flat.data_ptr() + a * size,
+                           (b - a) * size)
+
+    def _memmove_out(self, slot: int, j: int, flat: torch.Tensor, a: int, b: int) -> None:
+        """The start of member ``j``'s region of ``slot`` to elements ``a:b`` of ``flat``."""
+        size = flat.element_size()
+        if b > a:
+            ctypes.memmove(flat.data_ptr() + a * size, self.addr + self.layout.region_offset(slot, j),
+                           (b - a) * size)
+
     # -- all-reduce ----------------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: str, piece_bytes: int) -> None:
         """Reduce ``flat`` over the group in place (``avg`` divided here)."""
@@ -178,8 +200,7 @@ class ShmGroup:
     def _all_reduce_small(self, flat: torch.Tensor, op: str) -> None:
         g, slot = self._begin()
         views = self._small_views(slot, flat.dtype, flat.numel())
-        ctypes.memmove(self.addr + self.layout.region_offset(slot, self.me), flat.data_ptr(),
-                       flat.numel() * flat.element_size())
+        self._memmove_in(slot, flat, 0, flat.numel())
         self._publish(ARRIVE, g + 1)
         self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
         reduce_ordered(flat, views, op)
@@ -235,12 +256,30 @@ class ShmGroup:
             return out
         lens = [b - a for a, b in zip(offsets, offsets[1:])]
         out = torch.empty(lens[i], dtype=flat.dtype)
+        if self._small_fits(flat):
+            return self._guard("reduce_scatter", lambda: self._reduce_scatter_small(flat, out, op, offsets),
+                               flat.numel() * flat.element_size())
         sub = self._piece_elems(piece_bytes, flat.element_size(), self.n)  # elements per destination
 
         def run() -> None:
             for k in range(math.ceil(max(lens) / sub)):
                 self._reduce_scatter_piece(flat, out, op, offsets, lens, k * sub, sub)
         self._guard("reduce_scatter", run, flat.numel() * flat.element_size())
+        return out
+
+    def _reduce_scatter_small(self, flat: torch.Tensor, out: torch.Tensor, op: str,
+                              offsets: Sequence[int]) -> torch.Tensor:
+        """One wait: every member deposits its whole input; member ``j`` reduces chunk ``j`` of all regions."""
+        g, slot = self._begin()
+        self._memmove_in(slot, flat, 0, flat.numel())
+        self._publish(ARRIVE, g + 1)
+        self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
+        lo, hi = offsets[self.me], offsets[self.me + 1]
+        if hi > lo:
+            views = self._small_views(slot, flat.dtype, flat.numel())
+            parts = [flat[lo:hi] if j == self.me else views[j][lo:hi] for j in range(self.n)]
+            reduce_ordered(out, parts, op)
+        self._publish(DONE, g + 1)
         return out
 
     def _reduce_scatter_piece(self, flat: torch.Tensor, out: torch.Tensor, op: str, offsets: Sequence[int],
@@ -266,12 +305,27 @@ class ShmGroup:
         if self.n == 1:
             return
         lens = [b - a for a, b in zip(offsets, offsets[1:])]
+        if self._small_fits(flat):
+            return self._guard("all_gather", lambda: self._all_gather_small(flat, offsets),
+                               flat.numel() * flat.element_size())
         per = self._piece_elems(piece_bytes, flat.element_size())
 
         def run() -> None:
             for k in range(math.ceil(max(lens) / per)):
                 self._all_gather_piece(flat, offsets, lens, k * per, per)
         self._guard("all_gather", run, flat.numel() * flat.element_size())
+
+    def _all_gather_small(self, flat: torch.Tensor, offsets: Sequence[int]) -> None:
+        """One piece, raw copies (no tensor ops: at a few bytes their dispatch is the cost)."""
+        g, slot = self._begin()
+        me = self.me
+        self._memmove_in(slot, flat, offsets[me], offsets[me + 1])
+        self._publish(ARRIVE, g + 1)
+        self.waiter.wait(ARRIVE, g + 1, self.everyone, self._op)
+        for j in range(self.n):
+            if j != me:
+                self._memmove_out(slot, j, flat, offsets[j], offsets[j + 1])
+        self._publish(DONE, g + 1)
 
     def _all_gather_piece(self, flat: torch.Tensor, offsets: Sequence[int], lens: list[int], a: int,
                           per: int) -> None:
@@ -293,12 +347,25 @@ class ShmGroup:
         """Copy the member ``root``'s ``flat`` into every member's ``flat``."""
         if self.n == 1 or flat.numel() == 0:
             return
+        if self._small_fits(flat):
+            return self._guard("broadcast", lambda: self._broadcast_small(flat, root),
+                               flat.numel() * flat.element_size())
         per = self._piece_elems(piece_bytes, flat.element_size())
 
         def run() -> None:
             for a in range(0, flat.numel(), per):
                 self._broadcast_piece(flat[a:a + per], root)
         self._guard("broadcast", run, flat.numel() * flat.element_size())
+
+    def _broadcast_small(self, flat: torch.Tensor, root: int) -> None:
+        g, slot = self._begin()
+        if self.me == root:
+            self._memmove_in(slot, flat, 0, flat.numel())
+            self._publish(ARRIVE, g + 1)
+        else:
+            self.waiter.wait(ARRIVE, g + 1, (root,), self._op)
+            self._memmove_out(slot, root, flat, 0, flat.numel())
+        self._publish(DONE, g + 1)
 
     def _broadcast_piece(self, x: torch.Tensor, root: int) -> None:
         g, slot = self._begin()

@@ -25,7 +25,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
-from .model_build import HF_REPLICABLE, build_model, check_tp, hf_of, resolve_hf
+from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf
 
 
 _SECTIONS = {f.name: f for f in fields(Config)}
@@ -382,12 +382,9 @@ def _check_pipeline(config: Config, *, cut: bool = True) -> int:
         raise ValueError(f"parallel.pp_schedule = {p.pp_schedule!r} with parallel.pp = {p.pp}, parallel.pp_chunks = "
                          f"{p.pp_chunks}, parallel.pp_microbatches = {m} (p = pp, m = pp_microbatches): "
                          f"{exc}") from None
-    import torch
-
     from ..parallel.pipeline.stage import build_stages
 
-    with torch.device("meta"):  # names and parameter counts only: nothing is allocated
-        model = build_model(config.model)
+    model = meta_model(config.model)  # names and parameter counts only: nothing is allocated
     try:
         build_stages(model, p.pp * p.pp_chunks, list(p.pp_split) or None)
     except ValueError as exc:

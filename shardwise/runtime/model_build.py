@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..models.gpt import GPT, GPTConfig
 from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
-__all__ = ["hf_of", "build_model", "block_names", "num_params", "attention_width", "model_spec", "hf_fields",
+__all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec", "hf_fields",
            "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
            "check_tp", "HF_REPLICABLE"]
 
@@ -67,10 +68,31 @@ def block_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if re.fullmatch(r"blocks\.\d+", name)]
 
 
+class _SkipRandomInit(TorchFunctionMode):
+    """Random initialisers return their tensor untouched. On the meta device there is nothing to draw, yet torch
+    runs ``normal_``/``uniform_`` there through a decomposition whose first call imports ``torch._dynamo``
+    (~1 s of CPU): a launcher that only wants names and shapes should not pay it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _RANDOM_INITS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+_RANDOM_INITS = frozenset({"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "random_",
+                           "cauchy_", "log_normal_", "geometric_"})
+
+
+def meta_model(m: ModelConfig) -> nn.Module:
+    """The model of ``m`` on the meta device (names, shapes, parameter counts; nothing allocated or drawn)."""
+    with torch.device("meta"), _SkipRandomInit():
+        return build_model(m)
+
+
 def num_params(m: ModelConfig) -> int:
-    """Unique parameters of the model of ``m`` (built on the meta device: nothing is allocated)."""
-    with torch.device("meta"):
-        return build_model(m).num_params()  # type: ignore[operator]
+    """Unique parameters of the model of ``m`` (``meta_model``: nothing is allocated)."""
+    return meta_model(m).num_params()  # type: ignore[operator]
 
 
 def attention_width(m: ModelConfig) -> int:

@@ -135,3 +135,23 @@ def test_gpt_carries_its_pipeline_units_and_tensor_plan():
     assert torch.equal(x, model(idx))
     assert gpt_plan(model.config, sequence_parallel=True) == model.tensor_parallel_plan(sequence_parallel=True)
     assert "blocks.*.attn.qkv" in gpt_plan(model)
+
+
+def test_meta_model_draws_nothing_and_counts_like_the_real_model() -> None:
+    """The launcher counts parameters on the meta device; a random initialiser there would import torch._dynamo
+    (~1 s per launch). Checked in a fresh interpreter: this one may have imported it already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from shardwise.runtime.config import load_config\n"
+            "from shardwise.runtime.model_build import meta_model, num_params, build_model\n"
+            "cfg = load_config(preset='gpt-small')\n"
+            "m = meta_model(cfg.model)\n"
+            "assert all(p.device.type == 'meta' for p in m.parameters())\n"
+            "assert 'torch._dynamo' not in sys.modules, 'a meta initialiser imported dynamo'\n"
+            "print(num_params(cfg.model), build_model(cfg.model).num_params())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    meta_count, real_count = map(int, out.stdout.split())
+    assert meta_count == real_count > 0
