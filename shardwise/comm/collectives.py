@@ -122,7 +122,11 @@ def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` with ``dim`` moved to the front, contiguous: rows are then contiguous runs of elements."""
     if not -t.dim() <= dim < max(t.dim(), 1):
         raise ValueError(f"dim {dim} is out of range for a tensor of shape {tuple(t.shape)}")
-    return t.movedim(dim, 0).contiguous() if t.dim() > 0 else t.reshape(1)
+    if t.dim() == 0:
+        return t.reshape(1)
+    if dim in (0, -t.dim()) and t.is_contiguous():
+        return t  # already rows first (the common case: skip two tensor ops on a latency-bound call)
+    return t.movedim(dim, 0).contiguous()
 
 
 def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: Sequence[int] | None = None,
@@ -150,7 +154,7 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: S
     flat[offsets[i]:offsets[i + 1]].copy_(x.reshape(-1))
 
     def finish() -> torch.Tensor:
-        return out.movedim(0, dim) if t.dim() > 0 else out
+        return out.movedim(0, dim) if t.dim() > 0 and dim not in (0, -t.dim()) else out
 
     if algorithm == "native":
         return _native_all_gather(flat, x, rows, inner, mesh.group(axis), async_op, finish)
@@ -216,7 +220,7 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", d
 
     def shaped(flat_shard: torch.Tensor) -> torch.Tensor:
         out = flat_shard.reshape((rows[i], *x.shape[1:]))
-        return out.movedim(0, dim) if t.dim() > 0 else out
+        return out.movedim(0, dim) if t.dim() > 0 and dim not in (0, -t.dim()) else out
 
     if algorithm == "shm":  # reads the input in place (a copy only when the caller may change it meanwhile)
         group, src = _shm_group(mesh, axis, t), x.reshape(-1).clone() if async_op else x.reshape(-1)
