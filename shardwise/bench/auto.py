@@ -228,9 +228,9 @@ def _report(args: argparse.Namespace, n: int, r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.auto",
                                       description="sw.auto benchmark (see `shardwise bench auto -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

@@ -188,9 +188,9 @@ def auto_ranges(cal: Calibration, op: str, top: int = 1 << 30) -> str:
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.calibrate",
                                       description="measure this machine (see `shardwise calibrate -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

@@ -298,9 +298,9 @@ def _write_outputs(args: argparse.Namespace, rows: list[BenchRow], n: int, backe
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.comm",
                                       description="collective bus bandwidth (see `shardwise bench comm -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

@@ -198,9 +198,9 @@ def _report(rows: list[dict[str, object]], args: argparse.Namespace, n: int, par
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.dp",
                                       description="DataParallel step time (see `shardwise bench dp -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

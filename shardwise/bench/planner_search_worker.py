@@ -192,6 +192,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
-    exit_rank(main())
+    exit_process(main())

@@ -214,9 +214,9 @@ def _write_timelines(args: argparse.Namespace, names: list[str], pipes: dict, me
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.pp",
                                       description="pipeline schedules vs torch (see `shardwise bench pp -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

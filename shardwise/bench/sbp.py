@@ -117,8 +117,8 @@ def _worker(iters: int) -> None:
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     parser = argparse.ArgumentParser(prog="shardwise bench sbp")
     add_arguments(parser)
-    exit_rank(main(parser.parse_args()))
+    exit_process(main(parser.parse_args()))

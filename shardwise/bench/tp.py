@@ -373,9 +373,9 @@ def _report(args, n: int, rows, check: float, boxing, bytes_rows) -> None:
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.tp",
                                       description="tensor-parallel benchmark (see `shardwise bench tp -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

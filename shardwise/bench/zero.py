@@ -220,9 +220,9 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, n: int, params
 
 
 if __name__ == "__main__":
-    from shardwise.world import exit_rank
+    from shardwise.world import exit_process
 
     _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.zero",
                                       description="ZeRO step time and memory (see `shardwise bench zero -h`)")
     add_arguments(_parser)
-    exit_rank(main(_parser.parse_args()))
+    exit_process(main(_parser.parse_args()))

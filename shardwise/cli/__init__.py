@@ -1,6 +1,16 @@
 """The ``shardwise`` command line: one module per command (``run``, ``train``, ``verify``, ``export``, ``plot``,
 ``schedule``, ``bench``), wired in ``main.py``."""
 
+from typing import NoReturn
+
 from .main import build_parser, main
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "entry"]
+
+
+def entry() -> NoReturn:
+    """The ``shardwise`` console script: ``main()``, then ``world.exit_process`` with its code (``main`` itself
+    returns, so that it can be called in-process)."""
+    from ..world import exit_process
+
+    exit_process(main())

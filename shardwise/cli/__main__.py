@@ -1,7 +1,5 @@
 """``python -m shardwise.cli ...`` (what the tests and the benchmarks' workers run)."""
 
-import sys
+from . import entry
 
-from .main import main
-
-sys.exit(main())
+entry()

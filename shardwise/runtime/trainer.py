@@ -40,7 +40,7 @@ from .calibration import mesh_calibrations
 from .config import Config, OptimizerConfig, ParallelConfig, load_config
 from .corpus import StepBatches, load_corpus
 from .data import ShardedSampler, TokenWindows
-from ..world import World, barrier_all, bind_to_launcher, exit_rank, init, shutdown
+from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, saved_model
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
@@ -333,4 +333,4 @@ def _peer_hint(exc: BaseException, timeout_s: float) -> str:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())
