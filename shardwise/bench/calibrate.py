@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any

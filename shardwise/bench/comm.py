@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 from typing import Callable
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from typing import Callable
 
 import torch

@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 from typing import Callable
 

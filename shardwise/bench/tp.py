@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Callable
 

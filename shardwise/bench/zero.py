@@ -28,7 +28,6 @@ import gc
 import json
 import platform
 import statistics
-import sys
 from typing import Any, Callable
 
 import torch

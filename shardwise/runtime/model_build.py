@@ -21,8 +21,8 @@ from ..models.gpt import GPT, GPTConfig
 from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
-__all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec", "hf_fields",
-           "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
+__all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec",
+           "hf_fields", "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
            "check_tp", "HF_REPLICABLE"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -46,3 +47,26 @@ def test_top_level_help_loads_no_command_module():
             "print(sorted(m for m in sys.modules if m.startswith(('shardwise.cli.', 'shardwise.bench'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "['shardwise.cli.main']"
+
+
+def test_exit_process_flushes_buffered_output_and_keeps_the_exit_code(tmp_path):
+    """Entry points end with ``world.exit_process`` (``os._exit``): what was printed to a pipe (block-buffered,
+    not yet flushed) still arrives, and the code is the process's exit status."""
+    code = ("import sys\n"
+            "from shardwise.world import exit_process\n"
+            "print('summary line', end='')\n"  # no newline, stdout is a pipe: still in Python's buffer
+            "print('to stderr', file=sys.stderr, end='')\n"
+            "exit_process(int(sys.argv[1]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # keep Python's own buffering
+    for status in (0, 3):
+        out = subprocess.run([sys.executable, "-c", code, str(status)], capture_output=True, text=True, timeout=120,
+                             env=env)
+        assert (out.returncode, out.stdout, out.stderr) == (status, "summary line", "to stderr")
+
+
+def test_the_console_script_and_python_m_exit_with_main_s_code(tmp_path):
+    """``python -m shardwise.cli`` goes through ``cli.entry``: a rejected config exits 2, as ``main`` returns."""
+    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--parallel.tp", "3"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "parallel.tp" in out.stderr
