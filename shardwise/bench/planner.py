@@ -1,7 +1,8 @@
 """``shardwise bench planner``: the planner's predictions against published tables and against measurement.
 
 ``--published``: Megatron-LM Table 1 (TF/s per GPU), the GPT-3 175B training time, ZeRO Table 1 (model states),
-all on the ``a100-80g-sxm`` preset — pure, seconds.
+Korthikanti et al. 2022 Table 5 (iteration time and MFU, full vs selective recomputation), all on the
+``a100-80g-sxm`` preset — pure, seconds.
 ``--measured --hardware FILE``: trains every layout of ``LAYOUTS`` briefly with ``shardwise train`` (one
 subprocess each, the layouts one after another on an otherwise idle machine), reads each run's per-rank
 summaries (median step time; model states + the saved-tensor high-water mark per rank), predicts the same
@@ -99,7 +100,41 @@ def _published() -> tuple[list[str], dict[str, Any]]:
         lines.append(f"| {stage} | {gb} | {got.total / 1e9:.2f} |")
     errs = [abs(r["error"]) for r in rows]
     lines.insert(0, f"Megatron-LM Table 1: max |error| {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
-    return lines, {"megatron": rows, "gpt3_days": days}
+    more, korthikanti = _korthikanti()
+    return lines + [""] + more, {"megatron": rows, "gpt3_days": days, "korthikanti": korthikanti}
+
+
+def _korthikanti() -> tuple[list[str], list[dict[str, Any]]]:
+    """Korthikanti et al. 2022 Table 5 (and the 2240-GPU run of §6.3): iteration time and MFU per method."""
+    from ..planner.published import (KORTHIKANTI_530B_DP8, KORTHIKANTI_METHODS, KORTHIKANTI_TABLE5,
+                                     korthikanti_prediction, korthikanti_published_s)
+
+    lines = ["| model | layout | method | published s | predicted s | error | published MFU | predicted MFU | "
+             "predicted memory (GiB) | fits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows: list[dict[str, Any]] = []
+    for r in (*KORTHIKANTI_TABLE5, KORTHIKANTI_530B_DP8):
+        schedule = f"interleaved m={r.chunks}" if r.chunks > 1 else ("1F1B" if r.pp > 1 else "no pipeline")
+        layout = f"{r.gpus} GPUs: tp {r.tp} pp {r.pp} dp {r.gpus // (r.tp * r.pp)}, {schedule}, mb {r.micro_batch}"
+        for method in KORTHIKANTI_METHODS:
+            p = korthikanti_prediction(r, method)
+            pub, derived = korthikanti_published_s(r, method), method == "full" and r.full_s is None
+            pub_mfu = r.mfu if method == "present" else r.full_mfu
+            err = p.step_time_s / pub - 1
+            rows.append({"model": r.name, "gpus": r.gpus, "batch": r.batch, "method": method, "published_s": pub,
+                         "published_s_derived": derived, "predicted_s": p.step_time_s, "error": err,
+                         "published_mfu": pub_mfu, "predicted_mfu": 100 * p.mfu,
+                         "memory_gib": p.memory.total / 2**30, "fits": p.fits})
+            lines.append(f"| {r.name} | {layout}, batch {r.batch} | {method} | {pub:.2f}{'†' if derived else ''} | "
+                         f"{p.step_time_s:.2f} | {err:+.1%} | {'—' if pub_mfu is None else f'{pub_mfu:.1f}%'} | "
+                         f"{100 * p.mfu:.1f}% | {p.memory.total / 2**30:.1f} | {'yes' if p.fits else 'no'} |")
+    errs = [abs(r["error"]) for r in rows]
+    gaps = [abs(r["predicted_mfu"] - r["published_mfu"]) for r in rows if r["method"] == "present"]
+    lines.insert(0, f"Korthikanti et al. 2022 Table 5 (+ the 2240-GPU run of §6.3): iteration time max |error| "
+                    f"{max(errs):.1%}, median {statistics.median(errs):.1%}; present-work MFU max |gap| "
+                    f"{max(gaps):.1f} points.\n")
+    lines.append("\n† not published: the 2240-GPU present-work time (39.15 s, §6.3) × 54.2 / 42.1, the abstract's "
+                 "MFUs with and without the present work (equal model FLOPs, so time scales as 1 / MFU).")
+    return lines, rows
 
 
 def _run_layout(name: str, flags: list[str], steps: int, root: Path) -> dict[str, Any]:

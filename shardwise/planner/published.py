@@ -14,7 +14,8 @@ from .predict import Prediction, predict
 from .spec import ModelSpec
 
 __all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "GPT3_175B_LAYOUT",
-           "gpt3_plan", "gpt3_days", "ZERO_TABLE1"]
+           "gpt3_plan", "gpt3_days", "ZERO_TABLE1", "KorthikantiRow", "KORTHIKANTI_TABLE5", "KORTHIKANTI_530B_DP8",
+           "KORTHIKANTI_METHODS", "korthikanti_plan", "korthikanti_published_s", "korthikanti_prediction"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,85 @@ def gpt3_days(hw: Hardware | None = None) -> tuple[float, Prediction]:
     hw = hw or Hardware.preset("a100-80g-sxm")
     pred = predict(megatron_spec(96, 12288, 96), gpt3_plan(), hw, global_batch=1536, runtime="megatron")
     return 300e9 / pred.tokens_per_s / 86400, pred
+
+
+@dataclass(frozen=True)
+class KorthikantiRow:
+    """One configuration of Korthikanti et al. 2022 (Table 3 layout, Table 5 measurements)."""
+
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    micro_batch: int
+    chunks: int
+    """Interleaving stages m per pipeline rank; 1 = the plain 1F1B schedule."""
+    full_s: float | None
+    """Iteration seconds with full recomputation and no sequence parallelism (None: not published)."""
+    present_s: float
+    """Iteration seconds with sequence parallelism + selective recomputation (the paper's "present work")."""
+    mfu: float
+    """Model FLOPs utilisation of the present-work run, % of the 312 TF/s bf16 peak."""
+    hfu: float | None
+    """Hardware FLOPs utilisation of the present-work run, % (None: not published)."""
+    full_mfu: float | None = None
+    """MFU of the full-recomputation run, % (only the 2240-GPU run publishes it, in the abstract)."""
+
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198):
+# Table 3 (layouts) and Table 5 (iteration time, MFU, HFU). §6: A100-80GB (Selene), seq 2048, vocab 51,200,
+# mixed precision, no data parallelism, the interleaved schedule with m = 3 for the 175B and 530B models.
+# Not stated, assumed: plain 1F1B for the 1T model (§6 names m = 3 only for 175B and 530B, and two layers per
+# rank cannot be cut in three), bf16-mixed (2 + 2 + 12 bytes per parameter; the paper says "mixed precision").
+KORTHIKANTI_TABLE5 = (
+    KorthikantiRow("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.42, 1.10, 41.5, 43.7),
+    KorthikantiRow("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75, 51.4, 52.8),
+    KorthikantiRow("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83, 56.0, 57.0),
+    KorthikantiRow("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42, 71.49, 56.3, 57.0),
+)
+
+KORTHIKANTI_530B_DP8 = KorthikantiRow("530B", 128, 20480, 105, 8, 35, 2240, 2240, 1, 3, None, 39.15, 54.2, None, 42.1)
+"""The same paper, §6.3 and abstract: the 530B row with 8-way data parallelism (2240 GPUs, batch × 8) runs an
+iteration in 39.15 s at MFU 54.2 %; full recomputation reaches MFU 42.1 % there (its time is not given)."""
+
+KORTHIKANTI_METHODS = ("full", "present")
+"""Table 5's two columns: full recomputation without sequence parallelism; sequence parallelism + selective."""
+
+
+def korthikanti_published_s(row: KorthikantiRow, method: str) -> float:
+    """The row's published iteration seconds for ``method``. The 2240-GPU full-recomputation time is not
+    published; MFU is model FLOPs / (time × GPUs × peak) (§6.3), so at equal FLOPs it is the present-work time
+    scaled by the ratio of the two published MFUs."""
+    if method not in KORTHIKANTI_METHODS:
+        raise ValueError(f"method must be one of {list(KORTHIKANTI_METHODS)}, got {method!r}")
+    if method == "present":
+        return row.present_s
+    if row.full_s is not None:
+        return row.full_s
+    if row.full_mfu is None:
+        raise ValueError(f"row {row.name} on {row.gpus} GPUs publishes neither a full-recomputation time nor its MFU")
+    return row.present_s * row.mfu / row.full_mfu
+
+
+def korthikanti_plan(row: KorthikantiRow, method: str) -> Plan:
+    """The row's layout under ``method``: ``full`` recomputes every block without sequence parallelism,
+    ``present`` recomputes only the attention core with sequence parallelism (the paper's Table 5 columns)."""
+    if method not in KORTHIKANTI_METHODS:
+        raise ValueError(f"method must be one of {list(KORTHIKANTI_METHODS)}, got {method!r}")
+    present = method == "present"
+    return Plan(dp=row.gpus // (row.tp * row.pp), tp=row.tp, pp=row.pp, micro_batch=row.micro_batch,
+                schedule="interleaved" if row.chunks > 1 else "1f1b", chunks=row.chunks,
+                activation_checkpointing="selective" if present else "full", sequence_parallel=present,
+                precision="bf16-mixed")
+
+
+def korthikanti_prediction(row: KorthikantiRow, method: str, hw: Hardware | None = None) -> Prediction:
+    """The planner's prediction for one row and method on the ``a100-80g-sxm`` preset. ``megatron`` runtime:
+    §6.3 says the data-parallel all-reduce is not overlapped with back-propagation."""
+    hw = hw or Hardware.preset("a100-80g-sxm")
+    return predict(megatron_spec(row.layers, row.hidden, row.heads), korthikanti_plan(row, method), hw,
+                   global_batch=row.batch, runtime="megatron")
