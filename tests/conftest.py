@@ -29,6 +29,8 @@ class Worlds:
 
     def close(self) -> None:
         for w in self._worlds.values():
+            w.stop()  # all worlds' ranks exit at once, then each is joined
+        for w in self._worlds.values():
             w.close()
 
 
