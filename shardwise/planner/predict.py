@@ -213,7 +213,10 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
         # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
         # unit blocks until the slowest replica joins
         passes = plan.grad_accum
-        fwd = coll("all_gather", n_local * param_b)
+        # one collective per unit, each paying its own latency: at a thousand ranks a ring's (P - 1) steps cost
+        # milliseconds per call, whatever the bytes
+        fwd = units * coll("all_gather", n_local * param_b / units)
+        reduce = units * coll("reduce_scatter", n_local * grad_b / units)
         waits = 3 * units * hw.sync_skew_s
         if not overlap:
             return passes * (2 * fwd + reduce + waits)
