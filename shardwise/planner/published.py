@@ -172,3 +172,108 @@ def korthikanti_prediction(row: KorthikantiRow, method: str, hw: Hardware | None
     hw = hw or Hardware.preset("a100-80g-sxm")
     return predict(megatron_spec(row.layers, row.hidden, row.heads), korthikanti_plan(row, method), hw,
                    global_batch=row.batch, runtime="megatron")
+
+
+@dataclass(frozen=True)
+class NarayananTable2Row:
+    """One row of Narayanan et al. 2021 Table 2: PTD-P or ZeRO-3 without model parallelism."""
+
+    scheme: str
+    """``PTD-P`` (the paper's tensor + pipeline + data parallelism) or ``ZeRO-3`` (DeepSpeed, no model parallelism)."""
+    params_b: float
+    model_parallel: int
+    """Model-parallel size t × p (1 for ZeRO-3; the table does not split it, see ``NARAYANAN_TABLE2_TP``)."""
+    batch: int
+    gpus: int
+    micro_batch: int
+    tflops: float
+    """Achieved TF/s per GPU (Eq. 3 FLOPs: activation recomputation counted)."""
+    days: float
+    """The paper's training days for 300B tokens (its Eq. 3 FLOPs at ``tflops``)."""
+
+
+# Narayanan et al. 2021 (arXiv 2104.04473), Table 2 and §5.2: GPT-3 175B (174.6B: 96 layers, h 12288, 96 heads) and
+# the 530B model of Table 1 (529.6B: 105 layers, h 20480, 128 heads), seq 2048, vocab 51,200, A100-80GB (Selene),
+# mixed precision (§5), global batch fixed per model as GPUs double. ZeRO-3 ran through the DeepSpeed library in
+# Megatron's code base (§5.2: no version, no overlap or checkpointing settings given). The 2560-batch row is the
+# table's starred one: 530B with ZeRO-3 at micro-batch 4 did not fit on 560 GPUs, so it ran on 640 with batch 2560.
+NARAYANAN_TABLE2 = (
+    NarayananTable2Row("ZeRO-3", 174.6, 1, 1536, 384, 4, 144, 90),
+    NarayananTable2Row("ZeRO-3", 174.6, 1, 1536, 768, 2, 88, 74),
+    NarayananTable2Row("ZeRO-3", 174.6, 1, 1536, 1536, 1, 44, 74),
+    NarayananTable2Row("ZeRO-3", 529.6, 1, 2560, 640, 4, 138, 169),
+    NarayananTable2Row("ZeRO-3", 529.6, 1, 2240, 1120, 2, 98, 137),
+    NarayananTable2Row("ZeRO-3", 529.6, 1, 2240, 2240, 1, 48, 140),
+    NarayananTable2Row("PTD-P", 174.6, 96, 1536, 384, 1, 153, 84),
+    NarayananTable2Row("PTD-P", 174.6, 96, 1536, 768, 1, 149, 43),
+    NarayananTable2Row("PTD-P", 174.6, 96, 1536, 1536, 1, 141, 23),
+    NarayananTable2Row("PTD-P", 529.6, 280, 2240, 560, 1, 171, 156),
+    NarayananTable2Row("PTD-P", 529.6, 280, 2240, 1120, 1, 167, 80),
+    NarayananTable2Row("PTD-P", 529.6, 280, 2240, 2240, 1, 159, 42),
+)
+
+NARAYANAN_TABLE2_MODELS = {174.6: (96, 12288, 96), 529.6: (105, 20480, 128)}
+"""Table 2's two models: params (billion) → (layers, hidden, heads), from §5.3.2 (GPT-3) and Table 1 (530B)."""
+
+NARAYANAN_TABLE2_TP = 8
+"""Not in Table 2, assumed: tensor parallel 8 (one DGX A100 node, §5.4.1's best and every large row of Table 1),
+so model-parallel 96 = 8 × pp 12 and 280 = 8 × pp 35 (Table 1's 530B layout)."""
+
+NARAYANAN_TABLE2_TOKENS = 300e9
+
+
+def narayanan_table2_plan(row: NarayananTable2Row, schedule: str = "interleaved") -> Plan:
+    """The row's layout. PTD-P: tp 8 (assumed) × pp, data parallel over the rest, micro-batch 1 (the table's),
+    full recomputation. ``interleaved`` (default) is ``megatron_plan``'s assumption for Table 1 — §5.1 states the
+    interleaved schedule for the end-to-end runs, §5.2 names none — with 2 chunks for 175B (8 layers per rank)
+    and 3 for 530B (3 per rank); ``1f1b`` is the plain schedule, for the sensitivity. ZeRO-3: data parallel over
+    every GPU at the table's micro-batch, full recomputation (assumed: Table 2's TF/s are Eq. 3's, which counts
+    a recomputed forward), bf16-mixed (2 + 2 + 12 bytes per parameter)."""
+    if row.scheme == "ZeRO-3":
+        return Plan(dp=row.gpus, micro_batch=row.micro_batch, zero_stage=3, activation_checkpointing="full",
+                    precision="bf16-mixed")
+    if schedule not in ("interleaved", "1f1b"):
+        raise ValueError(f"schedule must be 'interleaved' or '1f1b', got {schedule!r}")
+    layers, pp = NARAYANAN_TABLE2_MODELS[row.params_b][0], row.model_parallel // NARAYANAN_TABLE2_TP
+    if schedule == "interleaved":
+        return megatron_plan(layers, NARAYANAN_TABLE2_TP, pp, row.gpus)
+    return Plan(dp=row.gpus // row.model_parallel, tp=NARAYANAN_TABLE2_TP, pp=pp, micro_batch=1, schedule="1f1b",
+                activation_checkpointing="full", precision="bf16-mixed")
+
+
+def narayanan_table2_prediction(row: NarayananTable2Row, runtime: str = "megatron", schedule: str = "interleaved",
+                                hw: Hardware | None = None) -> Prediction:
+    """The planner's prediction for one Table 2 row on the ``a100-80g-sxm`` preset.
+
+    ``megatron`` runtime for every row, ZeRO-3 included: nothing overlapped — the ZeRO-3 numbers are
+    DeepSpeed's (2021), whose prefetch and overlap the planner does not model, so this is its only runtime
+    that claims nothing about them. ``shardwise`` prices the same ZeRO-3 plan with the gathers and
+    reduce-scatters hidden under compute as far as it covers them (the planner's model of our own runtime): an
+    optimistic bound for comparison, not the paper's system."""
+    hw = hw or Hardware.preset("a100-80g-sxm")
+    layers, hidden, heads = NARAYANAN_TABLE2_MODELS[row.params_b]
+    return predict(megatron_spec(layers, hidden, heads), narayanan_table2_plan(row, schedule), hw,
+                   global_batch=row.batch, runtime=runtime)
+
+
+def narayanan_table2_days(pred: Prediction) -> float:
+    """Predicted days for the paper's 300B tokens at the prediction's token rate (as ``gpt3_days``)."""
+    return NARAYANAN_TABLE2_TOKENS / pred.tokens_per_s / 86400
+
+
+def zero3_implied_bus_bandwidth(row: NarayananTable2Row, pred: Prediction) -> float:
+    """Bytes per second per GPU at which a ZeRO-3 row's traffic would fill the published step: per step each GPU
+    moves (P - 1)/P of 3 × 2 B × Ψ (two bf16 parameter all-gathers, one gradient reduce-scatter per pass);
+    the published step is the prediction's FLOPs at the published TF/s; everything it has beyond the predicted
+    compute and optimizer is charged to that traffic, unoverlapped (latency folded in)."""
+    if row.scheme != "ZeRO-3":
+        raise ValueError(f"only ZeRO-3 rows have a parameter-gather traffic, got {row.scheme!r}")
+    published_s = pred.step_time_s * pred.tflops_per_device / row.tflops
+    left = published_s - (pred.step_time_s - pred.breakdown["dp_comm"])
+    traffic = pred.plan.grad_accum * 3 * 2 * row.params_b * 1e9 * (row.gpus - 1) / row.gpus
+    return traffic / left if left > 0 else float("inf")
+
+
+__all__ += ["NarayananTable2Row", "NARAYANAN_TABLE2", "NARAYANAN_TABLE2_MODELS", "NARAYANAN_TABLE2_TP",
+            "NARAYANAN_TABLE2_TOKENS", "narayanan_table2_plan", "narayanan_table2_prediction", "narayanan_table2_days",
+            "zero3_implied_bus_bandwidth"]
