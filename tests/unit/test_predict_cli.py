@@ -172,6 +172,26 @@ def test_resolve_hardware_and_the_quick_probe():
     # more ranks than cores share them: each rank gets less
     many = quick_probe_hardware(64)
     assert many.peak_flops["fp32"] < hw.peak_flops["fp32"]
+    # the per-launch overhead comes from a block trained in eager mode, not from a bare add: microseconds
+    assert 1e-7 < hw.op_overhead_s < 1e-2
+
+
+def test_launch_overhead_recovers_the_overhead_that_explains_the_block():
+    from dataclasses import replace
+
+    from shardwise.planner import Hardware, Plan
+    from shardwise.planner.compute import layer_time
+    from shardwise.planner.spec import gpt_layers
+    from shardwise.runtime.prediction import _TINY_BLOCK, launch_overhead
+
+    hw = replace(Hardware.preset("a100-80g-sxm"), op_overhead_s=0.0)
+    t = _TINY_BLOCK
+    layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
+                       bias=True, dropout=False, attention="flash")[1]
+    for o in (2e-6, 15e-6):  # a block that really costs this per launch is read back as this
+        lt = layer_time(layer, Plan(micro_batch=t["batch"]), replace(hw, op_overhead_s=o), flash=True, tp_per_node=1)
+        assert launch_overhead(hw, lt.F + lt.B + lt.W) == pytest.approx(o, rel=1e-6)
+    assert launch_overhead(hw, 0.0) == 0.0  # faster than its arithmetic: no overhead, never negative
 
 
 def test_train_writes_the_prediction_record_and_survives_a_failed_one(tmp_path, monkeypatch, capsys):
