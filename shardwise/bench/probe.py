@@ -191,4 +191,16 @@ def _block(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
     both = timed(lambda: forward(False).sum().backward(), mesh, settings) / depth
     ckpt = timed(lambda: forward(True).sum().backward(), mesh, settings) / depth
     return {"n_embd": h, "n_head": heads, "seq": seq, "batch": batch, "depth": depth, "fwd_s": fwd,
-            "bwd_s": max(both - fwd, 1e-9), "ckpt_s": ckpt}
+            "bwd_s": max(both - fwd, 1e-9), "ckpt_s": ckpt, "tiny_s": _tiny_block(mesh, settings)}
+
+
+def _tiny_block(mesh: Any, settings: ProbeSettings) -> float:
+    """Forward + backward of one ``planner.overhead.TINY_BLOCK`` block (every rank at once): its arithmetic is
+    microseconds, so it measures what a kernel launch costs in eager training, which the probe block above
+    cannot tell apart from its arithmetic (the planner solves the per-launch overhead from it)."""
+    from ..models.gpt import Block, GPTConfig
+    from ..planner.overhead import TINY_BLOCK as t
+
+    block = Block(GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])).to(mesh.device)
+    x = torch.randn(t["batch"], t["seq"], t["n_embd"], device=mesh.device, requires_grad=True)
+    return timed(lambda: block(x).sum().backward(), mesh, settings)

@@ -17,6 +17,7 @@ from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
+from .overhead import launch_overhead
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Plan
 from .spec import ModelSpec
@@ -249,6 +250,11 @@ def block_factors(hw: Hardware) -> Hardware:
     h, a, s, b = (int(probe[k]) for k in ("n_embd", "n_head", "seq", "batch"))
     block = gpt_layers(n_layer=1, h=h, a=a, v=8, s=s, positions=s, tie=True, bias=True, dropout=False,
                        attention="flash")[1]
+    if "tiny_s" in probe:
+        # a launch's cost in eager training, from the tiny block (``overhead.py``), before the factors: they
+        # then scale what grows with the work, and a small micro-batch keeps its fixed per-launch cost
+        probe_hw = hw.for_devices(hw.calibrated_ranks) if hw.calibrated_ranks else hw
+        hw = replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(probe_hw, probe["tiny_s"])))
     probe_hw = hw.for_devices(hw.calibrated_ranks) if hw.calibrated_ranks else hw
     t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
     recompute = hw.recompute_factor

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
+from ..planner.overhead import TINY_BLOCK, launch_overhead
 from .config import Config
 from .model_build import planner_split_names
 
@@ -187,43 +188,18 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     return replace(hw, op_overhead_s=max(overhead, launch_overhead(hw, block_s / scale)))
 
 
-# The tiny block the quick probe times in training (forward + backward): small enough that its arithmetic is a
-# few microseconds, so what it measures is what every kernel launch costs in eager training — Python, the
-# module call, autograd recording its node, the backward dispatch — about 10-20 us a launch on a CPU, where a
-# bare ``tiny.add_`` costs 1-3 us. Without it a small model (the gpt-tiny main job) was predicted 3x too fast.
-_TINY_BLOCK = dict(n_embd=64, n_head=2, seq=16, batch=1)
-
-
 def _tiny_block_seconds(dev: Any, sync: Callable[[], None]) -> float:
-    """Seconds of one forward + backward of the reference block at ``_TINY_BLOCK`` (on ``dev``, this thread)."""
+    """Seconds of one forward + backward of the reference block at ``TINY_BLOCK`` (on ``dev``, this thread):
+    small enough that its arithmetic is microseconds, so it measures what each launch costs in eager training
+    (``planner/overhead.py``). Without it the gpt-tiny main job was predicted 2x too fast."""
     import torch
 
     from ..models.gpt import Block, GPTConfig
 
-    t = _TINY_BLOCK
+    t = TINY_BLOCK
     block = Block(GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])).to(dev)
     x = torch.randn(t["batch"], t["seq"], t["n_embd"], device=dev, requires_grad=True)
     return _per_call(lambda: block(x).sum().backward(), sync, budget_s=0.02)
-
-
-def launch_overhead(hw: Hardware, measured_s: float) -> float:
-    """The per-launch overhead that makes the planner's forward + backward of the ``_TINY_BLOCK`` block on
-    ``hw`` last ``measured_s``: the planner's time is linear in ``op_overhead_s`` (``t0 + launches × o``), so
-    ``o = (measured - t0) / launches``; 0 where the arithmetic alone already takes longer. Pure."""
-    from ..planner.compute import layer_time
-    from ..planner.spec import gpt_layers
-
-    t = _TINY_BLOCK
-    layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
-                       bias=True, dropout=False, attention="flash")[1]
-
-    def total(o: float) -> float:
-        lt = layer_time(layer, Plan(micro_batch=t["batch"]), replace(hw, op_overhead_s=o), flash=True,
-                        tp_per_node=1)
-        return lt.F + lt.B + lt.W
-    t0 = total(0.0)
-    launches = (total(1e-6) - t0) / 1e-6
-    return max(measured_s - t0, 0.0) / launches if launches > 0 else 0.0
 
 
 _PROBED: dict[tuple[str, int], Hardware] = {}

@@ -182,10 +182,10 @@ def test_launch_overhead_recovers_the_overhead_that_explains_the_block():
     from shardwise.planner import Hardware, Plan
     from shardwise.planner.compute import layer_time
     from shardwise.planner.spec import gpt_layers
-    from shardwise.runtime.prediction import _TINY_BLOCK, launch_overhead
+    from shardwise.planner.overhead import TINY_BLOCK, launch_overhead
 
     hw = replace(Hardware.preset("a100-80g-sxm"), op_overhead_s=0.0)
-    t = _TINY_BLOCK
+    t = TINY_BLOCK
     layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
                        bias=True, dropout=False, attention="flash")[1]
     for o in (2e-6, 15e-6):  # a block that really costs this per launch is read back as this

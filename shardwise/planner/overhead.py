@@ -1,0 +1,42 @@
+"""What one kernel launch costs in eager training, from a tiny block timed forward and backward (pure).
+
+A bare ``tiny.add_`` costs 1-3 us on a CPU; in training every launch also pays Python, the module call,
+autograd recording its node and the backward's dispatch — ~15 us each on the 2-core VM of benchmarks/RESULTS.md.
+The cost model counts launches coarsely (a GEMM or an elementwise pass is one), so the overhead is solved
+from a block small enough that its arithmetic is a few microseconds: the planner's time of that block is
+linear in ``op_overhead_s`` (``t0 + launches × o``), and ``o = (measured − t0) / launches``. The quick probe
+(``runtime/prediction.py``) and the calibration (``bench/probe.py``, ``probe.block.tiny_s``) both time it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .compute import layer_time
+from .hardware import Hardware
+from .plan import Plan
+from .builders import gpt_layers
+
+__all__ = ["TINY_BLOCK", "launch_overhead"]
+
+TINY_BLOCK = {"n_embd": 64, "n_head": 2, "seq": 16, "batch": 1}
+"""The reference GPT block timed for the launch overhead: micro-batch 1 of 16 tokens, width 64."""
+
+
+def launch_overhead(hw: Hardware, measured_s: float) -> float:
+    """The ``op_overhead_s`` with which the planner's forward + backward of the ``TINY_BLOCK`` block on ``hw``
+    lasts ``measured_s`` (0 where the arithmetic alone already takes longer)."""
+    t = TINY_BLOCK
+    layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
+                       bias=True, dropout=False, attention="flash")[1]
+    plan = Plan(micro_batch=t["batch"])
+    # the probe block has no factors of its own: price it with the kernels' costs alone
+    bare = replace(hw, fwd_factor=1.0, bwd_factor=1.0)
+
+    def total(o: float) -> float:
+        lt = layer_time(layer, plan, replace(bare, op_overhead_s=o), flash=True, tp_per_node=1)
+        return lt.F + lt.B + lt.W
+
+    t0 = total(0.0)
+    launches = (total(1e-6) - t0) / 1e-6
+    return max(measured_s - t0, 0.0) / launches if launches > 0 else 0.0
