@@ -17,10 +17,13 @@ from shardwise.planner.predict import block_factors
 CAL = Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json"
 
 
-def _with_tiny(tmp_path: Path, tiny_s: float) -> Hardware:
+def _with_tiny(tmp_path: Path, tiny_s: float | None) -> Hardware:
+    """The committed calibration with its tiny block set to ``tiny_s`` (``None``: a file from before it)."""
     raw = json.loads(CAL.read_text())
-    raw["probe"]["block"]["tiny_s"] = tiny_s
-    path = tmp_path / "hw.json"
+    raw["probe"]["block"].pop("tiny_s", None)
+    if tiny_s is not None:
+        raw["probe"]["block"]["tiny_s"] = tiny_s
+    path = tmp_path / f"hw-{tiny_s}.json"
     path.write_text(json.dumps(raw))
     return Hardware.load(path)
 
@@ -33,9 +36,9 @@ def _per_sample(hw: Hardware, micro_batch: int) -> float:
 
 
 def test_the_tiny_block_sets_the_overhead_and_the_factors_still_fit_the_probe(tmp_path):
-    plain = block_factors(Hardware.load(CAL))
+    plain = block_factors(_with_tiny(tmp_path, None))
     hw = block_factors(_with_tiny(tmp_path, 0.6e-3))  # 0.6 ms: what the tiny block takes on the 2-core VM
-    assert hw.op_overhead_s == pytest.approx(launch_overhead(Hardware.load(CAL), 0.6e-3))
+    assert hw.op_overhead_s == pytest.approx(launch_overhead(_with_tiny(tmp_path, None), 0.6e-3))
     assert hw.op_overhead_s > 3 * plain.op_overhead_s
     # the probe block (micro-batch 4) is still predicted at its measured time: the factors absorb the rest
     probe = hw.block_probe
@@ -46,7 +49,7 @@ def test_the_tiny_block_sets_the_overhead_and_the_factors_still_fit_the_probe(tm
 
 
 def test_a_tiny_block_faster_than_its_arithmetic_changes_nothing(tmp_path):
-    plain = block_factors(Hardware.load(CAL))
+    plain = block_factors(_with_tiny(tmp_path, None))
     hw = block_factors(_with_tiny(tmp_path, 1e-9))
     assert hw.op_overhead_s == plain.op_overhead_s
     assert (hw.fwd_factor, hw.bwd_factor) == pytest.approx((plain.fwd_factor, plain.bwd_factor))
