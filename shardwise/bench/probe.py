@@ -198,9 +198,6 @@ def _tiny_block(mesh: Any, settings: ProbeSettings) -> float:
     """Forward + backward of one ``planner.overhead.TINY_BLOCK`` block (every rank at once): its arithmetic is
     microseconds, so it measures what a kernel launch costs in eager training, which the probe block above
     cannot tell apart from its arithmetic (the planner solves the per-launch overhead from it)."""
-    from ..models.gpt import Block, GPTConfig
-    from ..planner.overhead import TINY_BLOCK as t
+    from ..runtime.prediction import tiny_block_step
 
-    block = Block(GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])).to(mesh.device)
-    x = torch.randn(t["batch"], t["seq"], t["n_embd"], device=mesh.device, requires_grad=True)
-    return timed(lambda: block(x).sum().backward(), mesh, settings)
+    return timed(tiny_block_step(mesh.device), mesh, settings)

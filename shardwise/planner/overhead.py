@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .builders import gpt_layers
 from .compute import layer_time
 from .hardware import Hardware
 from .plan import Plan
-from .builders import gpt_layers
 
 __all__ = ["TINY_BLOCK", "launch_overhead"]
 

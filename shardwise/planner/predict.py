@@ -250,12 +250,12 @@ def block_factors(hw: Hardware) -> Hardware:
     h, a, s, b = (int(probe[k]) for k in ("n_embd", "n_head", "seq", "batch"))
     block = gpt_layers(n_layer=1, h=h, a=a, v=8, s=s, positions=s, tie=True, bias=True, dropout=False,
                        attention="flash")[1]
+    as_probed = lambda h: h.for_devices(h.calibrated_ranks) if h.calibrated_ranks else h  # noqa: E731
     if "tiny_s" in probe:
         # a launch's cost in eager training, from the tiny block (``overhead.py``), before the factors: they
         # then scale what grows with the work, and a small micro-batch keeps its fixed per-launch cost
-        probe_hw = hw.for_devices(hw.calibrated_ranks) if hw.calibrated_ranks else hw
-        hw = replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(probe_hw, probe["tiny_s"])))
-    probe_hw = hw.for_devices(hw.calibrated_ranks) if hw.calibrated_ranks else hw
+        hw = replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(as_probed(hw), probe["tiny_s"])))
+    probe_hw = as_probed(hw)
     t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
     recompute = hw.recompute_factor
     if "ckpt_s" in probe:

@@ -15,7 +15,10 @@ from .spec import ModelSpec
 
 __all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "GPT3_175B_LAYOUT",
            "gpt3_plan", "gpt3_days", "ZERO_TABLE1", "KorthikantiRow", "KORTHIKANTI_TABLE5", "KORTHIKANTI_530B_DP8",
-           "KORTHIKANTI_METHODS", "korthikanti_plan", "korthikanti_published_s", "korthikanti_prediction"]
+           "KORTHIKANTI_METHODS", "korthikanti_plan", "korthikanti_published_s", "korthikanti_prediction",
+           "NarayananTable2Row", "NARAYANAN_TABLE2", "NARAYANAN_TABLE2_MODELS", "NARAYANAN_TABLE2_TP",
+           "NARAYANAN_TABLE2_TOKENS", "narayanan_table2_plan", "narayanan_table2_prediction", "narayanan_table2_days",
+           "zero3_implied_bus_bandwidth"]
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,3 @@ def zero3_implied_bus_bandwidth(row: NarayananTable2Row, pred: Prediction) -> fl
     traffic = pred.plan.grad_accum * 3 * 2 * row.params_b * 1e9 * (row.gpus - 1) / row.gpus
     return traffic / left if left > 0 else float("inf")
 
-
-__all__ += ["NarayananTable2Row", "NARAYANAN_TABLE2", "NARAYANAN_TABLE2_MODELS", "NARAYANAN_TABLE2_TP",
-            "NARAYANAN_TABLE2_TOKENS", "narayanan_table2_plan", "narayanan_table2_prediction", "narayanan_table2_days",
-            "zero3_implied_bus_bandwidth"]

@@ -170,7 +170,7 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
         bandwidth = 2 * x.numel() * 4 / _per_call(lambda: x.add_(1.0), sync)
         tiny = torch.zeros(1, device=dev)
         overhead = _per_call(lambda: tiny.add_(1.0), sync, budget_s=0.005)
-        block_s = _tiny_block_seconds(dev, sync)
+        block_s = _per_call(tiny_block_step(dev), sync, budget_s=0.02)
     finally:
         torch.set_num_threads(threads)
     peak = max(f for _, f in rows)
@@ -188,10 +188,10 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     return replace(hw, op_overhead_s=max(overhead, launch_overhead(hw, block_s / scale)))
 
 
-def _tiny_block_seconds(dev: Any, sync: Callable[[], None]) -> float:
-    """Seconds of one forward + backward of the reference block at ``TINY_BLOCK`` (on ``dev``, this thread):
-    small enough that its arithmetic is microseconds, so it measures what each launch costs in eager training
-    (``planner/overhead.py``). Without it the gpt-tiny main job was predicted 2x too fast."""
+def tiny_block_step(dev: Any) -> Callable[[], None]:
+    """One forward + backward of the reference block at ``TINY_BLOCK`` on ``dev``: its arithmetic is
+    microseconds, so timing it measures what each launch costs in eager training (``planner/overhead.py``).
+    Timed by the quick probe here and by the calibration (``bench/probe.py``)."""
     import torch
 
     from ..models.gpt import Block, GPTConfig
@@ -199,7 +199,7 @@ def _tiny_block_seconds(dev: Any, sync: Callable[[], None]) -> float:
     t = TINY_BLOCK
     block = Block(GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])).to(dev)
     x = torch.randn(t["batch"], t["seq"], t["n_embd"], device=dev, requires_grad=True)
-    return _per_call(lambda: block(x).sum().backward(), sync, budget_s=0.02)
+    return lambda: block(x).sum().backward()
 
 
 _PROBED: dict[tuple[str, int], Hardware] = {}
