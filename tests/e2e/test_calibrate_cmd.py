@@ -31,6 +31,8 @@ def test_calibrate_quick_two_ranks(tmp_path):
     # the block probe: a stack of blocks, per-block times, plain and under activation checkpointing
     block = probe["block"]
     assert block["depth"] == 4 and 0 < block["fwd_s"] < block["ckpt_s"] and block["bwd_s"] > 0
+    # ... and the tiny block whose time is launch overhead (far cheaper than a probe block)
+    assert 0 < block["tiny_s"] < block["fwd_s"] + block["bwd_s"]
     assert probe["sync_skew_s"] >= 0
     assert set(doc["machine"]) == {"host", "cpus", "torch", "gpu"} and doc["machine"]["gpu"] is None
     (cal,) = hardware_collectives(doc)  # two ranks: one group size

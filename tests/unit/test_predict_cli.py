@@ -176,6 +176,17 @@ def test_resolve_hardware_and_the_quick_probe():
     assert 1e-7 < hw.op_overhead_s < 1e-2
 
 
+def test_the_quick_probe_takes_its_launch_overhead_from_the_tiny_block(monkeypatch):
+    from shardwise.runtime import prediction
+
+    # a tiny block that takes 2 ms (sleep: never less) makes every launch cost tens of microseconds; one that
+    # takes nothing leaves the bare op's microseconds
+    monkeypatch.setattr(prediction, "tiny_block_step", lambda dev: (lambda: time.sleep(0.002)))
+    assert quick_probe_hardware(2).op_overhead_s > 3e-5
+    monkeypatch.setattr(prediction, "tiny_block_step", lambda dev: (lambda: None))
+    assert quick_probe_hardware(2).op_overhead_s < 1e-5
+
+
 def test_launch_overhead_recovers_the_overhead_that_explains_the_block():
     from dataclasses import replace
 
