@@ -128,7 +128,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     if lead:
         print(f"# {PROG}: {n} ranks, backend {world.backend}, device {device.type}"
               f"{' (quick)' if args.quick else ''}: compute probe, all ranks at once", flush=True)
-    probe = run_probe(mesh, probe_settings(args.quick))
+    probe = run_probe(mesh, probe_settings(args.quick, mesh.device.type))
     calibrations = []
     for d in group_sizes(n):
         if lead:

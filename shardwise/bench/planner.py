@@ -55,6 +55,11 @@ LAYOUTS: list[tuple[str, list[str]]] = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--published", action="store_true", help="compare with the published tables (pure)")
     parser.add_argument("--measured", action="store_true", help="train every layout briefly and compare")
+    parser.add_argument("--single-device", action="store_true",
+                        help="one accelerator: train micro-batch/accumulation/checkpointing/precision layouts of a "
+                             "124M GPT with --parallel.nproc 1 and compare with each --hardware (presets or files)")
+    parser.add_argument("--model-flags", default=None,
+                        help="--single-device: shardwise train model/data flags replacing the GPT-2 small shape")
     parser.add_argument("--search-published", action="store_true",
                         help="the layout search on Megatron-LM Table 1 vs the paper's layouts, and search times (pure)")
     parser.add_argument("--hardware", default=None, help="calibration FILE(s) for --measured (shardwise calibrate), "
@@ -290,8 +295,10 @@ def _measured_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     search_published = getattr(args, "search_published", False)
-    if not (args.published or args.measured or search_published or getattr(args, "search_measured", False)):
-        raise ValueError("choose --published, --measured, --search-published and/or --search-measured (with --hardware FILE from `shardwise calibrate`)")
+    single = getattr(args, "single_device", False)
+    if not (args.published or args.measured or search_published or getattr(args, "search_measured", False) or single):
+        raise ValueError("choose --published, --measured, --search-published, --search-measured and/or "
+                         "--single-device (with --hardware FILE from `shardwise calibrate`)")
     if args.measured and not args.hardware:
         raise ValueError("--measured needs --hardware FILE: run `shardwise calibrate --nproc 4 --out FILE` first")
     lines: list[str] = []
@@ -302,6 +309,12 @@ def main(args: argparse.Namespace) -> int:
         data.update(d)
     if args.measured:
         more, d = _measured(args)
+        lines += [""] + more
+        data.update(d)
+    if single:
+        from .planner_device import single_device
+
+        more, d = single_device(args)
         lines += [""] + more
         data.update(d)
     if search_published:

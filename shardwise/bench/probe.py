@@ -44,7 +44,14 @@ class ProbeSettings:
     """float32 elements of the bandwidth probe ``y = a·x + b``."""
 
 
-def probe_settings(quick: bool) -> ProbeSettings:
+def probe_settings(quick: bool, device_type: str = "cpu") -> ProbeSettings:
+    """The sweep for ``shardwise calibrate`` (``quick``: seconds). On a GPU the squares go on to 8192 and the
+    skinny shapes to a GPT-2-sized layer (16,384 tokens x 768 x 3,072): a GPU's tensor cores fill only from
+    a few thousand per side, and a CPU-sized sweep would set the peak at half the device's."""
+    if device_type == "cuda":
+        base = probe_settings(quick)
+        return replace(base, squares=base.squares + ((2048, 4096, 8192) if quick else (4096, 8192)),
+                       skinny=base.skinny + ((16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)))
     if quick:
         return ProbeSettings(squares=(64, 128, 256, 512), skinny=((4096, 64, 64), (4096, 256, 256)),
                              dtypes=("float32", "bfloat16"), block_s=0.02, blocks=3, max_call_s=0.05,

@@ -24,7 +24,7 @@ __all__ = ["add_arguments", "add_hardware_arguments", "main", "run_prediction"]
 def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     """``--hardware`` and ``--devices-per-node`` (``shardwise predict`` and ``shardwise plan``)."""
     parser.add_argument("--hardware", default=None, metavar="NAME|FILE",
-                        help="a preset (a100-80g-sxm, h100-80g-sxm) or a calibration file of `shardwise calibrate` "
+                        help="a preset (a100-80g-sxm, h100-80g-sxm, h200-141g-sxm) or a calibration file of `shardwise calibrate` "
                              "(default: this machine's calibration for parallel.nproc ranks, if there is one)")
     parser.add_argument("--devices-per-node", type=int, default=None, metavar="N",
                         help="devices per node (default: the hardware's own)")

@@ -96,7 +96,7 @@ class Hardware:
     # -- construction ------------------------------------------------------------------------------------
     @staticmethod
     def preset(name: str, *, devices_per_node: int | None = None) -> "Hardware":
-        """A named preset (``a100-80g-sxm``, ``h100-80g-sxm``); ``ValueError`` listing them otherwise."""
+        """A named preset (``a100-80g-sxm``, ``h100-80g-sxm``, ``h200-141g-sxm``); ``ValueError`` listing them otherwise."""
         if name not in PRESETS:
             import difflib
 
@@ -260,4 +260,12 @@ PRESETS: dict[str, Hardware] = {
         intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
         gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
         source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests"),
+    # H200 SXM: the H100's chip with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet; same dense BF16/FP32
+    # rates and NVLink 900 GB/s); DGX/HGX H200 nodes carry the DGX H100's 8 x NDR 400 Gb/s.
+    "h200-141g-sxm": Hardware(
+        name="h200-141g-sxm", peak_flops={"fp32": 67e12, "bf16": 989e12}, memory_bytes=141e9,
+        memory_bandwidth_Bps=0.85 * 4.8e12, devices_per_node=8,
+        intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
+        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
+        source="NVIDIA H200 SXM datasheet; HGX H200 8x NDR 400 Gb/s; nccl-tests (H100 figures, same NVLink)"),
 }

@@ -27,12 +27,22 @@ _PEAK_FP32: tuple[tuple[str, float], ...] = (
 )
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense FP32 peak in FLOP/s, or None when unknown (every CPU, unlisted GPUs)."""
+# Dense BF16 tensor-core peak FLOP/s (datasheets; no sparsity), for ``train.precision = bf16``.
+_PEAK_BF16: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("GH200", 989e12),
+    ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12), ("A10", 125e12), ("L40S", 362e12), ("L40", 181e12),
+    ("L4", 121e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
+)
+
+
+def peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
+    """The device's dense peak in FLOP/s for ``precision`` (``fp32``: no tensor cores, TF32 off as in
+    torch's default; ``bf16``: tensor cores), or None when unknown (every CPU, unlisted GPUs)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in _PEAK_FP32 if key in name), None)
+    table = _PEAK_BF16 if precision == "bf16" else _PEAK_FP32
+    return next((peak for key, peak in table if key in name), None)
 
 
 def flops_per_token(*, n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
@@ -216,8 +226,10 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
     n_params = num_params(cfg.model)  # the GPT's or the HF decoder's
     flops = flops_per_token(n_params=n_params, n_layer=cfg.model.n_layer, n_embd=attention_width(cfg.model),
                             block_size=cfg.model.block_size)
-    peak = peak_flops(torch.device(head["device"])) if head["device"].startswith("cuda") else None
-    mfu = f"{head['tokens_per_s'] * flops / (peak * len(ranks)):.1%}" if peak else "n/a (peak FLOP/s unknown for this device)"
+    precision = getattr(cfg.train, "precision", "fp32")
+    peak = peak_flops(torch.device(head["device"]), precision) if head["device"].startswith("cuda") else None
+    mfu = (f"{head['tokens_per_s'] * flops / (peak * len(ranks)):.1%} (of the dense {precision} peak)" if peak
+           else "n/a (peak FLOP/s unknown for this device)")
     table = Table(title="shardwise train: summary", show_header=False)
     for k, v in (("final loss", f"{head['final_loss']:.4f}"), ("steps this run", str(head["steps"])),
                  ("parameters", f"{n_params / 1e6:.2f} M"),

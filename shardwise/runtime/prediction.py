@@ -174,18 +174,30 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     finally:
         torch.set_num_threads(threads)
     peak = max(f for _, f in rows)
+    # a GPU's bf16 tensor cores run ~15x its fp32 units: time the largest square in bf16 too (a CPU without
+    # bf16 units would only be slower, and the planner takes its bf16 rate = fp32 there)
+    bf16_peak = _bf16_peak(dev, sync, rows[-1][0]) if cuda else peak
     if cuda:
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
     link = _CUDA_LINK if cuda else _CPU_LINK
-    hw = Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": peak * scale},
+    hw = Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": max(peak, bf16_peak) * scale},
                   memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
                   intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
                   op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s,
                   source=f"quick probe ({nproc} rank{'s' * (nproc > 1)}{'' if cuda else f' on {cores} cores'}, "
                          f"default link)")
     return replace(hw, op_overhead_s=max(overhead, launch_overhead(hw, block_s / scale)))
+
+
+def _bf16_peak(dev: Any, sync: Callable[[], None], n: float) -> float:
+    """FLOP/s of one ``n``-square bf16 matmul on ``dev`` (the quick probe's bf16 peak on a GPU)."""
+    import torch
+
+    a = torch.randn(int(n), int(n), device=dev, dtype=torch.bfloat16)
+    b = torch.randn(int(n), int(n), device=dev, dtype=torch.bfloat16)
+    return 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)
 
 
 def tiny_block_step(dev: Any) -> Callable[[], None]:

@@ -179,7 +179,7 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("the following arguments are required: path", "see 'shardwise export --help'")),
     ("plot-no-run", ["plot", "nowhere"], None, ("'nowhere/metrics.jsonl' does not exist", "pass the directory")),
     ("predict-unknown-hardware", ["predict", "--parallel.nproc", "2", "--hardware", "a100"], None,
-     ("unknown hardware 'a100'", "choose one of ['a100-80g-sxm', 'h100-80g-sxm']")),
+     ("unknown hardware 'a100'", "choose one of ['a100-80g-sxm', 'h100-80g-sxm', 'h200-141g-sxm']")),
     ("predict-missing-calibration", ["predict", "--parallel.nproc", "2", "--hardware", "hw.json"], None,
      ("hardware file 'hw.json' does not exist", "shardwise calibrate --out hw.json")),
     ("predict-tp-heads", ["predict", "--parallel.nproc", "3", "--parallel.tp", "3", "--hardware", "a100-80g-sxm"], None,
