@@ -128,5 +128,6 @@ def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
         gemm_points=_points(gemm["float32"], peaks["fp32"]), block_probe=_block(probe, where),
         sync_skew_s=float(probe.get("sync_skew_s", 0.0)),
         host_cores=int(data.get("machine", {}).get("cpus") or 0) if data.get("device") == "cpu" else 0,
+        kind="cpu" if data.get("device") == "cpu" else "gpu",
         calibrated_ranks=int(data["devices_per_node"]),
         source=f"calibration {where} (one node: the inter-node link is the intra-node one)")

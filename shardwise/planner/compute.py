@@ -86,6 +86,21 @@ def _gemms(layer: Layer, plan: Plan, hw: Hardware, flash: bool) -> tuple[float, 
 
 def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_node: int) -> LayerTime:
     """Times of ``layer`` for one micro-batch of ``plan.micro_batch`` sequences (see module doc)."""
+    if hw.host_launch_s > 0:
+        # a GPU fed by an eager host: each phase lasts the longer of the device's work and the host's launches
+        # (the host queues ahead while long GEMMs run, so the maximum is over the phase, not per kernel)
+        device = _layer_time(layer, plan, replace(hw, host_launch_s=0.0), flash, tp_per_node)
+        # launches per phase: the phase's time is linear in the per-launch cost (factors 1: a launch is one)
+        bare = replace(hw, host_launch_s=0.0, op_overhead_s=0.0, fwd_factor=1.0, bwd_factor=1.0, recompute_factor=1.0)
+        t0 = _layer_time(layer, plan, bare, flash, tp_per_node)
+        t1 = _layer_time(layer, plan, replace(bare, op_overhead_s=1.0), flash, tp_per_node)
+        host = hw.host_launch_s
+        return replace(device, F=max(device.F, (t1.F - t0.F) * host), B=max(device.B, (t1.B - t0.B) * host),
+                       W=max(device.W, (t1.W - t0.W) * host))
+    return _layer_time(layer, plan, hw, flash, tp_per_node)
+
+
+def _layer_time(layer: Layer, plan: Plan, hw: Hardware, flash: bool, tp_per_node: int) -> LayerTime:
     if layer.replicated and plan.tp > 1:
         # every tp rank runs the whole layer; its FLOPs count once for the model (per device: 1/tp of them)
         whole = layer_time(layer, replace(plan, tp=1, sequence_parallel=False), hw, flash=flash, tp_per_node=1)

@@ -52,6 +52,16 @@ class Hardware:
     """``(d, efficiency)`` points, ``d`` = cube root of m·n·k; efficiency of the dense peak."""
     op_overhead_s: float = 5e-6
     """Fixed cost of launching one kernel (dispatch, launch latency)."""
+    kind: str = "gpu"
+    """``gpu``: kernels run on a device of their own, queued by the host; ``cpu``: CPU ranks, whose host runs
+    them (see ``host_launch_s``)."""
+    host_launch_s: float = 0.0
+    """A device that runs kernels on its own (a GPU): the host's time to issue one kernel in eager training
+    (Python, the module call, autograd, dispatch). The host queues ahead while the device works, so a kernel
+    costs ``max(device time + op_overhead_s, host_launch_s)``: small kernels are host-bound, large ones hide
+    it. 0: not modelled (CPU ranks, whose host *is* the device and pays ``op_overhead_s`` per kernel; the GPU
+    presets, which describe a framework that keeps the GPU fed). Set from a timed tiny block by the
+    calibration and the quick probe (``overhead.py``)."""
     p2p_alpha_s: float = 2e-5
     """Latency of one point-to-point send/recv pair between pipeline stages."""
     collectives: Mapping[int, Calibration] = field(default_factory=dict)
@@ -172,11 +182,15 @@ class Hardware:
         flops = 2.0 * m * n * k * batch
         compute = flops / (self.peak_flops[dtype] * self.gemm_efficiency(m, n, k))
         traffic = elem_bytes * (m * k + k * n + m * n) * batch / self.memory_bandwidth_Bps
-        return max(compute, traffic) + self.op_overhead_s
+        return self._launched(max(compute, traffic), 1.0)
 
     def memory_time(self, nbytes: float, ops: float = 0.0) -> float:
         """Seconds for memory-bound kernels moving ``nbytes`` in ``ops`` launches."""
-        return nbytes / self.memory_bandwidth_Bps + ops * self.op_overhead_s
+        return self._launched(nbytes / self.memory_bandwidth_Bps, ops)
+
+    def _launched(self, device_s: float, launches: float) -> float:
+        """``device_s`` of work issued in ``launches`` launches (see ``host_launch_s``)."""
+        return max(device_s + launches * self.op_overhead_s, launches * self.host_launch_s)
 
     def group_bus_bandwidth(self, size: int, per_node: int) -> tuple[float, float]:
         """``(bus bandwidth per device, per-step latency)`` of a group of ``size`` ranks with ``per_node`` of

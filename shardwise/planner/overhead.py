@@ -17,7 +17,10 @@ from .compute import layer_time
 from .hardware import Hardware
 from .plan import Plan
 
-__all__ = ["TINY_BLOCK", "launch_overhead"]
+__all__ = ["TINY_BLOCK", "GPU_KERNEL_GAP_S", "launch_overhead", "with_launch_cost"]
+
+GPU_KERNEL_GAP_S = 4e-6
+"""Device-side cost between dependent kernels on a GPU whose host keeps it fed (the presets' ``op_overhead_s``)."""
 
 TINY_BLOCK = {"n_embd": 64, "n_head": 2, "seq": 16, "batch": 1}
 """The reference GPT block timed for the launch overhead: micro-batch 1 of 16 tokens, width 64."""
@@ -40,3 +43,30 @@ def launch_overhead(hw: Hardware, measured_s: float) -> float:
     t0 = total(0.0)
     launches = (total(1e-6) - t0) / 1e-6
     return max(measured_s - t0, 0.0) / launches if launches > 0 else 0.0
+
+
+def host_launch(hw: Hardware, measured_s: float) -> float:
+    """The ``host_launch_s`` with which the ``TINY_BLOCK`` forward + backward on a GPU ``hw`` lasts
+    ``measured_s``: its kernels are microseconds of device work, so the host's launches set its time."""
+    t = TINY_BLOCK
+    layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
+                       bias=True, dropout=False, attention="flash")[1]
+    bare = replace(hw, fwd_factor=1.0, bwd_factor=1.0, op_overhead_s=0.0, host_launch_s=0.0)
+    plan = Plan(micro_batch=t["batch"])
+
+    def total(o: float) -> float:
+        lt = layer_time(layer, plan, replace(bare, op_overhead_s=o), flash=True, tp_per_node=1)
+        return lt.F + lt.B + lt.W
+
+    launches = total(1.0) - total(0.0)  # linear in the per-launch cost: the count of launches
+    return measured_s / launches if launches > 0 else 0.0
+
+
+def with_launch_cost(hw: Hardware, measured_s: float, *, gpu: bool) -> Hardware:
+    """``hw`` with the per-launch cost solved from the tiny block's measured forward + backward: on a GPU the
+    host's issue time (``host_launch_s``, overlapping the device's work) next to the presets' kernel gap; on
+    CPU ranks the additive ``op_overhead_s`` (never below the bare op's measured cost already in ``hw``)."""
+    if gpu:
+        return replace(hw, op_overhead_s=GPU_KERNEL_GAP_S,
+                       host_launch_s=max(hw.op_overhead_s, host_launch(hw, measured_s)))
+    return replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(hw, measured_s)))

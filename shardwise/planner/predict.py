@@ -10,6 +10,7 @@ over the dense peak of the compute precision.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
-from .overhead import launch_overhead
+from .overhead import with_launch_cost
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Plan
 from .spec import ModelSpec
@@ -237,7 +238,19 @@ def _optimizer(plan: Plan, hw: Hardware, n_local: float, tensors: int, fused: bo
     # torch.optim.AdamW (what shardwise train builds) runs it as about ten elementwise passes (decay, two
     # moment updates, sqrt, divide, add): about 80 bytes. Both plus the 4-byte gradient-norm read.
     per = 28 + 4 if fused else 80 + 4
-    return hw.memory_time(shard * per, 12 + tensors * (1 if fused else 10))
+    if fused:
+        launches = 12 + tensors
+    elif hw.kind == "gpu":
+        # on CUDA torch.optim.AdamW defaults to its foreach form: each of the ~10 passes is one multi-tensor
+        # launch per chunk of tensors (tens of tensors per launch), not one per tensor
+        launches = 12 + 10 * math.ceil(tensors / _FOREACH_TENSORS_PER_LAUNCH)
+    else:
+        launches = 12 + 10 * tensors  # CPU: the per-tensor loop
+    return hw.memory_time(shard * per, launches)
+
+
+_FOREACH_TENSORS_PER_LAUNCH = 64
+"""Tensors one multi-tensor-apply launch covers (torch's limit is 24–110 by the number of tensor lists)."""
 
 
 def block_factors(hw: Hardware) -> Hardware:
@@ -254,7 +267,8 @@ def block_factors(hw: Hardware) -> Hardware:
     if "tiny_s" in probe:
         # a launch's cost in eager training, from the tiny block (``overhead.py``), before the factors: they
         # then scale what grows with the work, and a small micro-batch keeps its fixed per-launch cost
-        hw = replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(as_probed(hw), probe["tiny_s"])))
+        launch = with_launch_cost(as_probed(hw), probe["tiny_s"], gpu=hw.kind == "gpu")
+        hw = replace(hw, op_overhead_s=launch.op_overhead_s, host_launch_s=launch.host_launch_s)
     probe_hw = as_probed(hw)
     t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
     recompute = hw.recompute_factor

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
-from ..planner.overhead import TINY_BLOCK, launch_overhead
+from ..planner.overhead import TINY_BLOCK, with_launch_cost
 from .config import Config
 from .model_build import planner_split_names
 
@@ -185,10 +185,10 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     hw = Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": max(peak, bf16_peak) * scale},
                   memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
                   intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
-                  op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s,
+                  op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s, kind="gpu" if cuda else "cpu",
                   source=f"quick probe ({nproc} rank{'s' * (nproc > 1)}{'' if cuda else f' on {cores} cores'}, "
                          f"default link)")
-    return replace(hw, op_overhead_s=max(overhead, launch_overhead(hw, block_s / scale)))
+    return with_launch_cost(hw, block_s / scale, gpu=cuda)
 
 
 def _bf16_peak(dev: Any, sync: Callable[[], None], n: float) -> float:

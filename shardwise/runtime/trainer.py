@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -145,7 +146,9 @@ class Trainer:
         t["comm"] = 0.0
         # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
-        with self.activations:  # the bytes autograd keeps for backward, at their high-water mark
+        # the bytes autograd keeps for backward, at their high-water mark; a GPU's allocator peak says it without
+        # a Python hook per saved tensor (which would cost host time the GPU waits for at small micro-batches)
+        with self.activations if self.mesh.device.type != "cuda" else nullcontext():
             loss_sum = self.strategy.passes(batches, t, sync, poison=poison)
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
@@ -269,7 +272,14 @@ class Trainer:
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                 "skipped_steps": self.skipped, "memory": memory,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
-                "activation_peak_bytes": self.activations.peak}
+                "activation_peak_bytes": self._activation_peak(memory)}
+
+    def _activation_peak(self, memory: dict[str, int]) -> int:
+        """Saved-tensor high-water mark (CPU); on a GPU the allocator's peak beyond the model states."""
+        if self.mesh.device.type != "cuda":
+            return self.activations.peak
+        states = sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))
+        return max(0, peak_memory_bytes(self.mesh.device) - states)
 
 
 def _fullest(first: dict[str, int], last: dict[str, int]) -> dict[str, int]:

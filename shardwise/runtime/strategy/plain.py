@@ -42,22 +42,45 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
     """``len(batches)`` forward/backward passes, each loss scaled by ``1/len(batches)``; gradient sync on the
     last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). ``autocast``: forward and
     loss under ``torch.autocast`` in that dtype (``train.precision``; backward outside it, as autograd wants).
-    This rank's loss of the step (fp32). Collective as the wrapper's synchronised backward is."""
+    This rank's loss of the step (fp32). Collective as the wrapper's synchronised backward is.
+
+    Timing: on the CPU host clocks around each phase. On a GPU, CUDA events on the current stream and ONE
+    synchronize after the last pass (the step's non-finite check waits there anyway): synchronizing between
+    phases would stop the host from queueing the next kernels while the GPU works, which cost a 124M GPT
+    +38 % per step at one micro-batch and 3.7x at eight on an H200 (benchmarks/RESULTS.md, "On one GPU")."""
     loss_sum = torch.zeros((), device=device)
+    marks: list[tuple[Any, Any, Any]] = []  # (before forward, after forward, after backward) per pass
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         with model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext():
-            t0 = time.perf_counter()
+            m0 = _mark(device, sync)
             with compute_autocast(device, autocast):
                 loss = loss_fn(model(x), y) / len(batches)
-            sync()
-            t1 = time.perf_counter()
+            m1 = _mark(device, sync)
             loss.backward()
-            sync()
-            t["fwd"] += t1 - t0
-            t["bwd"] += time.perf_counter() - t1
+            marks.append((m0, m1, _mark(device, sync)))
         loss_sum += loss.detach()
+    if device.type == "cuda" and marks:
+        marks[-1][2].synchronize()
+    for m0, m1, m2 in marks:
+        t["fwd"] += _seconds(m0, m1)
+        t["bwd"] += _seconds(m1, m2)
     return loss_sum
+
+
+def _mark(device: torch.device, sync: Callable[[], None]) -> Any:
+    """A point in the step: a CUDA event recorded on the current stream (GPU), else the host clock after
+    ``sync`` (which is a no-op on the CPU)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    sync()
+    return time.perf_counter()
+
+
+def _seconds(start: Any, end: Any) -> float:
+    return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
 
 
 def dp_mean(loss: torch.Tensor | float, mesh: Mesh) -> float:

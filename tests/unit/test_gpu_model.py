@@ -1,0 +1,140 @@
+"""The planner's GPU host model (pure): a GPU fed by an eager host costs max(device work, host launches) per
+phase; the tiny block solves the host's launch cost; torch's foreach AdamW launches per chunk of tensors on a
+GPU; a single-GPU calibration measured on an H200 predicts that GPU's measured steps (benchmarks/)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardwise.planner import Hardware, Plan
+from shardwise.planner.builders import gpt_layers
+from shardwise.planner.compute import layer_time
+from shardwise.planner.overhead import GPU_KERNEL_GAP_S, TINY_BLOCK, host_launch, with_launch_cost
+from shardwise.planner.predict import _optimizer
+from shardwise.runtime.config import load_config, parse_overrides
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+H100 = Hardware.preset("h100-80g-sxm")
+
+
+def _block(h: int = 768, s: int = 1024) -> object:
+    return gpt_layers(n_layer=1, h=h, a=12, v=8, s=s, positions=s, tie=True, bias=True, dropout=False,
+                      attention="flash")[1]
+
+
+def _total(hw: Hardware, layer: object, mb: int) -> float:
+    t = layer_time(layer, Plan(micro_batch=mb, precision="bf16"), hw, flash=True, tp_per_node=1)
+    return t.F + t.B + t.W
+
+
+def test_host_launches_bound_small_work_and_hide_under_large():
+    layer = _block()
+    launches = _total(replace(H100, op_overhead_s=1.0), layer, 1) - _total(replace(H100, op_overhead_s=0.0), layer, 1)
+    assert 20 < launches < 200  # a transformer block's forward + backward kernels
+    slow_host = replace(H100, host_launch_s=50e-6)
+    # micro-batch 1 of 1,024 tokens on an H100: ~0.3 ms of device work, ~launches × 50 us of host
+    assert _total(slow_host, layer, 1) == pytest.approx(launches * 50e-6, rel=1e-9)
+    # 64 sequences: the device's work exceeds the host's launches, which then cost nothing extra
+    assert _total(slow_host, layer, 64) == pytest.approx(_total(H100, layer, 64), rel=1e-9)
+    # max per phase, not per kernel: never above the sum of device and host
+    for mb in (1, 4, 16):
+        both = _total(H100, layer, mb) + launches * 50e-6
+        assert max(_total(H100, layer, mb), launches * 50e-6) <= _total(slow_host, layer, mb) <= both
+
+
+def test_cpu_ranks_pay_launches_on_top_of_the_work():
+    layer = _block(h=256, s=256)
+    cpu = replace(H100, kind="cpu", op_overhead_s=20e-6)
+    launches = _total(replace(cpu, op_overhead_s=1.0), layer, 2) - _total(replace(cpu, op_overhead_s=0.0), layer, 2)
+    assert _total(cpu, layer, 2) == pytest.approx(_total(replace(cpu, op_overhead_s=0.0), layer, 2)
+                                                  + launches * 20e-6, rel=1e-9)
+
+
+def test_the_tiny_block_round_trips_through_the_host_launch_cost():
+    t = TINY_BLOCK
+    tiny = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
+                      bias=True, dropout=False, attention="flash")[1]
+    measured = 1.5e-3  # a host-bound fwd + bwd: far above the tiny block's device work on an H100
+    hw = with_launch_cost(H100, measured, gpu=True)
+    assert hw.op_overhead_s == GPU_KERNEL_GAP_S and hw.host_launch_s == pytest.approx(host_launch(H100, measured))
+    got = layer_time(tiny, Plan(micro_batch=t["batch"]), hw, flash=True, tp_per_node=1)
+    assert got.F + got.B + got.W == pytest.approx(measured, rel=1e-6)
+    # on CPU ranks the same measurement becomes an additive op overhead instead
+    cpu = with_launch_cost(replace(H100, kind="cpu"), measured, gpu=False)
+    assert cpu.host_launch_s == 0.0 and cpu.op_overhead_s > H100.op_overhead_s
+
+
+def test_foreach_adamw_launches_per_chunk_on_a_gpu_and_per_tensor_on_a_cpu():
+    plan = Plan(precision="bf16")
+    host = replace(H100, host_launch_s=40e-6)
+    gpu = _optimizer(plan, host, 124e6, 150, fused=False)
+    cpu = _optimizer(plan, replace(host, kind="cpu", host_launch_s=0.0, op_overhead_s=40e-6), 124e6, 150, fused=False)
+    # 124M fp32 parameters × ~84 bytes at the H100's bandwidth: ~3.7 ms; the CPU loop adds 1,512 launches
+    assert gpu == pytest.approx(124e6 * 84 / H100.memory_bandwidth_Bps, rel=0.05)
+    assert cpu - gpu == pytest.approx((12 + 1500) * 40e-6 - 0.0, rel=0.1)
+
+
+def _measured_rows() -> list[dict]:
+    return json.loads((BENCH / "single_device_h200.json").read_text())["single_device"]
+
+
+def test_the_h200_calibration_predicts_the_h200_at_large_micro_batches():
+    """Measured on one H200 (benchmarks/device_check.sh): where the device's work dominates (micro-batch 8 and
+    16, checkpointing, fp32) the calibrated prediction is within 15 %; the small micro-batches, host-bound, are
+    over-predicted (RESULTS.md says why) and are not asserted here."""
+    from shardwise.bench.planner_device import GPT2_SMALL_FLAGS, SINGLE_LAYOUTS
+    from shardwise.planner import predict
+    from shardwise.runtime.prediction import gpt_spec, plan_from_config
+
+    hw = Hardware.load(BENCH / "hardware_h200_1gpu.json")
+    assert hw.kind == "gpu" and hw.host_cores == 0
+    flags = dict(SINGLE_LAYOUTS)
+    checked = 0
+    for row in _measured_rows():
+        if row["layout"] not in ("bf16 mb16", "bf16 mb8 x2", "bf16 mb16 ckpt", "fp32 mb8 x2"):
+            continue
+        argv = GPT2_SMALL_FLAGS.split() + flags[row["layout"]] + ["--parallel.nproc", "1"]
+        cfg = _config(argv)
+        pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
+        assert pred.step_time_s == pytest.approx(row["measured_s"], rel=0.15), row["layout"]
+        checked += 1
+    assert checked == 4
+
+
+def _config(argv: list[str]):
+    """A ``shardwise train`` config from its flags (no launch)."""
+    return load_config(overrides=parse_overrides(argv))
+
+
+def test_mfu_uses_the_dense_peak_of_the_training_precision(monkeypatch):
+    import torch
+
+    from shardwise.runtime.metrics import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    assert peak_flops(gpu) == peak_flops(gpu, "fp32") == 66.9e12
+    assert peak_flops(gpu, "bf16") == 989e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert peak_flops(gpu, "bf16") == 312e12
+    assert peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_a_gpu_calibration_sweeps_gemms_big_enough_to_fill_tensor_cores():
+    from shardwise.bench.probe import gemm_shapes, probe_settings
+
+    cpu, gpu = gemm_shapes(probe_settings(False)), gemm_shapes(probe_settings(False, "cuda"))
+    flops = lambda shapes: max(m * n * k for m, n, k in shapes)  # noqa: E731
+    assert flops(cpu) < 8192 ** 3 <= flops(gpu)
+    assert set(cpu) < set(gpu)  # the CPU's shapes stay, so files stay comparable
+    assert max(s[0] * s[1] * s[2] for s in gemm_shapes(probe_settings(True, "cuda"))) >= 8192 ** 3
+
+
+def test_the_h200_preset_is_the_h100_chip_with_more_and_faster_memory():
+    h200, h100 = Hardware.preset("h200-141g-sxm"), Hardware.preset("h100-80g-sxm")
+    assert h200.peak_flops == h100.peak_flops and h200.kind == "gpu"
+    assert h200.memory_bytes == 141e9 and h200.memory_bandwidth_Bps / h100.memory_bandwidth_Bps == pytest.approx(4.8 / 3.35)
