@@ -55,15 +55,21 @@ def _train(model_flags: list[str], flags: list[str], steps: int, out: Path) -> d
     rank = json.loads((out / "ranks" / "rank00000.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = next((r for r in records if r.get("kind") == "summary"), {})
-    return {"step_s": rank["step_s"], "peak_bytes": rank["peak_memory"], "device": rank["device"],
+    steps = [r for r in records if "step_s" in r and not r.get("kind")][2:]  # after allocator warm-up
+    phases = {k: statistics.median(r[f"{k}_s"] for r in steps) for k in ("fwd", "bwd", "opt", "data", "overhead")
+              if steps and all(f"{k}_s" in r for r in steps)}
+    return {"step_s": rank["step_s"], "peak_bytes": rank["peak_memory"], "device": rank["device"], "phases": phases,
             "config": json.loads((out / "config.json").read_text()),
             "quick_probe_s": summary.get("predicted_step_s"), "stdout": proc.stdout[-2500:]}
 
 
-def plain_loop_step_s(config: dict[str, Any], steps: int) -> float:
+def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = False) -> float:
     """Median step of a plain single-device PyTorch loop over the same model, batch and precision as
     ``config`` (a ``shardwise train`` config dict): forward under autocast, ``loss / accum`` backward per
-    micro-batch, ``torch.optim.AdamW`` step. Data: random tokens (their values do not change the time)."""
+    micro-batch, ``torch.optim.AdamW`` step. Data: random tokens (their values do not change the time).
+    ``host_reads``: also the two host reads ``shardwise train`` makes every step — whether the loss and every
+    gradient are finite, before the optimizer step (one fused inf-norm, one ``.item()``), and the loss after
+    it — so the difference to the bare loop is what those reads cost."""
     import torch
 
     from ..models import GPT, GPTConfig, lm_loss
@@ -85,12 +91,20 @@ def plain_loop_step_s(config: dict[str, Any], steps: int) -> float:
     for _ in range(steps):
         sync()
         start = time.perf_counter()
+        total = torch.zeros((), device=dev)
         for _ in range(accum):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = lm_loss(model(idx), tgt) / accum
             loss.backward()
+            total += loss.detach()
+        if host_reads:
+            norms = torch._foreach_norm([p.grad for p in model.parameters()], float("inf"))
+            if not bool(torch.isfinite(torch.stack([total, *norms])).all().item()):
+                raise FloatingPointError("non-finite step in the plain loop")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if host_reads:
+            float(total)
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:] if len(times) > 4 else times)
@@ -134,13 +148,22 @@ def single_device(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
             first_config = first_config or got["config"]
             row = {"layout": name, "device": got["device"], "measured_s": got["step_s"],
                    "measured_peak_bytes": got["peak_bytes"], "quick_probe_s": got["quick_probe_s"],
-                   "predicted": _predict(cfg, hardware), "tokens": cfg.data.global_batch * cfg.model.block_size}
+                   "predicted": _predict(cfg, hardware), "tokens": cfg.data.global_batch * cfg.model.block_size,
+                   "phases": got["phases"]}
             rows.append(row)
             print(f"{name:16s} measured {got['step_s'] * 1e3:8.2f} ms  "
                   + "  ".join(f"{k} {v['step_s'] * 1e3:8.2f} ms" for k, v in row["predicted"].items()), flush=True)
     plain = plain_loop_step_s(first_config, args.steps) if first_config else None
-    data = {"single_device": rows, "failed": failed, "plain_loop": {"layout": rows[0]["layout"], "step_s": plain} if rows else None}
-    return _table(rows, [n for n, _ in hardware], plain), data
+    reads = plain_loop_step_s(first_config, args.steps, host_reads=True) if first_config else None
+    data = {"single_device": rows, "failed": failed,
+            "plain_loop": {"layout": rows[0]["layout"], "step_s": plain, "with_host_reads_s": reads} if rows else None}
+    lines = _table(rows, [n for n, _ in hardware], plain)
+    if rows and reads:
+        ph = rows[0]["phases"]
+        lines.insert(1, f"Plain loop with shardwise train's two host reads per step (finite check, loss): "
+                        f"{reads * 1e3:.2f} ms. shardwise train's phases (median ms): "
+                        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in ph.items()) + ".\n")
+    return lines, data
 
 
 def _table(rows: list[dict[str, Any]], hw_names: list[str], plain: float | None) -> list[str]:

@@ -198,13 +198,18 @@ def _block(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
     both = timed(lambda: forward(False).sum().backward(), mesh, settings) / depth
     ckpt = timed(lambda: forward(True).sum().backward(), mesh, settings) / depth
     return {"n_embd": h, "n_head": heads, "seq": seq, "batch": batch, "depth": depth, "fwd_s": fwd,
-            "bwd_s": max(both - fwd, 1e-9), "ckpt_s": ckpt, "tiny_s": _tiny_block(mesh, settings)}
+            "bwd_s": max(both - fwd, 1e-9), "ckpt_s": ckpt, **_tiny_blocks(mesh, settings)}
 
 
-def _tiny_block(mesh: Any, settings: ProbeSettings) -> float:
+def _tiny_blocks(mesh: Any, settings: ProbeSettings) -> dict[str, float]:
     """Forward + backward of one ``planner.overhead.TINY_BLOCK`` block (every rank at once): its arithmetic is
     microseconds, so it measures what a kernel launch costs in eager training, which the probe block above
-    cannot tell apart from its arithmetic (the planner solves the per-launch overhead from it)."""
+    cannot tell apart from its arithmetic (the planner solves the per-launch overhead from it): ``tiny_s``.
+    On a GPU also two such blocks in one pass, ``tiny2_s``: the difference is one block's launches without the
+    pass's fixed costs, which a GPU's host pays once per micro-batch, not once per block."""
     from ..runtime.prediction import tiny_block_step
 
-    return timed(tiny_block_step(mesh.device), mesh, settings)
+    out = {"tiny_s": timed(tiny_block_step(mesh.device), mesh, settings)}
+    if mesh.device.type == "cuda":
+        out["tiny2_s"] = timed(tiny_block_step(mesh.device, 2), mesh, settings)
+    return out

@@ -62,11 +62,14 @@ def host_launch(hw: Hardware, measured_s: float) -> float:
     return measured_s / launches if launches > 0 else 0.0
 
 
-def with_launch_cost(hw: Hardware, measured_s: float, *, gpu: bool) -> Hardware:
+def with_launch_cost(hw: Hardware, measured_s: float, *, gpu: bool, tiny2_s: float | None = None) -> Hardware:
     """``hw`` with the per-launch cost solved from the tiny block's measured forward + backward: on a GPU the
     host's issue time (``host_launch_s``, overlapping the device's work) next to the presets' kernel gap; on
-    CPU ranks the additive ``op_overhead_s`` (never below the bare op's measured cost already in ``hw``)."""
+    CPU ranks the additive ``op_overhead_s`` (never below the bare op's measured cost already in ``hw``).
+    ``tiny2_s`` (GPU probes): two tiny blocks in one pass; ``tiny2_s - measured_s`` is one block's launches
+    without the pass's fixed costs (a model of many blocks pays those once per micro-batch, not per block)."""
     if gpu:
+        block_s = tiny2_s - measured_s if tiny2_s is not None and tiny2_s > measured_s else measured_s
         return replace(hw, op_overhead_s=GPU_KERNEL_GAP_S,
-                       host_launch_s=max(hw.op_overhead_s, host_launch(hw, measured_s)))
+                       host_launch_s=max(hw.op_overhead_s, host_launch(hw, block_s)))
     return replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(hw, measured_s)))

@@ -267,7 +267,7 @@ def block_factors(hw: Hardware) -> Hardware:
     if "tiny_s" in probe:
         # a launch's cost in eager training, from the tiny block (``overhead.py``), before the factors: they
         # then scale what grows with the work, and a small micro-batch keeps its fixed per-launch cost
-        launch = with_launch_cost(as_probed(hw), probe["tiny_s"], gpu=hw.kind == "gpu")
+        launch = with_launch_cost(as_probed(hw), probe["tiny_s"], gpu=hw.kind == "gpu", tiny2_s=probe.get("tiny2_s"))
         hw = replace(hw, op_overhead_s=launch.op_overhead_s, host_launch_s=launch.host_launch_s)
     probe_hw = as_probed(hw)
     t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)

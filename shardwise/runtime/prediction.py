@@ -171,6 +171,8 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
         tiny = torch.zeros(1, device=dev)
         overhead = _per_call(lambda: tiny.add_(1.0), sync, budget_s=0.005)
         block_s = _per_call(tiny_block_step(dev), sync, budget_s=0.02)
+        # GPU: one more block's launches without the pass's fixed costs (see tiny_block_step)
+        block2_s = _per_call(tiny_block_step(dev, 2), sync, budget_s=0.02) if cuda else None
     finally:
         torch.set_num_threads(threads)
     peak = max(f for _, f in rows)
@@ -188,7 +190,7 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
                   op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s, kind="gpu" if cuda else "cpu",
                   source=f"quick probe ({nproc} rank{'s' * (nproc > 1)}{'' if cuda else f' on {cores} cores'}, "
                          f"default link)")
-    return with_launch_cost(hw, block_s / scale, gpu=cuda)
+    return with_launch_cost(hw, block_s / scale, gpu=cuda, tiny2_s=block2_s)
 
 
 def _bf16_peak(dev: Any, sync: Callable[[], None], n: float) -> float:
@@ -200,18 +202,21 @@ def _bf16_peak(dev: Any, sync: Callable[[], None], n: float) -> float:
     return 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)
 
 
-def tiny_block_step(dev: Any) -> Callable[[], None]:
-    """One forward + backward of the reference block at ``TINY_BLOCK`` on ``dev``: its arithmetic is
-    microseconds, so timing it measures what each launch costs in eager training (``planner/overhead.py``).
-    Timed by the quick probe here and by the calibration (``bench/probe.py``)."""
+def tiny_block_step(dev: Any, depth: int = 1) -> Callable[[], None]:
+    """One forward + backward of ``depth`` reference blocks at ``TINY_BLOCK`` on ``dev``: their arithmetic is
+    microseconds, so timing them measures what each launch costs in eager training (``planner/overhead.py``).
+    Timed by the quick probe here and by the calibration (``bench/probe.py``). One call also pays a whole
+    pass's fixed costs (the ``sum``, the autograd engine's start); a GPU probe times ``depth`` 2 as well, and
+    the difference is one block's launches alone."""
     import torch
 
     from ..models.gpt import Block, GPTConfig
 
     t = TINY_BLOCK
-    block = Block(GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])).to(dev)
+    cfg = GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])
+    blocks = torch.nn.Sequential(*[Block(cfg) for _ in range(depth)]).to(dev)
     x = torch.randn(t["batch"], t["seq"], t["n_embd"], device=dev, requires_grad=True)
-    return lambda: block(x).sum().backward()
+    return lambda: blocks(x).sum().backward()
 
 
 _PROBED: dict[tuple[str, int], Hardware] = {}

@@ -82,27 +82,24 @@ def _measured_rows() -> list[dict]:
     return json.loads((BENCH / "single_device_h200.json").read_text())["single_device"]
 
 
-def test_the_h200_calibration_predicts_the_h200_at_large_micro_batches():
-    """Measured on one H200 (benchmarks/device_check.sh): where the device's work dominates (micro-batch 8 and
-    16, checkpointing, fp32) the calibrated prediction is within 15 %; the small micro-batches, host-bound, are
-    over-predicted (RESULTS.md says why) and are not asserted here."""
+def test_the_h200_calibration_predicts_the_h200_layouts():
+    """Measured on one H200 (benchmarks/device_check.sh; the calibration taken in the same call): every layout
+    within 25 %, those without checkpointing within 16 % (checkpointing is under-predicted by ~21 %: the probe's
+    recomputation factor is measured in fp32, the layout runs bf16; RESULTS.md, "On one GPU")."""
     from shardwise.bench.planner_device import GPT2_SMALL_FLAGS, SINGLE_LAYOUTS
     from shardwise.planner import predict
     from shardwise.runtime.prediction import gpt_spec, plan_from_config
 
     hw = Hardware.load(BENCH / "hardware_h200_1gpu.json")
-    assert hw.kind == "gpu" and hw.host_cores == 0
+    assert hw.kind == "gpu" and hw.host_cores == 0 and "tiny2_s" in hw.block_probe
     flags = dict(SINGLE_LAYOUTS)
-    checked = 0
-    for row in _measured_rows():
-        if row["layout"] not in ("bf16 mb16", "bf16 mb8 x2", "bf16 mb16 ckpt", "fp32 mb8 x2"):
-            continue
-        argv = GPT2_SMALL_FLAGS.split() + flags[row["layout"]] + ["--parallel.nproc", "1"]
-        cfg = _config(argv)
+    rows = _measured_rows()
+    assert {r["layout"] for r in rows} == set(flags)
+    for row in rows:
+        cfg = _config(GPT2_SMALL_FLAGS.split() + flags[row["layout"]] + ["--parallel.nproc", "1"])
         pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
-        assert pred.step_time_s == pytest.approx(row["measured_s"], rel=0.15), row["layout"]
-        checked += 1
-    assert checked == 4
+        tolerance = 0.25 if "ckpt" in row["layout"] else 0.16
+        assert pred.step_time_s == pytest.approx(row["measured_s"], rel=tolerance), row["layout"]
 
 
 def _config(argv: list[str]):
@@ -138,3 +135,30 @@ def test_the_h200_preset_is_the_h100_chip_with_more_and_faster_memory():
     h200, h100 = Hardware.preset("h200-141g-sxm"), Hardware.preset("h100-80g-sxm")
     assert h200.peak_flops == h100.peak_flops and h200.kind == "gpu"
     assert h200.memory_bytes == 141e9 and h200.memory_bandwidth_Bps / h100.memory_bandwidth_Bps == pytest.approx(4.8 / 3.35)
+
+
+def test_two_tiny_blocks_leave_the_pass_fixed_costs_out_of_the_launch_cost():
+    one = with_launch_cost(H100, 1.5e-3, gpu=True)
+    two = with_launch_cost(H100, 1.5e-3, gpu=True, tiny2_s=2.4e-3)  # the second block adds 0.9 ms of launches
+    assert two.host_launch_s == pytest.approx(one.host_launch_s * 0.9 / 1.5, rel=1e-9)
+    # a second block that seems free (noise) falls back to the single block, never to nothing
+    assert with_launch_cost(H100, 1.5e-3, gpu=True, tiny2_s=1.4e-3).host_launch_s == one.host_launch_s
+
+
+def test_a_calibration_file_carries_the_two_block_probe(tmp_path):
+    from shardwise.planner.predict import block_factors
+
+    raw = json.loads((BENCH / "hardware_h200_1gpu.json").read_text())
+    raw["probe"]["block"].pop("tiny2_s")  # a file from before the two-block probe
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(raw))
+    raw["probe"]["block"]["tiny2_s"] = raw["probe"]["block"]["tiny_s"] * 1.6
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(raw))
+    with_two = block_factors(Hardware.load(path))
+    without = block_factors(Hardware.load(old))
+    assert with_two.host_launch_s == pytest.approx(without.host_launch_s * 0.6, rel=1e-6)
+    raw["probe"]["block"]["tiny2_s"] = "fast"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="tiny2_s"):
+        Hardware.load(path)
