@@ -75,6 +75,10 @@ class Hardware:
     gemm_points: tuple[tuple[float, float, float, float], ...] = ()
     """Measured ``(m, n, k, efficiency)`` (calibrated machines): preferred over ``gemm_curve`` (see
     ``gemm_efficiency``)."""
+    gemm_points_bf16: tuple[tuple[float, float, float, float], ...] = ()
+    """The same for bfloat16 GEMMs, as efficiency of the bf16 peak (calibrated machines whose probe timed
+    them). A GPU's tensor cores fill only at a few thousand per side, while its fp32 units are near their peak
+    much earlier, so a bf16 GEMM is priced on bf16's own points; empty: ``gemm_points`` serve both."""
     block_probe: Mapping[str, float] = field(default_factory=dict)
     """The measured transformer block (calibrated machines), times per block: ``n_embd``, ``n_head``, ``seq``,
     ``batch``, ``fwd_s``, ``bwd_s`` and (newer files) ``ckpt_s`` and ``depth`` (blocks in the timed stack); ``predict`` turns it into ``fwd_factor`` /
@@ -158,10 +162,12 @@ class Hardware:
         return out
 
     # -- costs -------------------------------------------------------------------------------------------
-    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+    def gemm_efficiency(self, m: float, n: float, k: float, dtype: str = "fp32") -> float:
         """Fraction of the dense peak a GEMM of this shape reaches: from the measured shapes nearest in
         ``(log m, log n, log k)`` (inverse-distance weights) on a calibrated machine, else interpolated in
         log size on ``gemm_curve``."""
+        if dtype == "bf16" and self.gemm_points_bf16:
+            return _nearest_efficiency(self.gemm_points_bf16, m, n, k)
         if self.gemm_points:
             return _nearest_efficiency(self.gemm_points, m, n, k)
         d = max(m * n * k, 1.0) ** (1.0 / 3.0)
@@ -180,7 +186,7 @@ class Hardware:
         if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
             return 0.0
         flops = 2.0 * m * n * k * batch
-        compute = flops / (self.peak_flops[dtype] * self.gemm_efficiency(m, n, k))
+        compute = flops / (self.peak_flops[dtype] * self.gemm_efficiency(m, n, k, dtype))
         traffic = elem_bytes * (m * k + k * n + m * n) * batch / self.memory_bandwidth_Bps
         return self._launched(max(compute, traffic), 1.0)
 

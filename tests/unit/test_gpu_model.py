@@ -84,8 +84,8 @@ def _measured_rows() -> list[dict]:
 
 def test_the_h200_calibration_predicts_the_h200_layouts():
     """Measured on one H200 (benchmarks/device_check.sh; the calibration taken in the same call): every layout
-    within 25 %, those without checkpointing within 16 % (checkpointing is under-predicted by ~21 %: the probe's
-    recomputation factor is measured in fp32, the layout runs bf16; RESULTS.md, "On one GPU")."""
+    within 20 % and the median within 5 % (RESULTS.md, "On one GPU": host-bound micro-batch 2 over-predicted by
+    ~16 %, checkpointing under-predicted by ~10 %, the rest within 2 %)."""
     from shardwise.bench.planner_device import GPT2_SMALL_FLAGS, SINGLE_LAYOUTS
     from shardwise.planner import predict
     from shardwise.runtime.prediction import gpt_spec, plan_from_config
@@ -95,11 +95,25 @@ def test_the_h200_calibration_predicts_the_h200_layouts():
     flags = dict(SINGLE_LAYOUTS)
     rows = _measured_rows()
     assert {r["layout"] for r in rows} == set(flags)
+    errors = []
     for row in rows:
         cfg = _config(GPT2_SMALL_FLAGS.split() + flags[row["layout"]] + ["--parallel.nproc", "1"])
         pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
-        tolerance = 0.25 if "ckpt" in row["layout"] else 0.16
-        assert pred.step_time_s == pytest.approx(row["measured_s"], rel=tolerance), row["layout"]
+        assert pred.step_time_s == pytest.approx(row["measured_s"], rel=0.20), row["layout"]
+        errors.append(abs(pred.step_time_s / row["measured_s"] - 1))
+    assert sorted(errors)[len(errors) // 2] < 0.05
+
+
+def test_bf16_gemms_are_priced_on_the_bf16_probe():
+    """The H200 file: a 16,384 × 3,072 × 768 GEMM reaches 93 % of the fp32 peak but 83 % of the bf16 one, a
+    1,024-cube 74 % against 20 %; the fp32 points would price bf16 GEMMs too fast."""
+    hw = Hardware.load(BENCH / "hardware_h200_1gpu.json")
+    assert hw.gemm_points_bf16 and hw.gemm_points_bf16 != hw.gemm_points
+    for shape in ((16384, 3072, 768), (1024, 1024, 1024), (4096, 256, 1024)):
+        assert hw.gemm_efficiency(*shape, "bf16") < hw.gemm_efficiency(*shape, "fp32")
+    assert hw.gemm_efficiency(1024, 1024, 1024, "bf16") < 0.3
+    # a file without bf16 probes (or a preset) keeps one curve for both
+    assert H100.gemm_efficiency(4096, 4096, 4096, "bf16") == H100.gemm_efficiency(4096, 4096, 4096)
 
 
 def _config(argv: list[str]):
