@@ -166,7 +166,9 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
         for n in ((256, 512, 1024, 2048) if cuda else (64, 128, 256, 512)):
             a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
             rows.append((float(n), 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)))
-        x = torch.empty(1 << 23, device=dev)  # 32 MiB: beyond the caches
+        # beyond the caches: 32 MiB on a CPU; 256 MiB on a GPU (an H100/H200's L2 holds 50-60 MB, and a 32 MiB
+        # buffer measured the L2's bandwidth, several times the HBM's)
+        x = torch.empty(1 << (26 if cuda else 23), device=dev)
         bandwidth = 2 * x.numel() * 4 / _per_call(lambda: x.add_(1.0), sync)
         tiny = torch.zeros(1, device=dev)
         overhead = _per_call(lambda: tiny.add_(1.0), sync, budget_s=0.005)
@@ -176,9 +178,11 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     finally:
         torch.set_num_threads(threads)
     peak = max(f for _, f in rows)
-    # a GPU's bf16 tensor cores run ~15x its fp32 units: time the largest square in bf16 too (a CPU without
-    # bf16 units would only be slower, and the planner takes its bf16 rate = fp32 there)
-    bf16_peak = _bf16_peak(dev, sync, rows[-1][0]) if cuda else peak
+    # a GPU's bf16 tensor cores run ~15x its fp32 units and fill only at larger sizes: time bf16 squares too,
+    # for bf16's own peak and efficiency points (a CPU without bf16 units would only be slower, and the planner
+    # takes its bf16 rate = fp32 there)
+    bf16_rows = _bf16_squares(dev, sync) if cuda else []
+    bf16_peak = max((f for _, f in bf16_rows), default=peak)
     if cuda:
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
     else:
@@ -188,18 +192,22 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
                   memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
                   intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
                   op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s, kind="gpu" if cuda else "cpu",
+                  gemm_points_bf16=tuple((n, n, n, f / bf16_peak) for n, f in bf16_rows),
                   source=f"quick probe ({nproc} rank{'s' * (nproc > 1)}{'' if cuda else f' on {cores} cores'}, "
                          f"default link)")
     return with_launch_cost(hw, block_s / scale, gpu=cuda, tiny2_s=block2_s)
 
 
-def _bf16_peak(dev: Any, sync: Callable[[], None], n: float) -> float:
-    """FLOP/s of one ``n``-square bf16 matmul on ``dev`` (the quick probe's bf16 peak on a GPU)."""
+def _bf16_squares(dev: Any, sync: Callable[[], None]) -> list[tuple[float, float]]:
+    """``(n, FLOP/s)`` of bf16 ``n``-square matmuls on a GPU, n = 256 … 4096 (tens of milliseconds)."""
     import torch
 
-    a = torch.randn(int(n), int(n), device=dev, dtype=torch.bfloat16)
-    b = torch.randn(int(n), int(n), device=dev, dtype=torch.bfloat16)
-    return 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)
+    rows = []
+    for n in (256, 512, 1024, 2048, 4096):
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        rows.append((float(n), 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)))
+    return rows
 
 
 def tiny_block_step(dev: Any, depth: int = 1) -> Callable[[], None]:
