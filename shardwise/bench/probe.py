@@ -50,8 +50,10 @@ def probe_settings(quick: bool, device_type: str = "cpu") -> ProbeSettings:
     a few thousand per side, and a CPU-sized sweep would set the peak at half the device's."""
     if device_type == "cuda":
         base = probe_settings(quick)
+        # the bandwidth probe's buffer well past a GPU's L2 (50-60 MB on an H100/H200): 256 MiB
         return replace(base, squares=base.squares + ((2048, 4096, 8192) if quick else (4096, 8192)),
-                       skinny=base.skinny + ((16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)))
+                       skinny=base.skinny + ((16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)),
+                       bandwidth_elements=64 << 20)
     if quick:
         return ProbeSettings(squares=(64, 128, 256, 512), skinny=((4096, 64, 64), (4096, 256, 256)),
                              dtypes=("float32", "bfloat16"), block_s=0.02, blocks=3, max_call_s=0.05,

@@ -143,6 +143,9 @@ def test_a_gpu_calibration_sweeps_gemms_big_enough_to_fill_tensor_cores():
     assert flops(cpu) < 8192 ** 3 <= flops(gpu)
     assert set(cpu) < set(gpu)  # the CPU's shapes stay, so files stay comparable
     assert max(s[0] * s[1] * s[2] for s in gemm_shapes(probe_settings(True, "cuda"))) >= 8192 ** 3
+    # the bandwidth buffer (float32 elements) is past a 60 MB L2 even in the quick sweep
+    assert probe_settings(True, "cuda").bandwidth_elements * 4 >= 4 * 60e6
+    assert probe_settings(True).bandwidth_elements == 8 << 20  # the CPU's files stay comparable
 
 
 def test_the_h200_preset_is_the_h100_chip_with_more_and_faster_memory():
