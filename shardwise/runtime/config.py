@@ -261,8 +261,17 @@ def validate(config: Config, *, launch: bool = True) -> Config:
                          f"{max(dp, 1) * p.tp * p.pp} or pick dp/tp/pp whose product is {nproc}")
     accum = p.grad_accum
     if launch or p.pp == 1:
+        gb = config.data.global_batch
+        if p.grad_accum and p.micro_batch * p.grad_accum * dp != gb:
+            # a command-line message (the BatchPlan's own names the Python API)
+            fits = gb % (p.micro_batch * dp) == 0
+            raise ValueError(
+                f"batch arithmetic: data.global_batch = {gb} must equal parallel.micro_batch × parallel.grad_accum × "
+                f"dp = {p.micro_batch} × {p.grad_accum} × {dp} = {p.micro_batch * p.grad_accum * dp}; set "
+                f"--data.global_batch {p.micro_batch * p.grad_accum * dp}"
+                + (f", or --parallel.grad_accum {gb // (p.micro_batch * dp)}" if fits else "")
+                + ", or leave parallel.grad_accum at 0 to infer it")
         try:
-            gb = config.data.global_batch
             accum = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp).grad_accum
                      if p.grad_accum else BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp).grad_accum)
         except ValueError as exc:

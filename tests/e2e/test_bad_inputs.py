@@ -122,6 +122,9 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("'nope' names no module", "one of ['blocks.0', 'blocks.1', 'ln_f']")),
     ("global-batch", ["train", "--parallel.nproc", "2", "--data.global_batch", "30"], None,
      ("global_batch=30 is not a multiple of micro_batch × dp = 16 × 2 = 32", "use global_batch=32")),
+    ("grad-accum-mismatch", ["train", "--parallel.nproc", "2", "--parallel.grad_accum", "2"], None,
+     ("data.global_batch = 32 must equal parallel.micro_batch × parallel.grad_accum × dp = 16 × 2 × 2 = 64",
+      "set --data.global_batch 64, or --parallel.grad_accum 1, or leave parallel.grad_accum at 0")),
     ("model-shape", ["train", "--model.n_embd", "65"], None,
      ("model.n_embd (65) must be divisible by n_head (2)", "e.g. n_embd=64")),
     # --- ranges ---
