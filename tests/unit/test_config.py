@@ -85,7 +85,7 @@ def test_validate_resolves_dp_and_grad_accum():
     ({"tp": 3}, "parallel.tp = 3 must divide model.n_head = 4"),
     ({"dp": 3}, "parallel.dp × parallel.tp × parallel.pp = 3 × 1 × 1 = 3 must equal the number of processes"),
     ({"micro_batch": 3}, "global_batch=16 is not a multiple of micro_batch × dp = 3 × 4 = 12"),
-    ({"micro_batch": 2, "grad_accum": 3}, "2 × 3 × 4 = 24 ≠ global_batch=16"),
+    ({"micro_batch": 2, "grad_accum": 3}, "micro_batch × parallel.grad_accum × dp = 2 × 3 × 4 = 24; set --data.global_batch 24, or --parallel.grad_accum 2"),
     ({"zero_stage": 5}, "parallel.zero_stage = 5 must be 0, 1, 2 or 3"),
     ({"pp": 3}, "parallel.dp × parallel.tp × parallel.pp = 1 × 1 × 3 = 3 must equal the number of processes "
                 "parallel.nproc = 4; set --parallel.nproc 3"),
