@@ -280,12 +280,9 @@ PRESETS: dict[str, Hardware] = {
         intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
         gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
         source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests"),
-    # H200 SXM: the H100's chip with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet; same dense BF16/FP32
-    # rates and NVLink 900 GB/s); DGX/HGX H200 nodes carry the DGX H100's 8 x NDR 400 Gb/s.
-    "h200-141g-sxm": Hardware(
-        name="h200-141g-sxm", peak_flops={"fp32": 67e12, "bf16": 989e12}, memory_bytes=141e9,
-        memory_bandwidth_Bps=0.85 * 4.8e12, devices_per_node=8,
-        intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
-        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
-        source="NVIDIA H200 SXM datasheet; HGX H200 8x NDR 400 Gb/s; nccl-tests (H100 figures, same NVLink)"),
 }
+# H200 SXM: the H100's chip with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet; the same dense BF16/FP32 rates
+# and NVLink 900 GB/s); HGX H200 nodes carry the DGX H100's 8 x NDR 400 Gb/s, so every other number is the H100's.
+PRESETS["h200-141g-sxm"] = replace(
+    PRESETS["h100-80g-sxm"], name="h200-141g-sxm", memory_bytes=141e9, memory_bandwidth_Bps=0.85 * 4.8e12,
+    source="NVIDIA H200 SXM datasheet; HGX H200 8x NDR 400 Gb/s; nccl-tests (H100 figures, same NVLink)")
