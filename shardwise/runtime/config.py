@@ -221,7 +221,7 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     pp > 1 the batch is read with the planner's Megatron semantics (``runtime/prediction.py``), so neither
     train's pass-cutting of ``micro_batch`` into ``pp_microbatches`` nor its batch arithmetic is checked
     (``grad_accum`` and ``pp_microbatches`` stay as given; the planner checks its own)."""
-    from .data import BatchPlan
+    from .data import BatchPlan, check_grad_accum
 
     # config.model (a GPTConfig) checked its own shape when it was built
     m, p, t, o = config.model, config.parallel, config.train, config.optimizer
@@ -262,15 +262,7 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     accum = p.grad_accum
     if launch or p.pp == 1:
         gb = config.data.global_batch
-        if p.grad_accum and p.micro_batch * p.grad_accum * dp != gb:
-            # a command-line message (the BatchPlan's own names the Python API)
-            fits = gb % (p.micro_batch * dp) == 0
-            raise ValueError(
-                f"batch arithmetic: data.global_batch = {gb} must equal parallel.micro_batch × parallel.grad_accum × "
-                f"dp = {p.micro_batch} × {p.grad_accum} × {dp} = {p.micro_batch * p.grad_accum * dp}; set "
-                f"--data.global_batch {p.micro_batch * p.grad_accum * dp}"
-                + (f", or --parallel.grad_accum {gb // (p.micro_batch * dp)}" if fits else "")
-                + ", or leave parallel.grad_accum at 0 to infer it")
+        check_grad_accum(gb, p.micro_batch, p.grad_accum, dp)  # a command-line fix, not the Python API's
         try:
             accum = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp).grad_accum
                      if p.grad_accum else BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp).grad_accum)

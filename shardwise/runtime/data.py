@@ -79,6 +79,20 @@ class BatchPlan:
         return self.micro_batch * self.grad_accum
 
 
+def check_grad_accum(global_batch: int, micro_batch: int, grad_accum: int, dp: int) -> None:
+    """``ValueError`` in ``shardwise train``'s words when a given ``parallel.grad_accum`` (0: inferred) breaks
+    ``global_batch = micro_batch × grad_accum × dp``, naming the flags that fix it."""
+    product = micro_batch * grad_accum * dp
+    if not grad_accum or product == global_batch:
+        return
+    fits = global_batch % (micro_batch * dp) == 0
+    raise ValueError(
+        f"batch arithmetic: data.global_batch = {global_batch} must equal parallel.micro_batch × parallel.grad_accum "
+        f"× dp = {micro_batch} × {grad_accum} × {dp} = {product}; set --data.global_batch {product}"
+        + (f", or --parallel.grad_accum {global_batch // (micro_batch * dp)}" if fits else "")
+        + ", or leave parallel.grad_accum at 0 to infer it")
+
+
 class ShardedSampler:
     """Indices of one data-parallel rank's shard of a dataset, reshuffled every epoch.
 
