@@ -264,8 +264,7 @@ def validate(config: Config, *, launch: bool = True) -> Config:
         gb = config.data.global_batch
         check_grad_accum(gb, p.micro_batch, p.grad_accum, dp)  # a command-line fix, not the Python API's
         try:
-            accum = (BatchPlan(global_batch=gb, micro_batch=p.micro_batch, grad_accum=p.grad_accum, dp=dp).grad_accum
-                     if p.grad_accum else BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp).grad_accum)
+            accum = p.grad_accum or BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp).grad_accum
         except ValueError as exc:
             raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
                              f"{exc}") from None
