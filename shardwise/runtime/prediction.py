@@ -177,18 +177,30 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
         block2_s = _per_call(tiny_block_step(dev, 2), sync, budget_s=0.02) if cuda else None
     finally:
         torch.set_num_threads(threads)
-    peak = max(f for _, f in rows)
     # a GPU's bf16 tensor cores run ~15x its fp32 units and fill only at larger sizes: time bf16 squares too,
     # for bf16's own peak and efficiency points (a CPU without bf16 units would only be slower, and the planner
     # takes its bf16 rate = fp32 there)
     bf16_rows = _bf16_squares(dev, sync) if cuda else []
-    bf16_peak = max((f for _, f in bf16_rows), default=peak)
     if cuda:
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
+    return probed_hardware(device=device, nproc=nproc, cores=cores, scale=scale, rows=rows, bf16_rows=bf16_rows,
+                           bandwidth=bandwidth, overhead=overhead, memory=memory, block_s=block_s, block2_s=block2_s)
+
+
+def probed_hardware(*, device: str, nproc: int, cores: int, scale: float, rows: list[tuple[float, float]],
+                    bf16_rows: list[tuple[float, float]], bandwidth: float, overhead: float, memory: float,
+                    block_s: float, block2_s: float | None) -> Hardware:
+    """The quick probe's ``Hardware`` from its measurements (pure): ``rows``/``bf16_rows`` are ``(n, FLOP/s)``
+    of n-square matmuls (bf16: a GPU's own peak and efficiency points; none: bf16 at the fp32 rate),
+    ``block_s``/``block2_s`` one and two tiny blocks per pass (the per-launch cost), all per rank before
+    ``scale`` (the rank's share of the cores)."""
+    cuda = device == "cuda"
+    peak = max(f for _, f in rows)
+    bf16_peak = max((f for _, f in bf16_rows), default=peak)
     link = _CUDA_LINK if cuda else _CPU_LINK
-    hw = Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": max(peak, bf16_peak) * scale},
+    hw = Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": bf16_peak * scale},
                   memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
                   intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
                   op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s, kind="gpu" if cuda else "cpu",

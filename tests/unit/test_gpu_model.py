@@ -179,3 +179,37 @@ def test_a_calibration_file_carries_the_two_block_probe(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="tiny2_s"):
         Hardware.load(path)
+
+
+def test_the_gpu_quick_probe_prices_bf16_on_its_own_squares():
+    """The quick probe's construction on a GPU (pure), fed with the H200 calibration's own measurements (its
+    squares, bandwidth, bare op and tiny blocks, as the probe would time them): bf16's peak and points are
+    bf16's, the host launch comes from the two tiny blocks, and the six measured H200 layouts are predicted
+    within 20 % (RESULTS.md: median 2.1 %)."""
+    from shardwise.bench.planner_device import GPT2_SMALL_FLAGS, SINGLE_LAYOUTS
+    from shardwise.planner import predict
+    from shardwise.runtime.prediction import gpt_spec, plan_from_config, probed_hardware
+
+    cal = json.loads((BENCH / "hardware_h200_1gpu.json").read_text())
+    gemm, probe = cal["probe"]["gemm"], cal["probe"]
+
+    def squares(dtype: str, sizes: tuple[int, ...]) -> list[tuple[float, float]]:
+        return [(float(m), f) for m, n, k, f in gemm[dtype] if m == n == k and m in sizes]
+
+    hw = probed_hardware(device="cuda", nproc=1, cores=16, scale=1.0, rows=squares("float32", (256, 512, 1024, 2048)),
+                         bf16_rows=squares("bfloat16", (256, 512, 1024, 2048, 4096)),
+                         bandwidth=probe["memory_bandwidth_Bps"], overhead=probe["op_overhead_s"],
+                         memory=cal["memory_bytes"], block_s=probe["block"]["tiny_s"],
+                         block2_s=probe["block"]["tiny2_s"])
+    assert hw.kind == "gpu" and hw.peak_flops["bf16"] > 10 * hw.peak_flops["fp32"]
+    assert max(e for *_, e in hw.gemm_points_bf16) == 1.0 and hw.host_launch_s > 0
+    flags = dict(SINGLE_LAYOUTS)
+    for row in _measured_rows():
+        cfg = _config(GPT2_SMALL_FLAGS.split() + flags[row["layout"]] + ["--parallel.nproc", "1"])
+        pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=16)
+        assert pred.step_time_s == pytest.approx(row["measured_s"], rel=0.20), row["layout"]
+    # a CPU probe keeps bf16 at the fp32 rate, no points of its own, launches added per kernel
+    cpu = probed_hardware(device="cpu", nproc=2, cores=2, scale=1.0, rows=[(64.0, 1e9), (512.0, 5e10)], bf16_rows=[],
+                          bandwidth=2e10, overhead=2e-6, memory=8e9, block_s=1e-2, block2_s=None)
+    assert cpu.kind == "cpu" and cpu.peak_flops["bf16"] == cpu.peak_flops["fp32"] and not cpu.gemm_points_bf16
+    assert cpu.host_launch_s == 0.0 and cpu.op_overhead_s > 2e-6
