@@ -60,7 +60,7 @@ def _train(model_flags: list[str], flags: list[str], steps: int, out: Path) -> d
               if steps and all(f"{k}_s" in r for r in steps)}
     return {"step_s": rank["step_s"], "peak_bytes": rank["peak_memory"], "device": rank["device"], "phases": phases,
             "config": json.loads((out / "config.json").read_text()),
-            "quick_probe_s": summary.get("predicted_step_s"), "stdout": proc.stdout[-2500:]}
+            "quick_probe_s": summary.get("predicted_step_s")}
 
 
 def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = False) -> float:

@@ -11,6 +11,7 @@ linear in ``op_overhead_s`` (``t0 + launches × o``), and ``o = (measured − t0
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from .builders import gpt_layers
 from .compute import layer_time
@@ -26,20 +27,27 @@ TINY_BLOCK = {"n_embd": 64, "n_head": 2, "seq": 16, "batch": 1}
 """The reference GPT block timed for the launch overhead: micro-batch 1 of 16 tokens, width 64."""
 
 
-def launch_overhead(hw: Hardware, measured_s: float) -> float:
-    """The ``op_overhead_s`` with which the planner's forward + backward of the ``TINY_BLOCK`` block on ``hw``
-    lasts ``measured_s`` (0 where the arithmetic alone already takes longer)."""
+def _tiny_block_time(hw: Hardware) -> Callable[[float], float]:
+    """The planner's forward + backward seconds of the ``TINY_BLOCK`` block on ``hw`` as a function of the
+    per-launch cost ``op_overhead_s`` (linear in it). The probe block has no factors of its own and no host
+    launch model: it is priced with the kernels' costs alone."""
     t = TINY_BLOCK
     layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
                        bias=True, dropout=False, attention="flash")[1]
     plan = Plan(micro_batch=t["batch"])
-    # the probe block has no factors of its own: price it with the kernels' costs alone
-    bare = replace(hw, fwd_factor=1.0, bwd_factor=1.0)
+    bare = replace(hw, fwd_factor=1.0, bwd_factor=1.0, host_launch_s=0.0)
 
     def total(o: float) -> float:
         lt = layer_time(layer, plan, replace(bare, op_overhead_s=o), flash=True, tp_per_node=1)
         return lt.F + lt.B + lt.W
 
+    return total
+
+
+def launch_overhead(hw: Hardware, measured_s: float) -> float:
+    """The ``op_overhead_s`` with which the planner's forward + backward of the ``TINY_BLOCK`` block on ``hw``
+    lasts ``measured_s`` (0 where the arithmetic alone already takes longer)."""
+    total = _tiny_block_time(hw)
     t0 = total(0.0)
     launches = (total(1e-6) - t0) / 1e-6
     return max(measured_s - t0, 0.0) / launches if launches > 0 else 0.0
@@ -48,16 +56,7 @@ def launch_overhead(hw: Hardware, measured_s: float) -> float:
 def host_launch(hw: Hardware, measured_s: float) -> float:
     """The ``host_launch_s`` with which the ``TINY_BLOCK`` forward + backward on a GPU ``hw`` lasts
     ``measured_s``: its kernels are microseconds of device work, so the host's launches set its time."""
-    t = TINY_BLOCK
-    layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
-                       bias=True, dropout=False, attention="flash")[1]
-    bare = replace(hw, fwd_factor=1.0, bwd_factor=1.0, op_overhead_s=0.0, host_launch_s=0.0)
-    plan = Plan(micro_batch=t["batch"])
-
-    def total(o: float) -> float:
-        lt = layer_time(layer, plan, replace(bare, op_overhead_s=o), flash=True, tp_per_node=1)
-        return lt.F + lt.B + lt.W
-
+    total = _tiny_block_time(hw)
     launches = total(1.0) - total(0.0)  # linear in the per-launch cost: the count of launches
     return measured_s / launches if launches > 0 else 0.0
 

@@ -150,8 +150,8 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     nproc)``: e.g. 2 ranks on 2 cores run at the one-thread rate each, 4 ranks on 2 cores at half of it (the
     throughput of all cores divided among the ranks sharing them). Memory bandwidth is scaled alike, and each
     rank gets ``1/nproc`` of the physical memory. The link is a default gloo one (hard-coded, from a 4-rank
-    calibration); bf16 is taken to run at the fp32 rate. A first-order estimate: ``shardwise calibrate``
-    measures all of it with every rank busy. On ``device="cuda"`` the probe runs on this process's GPU (one
+    calibration); bf16 is taken to run at the fp32 rate on a CPU, and timed (squares to 4096) on a GPU. A
+    first-order estimate: ``shardwise calibrate`` measures all of it with every rank busy. On ``device="cuda"`` the probe runs on this process's GPU (one
     per rank, nothing shared) with a default NCCL link."""
     import torch
 

@@ -46,8 +46,8 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
 
     Timing: on the CPU host clocks around each phase. On a GPU, CUDA events on the current stream and ONE
     synchronize after the last pass (the step's non-finite check waits there anyway): synchronizing between
-    phases would stop the host from queueing the next kernels while the GPU works, which cost a 124M GPT
-    +38 % per step at one micro-batch and 3.7x at eight on an H200 (benchmarks/RESULTS.md, "On one GPU")."""
+    phases would stop the host from queueing the next kernels while the GPU works: it made a 124M GPT's step
+    on an H200 24 % longer at one micro-batch and 81 % longer at eight (benchmarks/RESULTS.md, "On one GPU")."""
     loss_sum = torch.zeros((), device=device)
     marks: list[tuple[Any, Any, Any]] = []  # (before forward, after forward, after backward) per pass
     for i, (x, y) in enumerate(batches):
