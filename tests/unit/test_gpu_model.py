@@ -109,6 +109,8 @@ def test_bf16_gemms_are_priced_on_the_bf16_probe():
     1,024-cube 74 % against 20 %; the fp32 points would price bf16 GEMMs too fast."""
     hw = Hardware.load(BENCH / "hardware_h200_1gpu.json")
     assert hw.gemm_points_bf16 and hw.gemm_points_bf16 != hw.gemm_points
+    cpu = Hardware.load(BENCH / "hardware_cpu_2ranks.json")  # CPU ranks: launches added, AdamW per tensor
+    assert cpu.kind == "cpu" and cpu.host_cores > 0 and hw.kind == "gpu"
     for shape in ((16384, 3072, 768), (1024, 1024, 1024), (4096, 256, 1024)):
         assert hw.gemm_efficiency(*shape, "bf16") < hw.gemm_efficiency(*shape, "fp32")
     assert hw.gemm_efficiency(1024, 1024, 1024, "bf16") < 0.3
