@@ -13,31 +13,28 @@ OUT=${OUT:-runs/device-host-check}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-sw() { $py -m shardwise.cli "$@"; }
-step() {  # step NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, note the exit status
-    local name=$1 limit=$2; shift 2
+step() {  # step NAME LOG SECONDS ARGS...: `shardwise ARGS` with a limit, appended to $OUT/LOG, exit status noted
+    local name=$1 log=$2 limit=$3; shift 3
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== shardwise $*" >> "$OUT/$log"
+    timeout "$limit" $py -m shardwise.cli "$@" >> "$OUT/$log" 2>&1
     echo "$name: exit $? in $((SECONDS - t0)) s" >> "$OUT/env.txt"
 }
 { nvidia-smi -L; nproc; lscpu | grep -m1 "Model name"; $py -c "import torch; print(torch.__version__, torch.version.cuda)"; } \
     > "$OUT/env.txt" 2>&1
 GPT2="--model.n_layer 12 --model.n_embd 768 --model.n_head 12 --model.block_size 1024 --model.vocab_size 50304"
-step single 150 sw bench planner --single-device --hardware h200-141g-sxm --steps 20 --json "$OUT/single.json"
+step single single.log 150 bench planner --single-device --hardware h200-141g-sxm --steps 20 --json "$OUT/single.json"
 # shellcheck disable=SC2086
-step auto 70 sw train $GPT2 --data.global_batch 16 --parallel.nproc 1 --parallel.auto true --train.precision bf16 \
+step auto auto.log 70 train $GPT2 --data.global_batch 16 --parallel.nproc 1 --parallel.auto true --train.precision bf16 \
     --train.steps 30 --train.ckpt_every 0 --train.log_every 30 --train.out_dir /tmp/sw-auto
 export CUDA_VISIBLE_DEVICES=""
 COMM="--ops all_reduce,all_gather,reduce_scatter,broadcast --algorithms native,shm --min 8 --max 16M --warmup 10"
 # shellcheck disable=SC2086
-step comm2 60 sw bench comm -n 2 $COMM --iters 100 --json "$OUT/comm2.json"
+step comm2 comm.log 60 bench comm -n 2 $COMM --iters 100 --json "$OUT/comm2.json"
 # shellcheck disable=SC2086
-step comm4 60 sw bench comm -n 4 $COMM --iters 50 --json "$OUT/comm4.json"
-{
-    step dp4 40 sw bench dp -n 4 --variants torch-ddp,sw,sw-shm --sweep ""
-    step tp4 50 sw bench tp -n 4 --iters 50
-    step zero4 50 sw bench zero -n 4 --variants torch-zero1,sw-zero1,sw-zero1-shm,fsdp2,sw-zero3,sw-zero3-shm
-    step pp4 50 sw bench pp -n 4 --schedules gpipe,1f1b,zb-h1 --repeats 4
-} 
-cat "$OUT"/dp4.log "$OUT"/tp4.log "$OUT"/zero4.log "$OUT"/pp4.log > "$OUT/benches.log" 2>/dev/null
+step comm4 comm.log 60 bench comm -n 4 $COMM --iters 50 --json "$OUT/comm4.json"
+step dp4 benches.log 40 bench dp -n 4 --variants torch-ddp,sw,sw-shm --sweep ""
+step tp4 benches.log 50 bench tp -n 4 --iters 50
+step zero4 benches.log 50 bench zero -n 4 --variants torch-zero1,sw-zero1,sw-zero1-shm,fsdp2,sw-zero3,sw-zero3-shm
+step pp4 benches.log 50 bench pp -n 4 --schedules gpipe,1f1b,zb-h1 --repeats 4
 cat "$OUT/env.txt"; tail -12 "$OUT/single.log"; grep -v "^W" "$OUT/auto.log" | grep -i "chose\|runner\|vs prediction\|measured/pred\|tokens/s" 

@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..runtime.prediction import GPU_SKINNY_GEMMS
+
 __all__ = ["ProbeSettings", "probe_settings", "gemm_shapes", "run_probe"]
 
 
@@ -52,7 +54,7 @@ def probe_settings(quick: bool, device_type: str = "cpu") -> ProbeSettings:
         base = probe_settings(quick)
         # the bandwidth probe's buffer well past a GPU's L2 (50-60 MB on an H100/H200): 256 MiB
         return replace(base, squares=base.squares + ((2048, 4096, 8192) if quick else (4096, 8192)),
-                       skinny=base.skinny + ((16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)),
+                       skinny=base.skinny + GPU_SKINNY_GEMMS,
                        bandwidth_elements=64 << 20)
     if quick:
         return ProbeSettings(squares=(64, 128, 256, 512), skinny=((4096, 64, 64), (4096, 256, 256)),
@@ -214,4 +216,5 @@ def _tiny_blocks(mesh: Any, settings: ProbeSettings) -> dict[str, float]:
     out = {"tiny_s": timed(tiny_block_step(mesh.device), mesh, settings)}
     if mesh.device.type == "cuda":
         out["tiny2_s"] = timed(tiny_block_step(mesh.device, 2), mesh, settings)
+        out["tiny_ac_s"] = timed(tiny_block_step(mesh.device, autocast=True), mesh, settings)
     return out

@@ -71,7 +71,7 @@ def _block(probe: Mapping[str, Any], where: str) -> dict[str, float]:
     out = {k: float(block[k]) for k in keys}
     # newer files add the checkpointed pass and the stack depth; older ones lack both (recomputation = one forward)
     # ... and the tiny block of ``planner/overhead.py`` (what a launch costs in eager training)
-    for key in ("ckpt_s", "depth", "tiny_s", "tiny2_s"):
+    for key in ("ckpt_s", "depth", "tiny_s", "tiny2_s", "tiny_ac_s"):
         if key in block:
             if not isinstance(block[key], (int, float)) or isinstance(block[key], bool) or block[key] <= 0:
                 raise ValueError(f"{where}: probe.block.{key} must be a positive number, got {block[key]!r}; "

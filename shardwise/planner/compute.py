@@ -94,7 +94,7 @@ def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_no
         bare = replace(hw, host_launch_s=0.0, op_overhead_s=0.0, fwd_factor=1.0, bwd_factor=1.0, recompute_factor=1.0)
         t0 = _layer_time(layer, plan, bare, flash, tp_per_node)
         t1 = _layer_time(layer, plan, replace(bare, op_overhead_s=1.0), flash, tp_per_node)
-        host = hw.host_launch_s
+        host = hw.host_launch_s * (hw.autocast_launch_factor if plan.precision == "bf16" else 1.0)
         return replace(device, F=max(device.F, (t1.F - t0.F) * host), B=max(device.B, (t1.B - t0.B) * host),
                        W=max(device.W, (t1.W - t0.W) * host))
     return _layer_time(layer, plan, hw, flash, tp_per_node)

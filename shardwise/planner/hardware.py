@@ -62,6 +62,10 @@ class Hardware:
     it. 0: not modelled (CPU ranks, whose host *is* the device and pays ``op_overhead_s`` per kernel; the GPU
     presets, which describe a framework that keeps the GPU fed). Set from a timed tiny block by the
     calibration and the quick probe (``overhead.py``)."""
+    autocast_launch_factor: float = 1.0
+    """``host_launch_s`` under ``torch.autocast`` (plan precision ``bf16``) over fp32: autocast dispatches
+    every op through its cast policy and adds the casts' own launches. Timed on the tiny block both ways by a
+    GPU calibration and the quick probe; 1: not measured."""
     p2p_alpha_s: float = 2e-5
     """Latency of one point-to-point send/recv pair between pipeline stages."""
     collectives: Mapping[int, Calibration] = field(default_factory=dict)

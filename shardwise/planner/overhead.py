@@ -18,7 +18,7 @@ from .compute import layer_time
 from .hardware import Hardware
 from .plan import Plan
 
-__all__ = ["TINY_BLOCK", "GPU_KERNEL_GAP_S", "launch_overhead", "with_launch_cost"]
+__all__ = ["TINY_BLOCK", "GPU_KERNEL_GAP_S", "launch_overhead", "with_launch_cost", "autocast_factor"]
 
 GPU_KERNEL_GAP_S = 4e-6
 """Device-side cost between dependent kernels on a GPU whose host keeps it fed (the presets' ``op_overhead_s``)."""
@@ -72,3 +72,11 @@ def with_launch_cost(hw: Hardware, measured_s: float, *, gpu: bool, tiny2_s: flo
         return replace(hw, op_overhead_s=GPU_KERNEL_GAP_S,
                        host_launch_s=max(hw.op_overhead_s, host_launch(hw, block_s)))
     return replace(hw, op_overhead_s=max(hw.op_overhead_s, launch_overhead(hw, measured_s)))
+
+
+def autocast_factor(tiny_s: float, tiny_ac_s: float | None) -> float:
+    """``Hardware.autocast_launch_factor`` from the tiny block timed in fp32 (``tiny_s``) and under bf16
+    autocast (``tiny_ac_s``): autocast only adds work, so never below 1; 1 where it was not timed."""
+    if tiny_ac_s is None or not tiny_s > 0:
+        return 1.0
+    return max(1.0, tiny_ac_s / tiny_s)

@@ -18,7 +18,7 @@ from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
-from .overhead import with_launch_cost
+from .overhead import autocast_factor, with_launch_cost
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Plan
 from .spec import ModelSpec
@@ -268,7 +268,8 @@ def block_factors(hw: Hardware) -> Hardware:
         # a launch's cost in eager training, from the tiny block (``overhead.py``), before the factors: they
         # then scale what grows with the work, and a small micro-batch keeps its fixed per-launch cost
         launch = with_launch_cost(as_probed(hw), probe["tiny_s"], gpu=hw.kind == "gpu", tiny2_s=probe.get("tiny2_s"))
-        hw = replace(hw, op_overhead_s=launch.op_overhead_s, host_launch_s=launch.host_launch_s)
+        hw = replace(hw, op_overhead_s=launch.op_overhead_s, host_launch_s=launch.host_launch_s,
+                     autocast_launch_factor=autocast_factor(probe["tiny_s"], probe.get("tiny_ac_s")))
     probe_hw = as_probed(hw)
     t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
     recompute = hw.recompute_factor

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
-from ..planner.overhead import TINY_BLOCK, with_launch_cost
+from ..planner.overhead import TINY_BLOCK, autocast_factor, with_launch_cost
 from .config import Config
 from .model_build import planner_split_names
 
-__all__ = ["plan_from_config", "gpt_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware", "launch_hardware",
-           "predict_launch",
-           "prediction_record", "prediction_line"]
+__all__ = ["plan_from_config", "gpt_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware",
+           "quick_probe_measurements", "probed_hardware", "launch_hardware", "predict_launch", "prediction_record",
+           "prediction_line"]
 
 _PRECISION = {"fp32": "fp32", "bf16": "bf16"}
 """``train.precision`` → ``Plan.precision``: ``bf16`` is autocast over fp32 weights in both."""
@@ -141,9 +141,15 @@ def _threads_per_rank(nproc: int, cores: int) -> int:
 
 
 def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
-    """This machine as ``nproc`` training ranks see it, from a probe of well under a second in THIS process:
-    fp32 matmuls of 64..512 (the GEMM curve and peak), one large elementwise op (memory bandwidth) and one
-    tiny op (per-op overhead).
+    """This machine as ``nproc`` training ranks see it, from a probe of well under a second in THIS process
+    (``quick_probe_measurements``, then the pure ``probed_hardware``)."""
+    return probed_hardware(**quick_probe_measurements(nproc, device=device))
+
+
+def quick_probe_measurements(nproc: int, *, device: str = "cpu") -> dict[str, Any]:
+    """What the quick probe measures, as ``probed_hardware``'s keyword arguments (plain numbers and lists: a
+    record can keep them): fp32 matmuls of 64..512 (the GEMM curve and peak), one large elementwise op (memory
+    bandwidth), one tiny op (per-op overhead) and a tiny block's forward + backward (per-launch cost).
 
     On the CPU the ranks share the cores. The probe runs on ONE thread (what torchrun gives each of several
     ranks, and steady on a loaded machine); a rank's rate is that times ``min(threads per rank, cores /
@@ -151,8 +157,8 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
     throughput of all cores divided among the ranks sharing them). Memory bandwidth is scaled alike, and each
     rank gets ``1/nproc`` of the physical memory. The link is a default gloo one (hard-coded, from a 4-rank
     calibration); bf16 is taken to run at the fp32 rate on a CPU, and timed (squares to 4096) on a GPU. A
-    first-order estimate: ``shardwise calibrate`` measures all of it with every rank busy. On ``device="cuda"`` the probe runs on this process's GPU (one
-    per rank, nothing shared) with a default NCCL link."""
+    first-order estimate: ``shardwise calibrate`` measures all of it with every rank busy. On ``device="cuda"``
+    the probe runs on this process's GPU (one per rank, nothing shared) with a default NCCL link."""
     import torch
 
     cuda, cores = device == "cuda", os.cpu_count() or 1
@@ -167,67 +173,85 @@ def quick_probe_hardware(nproc: int, *, device: str = "cpu") -> Hardware:
             a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
             rows.append((float(n), 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)))
         # beyond the caches: 32 MiB on a CPU; 256 MiB on a GPU (an H100/H200's L2 holds 50-60 MB, and a 32 MiB
-        # buffer measured the L2's bandwidth, several times the HBM's)
-        x = torch.empty(1 << (26 if cuda else 23), device=dev)
-        bandwidth = 2 * x.numel() * 4 / _per_call(lambda: x.add_(1.0), sync)
+        # buffer measured the L2's bandwidth, several times the HBM's). The calibration's op, y = b + a·x with a
+        # 0-d tensor b (one read and one write per element): an in-place x += 1 streams faster than training's
+        # elementwise kernels do (H200: 4.1 TB/s against 2.8, and a step predicted 17 % too fast)
+        x = torch.rand(1 << (26 if cuda else 23), device=dev)
+        y, bias = torch.empty_like(x), torch.tensor(0.5, device=dev)
+        bandwidth = 2 * x.numel() * 4 / _per_call(lambda: torch.add(bias, x, alpha=1.5, out=y), sync)
+        del x, y
         tiny = torch.zeros(1, device=dev)
         overhead = _per_call(lambda: tiny.add_(1.0), sync, budget_s=0.005)
         block_s = _per_call(tiny_block_step(dev), sync, budget_s=0.02)
         # GPU: one more block's launches without the pass's fixed costs (see tiny_block_step)
         block2_s = _per_call(tiny_block_step(dev, 2), sync, budget_s=0.02) if cuda else None
+        # GPU: the same block under bf16 autocast (bf16 plans pay autocast's dispatch and casts per launch)
+        block_ac_s = _per_call(tiny_block_step(dev, autocast=True), sync, budget_s=0.02) if cuda else None
     finally:
         torch.set_num_threads(threads)
     # a GPU's bf16 tensor cores run ~15x its fp32 units and fill only at larger sizes: time bf16 squares too,
     # for bf16's own peak and efficiency points (a CPU without bf16 units would only be slower, and the planner
     # takes its bf16 rate = fp32 there)
-    bf16_rows = _bf16_squares(dev, sync) if cuda else []
+    bf16_rows = _bf16_points(dev, sync) if cuda else []
     if cuda:
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(nproc, 1)
-    return probed_hardware(device=device, nproc=nproc, cores=cores, scale=scale, rows=rows, bf16_rows=bf16_rows,
-                           bandwidth=bandwidth, overhead=overhead, memory=memory, block_s=block_s, block2_s=block2_s)
+    return {"device": device, "nproc": nproc, "cores": cores, "scale": scale, "rows": rows, "bf16_rows": bf16_rows,
+            "bandwidth": bandwidth, "overhead": overhead, "memory": memory, "block_s": block_s, "block2_s": block2_s,
+            "block_ac_s": block_ac_s}
 
 
 def probed_hardware(*, device: str, nproc: int, cores: int, scale: float, rows: list[tuple[float, float]],
-                    bf16_rows: list[tuple[float, float]], bandwidth: float, overhead: float, memory: float,
-                    block_s: float, block2_s: float | None) -> Hardware:
-    """The quick probe's ``Hardware`` from its measurements (pure): ``rows``/``bf16_rows`` are ``(n, FLOP/s)``
-    of n-square matmuls (bf16: a GPU's own peak and efficiency points; none: bf16 at the fp32 rate),
-    ``block_s``/``block2_s`` one and two tiny blocks per pass (the per-launch cost), all per rank before
-    ``scale`` (the rank's share of the cores)."""
+                    bf16_rows: list[tuple[float, float, float, float]], bandwidth: float, overhead: float,
+                    memory: float, block_s: float, block2_s: float | None,
+                    block_ac_s: float | None = None) -> Hardware:
+    """The quick probe's ``Hardware`` from its measurements (pure): ``rows`` are ``(n, FLOP/s)`` of n-square
+    fp32 matmuls, ``bf16_rows`` ``(m, n, k, FLOP/s)`` of bf16 ones (a GPU's own peak and efficiency points;
+    none: bf16 at the fp32 rate), ``block_s``/``block2_s`` one and two tiny blocks per pass (the per-launch
+    cost), ``block_ac_s`` one under bf16 autocast, all per rank before ``scale`` (the rank's share of the
+    cores)."""
     cuda = device == "cuda"
     peak = max(f for _, f in rows)
-    bf16_peak = max((f for _, f in bf16_rows), default=peak)
+    bf16_peak = max((row[3] for row in bf16_rows), default=peak)
     link = _CUDA_LINK if cuda else _CPU_LINK
     hw = Hardware(name=f"{device}-quick-probe", peak_flops={"fp32": peak * scale, "bf16": bf16_peak * scale},
                   memory_bytes=memory, memory_bandwidth_Bps=bandwidth * scale, devices_per_node=max(nproc, 1),
                   intra=link, inter=link, gemm_curve=tuple((d, min(1.0, f / peak)) for d, f in rows),
                   op_overhead_s=overhead, p2p_alpha_s=2 * link.alpha_s, kind="gpu" if cuda else "cpu",
-                  gemm_points_bf16=tuple((n, n, n, f / bf16_peak) for n, f in bf16_rows),
+                  gemm_points_bf16=tuple((m, n, k, f / bf16_peak) for m, n, k, f in bf16_rows),
+                  autocast_launch_factor=autocast_factor(block_s, block_ac_s),
                   source=f"quick probe ({nproc} rank{'s' * (nproc > 1)}{'' if cuda else f' on {cores} cores'}, "
                          f"default link)")
     return with_launch_cost(hw, block_s / scale, gpu=cuda, tiny2_s=block2_s)
 
 
-def _bf16_squares(dev: Any, sync: Callable[[], None]) -> list[tuple[float, float]]:
-    """``(n, FLOP/s)`` of bf16 ``n``-square matmuls on a GPU, n = 256 … 4096 (tens of milliseconds)."""
+GPU_SKINNY_GEMMS = ((16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072))
+"""``(m, n, k)`` of a GPT-2-sized layer (16,384 tokens): a GPU probe times these besides squares. On an H200 a
+short burst of 4096-squares ran at 805 TFLOP/s while these ran at 530-720: priced from squares alone, a
+training step came out 20 % too fast."""
+
+
+def _bf16_points(dev: Any, sync: Callable[[], None]) -> list[tuple[float, float, float, float]]:
+    """``(m, n, k, FLOP/s)`` of bf16 matmuls on a GPU: squares 256 … 4096 and ``GPU_SKINNY_GEMMS`` (tens of
+    milliseconds)."""
     import torch
 
     rows = []
-    for n in (256, 512, 1024, 2048, 4096):
-        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-        rows.append((float(n), 2.0 * n ** 3 / _per_call(lambda: a @ b, sync)))
+    for m, n, k in [(s, s, s) for s in (256, 512, 1024, 2048, 4096)] + list(GPU_SKINNY_GEMMS):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+        rows.append((float(m), float(n), float(k), 2.0 * m * n * k / _per_call(lambda: a @ b, sync)))
     return rows
 
 
-def tiny_block_step(dev: Any, depth: int = 1) -> Callable[[], None]:
+def tiny_block_step(dev: Any, depth: int = 1, *, autocast: bool = False) -> Callable[[], None]:
     """One forward + backward of ``depth`` reference blocks at ``TINY_BLOCK`` on ``dev``: their arithmetic is
     microseconds, so timing them measures what each launch costs in eager training (``planner/overhead.py``).
     Timed by the quick probe here and by the calibration (``bench/probe.py``). One call also pays a whole
     pass's fixed costs (the ``sum``, the autograd engine's start); a GPU probe times ``depth`` 2 as well, and
-    the difference is one block's launches alone."""
+    the difference is one block's launches alone. ``autocast``: the forward under bf16 autocast and the
+    backward outside it, as ``shardwise train`` runs ``train.precision bf16``."""
     import torch
 
     from ..models.gpt import Block, GPTConfig
@@ -236,7 +260,15 @@ def tiny_block_step(dev: Any, depth: int = 1) -> Callable[[], None]:
     cfg = GPTConfig(n_embd=t["n_embd"], n_head=t["n_head"], block_size=t["seq"])
     blocks = torch.nn.Sequential(*[Block(cfg) for _ in range(depth)]).to(dev)
     x = torch.randn(t["batch"], t["seq"], t["n_embd"], device=dev, requires_grad=True)
-    return lambda: blocks(x).sum().backward()
+    if not autocast:
+        return lambda: blocks(x).sum().backward()
+
+    def step() -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = blocks(x).float().sum()
+        loss.backward()
+
+    return step
 
 
 _PROBED: dict[tuple[str, int], Hardware] = {}
