@@ -99,7 +99,11 @@ def local_flag(loss: Tensor, grads: Iterable[Grad]) -> Tensor:
     tensors = [g.tensor for g in grads if g.tensor.numel()]
     values = [loss.detach().reshape(()).float()]
     if tensors:
-        values += [n.reshape(()).float().to(loss.device) for n in torch._foreach_norm(tensors, math.inf)]
+        norms = torch._foreach_norm(tensors, math.inf)
+        if all(n.dtype == torch.float32 and n.device == loss.device for n in norms):
+            values += norms  # 0-d fp32 already: no three tensor ops per parameter (small models feel them)
+        else:
+            values += [n.reshape(()).float().to(loss.device) for n in norms]
     bad = ~torch.isfinite(torch.stack(values)).all()
     return bad.float().reshape(1)
 

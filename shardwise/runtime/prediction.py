@@ -151,22 +151,26 @@ def quick_probe_measurements(nproc: int, *, device: str = "cpu") -> dict[str, An
     record can keep them): fp32 matmuls of 64..512 (the GEMM curve and peak), one large elementwise op (memory
     bandwidth), one tiny op (per-op overhead) and a tiny block's forward + backward (per-launch cost).
 
-    On the CPU the ranks share the cores. The probe runs on ONE thread (what torchrun gives each of several
-    ranks, and steady on a loaded machine); a rank's rate is that times ``min(threads per rank, cores /
-    nproc)``: e.g. 2 ranks on 2 cores run at the one-thread rate each, 4 ranks on 2 cores at half of it (the
-    throughput of all cores divided among the ranks sharing them). Memory bandwidth is scaled alike, and each
-    rank gets ``1/nproc`` of the physical memory. The link is a default gloo one (hard-coded, from a 4-rank
-    calibration); bf16 is taken to run at the fp32 rate on a CPU, and timed (squares to 4096) on a GPU. A
-    first-order estimate: ``shardwise calibrate`` measures all of it with every rank busy. On ``device="cuda"``
+    On the CPU the ranks share the cores. The probe runs on the threads one rank computes with (torchrun gives
+    each of several ranks one; a single rank gets the cores, or ``OMP_NUM_THREADS``), at most ``cores /
+    nproc``; ranks that outnumber the cores run at ``cores / nproc`` of that (4 ranks on 2 cores at half: the
+    throughput of all cores divided among the ranks sharing them). Memory bandwidth and launches are scaled
+    alike, and each rank gets ``1/nproc`` of the physical memory. The link is a default gloo one (hard-coded,
+    from a 4-rank calibration); bf16 is taken to run at the fp32 rate on a CPU, and timed (squares to 4096 and
+    GPT-2-sized shapes) on a GPU. A first-order estimate: ``shardwise calibrate`` measures all of it with every
+    rank busy. On ``device="cuda"``
     the probe runs on this process's GPU (one per rank, nothing shared) with a default NCCL link."""
     import torch
 
     cuda, cores = device == "cuda", os.cpu_count() or 1
     dev = torch.device("cuda" if cuda else "cpu")
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
-    scale = 1.0 if cuda else min(float(_threads_per_rank(nproc, cores)), cores / max(nproc, 1))
+    # a CPU rank computes with its own threads (timed with them: small GEMMs and launches gain nothing from a
+    # second thread); ranks that outnumber the cores get their share of them (scale < 1)
+    rank_threads = 1 if cuda else max(1, min(_threads_per_rank(nproc, cores), cores // max(nproc, 1)))
+    scale = 1.0 if cuda else min(1.0, cores / max(nproc, 1))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(rank_threads)
     try:
         rows = []
         for n in ((256, 512, 1024, 2048) if cuda else (64, 128, 256, 512)):
@@ -209,8 +213,8 @@ def probed_hardware(*, device: str, nproc: int, cores: int, scale: float, rows: 
     """The quick probe's ``Hardware`` from its measurements (pure): ``rows`` are ``(n, FLOP/s)`` of n-square
     fp32 matmuls, ``bf16_rows`` ``(m, n, k, FLOP/s)`` of bf16 ones (a GPU's own peak and efficiency points;
     none: bf16 at the fp32 rate), ``block_s``/``block2_s`` one and two tiny blocks per pass (the per-launch
-    cost), ``block_ac_s`` one under bf16 autocast, all per rank before ``scale`` (the rank's share of the
-    cores)."""
+    cost), ``block_ac_s`` one under bf16 autocast, all per rank at the threads it computes with, before
+    ``scale`` (its share of the cores where ranks outnumber them)."""
     cuda = device == "cuda"
     peak = max(f for _, f in rows)
     bf16_peak = max((row[3] for row in bf16_rows), default=peak)
