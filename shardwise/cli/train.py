@@ -215,7 +215,10 @@ def _header(cfg: Config, run_dir: Path, resume: Path | None) -> str:
     mesh = (f"pp={p.pp} × " if p.pp > 1 else "") + f"dp={p.dp} × tp={p.tp}"
     stages = (f"; pipeline {p.pp_schedule}, {p.pp_microbatches} micro-batches of {p.micro_batch // p.pp_microbatches}"
               f"{f', {p.pp_chunks} chunks per rank' if p.pp_chunks > 1 else ''} per pass" if p.pp > 1 else "")
-    return (f"shardwise train: {cfg.train.name} on {p.nproc} {where} process{'es' * (p.nproc > 1)}, mesh {mesh}"
+    m = cfg.model
+    model = Path(m.hf_config).name if m.hf_config else f"{m.n_layer} layers × {m.n_embd} wide"
+    return (f"shardwise train: {cfg.train.name} ({model}) on {p.nproc} {where} process{'es' * (p.nproc > 1)}, "
+            f"mesh {mesh}"
             f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}; global batch {cfg.data.global_batch} = "
             f"{p.micro_batch} × {p.grad_accum} × {p.dp} (micro × accum × dp) × {cfg.model.block_size} tokens"
             f"{stages}; {cfg.train.steps} steps → {run_dir}{start}")
