@@ -220,10 +220,14 @@ def _narayanan_table2() -> tuple[list[str], list[dict[str, Any]]]:
     return lines + _table2_notes(rows), rows
 
 
-def _run_layout(name: str, flags: list[str], steps: int, root: Path) -> dict[str, Any]:
+def _run_layout(name: str, flags: list[str], steps: int, root: Path, calibration: str = "") -> dict[str, Any]:
+    """Train one layout; ``calibration``: the file it is predicted with, given to the run as
+    ``parallel.calibration`` (its collectives choose as the prediction assumes)."""
     out = root / name.replace(" ", "_")
     argv = [sys.executable, "-m", "shardwise.cli", "train", *MODEL, *flags, "--train.steps", str(steps),
             "--train.ckpt_every", "0", "--train.log_every", str(steps), "--train.out_dir", str(out)]
+    if calibration:
+        argv += ["--parallel.calibration", calibration]
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"layout {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -240,8 +244,10 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
     # one calibration per rank count when given (``--hardware a.json,b.json``): each layout is predicted with the
     # file measured at its own nproc, as ``shardwise train`` picks the local calibration of its nproc
-    files = [Hardware.resolve(f.strip()) for f in args.hardware.split(",") if f.strip()]
+    paths = [f.strip() for f in args.hardware.split(",") if f.strip()]
+    files = [Hardware.resolve(f) for f in paths]
     by_ranks = {h.devices_per_node: h for h in files}
+    file_of = {h.devices_per_node: str(Path(f).resolve()) for f, h in zip(paths, files) if Path(f).is_file()}
     wanted = {s.strip() for s in args.only.split(",") if s.strip()}
     chosen = [(name, flags) for name, flags in LAYOUTS if not wanted or name in wanted]
     rounds = max(1, getattr(args, "repeats", 1))
@@ -251,7 +257,8 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="sw-bench-planner-") as tmp:
         for r in range(rounds):
             for name, flags in chosen:
-                got = _run_layout(name, flags, args.steps, Path(tmp) / f"round{r}")
+                nproc = int(flags[flags.index("--parallel.nproc") + 1])
+                got = _run_layout(name, flags, args.steps, Path(tmp) / f"round{r}", file_of.get(nproc, ""))
                 runs[name].append(got)
                 print(f"round {r + 1}/{rounds} {name:18s} measured {got['step_s'] * 1e3:8.1f} ms", flush=True)
     rows = []

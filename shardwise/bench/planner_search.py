@@ -186,7 +186,7 @@ def _measure_mlp(case: Case, plan: Plan, steps: int, root: Path, name: str, run_
     out = root / name
     argv = [sys.executable, "-m", "shardwise.cli", "run", "-n", str(DEVICES), "-m", "shardwise.bench.planner_search_worker",
             "--model", json.dumps(case.model), "--plan", plan.dumps(), "--global-batch", str(case.global_batch),
-            "--steps", str(steps), "--out", str(out)]
+            "--steps", str(steps), "--out", str(out), "--calibration", CALIBRATION[0]]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != DEVICES:

@@ -92,11 +92,14 @@ def _layout(model: nn.Sequential, plan: Any, mesh: Any, adamw: Any) -> tuple[Any
     if plan.activation_checkpointing == "full":
         checkpoint_layers(model, policy=_blocks(model))
     if plan.zero_stage:
+        from ..runtime.strategy.zero import zero_algorithm
+
         units = [[str(i)] for i in range(len(model))]  # each unit gathered on its own, as the planner assumes
+        # collectives chosen as `shardwise train` chooses them (parallel.algorithm auto, the given calibration)
         wrapped, opt = zero(model, mesh, stage=plan.zero_stage, axis="dp", optimizer=adamw,
-                            units=units if plan.zero_stage == 3 else None)
+                            units=units if plan.zero_stage == 3 else None, algorithm=zero_algorithm("auto", mesh))
     else:
-        wrapped = DataParallel(model, mesh, axis="dp") if plan.dp > 1 else model
+        wrapped = DataParallel(model, mesh, axis="dp", algorithm="auto") if plan.dp > 1 else model
         opt = adamw(list(model.parameters()))
     return wrapped, opt, functools.partial(_accumulate, wrapped, mesh, accum)
 
@@ -149,7 +152,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     world = init()
     cfg, plan = MLPConfig(**json.loads(args.model)), Plan.from_json(args.plan).resolved(args.global_batch)
-    mesh = Mesh(pp=plan.pp, dp=plan.dp) if plan.pp > 1 else Mesh(dp=plan.dp)
+    from ..comm.hardware import hardware_collectives, load_hardware_calibration
+
+    cals = hardware_collectives(load_hardware_calibration(args.calibration)) if args.calibration else []
+    mesh = Mesh(pp=plan.pp, dp=plan.dp, calibration=cals) if plan.pp > 1 else Mesh(dp=plan.dp, calibration=cals)
     torch.manual_seed(0)  # the same weights on every rank
     model = build_mlp(cfg)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -179,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", required=True, help="directory for rankN.json")
+    parser.add_argument("--calibration", default="", help="hardware file whose collectives algorithm auto picks from "
+                        "(as `shardwise train --parallel.calibration`)")
     args = parser.parse_args(argv)
     from ..world import shutdown
 

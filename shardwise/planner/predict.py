@@ -194,10 +194,13 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     grad_b = 2 if plan.precision == "bf16-mixed" else 4
     param_b = 2 if plan.precision == "bf16-mixed" else 4
     # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest), a
-    # pipeline's the backend's own; every ZeRO stage (``sw.zero``, and ZeRO-1 inside a pipeline) runs our ring
-    # on a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the backend's collectives on GPUs
+    # pipeline's the backend's own; ``sw.zero`` follows ``parallel.algorithm`` too where the run has a
+    # calibration for dp's group (the one predicted with), else (and ZeRO-1 inside a pipeline) runs our ring on
+    # a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the backend's collectives on GPUs
     if plan.zero_stage == 0:
         algorithm = "native" if plan.pp > 1 else "auto"
+    elif plan.pp == 1 and plan.dp in hw.collectives:
+        algorithm = "auto"  # sw.zero follows parallel.algorithm = auto where the run has this calibration
     else:
         algorithm = "ring" if hw.host_cores else "native"
     coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node,  # noqa: E731

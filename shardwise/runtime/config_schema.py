@@ -102,9 +102,10 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
     algorithm: Literal["native", "ring", "tree", "shm", "auto"] = "auto"
-    """Collective algorithm of the gradient all-reduce. ``shm``: through shared memory (CPU ranks on one host).
-    ``auto``: native unless a calibration is loaded, then per message size the one with the lowest fitted cost
-    (``shardwise calibrate``)."""
+    """Collective algorithm of the gradient all-reduce, and of ZeRO's reduce-scatters and all-gathers. ``shm``:
+    through shared memory (CPU ranks on one host). ``auto``: per message size the one with the lowest fitted
+    cost where a calibration is loaded (``shardwise calibrate``); without one, native for the all-reduce and
+    ZeRO's own default (our ring on CPU ranks, NCCL's on GPUs)."""
     calibration: str = ""
     """Hardware file of ``shardwise calibrate`` that ``algorithm = "auto"`` chooses from; empty = the local one
     (``~/.cache/shardwise/hardware-DEVICE-NPROC.json``) if it exists."""

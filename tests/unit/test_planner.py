@@ -337,8 +337,9 @@ def test_measured_campaign_takes_the_median_over_rounds(monkeypatch, tmp_path):
     times = iter([1.0, 1.5, 4.0])  # three rounds of one layout: median 1.5, mean 2.17, first 1.0, last 4.0
     calls = []
 
-    def fake_run(name, flags, steps, root):
+    def fake_run(name, flags, steps, root, calibration=""):
         calls.append((name, root.name))
+        assert Path(calibration).name == "hardware_cpu_2ranks.json"  # the run picks its collectives as predicted
         return {"step_s": next(times), "memory": 1e8, "config": dataclasses.asdict(cfg)}
 
     monkeypatch.setattr(bench, "_run_layout", fake_run)
@@ -423,3 +424,45 @@ def test_shardwise_train_pays_its_two_one_number_all_reduces_per_step(monkeypatc
     assert ours.step_time_s - bare.step_time_s == pytest.approx(3 * one(2, 2), rel=1e-9)
     assert ours.breakdown["optimizer"] - bare.breakdown["optimizer"] == pytest.approx(2 * one(2, 2), rel=1e-9)
     assert predict(spec, plan, cpu, global_batch=8, seq_len=128, runtime="megatron").step_time_s == theirs.step_time_s
+
+
+def test_zero_follows_the_calibration_the_run_has_and_else_runs_the_ring():
+    from dataclasses import replace
+
+    from shardwise.runtime.strategy.zero import zero_algorithm
+
+    spec = ModelSpec.gpt(GPTConfig.preset("gpt-small"))
+    cal = Hardware.load("benchmarks/hardware_cpu_2ranks.json")
+    plan = Plan(dp=2, zero_stage=2, micro_batch=2)
+    local = sum(local_params(layer, 1) for layer in spec.layers) * 4
+    hw = cal.for_devices(2)
+    # the run has this calibration for dp's group: sw.zero picks per message, as the prediction does (this
+    # file predates shm: its fastest fit at these sizes is the ring); stage 2 reduce-scatters the gradients and
+    # all-gathers the updated parameters, neither hidden on a CPU host
+    loss = lambda h: h.collective_time("all_reduce", 4, 2, per_node=2, algorithm="native")  # noqa: E731
+    with_cal = predict(spec, plan, cal, global_batch=8, seq_len=128).breakdown["dp_comm"]
+    auto = sum(hw.collective_time(op, local, 2, per_node=2, algorithm="auto") for op in ("reduce_scatter", "all_gather"))
+    assert auto <= sum(hw.collective_time(op, local, 2, per_node=2, algorithm="native")
+                       for op in ("reduce_scatter", "all_gather"))
+    assert with_cal == pytest.approx(auto + hw.sync_skew_s + loss(hw), rel=1e-6)
+    # a file without dp's group size (a quick probe has none): our ring, priced on the link model
+    bare = replace(cal, collectives={k: v for k, v in cal.collectives.items() if k != 2})
+    without = predict(spec, plan, bare, global_batch=8, seq_len=128).breakdown["dp_comm"]
+    b = bare.for_devices(2)
+    ring = sum(b.collective_time(op, local, 2, per_node=2, algorithm="ring") for op in ("reduce_scatter", "all_gather"))
+    assert without == pytest.approx(ring + b.sync_skew_s + loss(b), rel=1e-6) and without != pytest.approx(with_cal)
+
+    class FakeMesh:  # the two things zero_algorithm reads
+        def __init__(self, dp, cals):
+            self.dp, self.cals = dp, cals
+
+        def size(self, axis):
+            return self.dp
+
+        def calibration_for(self, n):
+            return self.cals.get(n)
+
+    assert zero_algorithm("auto", FakeMesh(2, {2: object()})) == "auto"
+    assert zero_algorithm("auto", FakeMesh(2, {4: object()})) is None  # sw.zero's default: the ring on CPU
+    assert zero_algorithm("auto", FakeMesh(1, {1: object()})) is None
+    assert zero_algorithm("shm", FakeMesh(2, {})) == "shm"  # a named algorithm as given

@@ -25,7 +25,16 @@ from ..nonfinite import Grad, flat_grads
 from .base import build_optimizer, tensor_parallel
 from .plain import DataParallelSteps, checkpointed
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroStrategy", "zero_algorithm"]
+
+
+def zero_algorithm(algorithm: str, mesh: Mesh) -> str | None:
+    """ZeRO's collectives under ``parallel.algorithm``: a named one as given; ``auto`` the calibration's choice
+    per message where one is attached for dp's group size (as data parallelism's all-reduce), else ``None``:
+    ``sw.zero``'s own default (our ring on CPU ranks, NCCL's on GPUs). Pure."""
+    if algorithm != "auto":
+        return algorithm
+    return "auto" if mesh.size("dp") > 1 and mesh.calibration_for(mesh.size("dp")) is not None else None
 
 
 class ZeroStrategy(DataParallelSteps):
@@ -39,7 +48,8 @@ class ZeroStrategy(DataParallelSteps):
         # ZeRO-3 gathers one transformer layer at a time (its default finds only a ``blocks`` list)
         units = [[name] for name in block_names(self.plain)] or None
         model, optimizer = zero(self.plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
-                                optimizer=partial(build_optimizer, o=cfg.optimizer), units=units)
+                                optimizer=partial(build_optimizer, o=cfg.optimizer), units=units,
+                                algorithm=zero_algorithm(p.algorithm, mesh))
         self.model: ZeroModel = model
         self.optimizer: ZeroOptimizer = optimizer
 
