@@ -158,8 +158,8 @@ def quick_probe_measurements(nproc: int, *, device: str = "cpu") -> dict[str, An
     alike, and each rank gets ``1/nproc`` of the physical memory. The link is a default gloo one (hard-coded,
     from a 4-rank calibration); bf16 is taken to run at the fp32 rate on a CPU, and timed (squares to 4096 and
     GPT-2-sized shapes) on a GPU. A first-order estimate: ``shardwise calibrate`` measures all of it with every
-    rank busy. On ``device="cuda"``
-    the probe runs on this process's GPU (one per rank, nothing shared) with a default NCCL link."""
+    rank busy. On ``device="cuda"`` the probe runs on this process's GPU (one per rank, nothing shared) with a
+    default NCCL link, and also times the tiny block under bf16 autocast."""
     import torch
 
     cuda, cores = device == "cuda", os.cpu_count() or 1
