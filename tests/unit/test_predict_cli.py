@@ -246,3 +246,24 @@ def test_summary_record_puts_measured_next_to_predicted(tmp_path):
     append_record(tmp_path, record)
     assert read_metrics(tmp_path / "metrics.jsonl", kind="summary") == [record]
     assert summary_record(cfg, tmp_path, None)["predicted_step_s"] is None
+
+
+@pytest.mark.parametrize("nproc, threads, scale", [(1, 2, 1.0), (2, 1, 1.0), (4, 1, 0.5)])
+def test_the_cpu_quick_probe_times_a_rank_on_its_own_threads(monkeypatch, nproc, threads, scale):
+    # on 2 cores a lone rank computes with both (torchrun's default for one process), two ranks with one each,
+    # and four ranks get half a core each: timed on one thread, then scaled
+    import os
+
+    import torch
+
+    from shardwise.runtime import prediction
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n))[1])
+    before = torch.get_num_threads()
+    got = prediction.quick_probe_measurements(nproc)
+    assert calls[0] == threads and calls[-1] == before  # the probe's threads, then the caller's back
+    assert got["scale"] == scale and got["cores"] == 2 and got["bandwidth"] > 0

@@ -58,3 +58,20 @@ def test_mesh_timeout_must_be_positive_and_gives_its_own_groups(mesh):
         Mesh(dp=1, timeout_s=0)
     short = Mesh(dp=1, timeout_s=7.5)
     assert short.timeout_s == 7.5 and mesh.timeout_s is None
+
+
+@pytest.mark.parametrize("algorithm, want", [("tree", "tree"), ("native", "native"), ("auto", "ring")])
+def test_zero_takes_parallel_algorithm(mesh, algorithm, want):
+    # a named algorithm reaches sw.zero's collectives; auto without a calibration keeps ZeRO's CPU default (the ring)
+    s = build_strategy(_cfg(zero_stage=1, algorithm=algorithm), mesh)
+    assert isinstance(s, ZeroStrategy) and s.model.algorithm == want
+
+
+def test_the_launch_header_names_the_model_shape():
+    from pathlib import Path
+
+    from shardwise.cli.train import _header
+
+    cfg = _cfg()
+    line = _header(cfg, Path("runs/x"), None)
+    assert line.startswith(f"shardwise train: {cfg.train.name} ({cfg.model.n_layer} layers × {cfg.model.n_embd} wide) on 1 ")
