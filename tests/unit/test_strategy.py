@@ -74,4 +74,5 @@ def test_the_launch_header_names_the_model_shape():
 
     cfg = _cfg()
     line = _header(cfg, Path("runs/x"), None)
-    assert line.startswith(f"shardwise train: {cfg.train.name} ({cfg.model.n_layer} layers × {cfg.model.n_embd} wide) on 1 ")
+    shape = f"({cfg.model.n_layer} layers × {cfg.model.n_embd} wide)"
+    assert line.startswith(f"shardwise train: {cfg.train.name} {shape} on 1 ")
