@@ -123,6 +123,21 @@ def normalize_pins(pins: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, s
     return fixed, modules
 
 
+def pipeline_pins(fixed: Mapping[str, Any]) -> list[str]:
+    """The pins that only a pipeline can honour: a schedule other than the default ``1f1b`` (which a single
+    stage runs as plain forward/backward), several chunks, a micro-batch count per flush, stage cuts."""
+    out = []
+    if fixed.get("schedule", "1f1b") != "1f1b":
+        out.append(f"schedule {fixed['schedule']!r}")
+    if fixed.get("chunks", 1) > 1:
+        out.append(f"chunks {fixed['chunks']}")
+    if fixed.get("microbatches", 0):
+        out.append(f"microbatches {fixed['microbatches']}")
+    if fixed.get("pp_split"):
+        out.append(f"pp_split {list(fixed['pp_split'])}")
+    return out
+
+
 def _check_pins(fixed: dict[str, Any], devices: int) -> None:
     axes = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
     for k, v in axes.items():
@@ -145,6 +160,10 @@ def _check_pins(fixed: dict[str, Any], devices: int) -> None:
         raise ValueError("pins sequence_parallel true and tp 1 contradict: sequence parallelism splits over tp")
     if fixed.get("zero_stage", 0) and fixed.get("dp") == 1:
         raise ValueError(f"pins zero_stage {fixed['zero_stage']} and dp 1 contradict: ZeRO shards over dp >= 2")
+    piped = pipeline_pins(fixed)
+    if piped and fixed.get("pp") == 1:
+        raise ValueError(f"pins pp 1 and {', '.join(piped)} contradict: those need a pipeline (pp >= 2); pin pp to "
+                         f"2 or more, or drop them")
 
 
 def _options(name: str, default: list[Any], fixed: dict[str, Any]) -> list[Any]:
@@ -159,6 +178,8 @@ def _schedule_options(pp: int, per: int, mb: int, space: Space, fixed: dict[str,
     out = []
     total = per // mb  # micro-batches per replica per step
     for schedule in _options("schedule", list(space.schedules), fixed):
+        if schedule != "interleaved" and fixed.get("chunks", 1) > 1:
+            continue  # several chunks per rank: only the interleaved schedule runs them
         chunk_opts = _options("chunks", list(space.chunks), fixed) if schedule == "interleaved" else [1]
         for chunks in chunk_opts:
             if pp * chunks > n_layers or (schedule == "interleaved" and chunks < 2):
@@ -225,6 +246,10 @@ def layouts(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, p
                 continue
             if pp > n_layers:
                 _note(regions, "invalid: more pipeline stages than layers", 1, f"pp={pp} > {n_layers} layers")
+                continue
+            if pp == 1 and pipeline_pins(pins):
+                _note(regions, "invalid: the pins need a pipeline", 1,
+                      lambda: f"pp=1 vs pinned {', '.join(pipeline_pins(pins))}")
                 continue
             if global_batch % dp:
                 _note(regions, "invalid: dp does not divide the global batch", 1,

@@ -129,6 +129,18 @@ def test_pins_are_honoured_and_module_pins_replicate_the_embedding():
                                                                       rel=0.01)
 
 
+def test_a_pinned_schedule_asks_for_a_pipeline():
+    # zb-h1 (or interleaved chunks, a micro-batch count) means nothing on one stage: pp is free, so only
+    # pipelines are returned; the default schedule 1f1b still lets the search return pp = 1
+    piped = search(small_gpt(), A100, devices=8, global_batch=32, pins={"pp_schedule": "zb-h1"}, top=3)
+    assert all(p.plan.pp >= 2 and p.plan.schedule == "zb-h1" for p in piped)
+    chunked = search(small_gpt(), A100, devices=8, global_batch=32, pins={"pp_chunks": 2}, top=3)
+    assert all(p.plan.pp >= 2 and p.plan.chunks == 2 and p.plan.schedule == "interleaved" for p in chunked)
+    free = search(small_gpt(), A100, devices=8, global_batch=32, pins={"pp_schedule": "1f1b"}, top=1)
+    unpinned = search(small_gpt(), A100, devices=8, global_batch=32, top=1)
+    assert free[0].plan.pp == unpinned[0].plan.pp
+
+
 def test_time_balanced_split_beats_the_parameter_split():
     spec = small_gpt()
     plan = search(spec, A100, devices=4, global_batch=32, pins={"pp": 4, "tp": 1, "pp_schedule": "1f1b"}, top=1)[0].plan
@@ -144,6 +156,10 @@ def test_time_balanced_split_beats_the_parameter_split():
     (dict(pins={"dp": 4, "tp": 4, "pp": 2}), "must equal the device count"),
     (dict(pins={"pp_schedule": "interleaved", "pp_chunks": 1}), "contradict"),
     (dict(pins={"zero_stage": 2, "dp": 1}), "contradict"),
+    (dict(pins={"pp_schedule": "zb-h1", "pp": 1}), r"pins pp 1 and schedule 'zb-h1' contradict: .*pp >= 2"),
+    (dict(pins={"pp_microbatches": 4, "pp": 1}), r"pins pp 1 and microbatches 4 contradict"),
+    (dict(pins={"pp_schedule": "gpipe"}, devices=1), r"invalid: the pins need a pipeline .*pp=1 vs pinned "
+                                                     r"schedule 'gpipe'"),
     (dict(pins={"warp": 2}), "not a plan field"),
     (dict(pins={"modules": {"nope": "replicate"}}), "not a layer"),
     (dict(memory_margin=1.5), "memory_margin"),
