@@ -106,7 +106,9 @@ class Hardware:
                              f"{dict(self.peak_flops)}")
         if not (self.memory_bytes > 0 and self.memory_bandwidth_Bps > 0 and self.devices_per_node >= 1):
             raise ValueError(f"Hardware {self.name!r} needs memory_bytes > 0, memory_bandwidth_Bps > 0 and "
-                             f"devices_per_node >= 1")
+                             f"devices_per_node >= 1, got {self.memory_bytes!r}, {self.memory_bandwidth_Bps!r} and "
+                             f"{self.devices_per_node!r}; fix the preset or regenerate the calibration with "
+                             f"`shardwise calibrate --out FILE`")
         if not self.gemm_curve or any(not (d > 0 and 0 < e <= 1) for d, e in self.gemm_curve):
             raise ValueError(f"Hardware {self.name!r}: gemm_curve needs (d > 0, 0 < efficiency <= 1) points, "
                              f"got {self.gemm_curve}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,3 +467,15 @@ def test_zero_follows_the_calibration_the_run_has_and_else_runs_the_ring():
     assert zero_algorithm("auto", FakeMesh(2, {4: object()})) is None  # sw.zero's default: the ring on CPU
     assert zero_algorithm("auto", FakeMesh(1, {1: object()})) is None
     assert zero_algorithm("shm", FakeMesh(2, {})) == "shm"  # a named algorithm as given
+
+
+def test_a_calibration_with_zero_memory_is_one_error_naming_the_values_and_the_fix(tmp_path):
+    raw = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json").read_text())
+    raw["memory_bytes"] = 0
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as info:
+        Hardware.load(path)
+    text = str(info.value)
+    assert "needs memory_bytes > 0" in text and "got 0.0," in text and "shardwise calibrate --out FILE" in text
+    assert "\n" not in text
