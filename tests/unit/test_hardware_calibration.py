@@ -142,3 +142,43 @@ def test_launcher_names_the_calibration_only_when_it_loads(monkeypatch, tmp_path
     local.write_text("{}")  # broken: the ranks warn and run native; the launcher claims nothing
     assert calibration_note(ParallelConfig(), "cpu", 4) is None
     assert calibration_note(ParallelConfig(algorithm="ring"), "cpu", 4) is None
+
+
+def _hardware(tmp_path, **probe_fields):
+    from shardwise.planner.hardware import Hardware
+
+    doc = _doc()
+    doc["probe"].update(probe_fields)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(doc))
+    return Hardware.load(path)
+
+
+def test_sync_skew_is_the_in_context_cost_less_the_fitted_collective(tmp_path):
+    # the world's (4 ranks) native all-reduce is fitted at 400 us + 2e-3 us/B: 924.288 us for 256 KiB
+    nbytes = 256 << 10
+    fitted = (400.0 + 2e-3 * nbytes) * 1e-6
+    sync = {"bytes": float(nbytes), "compute_s": 5.3e-3, "both_s": 7.6e-3, "alone_s": 1.7e-3}
+    hw = _hardware(tmp_path, sync=sync, sync_skew_s=0.6e-3)
+    assert hw.sync_skew_s == pytest.approx(7.6e-3 - 5.3e-3 - fitted)
+    # so that fit + skew, what a step is charged for that message, is the measured cost in context
+    charged = hw.collectives[4].predict_us("all_reduce", "native", nbytes) * 1e-6 + hw.sync_skew_s
+    assert charged == pytest.approx(sync["both_s"] - sync["compute_s"])
+    # a collective cheaper in context than its fit: no negative skew
+    assert _hardware(tmp_path, sync={**sync, "both_s": 5.5e-3}).sync_skew_s == 0.0
+    # older files (no probe.sync) keep their own estimate
+    assert _hardware(tmp_path, sync_skew_s=0.6e-3).sync_skew_s == pytest.approx(0.6e-3)
+    assert _hardware(tmp_path).sync_skew_s == 0.0
+
+
+@pytest.mark.parametrize("probe, message", [
+    ({"sync": {"bytes": 1024.0, "compute_s": 1e-3}}, "probe.sync must have positive ['bytes', 'compute_s', 'both_s']"),
+    ({"sync": {"bytes": 1024.0, "compute_s": -1.0, "both_s": 1e-3}}, "probe.sync must have positive"),
+    ({"sync": [1, 2]}, "probe.sync must have positive"),
+    ({"sync_skew_s": -1e-3}, "probe.sync_skew_s must be a number >= 0, got -0.001"),
+])
+def test_bad_sync_fields_are_one_line_errors(tmp_path, probe, message):
+    with pytest.raises(ValueError) as info:
+        _hardware(tmp_path, **probe)
+    text = str(info.value)
+    assert message in text and "\n" not in text and "shardwise calibrate --out FILE" in text
