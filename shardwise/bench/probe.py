@@ -143,29 +143,17 @@ def run_probe(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:
     one, res = torch.ones(1, device=device), torch.empty(1, device=device)
     overhead = timed(lambda: torch.add(one, one, out=res), mesh, settings)
     return {"gemm": gemm, "memory_bandwidth_Bps": bandwidth, "op_overhead_s": overhead,
-            "block": _block(mesh, settings), **_sync_fields(_sync_skew(mesh, settings))}
+            "block": _block(mesh, settings), "sync_skew_s": _sync_skew(mesh, settings)}
 
 
-def _sync_fields(sync: dict[str, float]) -> dict[str, Any]:
-    # ``sync_skew_s``: the older estimate (the all-reduce's tight-loop time subtracted), kept for readers of
-    # older files; ``sync``: the raw parts the planner now derives the skew from
-    return {"sync_skew_s": max(sync["both_s"] - sync["compute_s"] - sync["alone_s"], 0.0), "sync": sync}
-
-
-def _sync_skew(mesh: Any, settings: ProbeSettings) -> dict[str, float]:
-    """What one all-reduce *between two pieces of compute* costs, measured in context: ranks arrive at
-    different times (on a host with fewer cores than ranks, a peer may not even be scheduled; a sleeping
-    receiver has to be woken), and the early one waits. Training pays it at every blocking collective inside
-    the step (tensor-parallel all-reduces, pipeline receives). The compute between two collectives is a few
-    milliseconds and the message a layer's activation (64 Ki float32 = 256 KiB), as in a tensor-parallel block;
-    waits are heavy-tailed, so blocks are longer and more than elsewhere.
-
-    Returns the raw parts, seconds per call, median over ranks: ``compute_s`` (the work alone), ``both_s``
-    (work, then the all-reduce), ``alone_s`` (the all-reduce in a tight loop) and ``bytes``. The planner takes
-    the skew as ``both - compute - fit(bytes)`` against the calibration's fitted all-reduce
-    (``planner/calibrated.py``), so that fit + skew, what it charges a collective in a step, equals the
-    collective's measured cost in context; ``alone_s`` alone swings by 3x between runs on a loaded host
-    (0.6-1.7 ms for this message on 2 ranks of a 2-core VM) while ``both - compute`` holds within 10 %."""
+def _sync_skew(mesh: Any, settings: ProbeSettings) -> float:
+    """What one all-reduce *between two pieces of compute* costs beyond the same all-reduce in a tight loop:
+    ranks arrive at different times (on a host with fewer cores than ranks, a peer may not even be scheduled;
+    a sleeping receiver has to be woken), and the early one waits. Training pays it at every blocking
+    collective inside the step (tensor-parallel all-reduces, pipeline receives). The compute between two
+    collectives is a few milliseconds and the message a layer's activation (64 Ki elements), as in a
+    tensor-parallel block; waits are heavy-tailed, so blocks are longer and more than elsewhere. Seconds per
+    collective, median over ranks."""
     group, device = mesh.group("world"), mesh.device
     a = torch.randn(256, 256, device=device)
     msg = torch.ones(64 * 1024, device=device)
@@ -181,9 +169,7 @@ def _sync_skew(mesh: Any, settings: ProbeSettings) -> dict[str, float]:
     longer = replace(settings, block_s=max(settings.block_s, 0.25), blocks=max(settings.blocks, 5))
     alone = timed(lambda: dist.all_reduce(msg, group=group), mesh, longer)
     compute = timed(work, mesh, longer)
-    together = timed(both, mesh, longer)
-    return {"bytes": float(msg.numel() * msg.element_size()), "compute_s": compute, "both_s": together,
-            "alone_s": alone}
+    return max(timed(both, mesh, longer) - compute - alone, 0.0)
 
 
 def _block(mesh: Any, settings: ProbeSettings) -> dict[str, Any]:

@@ -89,33 +89,6 @@ def _intra_link(collectives: Mapping[int, Calibration]) -> Link:
     return Link(alpha_s=model.alpha_us * 1e-6 / (2 * (size - 1)), bus_bandwidth_Bps=bus)
 
 
-def _sync_skew(probe: Mapping[str, Any], collectives: Mapping[int, Calibration], where: str) -> float:
-    """Seconds a blocking collective costs in a step beyond the fitted collective itself.
-
-    Files with ``probe.sync`` (the raw in-context parts, ``bench/probe.py``): the all-reduce's measured cost
-    between two pieces of compute (``both_s - compute_s``) less what the world's fitted native all-reduce
-    charges for the same message, so that fit + skew is the measured cost in context. Older files: their
-    ``sync_skew_s``, which subtracted the all-reduce's own tight-loop time instead (a number that swings 3x
-    between runs on a loaded host and with it the skew: 0.03 vs 0.9 ms in two files of one 2-core VM)."""
-    sync = probe.get("sync")
-    if sync is None or not collectives:
-        skew = probe.get("sync_skew_s", 0.0)
-        if not isinstance(skew, (int, float)) or isinstance(skew, bool) or skew < 0:
-            raise ValueError(f"{where}: probe.sync_skew_s must be a number >= 0, got {skew!r}; regenerate it "
-                             f"with `shardwise calibrate --out FILE`")
-        return float(skew)
-    keys = ("bytes", "compute_s", "both_s")
-    if not isinstance(sync, dict) or any(not isinstance(sync.get(k), (int, float)) or isinstance(sync.get(k), bool)
-                                         or sync[k] <= 0 for k in keys):
-        raise ValueError(f"{where}: probe.sync must have positive {list(keys)}, got {sync!r}; regenerate it with "
-                         f"`shardwise calibrate --out FILE`")
-    world = collectives[max(collectives)]
-    if "native" not in world.models.get("all_reduce", {}):  # a hand-cut file: the tight loop stands in
-        return max(float(sync["both_s"]) - float(sync["compute_s"]) - float(sync.get("alone_s", 0.0)), 0.0)
-    fitted = world.predict_us("all_reduce", "native", float(sync["bytes"])) * 1e-6
-    return max(float(sync["both_s"]) - float(sync["compute_s"]) - fitted, 0.0)
-
-
 def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
     """``Hardware`` keyword arguments from a parsed calibration file; ``ValueError`` naming the first bad field."""
     if not isinstance(data, dict):
@@ -155,7 +128,7 @@ def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
         gemm_points=_points(gemm["float32"], peaks["fp32"]),
         gemm_points_bf16=_points(gemm["bfloat16"], peaks["bf16"]) if "bfloat16" in gemm else (),
         block_probe=_block(probe, where),
-        sync_skew_s=_sync_skew(probe, collectives, where),
+        sync_skew_s=float(probe.get("sync_skew_s", 0.0)),
         host_cores=int(data.get("machine", {}).get("cpus") or 0) if data.get("device") == "cpu" else 0,
         kind="cpu" if data.get("device") == "cpu" else "gpu",
         calibrated_ranks=int(data["devices_per_node"]),

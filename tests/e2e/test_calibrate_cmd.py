@@ -34,9 +34,6 @@ def test_calibrate_quick_two_ranks(tmp_path):
     # ... and the tiny block whose time is launch overhead (far cheaper than a probe block)
     assert 0 < block["tiny_s"] < block["fwd_s"] + block["bwd_s"]
     assert probe["sync_skew_s"] >= 0
-    # the in-context parts the planner derives the skew from: work + all-reduce costs more than the work
-    sync = probe["sync"]
-    assert sync["bytes"] == 4 * 64 * 1024 and sync["both_s"] > sync["compute_s"] > 0 and sync["alone_s"] > 0
     assert set(doc["machine"]) == {"host", "cpus", "torch", "gpu"} and doc["machine"]["gpu"] is None
     (cal,) = hardware_collectives(doc)  # two ranks: one group size
     assert cal.world_size == 2 and set(cal.models) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
