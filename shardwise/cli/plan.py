@@ -46,7 +46,7 @@ def run_search(args: argparse.Namespace) -> tuple[Any, Any, Any, list[dict[str, 
     import torch
 
     from ..runtime.config import load_config
-    from ..runtime.planning import parse_pin, pins_from_flags, plan_config
+    from ..runtime.planning import parse_pins, pins_from_flags, plan_config
     from ..runtime.prediction import resolve_hardware
     from .train import config_overrides
 
@@ -58,7 +58,7 @@ def run_search(args: argparse.Namespace) -> tuple[Any, Any, Any, list[dict[str, 
     devices = cfg.parallel.nproc
     if devices < 1:
         raise ValueError(f"parallel.nproc = {devices}: give the number of devices to plan for, e.g. --parallel.nproc 8")
-    pairs = dict(parse_pin(p) for p in args.pin)
+    pairs = parse_pins(args.pin)
     precision = pairs.pop("precision", None)
     if precision is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))

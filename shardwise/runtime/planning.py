@@ -10,14 +10,14 @@ searches for a config and returns the ranked plans with the config each one runs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..planner import Hardware, Plan
 from ..planner.search import SearchResult, search
 from .config import REPLICABLE, Config, replicable, validate
 from .model_build import model_spec, planner_split_names, train_split_names
 
-__all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "plan_config", "apply_plan", "PIN_FIELDS"]
+__all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
 
 PIN_FIELDS = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
               "pp_microbatches", "pp_split", "activation_checkpointing", "replicate")
@@ -70,11 +70,31 @@ def parse_pin(text: str) -> tuple[str, Any]:
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"--pin {text!r}: activation_checkpointing is true or false")
         value = value.lower() in ("true", "1")
-    elif name != "pp_schedule":
+    elif name == "pp_schedule":
+        from ..planner.plan import SCHEDULES
+
+        if value not in SCHEDULES:
+            raise ValueError(f"--pin {text!r}: unknown schedule {value!r}; choose one of {list(SCHEDULES)}")
+    else:
         if not value.isdigit():
             raise ValueError(f"--pin {text!r}: {name} must be a whole number, e.g. --pin parallel.{name}=2")
         value = int(value)
     return name, value
+
+
+def parse_pins(texts: Sequence[str]) -> dict[str, Any]:
+    """Every ``--pin`` of a command line through :func:`parse_pin`; one field pinned twice to different values
+    is a contradiction (``ValueError`` naming both), the same value twice is harmless."""
+    pins: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for text in texts:
+        name, value = parse_pin(text)
+        if name in pins and pins[name] != value:
+            raise ValueError(f"--pin {given[name]!r} and --pin {text!r} contradict each other: "
+                             f"{name} is pinned twice; keep one of them")
+        pins[name] = value
+        given[name] = text
+    return pins
 
 
 def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 
 from shardwise.planner import Plan
 from shardwise.runtime.config import load_config, validate
-from shardwise.runtime.planning import config_from_plan, parse_pin, pins_from_flags
+from shardwise.runtime.planning import config_from_plan, parse_pin, parse_pins, pins_from_flags
 from shardwise.runtime.prediction import plan_from_config
 
 from .test_predict_cli import run  # cli.main in this process: (exit code, stdout, stderr)
@@ -63,6 +63,17 @@ def test_pins_parse_and_translate():
             parse_pin(bad)
     with pytest.raises(ValueError, match="needs parallel.pp"):
         pins_from_flags({"micro_batch": 8})
+
+
+def test_contradicting_pins_are_one_line_errors(capsys):
+    assert parse_pins(["parallel.tp=2", "parallel.pp=2", "parallel.tp=2"]) == {"tp": 2, "pp": 2}
+    with pytest.raises(ValueError, match=r"'parallel.tp=2'.*'parallel.tp=4'.*contradict"):
+        parse_pins(["parallel.tp=2", "parallel.tp=4"])
+    with pytest.raises(ValueError, match=r"unknown schedule 'foo'.*zb-h1"):
+        parse_pin("parallel.pp_schedule=foo")
+    rc, out, err = run(["plan", "--parallel.nproc", "4", "--hardware", "a100-80g-sxm",
+                        "--pin", "parallel.tp=2", "--pin", "parallel.tp=4"], capsys)
+    assert rc == 2 and out == "" and "contradict" in err and len(err.strip().splitlines()) == 1
 
 
 def test_plan_json_lists_ranked_plans_with_train_fields(capsys):
