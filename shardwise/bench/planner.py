@@ -8,6 +8,7 @@ pure, seconds.
 subprocess each, the layouts one after another on an otherwise idle machine), reads each run's per-rank
 summaries (median step time; model states + the saved-tensor high-water mark per rank), predicts the same
 layout with the calibration ``FILE`` and prints both, the errors, and the Kendall τ of the two rankings.
+``--rescore JSON --hardware FILES``: a stored ``--measured`` campaign re-predicted with this code (nothing runs).
 ``--markdown FILE`` writes the tables for ``benchmarks/RESULTS.md``.
 """
 
@@ -27,29 +28,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..planner.published import NarayananTable2Row
 
-__all__ = ["add_arguments", "main", "LAYOUTS", "kendall_tau"]
+from .planner_measured import (LAYOUTS, MODEL, kendall_tau, layout_config, measured_table, measurement_agreement,
+                               predict_layout, rescore)
 
-MODEL = ["--preset", "gpt-small", "--model.n_layer", "6", "--data.global_batch", "16", "--parallel.micro_batch", "4"]
-"""The measured model: gpt-small widened to 6 blocks (so 4 pipeline ranks × 2 chunks have units to cut)."""
-
-LAYOUTS: list[tuple[str, list[str]]] = [
-    ("dp2", ["--parallel.nproc", "2"]),
-    ("tp2", ["--parallel.nproc", "2", "--parallel.tp", "2"]),
-    ("pp2 1f1b", ["--parallel.nproc", "2", "--parallel.pp", "2"]),
-    ("dp2 zero1", ["--parallel.nproc", "2", "--parallel.zero_stage", "1"]),
-    ("dp2 zero3", ["--parallel.nproc", "2", "--parallel.zero_stage", "3"]),
-    ("dp2 ckpt", ["--parallel.nproc", "2", "--parallel.activation_checkpointing", "true"]),
-    ("dp4", ["--parallel.nproc", "4"]),
-    ("dp4 zero2", ["--parallel.nproc", "4", "--parallel.zero_stage", "2"]),
-    ("dp2 tp2", ["--parallel.nproc", "4", "--parallel.tp", "2"]),
-    ("tp4", ["--parallel.nproc", "4", "--parallel.tp", "4"]),
-    ("pp2 dp2 1f1b", ["--parallel.nproc", "4", "--parallel.pp", "2"]),
-    ("pp4 gpipe", ["--parallel.nproc", "4", "--parallel.pp", "4", "--parallel.pp_schedule", "gpipe"]),
-    ("pp4 1f1b", ["--parallel.nproc", "4", "--parallel.pp", "4"]),
-    ("pp4 zb-h1", ["--parallel.nproc", "4", "--parallel.pp", "4", "--parallel.pp_schedule", "zb-h1"]),
-    ("pp2 interleaved", ["--parallel.nproc", "4", "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved",
-                         "--parallel.pp_chunks", "2"]),
-]
+__all__ = ["add_arguments", "main", "LAYOUTS", "MODEL", "kendall_tau", "measurement_agreement", "layout_config"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--single-device: shardwise train model/data flags replacing the GPT-2 small shape")
     parser.add_argument("--search-published", action="store_true",
                         help="the layout search on Megatron-LM Table 1 vs the paper's layouts, and search times (pure)")
+    parser.add_argument("--rescore", default=None, metavar="JSON",
+                        help="re-predict a stored --measured campaign (its --json FILE) with this code and --hardware "
+                             "(the campaign's calibrations); nothing is trained")
     parser.add_argument("--hardware", default=None, help="calibration FILE(s) for --measured (shardwise calibrate), "
                         "comma-separated: each layout uses the one measured at its nproc")
     parser.add_argument("--steps", type=int, default=12, help="training steps per measured layout (default 12)")
@@ -71,19 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .planner_search import add_search_arguments
 
     add_search_arguments(parser)  # --search-measured and its --repeats, --models
-
-
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's τ-a of two equally long sequences (1: same order, -1: reversed). Pure."""
-    n = len(a)
-    pairs = concordant = discordant = 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            pairs += 1
-            s = (a[i] - a[j]) * (b[i] - b[j])
-            concordant += s > 0
-            discordant += s < 0
-    return (concordant - discordant) / pairs if pairs else 1.0
 
 
 def _published() -> tuple[list[str], dict[str, Any]]:
@@ -238,9 +210,8 @@ def _run_layout(name: str, flags: list[str], steps: int, root: Path, calibration
 
 
 def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    from ..planner import Hardware, predict
+    from ..planner import Hardware
     from ..runtime.config import config_from_dict
-    from ..runtime.prediction import gpt_spec, plan_from_config
 
     # one calibration per rank count when given (``--hardware a.json,b.json``): each layout is predicted with the
     # file measured at its own nproc, as ``shardwise train`` picks the local calibration of its nproc
@@ -266,45 +237,21 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
         got = runs[name][0]
         step = statistics.median(g["step_s"] for g in runs[name])
         cfg = config_from_dict(got["config"])
-        hw = by_ranks.get(cfg.parallel.nproc, files[0])
-        pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw, global_batch=cfg.data.global_batch)
-        # like with like: the measured side counts model states and saved tensors, no buffers (the campaign
-        # is fp32; under bf16 autocast's weight casts would be saved tensors there and buffers here)
-        pmem = pred.memory.total - pred.memory.buffers
-        rows.append({"layout": name, "measured_s": step, "predicted_s": pred.step_time_s,
+        seconds, pmem, dominant = predict_layout(cfg, by_ranks.get(cfg.parallel.nproc, files[0]))
+        rows.append({"layout": name, "measured_s": step, "predicted_s": seconds,
                      "rounds_s": [g["step_s"] for g in runs[name]],
-                     "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": pred.dominant})
-        print(f"{name:18s} measured {step * 1e3:8.1f} ms  predicted {pred.step_time_s * 1e3:8.1f} ms  "
+                     "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": dominant})
+        print(f"{name:18s} measured {step * 1e3:8.1f} ms  predicted {seconds * 1e3:8.1f} ms  "
               f"mem {got['memory'] / 1e6:7.1f} / {pmem / 1e6:7.1f} MB", flush=True)
-    return _measured_table(rows), {"measured": rows}
-
-
-def _measured_table(rows: list[dict[str, Any]]) -> list[str]:
-    t_err = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
-    m_err = [r["predicted_mem"] / r["measured_mem"] - 1 for r in rows if r["measured_mem"]]
-    tau = kendall_tau([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
-    lines = ["| layout | measured step (ms) | predicted (ms) | error | measured memory (MB) | predicted (MB) | error | dominant |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r, e in zip(rows, t_err):
-        me = r["predicted_mem"] / r["measured_mem"] - 1 if r["measured_mem"] else float("nan")
-        lines.append(f"| {r['layout']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {e:+.1%} | "
-                     f"{r['measured_mem'] / 1e6:.1f} | {r['predicted_mem'] / 1e6:.1f} | {me:+.1%} | {r['dominant']} |")
-    abs_t = [abs(e) for e in t_err]
-    abs_m = [abs(e) for e in m_err] or [float("nan")]
-    spread = [max(r["rounds_s"]) / min(r["rounds_s"]) - 1 for r in rows if len(r.get("rounds_s", [])) > 1]
-    noise = (f"; rounds per layout {len(rows[0]['rounds_s'])}, median spread between a layout's fastest and "
-             f"slowest round {statistics.median(spread):.1%}") if spread else ""
-    lines.insert(0, f"Step time: median |error| {statistics.median(abs_t):.1%}, worst {max(abs_t):.1%}; memory: median "
-                    f"|error| {statistics.median(abs_m):.1%}, worst {max(abs_m):.1%}; Kendall τ of the step-time "
-                    f"ranking {tau:.2f} ({len(rows)} layouts){noise}.\n")
-    return lines
+    return measured_table(rows), {"measured": rows}
 
 
 def main(args: argparse.Namespace) -> int:
     search_published = getattr(args, "search_published", False)
     single = getattr(args, "single_device", False)
-    if not (args.published or args.measured or search_published or getattr(args, "search_measured", False) or single):
-        raise ValueError("choose --published, --measured, --search-published, --search-measured and/or "
+    if not (args.published or args.measured or search_published or getattr(args, "search_measured", False) or single
+            or getattr(args, "rescore", None)):
+        raise ValueError("choose --published, --measured, --rescore, --search-published, --search-measured and/or "
                          "--single-device (with --hardware FILE from `shardwise calibrate`)")
     if args.measured and not args.hardware:
         raise ValueError("--measured needs --hardware FILE: run `shardwise calibrate --nproc 4 --out FILE` first")
@@ -313,6 +260,12 @@ def main(args: argparse.Namespace) -> int:
     if args.published:
         more, d = _published()
         lines += more
+        data.update(d)
+    if getattr(args, "rescore", None):
+        if not args.hardware:
+            raise ValueError("--rescore needs --hardware: the campaign's calibration files, comma-separated")
+        more, d = rescore(args)
+        lines += [""] + more
         data.update(d)
     if args.measured:
         more, d = _measured(args)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from .planner_measured import kendall_tau
+
 __all__ = ["TOLERANCE", "TOP", "verdict", "tau", "model_lines", "summary_lines"]
 
 TOLERANCE = 0.05
@@ -21,10 +23,8 @@ TOP = 3
 
 
 def tau(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall's τ-a of two orders (1: the same). ``planner.kendall_tau`` again: importing it would be a cycle."""
-    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
-    signs = [(a[i] - a[j]) * (b[i] - b[j]) for i, j in pairs]
-    return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(pairs) if pairs else 1.0
+    """Kendall's τ-a of two orders (1: the same): ``planner_measured.kendall_tau``."""
+    return kendall_tau(list(a), list(b))
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

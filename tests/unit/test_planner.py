@@ -221,8 +221,8 @@ def test_shared_host_rescales_per_rank_speed():
     assert A100.for_devices(2) is A100  # devices of their own do not share
 
 
-def test_kendall_tau_and_the_measured_table():
-    from shardwise.bench.planner import _measured_table, kendall_tau
+def test_kendall_tau_and_themeasured_table():
+    from shardwise.bench.planner import measured_table, kendall_tau
 
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
@@ -231,11 +231,11 @@ def test_kendall_tau_and_the_measured_table():
              "dominant": "compute"},
             {"layout": "b", "measured_s": 2.0, "predicted_s": 1.5, "measured_mem": 100.0, "predicted_mem": 100.0,
              "dominant": "tp_comm"}]
-    head = _measured_table(rows)[0]
+    head = measured_table(rows)[0]
     assert "median |error| 17.5%" in head and "worst 25.0%" in head and "τ of the step-time ranking 1.00" in head
     assert "rounds per layout" not in head  # one round: no spread to report
     rows[0]["rounds_s"], rows[1]["rounds_s"] = [1.0, 1.2, 0.9], [2.0, 2.1, 1.9]
-    head = _measured_table(rows)[0]
+    head = measured_table(rows)[0]
     # spreads (max/min - 1): 1.2/0.9 -> 33.3 %, 2.1/1.9 -> 10.5 %; their median 21.9 %
     assert "rounds per layout 3, median spread between a layout's fastest and slowest round 21.9%" in head
 
@@ -479,3 +479,56 @@ def test_a_calibration_with_zero_memory_is_one_error_naming_the_values_and_the_f
     text = str(info.value)
     assert "needs memory_bytes > 0" in text and "got 0.0," in text and "shardwise calibrate --out FILE" in text
     assert "\n" not in text
+
+
+def test_measurement_agreement_counts_the_pairs_every_round_orders_alike():
+    from shardwise.bench.planner import kendall_tau, measurement_agreement
+
+    rows = [{"layout": "a", "rounds_s": [1.0, 1.1, 1.2], "measured_s": 1.1, "predicted_s": 1.5},
+            {"layout": "b", "rounds_s": [2.0, 1.05, 2.2], "measured_s": 2.0, "predicted_s": 1.0},
+            {"layout": "c", "rounds_s": [3.0, 3.1, 3.2], "measured_s": 3.1, "predicted_s": 3.0}]
+    got = measurement_agreement(rows)
+    # (a, b): round 2 orders them the other way, unresolved; (a, c) and (b, c): every round agrees, and the
+    # model orders both right, so τ over the resolved pairs is 1 while over all three pairs it is 1/3
+    assert (got["pairs"], got["resolved"], got["resolved_tau"]) == (3, 2, 1.0)
+    assert kendall_tau([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]) == pytest.approx(1 / 3)
+    # one round against the median of the other two: 1, 1/3 (round 2 swaps a and b), 1 -> median 1
+    assert got["self_tau"] == 1.0
+    rows[1]["rounds_s"] = [2.0, 1.05, 1.08]  # now b's median (1.08) sits below a's: rounds 2 and 3 say so
+    rows[1]["measured_s"] = 1.08
+    assert measurement_agreement(rows)["resolved"] == 2
+    for r in rows:
+        r["rounds_s"] = r["rounds_s"][:2]
+    assert measurement_agreement(rows) is None  # two rounds: nothing to hold one against
+
+
+def test_rescore_repredicts_a_stored_campaign_and_names_bad_files(tmp_path):
+    import argparse
+
+    from shardwise.bench import planner_measured as bench
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    hw = f"{root / 'hardware_cpu_2ranks.json'},{root / 'hardware_cpu_4ranks.json'}"
+    stored = {"measured": [{"layout": "dp2", "measured_s": 0.9, "rounds_s": [0.9, 0.8, 1.0], "measured_mem": 1.8e8,
+                            "predicted_s": 123.0, "predicted_mem": 1.0, "dominant": "old"},
+                           {"layout": "pp4 1f1b", "measured_s": 1.2, "rounds_s": [1.2, 1.3, 1.1],
+                            "measured_mem": 5e7, "predicted_s": 123.0, "predicted_mem": 1.0, "dominant": "old"}]}
+    f = tmp_path / "campaign.json"
+    f.write_text(json.dumps(stored))
+    lines, data = bench.rescore(argparse.Namespace(rescore=str(f), hardware=hw))
+    for row, n in zip(data["measured"], (2, 4)):
+        cfg = bench.layout_config(row["layout"])
+        assert cfg.parallel.nproc == n
+        seconds, mem, dominant = bench.predict_layout(cfg, Hardware.load(root / f"hardware_cpu_{n}ranks.json"))
+        got = (row["predicted_s"], row["predicted_mem"], row["dominant"])
+        assert got == (seconds, mem, dominant) != (123.0, 1.0, "old")
+        assert row["rounds_s"] and row["measured_s"] in (0.9, 1.2)  # the measurement is kept as stored
+    assert "Kendall τ" in lines[0]
+    for content, match in (({"rows": []}, "no 'measured' list"),
+                           ({"measured": [{"layout": "dp9"}]}, r"\['dp9'\] are not this version's")):
+        f.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=match):
+            bench.rescore(argparse.Namespace(rescore=str(f), hardware=hw))
+    f.write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="runs 4 ranks but --hardware has calibrations for \\[2\\] ranks"):
+        bench.rescore(argparse.Namespace(rescore=str(f), hardware=str(root / "hardware_cpu_2ranks.json")))
