@@ -95,17 +95,28 @@ def flat_grads(groups: Sequence[FlatGroup], buffers: Sequence[Tensor | None], mo
 
 def local_flag(loss: Tensor, grads: Iterable[Grad]) -> Tensor:
     """``[1.0]`` if ``loss`` or any element of ``grads`` is not finite, else ``[0.0]`` (float32, on the loss's
-    device). Fused: one ``_foreach_norm`` (inf-norm) and one ``isfinite``; no host sync. Local."""
+    device). A few values per gradient whose finiteness is the gradient's (``_extremes``), then one
+    ``isfinite`` over them all; no host sync. Local."""
     tensors = [g.tensor for g in grads if g.tensor.numel()]
     values = [loss.detach().reshape(()).float()]
     if tensors:
-        norms = torch._foreach_norm(tensors, math.inf)
-        if all(n.dtype == torch.float32 and n.device == loss.device for n in norms):
-            values += norms  # 0-d fp32 already: no three tensor ops per parameter (small models feel them)
+        found = _extremes(tensors)
+        if all(n.dtype == torch.float32 and n.device == loss.device for n in found):
+            values += found  # 0-d fp32 already: no three tensor ops per parameter (small models feel them)
         else:
-            values += [n.reshape(()).float().to(loss.device) for n in norms]
+            values += [n.reshape(()).float().to(loss.device) for n in found]
     bad = ~torch.isfinite(torch.stack(values)).all()
     return bad.float().reshape(1)
+
+
+def _extremes(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """0-d values that are all finite iff every element of ``tensors`` is. On CUDA one inf-norm per tensor,
+    all in one multi-tensor launch. On CPU each tensor's minimum and maximum (``torch.aminmax``: NaN propagates
+    into both, ``-inf`` shows in the minimum, ``+inf`` in the maximum): the CPU inf-norm is an unvectorised
+    reduction, 3.5 ms against 0.27 ms for aminmax on 2.5 M fp32 elements here, paid every step."""
+    if tensors[0].device.type != "cpu":
+        return list(torch._foreach_norm(tensors, math.inf))
+    return [v for t in tensors for v in torch.aminmax(t.reshape(-1))]
 
 
 def agree(flag: Tensor, mesh: Mesh) -> bool:

@@ -23,3 +23,19 @@ def test_any_nonfinite_gradient_or_loss_sets_the_flag(dtype, bad):
     grads[1].tensor[2, 1] = 0.0
     assert float(local_flag(torch.tensor(bad), grads)) == 1.0  # the loss alone
     assert float(local_flag(torch.tensor(1.0), [])) == 0.0
+
+
+def test_huge_finite_gradients_are_finite_and_every_position_is_seen():
+    # a norm of these would overflow float32 (3e38² ...); their extremes do not
+    huge = [Grad(torch.full((1000,), 3e38), ("big",)), Grad(torch.full((5,), -3e38), ("neg",))]
+    assert float(local_flag(torch.tensor(1.0), huge)) == 0.0
+    g = torch.randn(4, 257)
+    for pos in (0, 511, g.numel() - 1):  # first, middle, last element of a non-contiguous view
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            view = g.t()  # non-contiguous: the check reads a copy of it, which must be taken now
+            flat = g.view(-1)
+            old = float(flat[pos])
+            flat[pos] = bad
+            assert float(local_flag(torch.tensor(0.0), [Grad(view, ("t",))])) == 1.0, (pos, bad)
+            flat[pos] = old
+    assert float(local_flag(torch.tensor(0.0), [Grad(g.t(), ("t",))])) == 0.0
