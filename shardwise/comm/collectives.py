@@ -131,9 +131,13 @@ def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: Sequence[int] | None = None,
                algorithm: str = "native", async_op: bool = False,
-               piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
+               piece_bytes: int = DEFAULT_PIECE_BYTES, out: torch.Tensor | None = None) -> torch.Tensor | Handle:
     """Concatenate every rank's ``t`` along ``dim`` (a new tensor). ``sizes[j]`` is rank ``j``'s size along
-    ``dim`` when they differ (default: all equal to this rank's). Conjugate of ``reduce_scatter``. Collective."""
+    ``dim`` when they differ (default: all equal to this rank's). Conjugate of ``reduce_scatter``. Collective.
+
+    ``out``: a contiguous tensor of the result's shape, dtype and device to gather into instead of a new one
+    (``dim`` 0 only); ``t`` may be this rank's own slice of it (ZeRO's shard of its flat buffer), which is then
+    not copied at all. Saves an allocation and, for the caller who wanted the result in place, a copy."""
     check_algorithm(algorithm, ALGORITHM_CHOICES, "all_gather")
     n, i = mesh.size(axis), mesh.coord(axis)
     x = _rows_first(t, dim)
@@ -148,10 +152,16 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: S
     if mesh.debug:
         check_agreement(mesh, axis, "all_gather", x, algorithm=algorithm, sizes=rows)
     inner = math.prod(x.shape[1:])
-    out = torch.empty((sum(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    shape = (sum(rows), *x.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_gather_out(out, shape, x, dim, t.dim())
     flat = out.reshape(-1)
     offsets = [r * inner for r in _cumsum(rows)]
-    flat[offsets[i]:offsets[i + 1]].copy_(x.reshape(-1))
+    own = flat[offsets[i]:offsets[i + 1]]
+    if not _same_memory(own, x):
+        own.copy_(x.reshape(-1))
 
     def finish() -> torch.Tensor:
         return out.movedim(0, dim) if t.dim() > 0 and dim not in (0, -t.dim()) else out
@@ -171,9 +181,30 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, sizes: S
     return _run(mesh, axis, job, async_op)
 
 
+def _check_gather_out(out: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor, dim: int, ndim: int) -> None:
+    if dim not in (0, -ndim) and ndim > 0:
+        raise ValueError(f"all_gather out= gathers along dim 0 only, got dim={dim}; gather without out= (a new "
+                         "tensor) or move the dimension first")
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"all_gather out= must be a contiguous {x.dtype} tensor of shape {list(shape)} on "
+                         f"{x.device}, got {'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
+                         f"{list(out.shape)} on {out.device}; allocate it with torch.empty({list(shape)})")
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` is exactly the elements of the contiguous 1-D ``a`` (same start, count, dtype, layout)."""
+    return (b.is_contiguous() and a.numel() == b.numel() and a.dtype == b.dtype and a.device == b.device
+            and a.data_ptr() == b.data_ptr())
+
+
 def _native_all_gather(flat: torch.Tensor, x: torch.Tensor, rows: list[int], inner: int,
                        group: dist.ProcessGroup, async_op: bool,
                        finish: Callable[[], torch.Tensor]) -> torch.Tensor | Handle:
+    if x.device.type == "cpu" and flat.numel() and x.numel() and flat.data_ptr() <= x.data_ptr() < (
+            flat.data_ptr() + flat.numel() * flat.element_size()):
+        # gathering in place (out= with this rank's slice as the input): NCCL documents that case, gloo does
+        # not promise it copes with its input inside its output, so it gets its own copy of the input
+        x = x.clone()
     if len(set(rows)) == 1:
         work = dist.all_gather_into_tensor(flat, x.reshape(-1), group=group, async_op=async_op)
         return Handle(work=work, finish=finish) if async_op else finish()

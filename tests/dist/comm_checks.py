@@ -113,6 +113,28 @@ def check_all_gather(algorithm: str) -> list[str]:
                      for j in range(n)]
             if not torch.equal(out, torch.cat(parts, dim=dim)):
                 failures.append(f"all_gather {algorithm} total={total} dim={dim}")
+        # out=: into the caller's buffer, the input a separate tensor or this rank's own rows of the buffer
+        # (ZeRO's flat shard: then nothing of this rank's is copied), blocking and async
+        want = torch.cat([rank_input(seed, j, (sizes[j], 3), torch.float32) for j in range(n)])
+        lo = sum(sizes[:r])
+        for own_slice, async_op in ((False, False), (True, False), (True, True)):
+            buf = torch.full((total, 3), -1.0)
+            x = rank_input(seed, r, (sizes[r], 3), torch.float32)
+            if own_slice:
+                buf[lo:lo + sizes[r]] = x
+                x = buf[lo:lo + sizes[r]]
+            got = sw.comm.all_gather(x, m, "dp", sizes=sizes, algorithm=algorithm, out=buf, async_op=async_op)
+            got = got.wait() if async_op else got
+            if got.data_ptr() != buf.data_ptr() or not torch.equal(buf, want):
+                failures.append(f"all_gather out= {algorithm} total={total} own_slice={own_slice} async={async_op}")
+    for bad, words in ((torch.empty(n * 2, 4), "shape"), (torch.empty(n * 2, 3, dtype=torch.float64), "float32"),
+                       (torch.empty(3, n * 2).t(), "non-contiguous")):
+        try:
+            sw.comm.all_gather(torch.zeros(2, 3), m, "dp", algorithm=algorithm, out=bad)
+            failures.append(f"all_gather out= {algorithm}: {words} accepted")
+        except ValueError as exc:
+            if words not in str(exc):
+                failures.append(f"all_gather out= {algorithm}: {exc}")
     return failures
 
 

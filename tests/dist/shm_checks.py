@@ -126,6 +126,14 @@ def check_all_gather() -> list[str]:
                 out = sw.comm.all_gather(x, m, "dp", dim=dim, sizes=sizes, algorithm="shm", **kw)
                 if out.shape != ref.shape or not torch.equal(out, ref):
                     failures.append(f"all_gather {dtype} total={total} dim={dim}")
+                if dim == 0:  # in place: this rank's rows already sit in the caller's buffer (ZeRO's flat shard)
+                    buf = torch.zeros_like(ref)
+                    lo = sum(sizes[:r])
+                    buf[lo:lo + sizes[r]] = x
+                    got = sw.comm.all_gather(buf[lo:lo + sizes[r]], m, "dp", sizes=sizes, algorithm="shm", out=buf,
+                                             **kw)
+                    if got.data_ptr() != buf.data_ptr() or not torch.equal(buf, ref):
+                        failures.append(f"all_gather out= {dtype} total={total}")
     scalar = torch.tensor(float(r + 1))
     out = sw.comm.all_gather(scalar, m, "dp", algorithm="shm")
     if not torch.equal(out, torch.arange(1, n + 1, dtype=torch.float32)):

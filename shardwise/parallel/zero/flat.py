@@ -131,20 +131,25 @@ class FlatGroup:
 
     # -- stage 3: gather / free -------------------------------------------------------------------------
     def start_gather(self) -> comm.Handle:
-        """Start the all-gather of every rank's ``shard`` (collective). Finish with ``finish_gather``."""
+        """Start the all-gather of every rank's ``shard`` (collective). Finish with ``finish_gather``.
+        Stages 1-2 (``full`` always allocated, ``shard`` its own slice) gather straight into ``full``: no
+        new buffer per step and no copy back; stage 3 gathers into a new tensor while ``full`` stays freed."""
+        into = None if self.sharded_params else self.full
         handle = comm.all_gather(self.shard, self.mesh, self.axis, sizes=list(self.layout.shard_sizes),
-                                 algorithm=self.algorithm, async_op=True)
+                                 algorithm=self.algorithm, async_op=True, out=into)
         assert isinstance(handle, comm.Handle)
         return handle
 
     @torch.no_grad()
     def finish_gather(self, handle: comm.Handle) -> None:
-        """Copy the gathered values into ``full``'s own storage (re-allocated) and re-point the params."""
+        """Wait for the gather; unless it wrote ``full`` itself, copy the values into ``full``'s own storage
+        (re-allocated) and re-point the params."""
         gathered = handle.wait()
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.layout.total * self.full.element_size())
-        self.full.copy_(gathered)
+        if gathered.data_ptr() != self.full.data_ptr():
+            storage = self.full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self.layout.total * self.full.element_size())
+            self.full.copy_(gathered)
         self.gathered = True
         self._point_params()
 
