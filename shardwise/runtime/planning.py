@@ -97,12 +97,33 @@ def parse_pins(texts: Sequence[str]) -> dict[str, Any]:
     return pins
 
 
+_INFERRED_BY_ZERO = ("dp", "grad_accum", "pp_microbatches")
+
+
+def _check_pin_values(pairs: Mapping[str, Any]) -> None:
+    """Pinned values the config itself would refuse, named as the user gave them (``parallel.zero_stage``, not
+    the planner's ``Plan.zero_stage``). ``ValueError``. Pure."""
+    from ..planner.plan import SCHEDULES
+
+    if "zero_stage" in pairs and pairs["zero_stage"] not in (0, 1, 2, 3):
+        raise ValueError(f"pin parallel.zero_stage = {pairs['zero_stage']} must be 0, 1, 2 or 3")
+    if "pp_schedule" in pairs and pairs["pp_schedule"] not in SCHEDULES:
+        raise ValueError(f"pin parallel.pp_schedule = {pairs['pp_schedule']!r} is not one of {list(SCHEDULES)}")
+    for key in ("dp", "tp", "pp", "grad_accum", "pp_chunks", "pp_microbatches", "micro_batch"):
+        value = pairs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"pin parallel.{key} = {value!r} must be a whole number >= 1")
+
+
 def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
     """Config-named pins (``tp``, ``pp_schedule``, ``micro_batch`` in train's reading …) → the planner's.
 
     ``micro_batch`` and ``pp_microbatches`` pin the pass (pp > 1 in train's reading) only together with pp; the
     planner pins what it can: a given ``pp_microbatches`` pins ``microbatches``, and ``micro_batch`` with
     ``pp = 1`` (or with ``pp_microbatches``) pins the planner's micro-batch."""
+    # 0 is the config's "infer it" for these: the search infers them anyway, so it pins nothing
+    pairs = {k: v for k, v in pairs.items() if not (k in _INFERRED_BY_ZERO and v == 0)}
+    _check_pin_values(pairs)
     pins: dict[str, Any] = {}
     modules: dict[str, str] = {}
     for key, value in pairs.items():

@@ -177,3 +177,14 @@ def test_module_pins_run_as_parallel_replicate(capsys):
     assert kept.memory.params - split.memory.params == pytest.approx(table * 4 / 2, rel=0.01)
     with pytest.raises(ValueError, match="cannot be kept whole"):
         validate(load_config(preset="gpt-small", overrides={"parallel.replicate": "blocks.0"}), launch=False)
+
+
+def test_pinned_values_the_config_refuses_are_named_as_given():
+    for pairs, match in (({"zero_stage": 5}, r"pin parallel.zero_stage = 5 must be 0, 1, 2 or 3"),
+                         ({"pp_schedule": "foo"}, r"pin parallel.pp_schedule = 'foo' is not one of"),
+                         ({"tp": -2}, r"pin parallel.tp = -2 must be a whole number >= 1"),
+                         ({"pp_chunks": 0}, r"pin parallel.pp_chunks = 0 must be")):
+        with pytest.raises(ValueError, match=match):
+            pins_from_flags(pairs)
+    # 0 is the config's "infer it" for dp, grad_accum and pp_microbatches: no pin at all
+    assert pins_from_flags({"dp": 0, "grad_accum": 0, "pp_microbatches": 0, "tp": 2}) == {"tp": 2}
