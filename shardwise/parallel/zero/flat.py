@@ -131,25 +131,22 @@ class FlatGroup:
 
     # -- stage 3: gather / free -------------------------------------------------------------------------
     def start_gather(self) -> comm.Handle:
-        """Start the all-gather of every rank's ``shard`` (collective). Finish with ``finish_gather``.
-        Stages 1-2 (``full`` always allocated, ``shard`` its own slice) gather straight into ``full``: no
-        new buffer per step and no copy back; stage 3 gathers into a new tensor while ``full`` stays freed."""
-        into = None if self.sharded_params else self.full
+        """Start the all-gather of every rank's ``shard`` into ``full`` itself (collective; finish with
+        ``finish_gather``): no buffer of its own per gather and no copy back. Stage 3 re-allocates ``full``'s
+        storage here (freed since its last use; nothing reads it before ``finish_gather``); in stages 1-2
+        ``shard`` is ``full``'s own slice, so this rank's part is not even copied."""
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.total * self.full.element_size())
         handle = comm.all_gather(self.shard, self.mesh, self.axis, sizes=list(self.layout.shard_sizes),
-                                 algorithm=self.algorithm, async_op=True, out=into)
+                                 algorithm=self.algorithm, async_op=True, out=self.full)
         assert isinstance(handle, comm.Handle)
         return handle
 
     @torch.no_grad()
     def finish_gather(self, handle: comm.Handle) -> None:
-        """Wait for the gather; unless it wrote ``full`` itself, copy the values into ``full``'s own storage
-        (re-allocated) and re-point the params."""
-        gathered = handle.wait()
-        if gathered.data_ptr() != self.full.data_ptr():
-            storage = self.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self.layout.total * self.full.element_size())
-            self.full.copy_(gathered)
+        """Wait for the gather (it wrote ``full``) and re-point the params at it."""
+        handle.wait()
         self.gathered = True
         self._point_params()
 
