@@ -247,6 +247,15 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Bad input (a ``ValueError``) is one line on stderr and exit code 2, as for the other benches."""
+    try:
+        return _main(args)
+    except ValueError as exc:
+        print(f"shardwise bench planner: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     search_published = getattr(args, "search_published", False)
     single = getattr(args, "single_device", False)
     if not (args.published or args.measured or search_published or getattr(args, "search_measured", False) or single

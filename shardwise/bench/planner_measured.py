@@ -100,7 +100,15 @@ def rescore(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     """Re-predict a stored ``--measured`` campaign (its JSON) with this code and ``--hardware``: nothing runs."""
     from ..planner import Hardware
 
-    stored = json.loads(Path(args.rescore).read_text())
+    path = Path(args.rescore)
+    if not path.is_file():
+        raise ValueError(f"--rescore {args.rescore}: no such file; give the JSON a campaign wrote "
+                         "(`shardwise bench planner --measured ... --json FILE`)")
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--rescore {args.rescore} is not JSON ({exc}); give the JSON a campaign wrote "
+                         "(`shardwise bench planner --measured ... --json FILE`)") from None
     if not isinstance(stored, dict) or not isinstance(stored.get("measured"), list):
         raise ValueError(f"{args.rescore} is not the JSON of `shardwise bench planner --measured --json FILE` "
                          "(no 'measured' list)")

@@ -532,3 +532,20 @@ def test_rescore_repredicts_a_stored_campaign_and_names_bad_files(tmp_path):
     f.write_text(json.dumps(stored))
     with pytest.raises(ValueError, match="runs 4 ranks but --hardware has calibrations for \\[2\\] ranks"):
         bench.rescore(argparse.Namespace(rescore=str(f), hardware=str(root / "hardware_cpu_2ranks.json")))
+
+
+def test_bench_planner_bad_input_is_one_line(tmp_path, capsys):
+    from shardwise.cli.main import main
+
+    hw = str(Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for argv, words in ((["bench", "planner"], "choose --published"),
+                        (["bench", "planner", "--measured"], "--measured needs --hardware"),
+                        (["bench", "planner", "--rescore", str(bad)], "--rescore needs --hardware"),
+                        (["bench", "planner", "--rescore", str(tmp_path / "none.json"), "--hardware", hw],
+                         "no such file"),
+                        (["bench", "planner", "--rescore", str(bad), "--hardware", hw], "is not JSON")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("shardwise bench planner: error: ") and words in err and "\n" not in err, err
