@@ -70,12 +70,7 @@ def parse_pin(text: str) -> tuple[str, Any]:
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"--pin {text!r}: activation_checkpointing is true or false")
         value = value.lower() in ("true", "1")
-    elif name == "pp_schedule":
-        from ..planner.plan import SCHEDULES
-
-        if value not in SCHEDULES:
-            raise ValueError(f"--pin {text!r}: unknown schedule {value!r}; choose one of {list(SCHEDULES)}")
-    else:
+    elif name != "pp_schedule":  # a schedule's name is checked with the other values (_check_pin_values)
         if not value.isdigit():
             raise ValueError(f"--pin {text!r}: {name} must be a whole number, e.g. --pin parallel.{name}=2")
         value = int(value)

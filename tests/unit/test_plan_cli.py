@@ -69,8 +69,8 @@ def test_contradicting_pins_are_one_line_errors(capsys):
     assert parse_pins(["parallel.tp=2", "parallel.pp=2", "parallel.tp=2"]) == {"tp": 2, "pp": 2}
     with pytest.raises(ValueError, match=r"'parallel.tp=2'.*'parallel.tp=4'.*contradict"):
         parse_pins(["parallel.tp=2", "parallel.tp=4"])
-    with pytest.raises(ValueError, match=r"unknown schedule 'foo'.*zb-h1"):
-        parse_pin("parallel.pp_schedule=foo")
+    with pytest.raises(ValueError, match=r"pp_schedule = 'foo' is not one of.*zb-h1"):
+        pins_from_flags(parse_pins(["parallel.pp_schedule=foo"]))
     rc, out, err = run(["plan", "--parallel.nproc", "4", "--hardware", "a100-80g-sxm",
                         "--pin", "parallel.tp=2", "--pin", "parallel.tp=4"], capsys)
     assert rc == 2 and out == "" and "contradict" in err and len(err.strip().splitlines()) == 1
