@@ -1,0 +1,230 @@
+"""Models built on the meta device, materialised per rank: each meta parameter carries a *source* that produces
+any block of its full value (its initial values, or a pretrained file's bytes), and every strategy reads only
+what its rank keeps.
+
+    with torch.device("meta"):
+        model = MyModel(cfg)            # names and shapes only, nothing allocated
+    model, opt = sw.zero(model, mesh, stage=3, optimizer=...)   # each rank draws only its flat shard
+
+A source is any object with ``shape``, ``dtype``, ``read(index=None)`` (a block of the full value: ``index`` a
+tuple of slices, one per leading dim, ``None`` for all of it) and ``read_flat(start, stop)`` (elements
+``[start, stop)`` of the flattened value); both return CPU tensors in ``dtype``. ``ensure_sources`` gives every
+meta tensor without one its initial-value source:
+
+* the model's ``param_init(name) -> Normal | Uniform | Constant`` (``init_rules.py``) with the model's
+  ``init_seed`` attribute (else ``torch.initial_seed()``): layout-independent values, a rank draws only its
+  elements;
+* else the owning module's ``reset_parameters()`` run on a CPU copy under an RNG seeded from (seed, module
+  name) — layout-independent too, one module in flight, but it draws the module whole.
+
+``materialize`` replaces a module's remaining meta tensors by their full values on a device; the parameter
+*objects* stay the same (``torch.utils.swap_tensors``), so tied weights stay tied. Local: nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from .init_rules import InitRule, block_seed, draw
+
+__all__ = ["Source", "InitSource", "ModuleResetSource", "source_of", "set_source", "ensure_sources",
+           "materialize", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
+
+_ATTR = "_shardwise_source"
+
+
+class Source(Protocol):
+    """Where a meta tensor's values come from (see the module docstring)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor: ...
+
+    def read_flat(self, start: int, stop: int) -> torch.Tensor: ...
+
+
+def source_of(t: torch.Tensor) -> Source | None:
+    return getattr(t, _ATTR, None)
+
+
+def set_source(t: torch.Tensor, source: Source) -> None:
+    """Attach ``source`` to the meta tensor ``t`` (replacing any earlier one: a pretrained file over init)."""
+    if tuple(source.shape) != tuple(t.shape):
+        raise ValueError(f"source of shape {tuple(source.shape)} for a tensor of shape {tuple(t.shape)}")
+    setattr(t, _ATTR, source)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def rows_then_index(read_flat: Callable[[int, int], torch.Tensor], shape: tuple[int, ...],
+                    index: tuple[slice, ...] | None) -> torch.Tensor:
+    """A block of a tensor that can only be read as flat ranges: the rows ``index[0]`` selects (a contiguous
+    flat range: only those rows are read), then ``index[1:]`` applied to them."""
+    if not shape:
+        return read_flat(0, 1).view(())
+    index = tuple(index or ())
+    rows = index[0] if index else slice(None)
+    a, b, step = rows.indices(int(shape[0]))
+    if step != 1:
+        raise ValueError(f"row slices must have step 1, got {rows}")
+    b = max(a, b)
+    row = _numel(tuple(shape[1:]))
+    block = read_flat(a * row, b * row).view(b - a, *shape[1:])
+    return block[(slice(None), *index[1:])] if len(index) > 1 else block
+
+
+class InitSource:
+    """Initial values by rule (``init_rules``): ``(seed, key)`` decides every element."""
+
+    def __init__(self, key: str, rule: InitRule, seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.key, self.rule, self.seed = key, rule, int(seed)
+        self.shape, self.dtype = tuple(int(s) for s in shape), dtype
+
+    def read_flat(self, start: int, stop: int) -> torch.Tensor:
+        return draw(self.rule, self.seed, self.key, _numel(self.shape), start, stop, self.dtype)
+
+    def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        return rows_then_index(self.read_flat, self.shape, index)
+
+    def __repr__(self) -> str:
+        return f"InitSource({self.key!r}, {self.rule}, seed={self.seed})"
+
+
+class ModuleResetSource:
+    """A parameter's value from its module's ``reset_parameters()`` run on a CPU copy, the RNG seeded from
+    ``(seed, module name)``. The last module's values are cached (its other parameters read them next)."""
+
+    _cache: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def __init__(self, module: nn.Module, module_name: str, attr: str, seed: int, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.module, self.module_name, self.attr, self.seed = module, module_name, attr, int(seed)
+        self.shape, self.dtype = tuple(int(s) for s in shape), dtype
+
+    def _values(self) -> dict[str, torch.Tensor]:
+        cached = ModuleResetSource._cache
+        if cached is not None and cached[0] == id(self.module):
+            return cached[1]
+        tmp = copy.deepcopy(self.module).to_empty(device="cpu", recurse=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(block_seed(self.seed, self.module_name, 0))
+            with torch.no_grad():
+                tmp.reset_parameters()  # type: ignore[operator]
+        values = {n: t.detach() for n, t in [*tmp.named_parameters(recurse=False), *tmp.named_buffers(recurse=False)]}
+        ModuleResetSource._cache = (id(self.module), values)
+        return values
+
+    def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        value = self._values()[self.attr].to(self.dtype)
+        return value if index is None else value[index]
+
+    def read_flat(self, start: int, stop: int) -> torch.Tensor:
+        return self._values()[self.attr].reshape(-1)[start:stop].to(self.dtype)
+
+
+def meta_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(qualified name, owner module, attribute, tensor)`` of every meta parameter and buffer, each tensor once
+    (a tied one under its first name)."""
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for attr, t in getattr(module, kind).items():
+                if t is None or not t.is_meta or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                yield (f"{mod_name}.{attr}" if mod_name else attr), module, attr, t
+
+
+def has_meta(model: nn.Module) -> bool:
+    return next(meta_tensors(model), None) is not None
+
+
+def ensure_sources(model: nn.Module, seed: int | None = None) -> int:
+    """Give every meta tensor of ``model`` that has no source its initial-value source (see the module
+    docstring); names are ``model``'s qualified names, so call it on the root model, before wrapping. Returns
+    how many were given one. Raises ``ValueError`` naming a tensor nothing can initialise. Local."""
+    seed = int(seed if seed is not None else getattr(model, "init_seed", None) or torch.initial_seed())
+    rule_of = getattr(model, "param_init", None)
+    count = 0
+    for name, module, attr, t in meta_tensors(model):
+        if source_of(t) is not None:
+            continue
+        rule = rule_of(name) if callable(rule_of) else None
+        if rule is not None:
+            set_source(t, InitSource(name, rule, seed, tuple(t.shape), t.dtype))
+        elif callable(getattr(module, "reset_parameters", None)):
+            mod_name = name.rpartition(".")[0]
+            set_source(t, ModuleResetSource(module, mod_name, attr, seed, tuple(t.shape), t.dtype))
+        else:
+            raise ValueError(
+                f"{name!r} {tuple(t.shape)} is on the meta device and nothing says how to initialise it: give "
+                f"{type(model).__name__} a param_init(name) method returning sw.init.Normal/Uniform/Constant for "
+                f"it, give {type(module).__name__} a reset_parameters(), or load its values "
+                f"(sw.load_pretrained(model, directory))")
+        count += 1
+    return count
+
+
+def _source(name: str, t: torch.Tensor) -> Source:
+    src = source_of(t)
+    if src is None:
+        raise ValueError(f"{name!r} is on the meta device without a source of values; build the model on meta "
+                         f"and pass the root model to the shardwise wrapper (it calls ensure_sources), or call "
+                         f"shardwise.parallel.common.materialize.ensure_sources(model) first")
+    return src
+
+
+def read_full(t: torch.Tensor, device: torch.device | str, name: str = "?") -> torch.Tensor:
+    """The full value of ``t`` on ``device`` (``t`` itself, detached, when it is not meta)."""
+    if not t.is_meta:
+        return t.detach()
+    return _source(name, t).read().to(device)
+
+
+def read_block(t: torch.Tensor, index: tuple[slice, ...], device: torch.device | str, name: str = "?") -> torch.Tensor:
+    """``t[index]`` of the full value, reading only those rows from a meta tensor's source."""
+    if not t.is_meta:
+        return t.detach()[index]
+    return _source(name, t).read(index).to(device)
+
+
+def read_flat(t: torch.Tensor, start: int, stop: int, device: torch.device | str, name: str = "?") -> torch.Tensor:
+    """Elements ``[start, stop)`` of ``t`` flattened (read from its source when meta)."""
+    if not t.is_meta:
+        return t.detach().reshape(-1)[start:stop]
+    return _source(name, t).read_flat(start, stop).to(device)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str) -> int:
+    """Replace every meta parameter and buffer of ``model`` by its full value on ``device``, keeping parameter
+    objects (ties, hooks and attributes hold). Tensors that are not meta are left as they are. Returns the bytes
+    materialised. Local."""
+    total = 0
+    for name, module, attr, t in list(meta_tensors(model)):
+        value = _source(name, t).read().to(device)
+        if attr in module._parameters:
+            new = nn.Parameter(value, requires_grad=t.requires_grad)
+            for k, v in vars(t).items():
+                if k != _ATTR:
+                    setattr(new, k, v)
+            torch.utils.swap_tensors(t, new)  # every module holding ``t`` now sees the value
+        else:
+            for owner in model.modules():  # a buffer is a plain tensor: re-register it wherever it sits
+                for key, b in list(owner._buffers.items()):
+                    if b is t:
+                        owner._buffers[key] = value
+        total += value.numel() * value.element_size()
+    return total
+
