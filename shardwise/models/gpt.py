@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..parallel.common.init_rules import Constant, InitRule, Normal
+from ..parallel.common.materialize import draw_seed, init_from_rules
 from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style,
                                       VocabParallel)
@@ -161,10 +163,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, linear head to vocabulary logits.
 
-    Initialisation is deterministic given ``torch.manual_seed``: every Linear/Embedding weight is
-    N(0, 0.02), biases zero, LayerNorms identity; the projections that write into the residual stream
-    (``attn.proj``, ``mlp.proj``) use std 0.02 / sqrt(2 · n_layer) so the residual's variance does not
-    grow with depth (GPT-2 paper, section 2.3).
+    Initialisation is deterministic given ``torch.manual_seed`` (one draw fixes ``init_seed``) and independent
+    of the layout (``param_init``): every Linear/Embedding weight is N(0, 0.02), biases zero, LayerNorms
+    identity; the projections that write into the residual stream (``attn.proj``, ``mlp.proj``) use std
+    0.02 / sqrt(2 · n_layer) so the residual's variance does not grow with depth (GPT-2 paper, section 2.3).
+    Built under ``torch.device("meta")`` nothing is allocated; the strategies materialise it in shards.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -172,6 +175,7 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}; "
                             "use GPTConfig(...) or GPTConfig.preset(name)")
+        self.init_seed = draw_seed()  # first: submodules' own default init consumes the RNG too
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
@@ -179,19 +183,26 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights()
         if config.tie_weights:
             # One Parameter used twice: its gradient is the sum of the embedding and the head contributions.
             self.lm_head.weight = self.wte.weight
+        if not self.wte.weight.is_meta:  # on the meta device the strategies draw each rank's pieces instead
+            init_from_rules(self, self.init_seed)
 
-    def _init_weights(self) -> None:
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+    def param_init(self, name: str) -> InitRule | None:
+        """How parameter ``name`` starts (plain data; see the class docstring). The values are a function of
+        ``(init_seed, name, element)`` only, so a layout that materialises a meta-device GPT in shards draws
+        exactly the elements one device holds."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if attr == "bias":
+            return Constant(0.0)
+        if isinstance(module, nn.LayerNorm):
+            return Constant(1.0)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = module_name.endswith(("attn.proj", "mlp.proj"))
+            return Normal(0.0, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
+        return None
 
     def forward(self, idx: Tensor) -> Tensor:
         """``idx`` (b, t) int64 token ids → logits (b, t, v). Raises ``ValueError`` if t > block_size."""

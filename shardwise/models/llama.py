@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..parallel.common.init_rules import Constant, InitRule, Normal
+from ..parallel.common.materialize import draw_seed, init_from_rules
 from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import ColumnParallel, RowParallel, Style, VocabParallel
 from .hf_config import HFDecoderConfig
@@ -155,8 +157,9 @@ class DecoderStack(nn.Module):
 class Llama(nn.Module):
     """A Llama-family causal LM of ``config`` (``HFDecoderConfig``), trained on windows of ``block_size`` tokens.
 
-    Initialisation is deterministic given ``torch.manual_seed``: Linear and Embedding weights N(0,
-    ``initializer_range``), biases zero, norms one (HF's scheme; the values differ from HF's draws)."""
+    Initialisation is deterministic given ``torch.manual_seed`` and independent of the layout (``param_init``):
+    Linear and Embedding weights N(0, ``initializer_range``), biases zero, norms one (HF's scheme; the values
+    differ from HF's draws)."""
 
     def __init__(self, config: HFDecoderConfig, block_size: int) -> None:
         super().__init__()
@@ -164,20 +167,27 @@ class Llama(nn.Module):
             raise TypeError(f"Llama expects an HFDecoderConfig (shardwise.models.hf_config.load_hf_config), got "
                             f"{type(config).__name__}")
         config.check_block_size(block_size)
+        self.init_seed = draw_seed()  # first: submodules' own default init consumes the RNG too
         self.config, self.block_size = config, block_size
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._init_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two uses
+        if not self.lm_head.weight.is_meta:  # on the meta device the strategies draw each rank's pieces
+            init_from_rules(self, self.init_seed)
 
-    def _init_weights(self) -> None:
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+    def param_init(self, name: str) -> InitRule | None:
+        """How parameter ``name`` starts: Linear/Embedding weights N(0, ``initializer_range``), biases zero, norm
+        scales one — a function of ``(init_seed, name, element)`` only (see ``GPT.param_init``)."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if attr == "bias":
+            return Constant(0.0)
+        if isinstance(module, RMSNorm):
+            return Constant(1.0)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            return Normal(0.0, self.config.initializer_range)
+        return None
 
     def _check(self, idx: Tensor) -> None:
         if idx.dim() != 2 or idx.size(1) > self.block_size:

@@ -33,7 +33,7 @@ from torch import nn
 from .init_rules import InitRule, block_seed, draw
 
 __all__ = ["Source", "InitSource", "ModuleResetSource", "source_of", "set_source", "ensure_sources",
-           "materialize", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
+           "materialize", "draw_seed", "init_from_rules", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
 
 _ATTR = "_shardwise_source"
 
@@ -228,3 +228,25 @@ def materialize(model: nn.Module, device: torch.device | str) -> int:
         total += value.numel() * value.element_size()
     return total
 
+
+
+def draw_seed() -> int:
+    """A model's ``init_seed``: one draw from torch's global CPU generator (so ``torch.manual_seed(s)`` before
+    construction decides it, on the meta device as on a real one)."""
+    return int(torch.randint(0, 2**62, (), device="cpu", dtype=torch.int64))
+
+
+@torch.no_grad()
+def init_from_rules(model: nn.Module, seed: int) -> None:
+    """Fill every (non-meta) parameter of ``model`` with its ``model.param_init(name)`` rule's values under
+    ``seed`` — exactly what a sharded layout draws for its pieces. Meta tensors are left for ``ensure_sources``.
+    Local."""
+    rule_of = getattr(model, "param_init")
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta or id(t) in seen:
+            continue
+        seen.add(id(t))
+        rule = rule_of(name)
+        if rule is not None:
+            t.copy_(draw(rule, seed, name, t.numel(), 0, t.numel(), t.dtype).view(t.shape))

@@ -31,6 +31,7 @@ from .centralized import CentralizedDataParallel
 from .comm_stats import CommStats
 from .local_sgd import ParameterAverager
 from .reducer import GradientReducer
+from ..common.materialize import ensure_sources, materialize
 from .replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
 
 __all__ = ["DataParallel", "CentralizedDataParallel"]
@@ -75,13 +76,16 @@ class DataParallel(nn.Module):
                  grad_views: bool = True) -> None:
         check_module(module, mesh, axis)
         _check_options(bucket_cap_mb, first_bucket_mb, algorithm, average, period)
+        real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+        ensure_sources(module)  # a meta-device model: every replica draws the same values from the same sources
         super().__init__()
         self.module = module
         self.mesh, self.axis, self.algorithm, self.average = mesh, axis, algorithm, average
         self.broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
-        check_replicas_agree(module, mesh, axis)
-        broadcast_coalesced([*module.parameters(), *module.buffers()], mesh, axis, src=0)
+        check_replicas_agree(module, mesh, axis)  # includes the sources' seeds
+        materialize(module, mesh.device)
+        broadcast_coalesced(real, mesh, axis, src=0)  # values drawn from sources agree by construction
         params = trainable(module)
         self._reducer: GradientReducer | None = None
         self._averager: ParameterAverager | None = None

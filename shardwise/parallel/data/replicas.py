@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ... import comm
 from ...mesh import Mesh
+from ..common.materialize import source_of
 
 __all__ = ["check_module", "check_replicas_agree", "broadcast_coalesced", "average_coalesced", "trainable"]
 
@@ -51,6 +52,8 @@ def check_module(module: object, mesh: Mesh, axis: str) -> None:
                             f"averages floating gradients only: make it a buffer or set requires_grad=False")
     want = mesh.device
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_meta:  # built on the meta device: the wrapper materialises it on the mesh's device
+            continue
         if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
             raise ValueError(f"tensor {name!r} is on {t.device} but this rank's mesh device is {want}; "
                              f"move the whole model there first (model.to({str(want)!r}))")
@@ -58,8 +61,14 @@ def check_module(module: object, mesh: Mesh, axis: str) -> None:
 
 def _describe(module: nn.Module) -> list[str]:
     """One line per parameter/buffer: what every replica must agree on."""
-    rows = [f"param {n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in module.named_parameters()]
+    rows = [f"param {n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}{_seed(p)}" for n, p in module.named_parameters()]
     return rows + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+
+
+def _seed(t: torch.Tensor) -> str:
+    """A meta tensor's source seed (replicas that materialise it must draw the same values)."""
+    seed = getattr(source_of(t), "seed", None) if t.is_meta else None
+    return "" if seed is None else f" seed={seed}"
 
 
 def check_replicas_agree(module: nn.Module, mesh: Mesh, axis: str) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ... import comm
 from ...mesh import Mesh
 from ..common.autocast import check_autocast
+from ..common.materialize import ensure_sources, materialize
 from ..common.grad_norm import clip_counted, counted, shard_pieces
 from ..common.mixed_precision import LossScaler
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
@@ -66,6 +67,7 @@ class Pipeline:
         # validates recv_ahead up front, before the model is cut
         lowered = lower_communication(self.schedule, recv_ahead=self.recv_ahead,
                                       recv_before_send=self.recv_before_send)
+        ensure_sources(model)  # a meta-device model: each rank materialises its own stages only (below)
         self.all_stages: list[Any] = (build_stages(model, p * chunks, split) if example_inputs is None else
                                       build_graph_stages(model, p * chunks, split, _example_on(model, example_inputs)))
         self.graph: Graph | None = self.all_stages[0].graph if example_inputs is not None else None
@@ -75,7 +77,7 @@ class Pipeline:
         me = mesh.coord(axis)
         check_keys(model, self.all_stages)
         self.tied = _tied_parameters(self.all_stages, p, me)
-        self.stages = {s.index: s.to(mesh.device) for s in self.all_stages if s.index % p == me}
+        self.stages = {s.index: _materialized(s, mesh.device) for s in self.all_stages if s.index % p == me}
         self._meta = full_meta(model)  # full shapes and dtypes of every key, before anything is released
         modules = {name: s.index % p for s in reversed(self.all_stages) for name in s.owned_names()}
         self._key_owner = key_owner(self._meta, modules)  # a tied key: its first stage's coordinate
@@ -289,6 +291,12 @@ class Pipeline:
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
         return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
+
+
+def _materialized(stage: nn.Module, device: torch.device) -> nn.Module:
+    """``stage`` on ``device``: meta tensors read from their sources there, the rest moved."""
+    materialize(stage, device)
+    return stage.to(device)
 
 
 def _example_on(model: nn.Module, example: Any) -> tuple[tuple, dict]:

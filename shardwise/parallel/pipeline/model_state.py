@@ -45,7 +45,7 @@ def release_other_stages(model: nn.Module, local_modules: Iterable[nn.Module]) -
     freed = 0
     with torch.no_grad():
         for t in (*model.parameters(), *model.buffers()):
-            if id(t) not in keep and t.numel() > 0:
+            if id(t) not in keep and t.numel() > 0 and not t.is_meta:  # meta: never allocated
                 freed += t.numel() * t.element_size()
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return freed

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ...comm.ops import ALGORITHM_CHOICES
 from ...mesh import Mesh
+from ..common.materialize import ensure_sources
 from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
 from ...sbp.placement import Broadcast, Split
@@ -72,6 +73,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     """
     axis = axis if axis is not None else (getattr(plan, "tp_axis", None) or "tp")
     _check_call(model, mesh, axis)
+    ensure_sources(model)  # a meta-device model: the sharded layers read their pieces, the rest stays meta
     if algorithm not in ALGORITHM_CHOICES:
         raise ValueError(f"unknown algorithm {algorithm!r} for the tensor-parallel collectives; choose one of "
                          f"{list(ALGORITHM_CHOICES)}")

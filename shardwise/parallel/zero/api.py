@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_map
 from ... import comm
 from ...mesh import Mesh
 from ..common.buckets import default_order, plan_buckets
+from ..common.materialize import ensure_sources, materialize
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_replicas_agree, trainable
@@ -103,8 +104,14 @@ class ZeroModel(nn.Module):
         super().__init__()
         self.module, self.mesh, self.axis, self.stage = module, mesh, axis, stage
         self.mixed_precision = mixed_precision
-        check_replicas_agree(module, mesh, axis)
-        broadcast_coalesced([*module.parameters(), *module.buffers()], mesh, axis, src=0)
+        # A meta-device model: each rank draws what it keeps from the same sources (stage 3: its flat shards
+        # only), so only tensors that were already real need coordinate 0's values.
+        ensure_sources(module)
+        check_replicas_agree(module, mesh, axis)  # includes the sources' seeds
+        real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+        if stage < 3:
+            materialize(module, mesh.device)
+        broadcast_coalesced(real, mesh, axis, src=0)
         named = trainable(module)
         self.compute_dtype = mixed_precision.param_dtype if mixed_precision else named[0][1].dtype
         self.reduce_dtype = (mixed_precision.reduce_dtype or self.compute_dtype) if mixed_precision else self.compute_dtype
@@ -174,6 +181,7 @@ class ZeroModel(nn.Module):
         kept = [(mods, ps) for mods, ps in zip(unit_modules, per_unit) if ps]
         self.groups = ([self._group(rest, sharded=True)] if rest else []) + \
                       [self._group(ps, sharded=True) for _, ps in kept]
+        materialize(self.module, self.mesh.device)  # what no group holds: frozen parameters, buffers
         self._stage3 = Stage3Runtime(self.module, self.groups, [mods for mods, _ in kept], has_rest=bool(rest),
                                      prefetch=prefetch)
         # Backward meets the units in reverse forward order; the rest unit (embeddings) finishes last.

@@ -30,6 +30,7 @@ import torch.nn as nn
 from ... import comm
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
+from ..common.materialize import read_flat
 
 __all__ = ["FlatLayout", "flat_layout", "FlatGroup"]
 
@@ -100,7 +101,10 @@ class FlatGroup:
         self.lo, self.hi = self.layout.shard(mesh.coord(axis))
         self.compute_dtype = compute_dtype
         self.sharded_params = sharded_params
-        device, master_dtype = params[0].device, params[0].dtype
+        device, master_dtype = mesh.device, params[0].dtype
+        if sharded_params:
+            self._init_sharded(device, master_dtype)
+            return
         with torch.no_grad():
             exact = torch.cat([p.detach().reshape(-1) for p in params])
             exact = exact.to(device=device, dtype=master_dtype)
@@ -116,8 +120,27 @@ class FlatGroup:
                 self.shard = self.full[self.lo:self.hi]
         self.gathered = True
         self._point_params()
-        if sharded_params:
-            self.free()
+
+    @torch.no_grad()
+    def _init_sharded(self, device: torch.device, master_dtype: torch.dtype) -> None:
+        """Stage 3: build only this rank's shard ``[lo, hi)``, piece by piece (a meta parameter's piece is read
+        from its source: nothing else of it is ever allocated), and start freed."""
+        pieces = [read_flat(self.params[k], a, b, device, self.names[k])
+                  for k, a, b in self.layout.pieces(self.mesh.coord(self.axis))]
+        exact = torch.cat([x.to(device=device, dtype=master_dtype) for x in pieces]) if pieces else \
+            torch.empty(0, dtype=master_dtype, device=device)
+        same = self.compute_dtype == master_dtype
+        # (L,) of uninitialised memory, released at once: pages never touched, so no resident bytes (CPU)
+        self.full = torch.empty(self.layout.total, dtype=self.compute_dtype, device=device)
+        self.master = nn.Parameter(exact)  # (hi - lo,) a fresh tensor (cat)
+        self.shard = self.master.detach() if same else exact.to(self.compute_dtype)
+        for i, p in enumerate(self.params):
+            if p.is_meta:  # a real (empty) tensor in its place, the same object: ``.data`` can point at ``full``
+                new = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=device),
+                                   requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, new)
+        self.gathered = True
+        self.free()
 
     # -- views ----------------------------------------------------------------------------------------
     def _point_params(self) -> None:

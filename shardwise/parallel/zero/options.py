@@ -45,7 +45,7 @@ def check_inputs(model: Any, mesh: Mesh, axis: str, stage: Any, bucket_cap_mb: f
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a shardwise MixedPrecision or None, got "
                         f"{type(mixed_precision).__name__}")
-    kinds = {(p.dtype, p.device) for _, p in trainable(model)}
+    kinds = {(p.dtype, mesh.device if p.is_meta else p.device) for _, p in trainable(model)}  # meta: built there
     if len(kinds) > 1:
         found = sorted(f"{d} on {dev}" for d, dev in kinds)
         raise ValueError(f"ZeRO flattens all trainable parameters into flat buffers of one dtype on one device, "

@@ -7,7 +7,7 @@ import torch
 
 from ...mesh import Mesh
 from ..config import Config, ParallelConfig
-from ..model_build import build_model
+from ..model_build import meta_model_for
 from .base import Strategy, build_optimizer, tensor_parallel
 from .pipeline import PipelineStrategy
 from .plain import PlainStrategy
@@ -24,12 +24,12 @@ def mesh_axes(p: ParallelConfig) -> dict[str, int]:
 
 
 def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:
-    """The model of ``cfg.model`` — the reference GPT, or the HF decoder of ``model.hf_config`` — (same seed → same weights on every rank) run by the layout of
-    ``cfg.parallel``: a pipeline when ``pp > 1`` (tp, ZeRO-1 and activation checkpointing inside its stages),
+    """The model of ``cfg.model`` — the reference GPT, or the HF decoder of ``model.hf_config`` — run by the layout
+    of ``cfg.parallel``. Built on the meta device (``meta_model_for``): each rank materialises only what its layout
+    keeps, with the values one device has (same seed, or the pretrained directory's tensors) — ``cfg.parallel``: a pipeline when ``pp > 1`` (tp, ZeRO-1 and activation checkpointing inside its stages),
     else ``sw.zero`` when ``zero_stage > 0``, else plain / ``DataParallel`` / tensor parallel. Collective (the
     wrappers broadcast or check the weights over their axes)."""
-    torch.manual_seed(cfg.train.seed)
-    plain = build_model(cfg.model).to(mesh.device)
+    plain = meta_model_for(cfg)
     p = cfg.parallel
     if p.pp > 1:
         return PipelineStrategy(cfg, mesh, plain)

@@ -18,6 +18,7 @@ from ...checkpoint.sharded import Checkpoint, Piece
 from ...comm.collectives import all_reduce
 from ...mesh import Mesh
 from ...parallel.common.autocast import compute_autocast, precision_dtype
+from ...parallel.common.materialize import ensure_sources, materialize
 from ...parallel.common.memory import memory_report
 from ..config import Config
 from ..nonfinite import Grad, param_grads, poisoned
@@ -119,6 +120,7 @@ class PlainStrategy(DataParallelSteps):
     def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
         p = cfg.parallel
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
+        ensure_sources(plain)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
         self.plain: nn.Module = checkpointed(cfg, module)
         self.model: nn.Module = self.plain
@@ -127,6 +129,7 @@ class PlainStrategy(DataParallelSteps):
 
             self.model = DataParallel(self.plain, mesh, axis="dp", algorithm=p.algorithm,
                                       bucket_cap_mb=p.bucket_cap_mb)
+        materialize(self.plain, mesh.device)  # what no wrapper materialised (one process, or tp's replicated part)
         self.optimizer: torch.optim.Optimizer = build_optimizer(list(self.plain.parameters()), cfg.optimizer)
 
     def grads(self) -> list[Grad]:
