@@ -22,7 +22,7 @@ from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec",
-           "hf_fields", "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
+           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
            "check_tp", "HF_REPLICABLE"]
 
 
@@ -88,6 +88,21 @@ def meta_model(m: ModelConfig) -> nn.Module:
     """The model of ``m`` on the meta device (names, shapes, parameter counts; nothing allocated or drawn)."""
     with torch.device("meta"), _SkipRandomInit():
         return build_model(m)
+
+
+def meta_model_for(cfg: Any) -> nn.Module:
+    """The training config's model on the meta device, seeded by ``train.seed`` (its ``init_seed``: the values
+    every layout draws) — or, with ``model.pretrained``, its tensors' sources the pretrained directory's files.
+    Nothing is allocated: the strategies materialise each rank's pieces. Local."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    pretrained = getattr(cfg.model, "pretrained", "")
+    if pretrained:
+        from ..checkpoint.hf_dir import attach_pretrained
+
+        attach_pretrained(model, pretrained, arch="gpt" if hf_of(cfg.model) is None else "llama")
+    return model
 
 
 def num_params(m: ModelConfig) -> int:

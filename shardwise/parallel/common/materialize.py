@@ -169,7 +169,7 @@ def ensure_sources(model: nn.Module, seed: int | None = None) -> int:
         else:
             raise ValueError(
                 f"{name!r} {tuple(t.shape)} is on the meta device and nothing says how to initialise it: give "
-                f"{type(model).__name__} a param_init(name) method returning sw.init.Normal/Uniform/Constant for "
+                f"{type(model).__name__} a param_init(name) method returning sw.Normal/Uniform/Constant for "
                 f"it, give {type(module).__name__} a reset_parameters(), or load its values "
                 f"(sw.load_pretrained(model, directory))")
         count += 1
