@@ -16,7 +16,11 @@ Values are followed by tensor identity, so Python containers in the model's code
   (one micro-batch; ``Pipeline.step`` checks);
 * non-tensor values (flags, ``None`` inputs, config fields): constants;
 * a Python decision on a tensor *value* that depends on the inputs (``if mask.all():``, ``int(x.sum())``,
-  ``.item()``, ``.tolist()``) cannot be baked in: ``CaptureError`` names the construct and the source line.
+  ``.item()``, ``.tolist()``) cannot be baked in: ``CaptureError`` names the construct and the source line;
+* an object made inside the forward and passed on (a Hugging Face ``DynamicCache``) is state of one call, not
+  a constant: every replay makes its own (``made.py``). One holding tensors computed in the forward, which the
+  graph cannot follow into an object, or one that cannot be copied, is refused: ``CaptureError`` names its type
+  and the line that made it.
 
 The graph is plain data (``Graph.describe()`` prints it). Capture restores the RNG state and every buffer
 afterwards, so it changes neither the model nor the random stream.
@@ -24,8 +28,10 @@ afterwards, so it changes neither the model nor the random stream.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import traceback
+import gc
+import linecache
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,7 +40,9 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CaptureError", "Node", "Graph", "Ref", "capture", "refs_in", "walk"]
+from .made import Made, Remake, model_frames, reachable, where_made
+
+__all__ = ["CaptureError", "Node", "Graph", "Ref", "Made", "Remake", "capture", "refs_in", "walk"]
 
 # torch functions whose result turns a tensor's *value* into Python (a branch, a loop bound, a size). Tensor-valued
 # reductions (``x.any(dim=1)``, ``nonzero``) replay fine, and ``len(x)`` / iteration depend on the shape only.
@@ -89,6 +97,8 @@ class Graph:
     input_spec: pytree.TreeSpec
     leaf_order: list[str]
     """Leaf modules in the order of their first call (a pipeline cut falls before one of them)."""
+    made: list[Remake] = field(default_factory=list)
+    """Objects made inside the forward (``Made`` markers point here), made anew on every replay."""
 
     def describe(self) -> str:
         lines = []
@@ -96,6 +106,7 @@ class Graph:
             shape = f" {str(n.meta[0]).replace('torch.', '')}{list(n.meta[1])}" if n.meta else ""
             deps = sorted({r.index for r in refs_in((n.args, n.kwargs))})
             lines.append(f"%{n.index:<4} {n.label():<48}{shape}  <- {', '.join(f'%{d}' for d in deps) or '-'}")
+        lines += [f"made per call #{k}: {m.kind} (made at {m.where})" for k, m in enumerate(self.made)]
         return "\n".join(lines)
 
 
@@ -141,6 +152,9 @@ class _Recorder(TorchFunctionMode):
         self.attrs = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
         self.leaf_names = {id(m): n for n, m in leaves.items()}
         self.leaf_order: list[str] = []
+        self.before: set[int] = set()  # ids of the objects that existed before the forward (kept alive meanwhile)
+        self.made: list[Remake] = []
+        self.made_of: dict[int, int] = {}  # id(object made inside the forward) -> index in ``made``
 
     # -- values --------------------------------------------------------------------------------------
     def add(self, op: str, target: Any, args: tuple = (), kwargs: dict | None = None, value: Any = None,
@@ -162,11 +176,41 @@ class _Recorder(TorchFunctionMode):
 
     def _ref_leaf(self, obj: Any) -> Any:
         if not isinstance(obj, Tensor):
-            return obj
+            return self._made_leaf(obj)
         if id(obj) not in self.of:
             name = self.attrs.get(id(obj))
             self.add("attr", name, value=obj) if name else self.add("const", obj.detach().clone(), value=obj)
         return Ref(self.of[id(obj)])
+
+    def _made_leaf(self, obj: Any) -> Any:
+        """A ``Made`` marker for an object made inside the forward (first seen: copied as it is now), else ``obj``."""
+        k = self.made_of.get(id(obj))
+        if k is None:
+            if id(obj) in self.before or not gc.is_tracked(obj) or callable(obj):
+                return obj  # older than the forward, immutable, or a function, class or module
+            self.made.append(self._remake(obj, where_made(obj)))
+            k = self.made_of[id(obj)] = len(self.made) - 1
+            self.keep.append(obj)
+        return Made(k)
+
+    def _remake(self, obj: Any, where: str) -> Remake:
+        """``obj``'s copy and the older objects it shares; ``CaptureError`` if it holds tensors of the forward."""
+        kind = type(obj).__qualname__
+        shared, held = reachable(obj, self.before)
+        computed = [list(t.shape) for t in held if t.requires_grad or self.of.get(id(t), -1) in self.tainted
+                    or id(t) not in self.of]
+        head = f"cannot capture the model's forward: a {kind} made inside the forward at {where}"
+        fix = f"or switch off what makes the {kind} (a Hugging Face model's cache: use_cache=False)"
+        if computed:
+            raise CaptureError(f"{head} holds tensors computed in the forward (shapes {computed[:4]}), which the "
+                               f"graph cannot follow into an object, so it cannot be made anew for every call; pass "
+                               f"them to the modules themselves (tuples, lists and dicts are followed), {fix}")
+        try:
+            return Remake(kind, where, copy.deepcopy(obj, dict(shared)), shared)
+        except Exception as exc:  # noqa: BLE001 - whatever the object's own copying raises
+            raise CaptureError(f"{head} must be made anew for every call, but copy.deepcopy fails "
+                               f"({' '.join(f'{type(exc).__name__}: {exc}'.split())}); give {kind} a working "
+                               f"__deepcopy__, {fix}") from exc
 
     def result(self, index: int, out: Any) -> None:
         """Register the tensors of node ``index``'s result as ``pick`` nodes (by pytree leaf position)."""
@@ -266,8 +310,9 @@ def _keeps(func: Callable, out: Any) -> bool:
 
 
 def _value_read_message(func: Callable) -> str:
-    frames = [f for f in traceback.extract_stack()[:-3] if "shardwise" not in f.filename and "torch" not in f.filename]
-    where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "the model's forward"
+    f = next(model_frames(), None)
+    where = f"{f.f_code.co_filename}:{f.f_lineno} ({linecache.getline(f.f_code.co_filename, f.f_lineno).strip()})" \
+        if f else "the model's forward"
     name = getattr(func, "__name__", str(func))
     return (f"cannot capture the model's forward: data-dependent control flow — {name}() reads the value of a "
             f"tensor computed from the inputs at {where}, so one run cannot stand for every input; pass a model "
@@ -290,6 +335,8 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], leave
         m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True, prepend=True),
         m.register_forward_hook(rec.post_hook, with_kwargs=True, always_call=True))]
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    alive = gc.get_objects()  # what exists before the forward (held, so no later object can reuse an id)
+    rec.before = {id(x) for x in alive}
     try:
         with torch.random.fork_rng(devices=[]), rec:
             out = model(*args, **kwargs)
@@ -307,5 +354,5 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], leave
                 if n in saved:
                     b.copy_(saved[n])
     leaves_out, out_spec = pytree.tree_flatten(_box(out))
-    output = [rec.ref(x) if isinstance(x, Tensor) else x for x in leaves_out]
-    return Graph(rec.nodes, out_spec, output, in_spec, rec.leaf_order)
+    output = [rec.ref(x) for x in leaves_out]
+    return Graph(rec.nodes, out_spec, output, in_spec, rec.leaf_order, rec.made)

@@ -13,6 +13,11 @@ them (every rank has the micro-batch's inputs, so ``labels`` or an attention mas
 computed on stage ``<= k`` and used on a stage ``> k`` crosses boundary ``k`` (relayed through the stages in
 between), in node order: hidden states, but also position ids, masks, rotary (cos, sin) and residuals.
 
+Objects made inside the forward (a Hugging Face ``DynamicCache``: ``made.py``) are made anew for every stage
+forward and every checkpointed recomputation, so no call sees another's. One passed to modules of two stages is
+two objects, one per stage: what the first stage's modules put in it does not reach the second's (a KV cache is
+written and read per layer, so a decoder computes what it computes on one device).
+
 Without ``split``, stages balance the leaves' forward FLOPs (``torch.utils.flop_counter`` during the capture:
 deterministic, the same on every rank), a leaf without parameters joining its predecessor.
 """
@@ -27,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .capture import Graph, Node, Ref, capture, refs_in, walk
+from .made import Made
 from .stage import balance_by_params
 
 __all__ = ["GraphStage", "leaf_modules", "build_graph_stages", "model_loss"]
@@ -92,7 +98,7 @@ class GraphStage(nn.Module):
             env[k] = run.node(self.graph.nodes[k])
         if self.send is not None:
             return [run.value(Ref(k)) for k in self.send]
-        leaves = [run.value(x) if isinstance(x, Ref) else x for x in self.graph.output]
+        leaves = [run.value(x) for x in self.graph.output]
         return pytree.tree_unflatten(leaves, self.graph.output_spec)
 
 
@@ -101,12 +107,17 @@ class _Runner:
 
     def __init__(self, stage: GraphStage, env: dict[int, Any], flat: list[Any], device: torch.device) -> None:
         self.stage, self.env, self.flat, self.device = stage, env, flat, device
+        self.made: dict[int, Any] = {}  # this call's objects made inside the forward (``Made`` index -> object)
 
     def value(self, obj: Any) -> Any:
         """``obj`` (a node's arguments) with every ``Ref`` replaced by its value on this stage."""
         return walk(obj, self._leaf)
 
     def _leaf(self, obj: Any) -> Any:
+        if isinstance(obj, Made):
+            if obj.index not in self.made:
+                self.made[obj.index] = self.stage.graph.made[obj.index].new()
+            return self.made[obj.index]
         if isinstance(obj, Ref):
             if obj.index not in self.env:
                 self.env[obj.index] = self.free(self.stage.graph.nodes[obj.index])
@@ -133,8 +144,38 @@ class _Runner:
         module = self.stage.parts[node.target.replace(".", "/")]
         if self.stage.checkpoint and torch.is_grad_enabled() and any(
                 isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_flatten((args, kwargs))[0]):
-            return checkpoint(module, *args, use_reentrant=False, **kwargs)
+            made = {id(self.made[r.index]): r.index for r in _made_in((node.args, node.kwargs))}
+            return checkpoint(_Recompute(module, self.stage.graph, made), *args, use_reentrant=False, **kwargs)
         return module(*args, **kwargs)
+
+
+class _Recompute:
+    """A checkpointed module call whose recomputation (in backward) gets new objects made inside the forward,
+    copied from the graph like the forward's were: the forward's own already hold what the module put in them (a
+    cache would hand the recomputation twice the keys)."""
+
+    def __init__(self, module: nn.Module, graph: Graph, made: dict[int, int]) -> None:
+        self.module, self.graph, self.made, self.calls = module, graph, made, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1 and self.made:
+            new: dict[int, Any] = {}
+
+            def fresh(x: Any) -> Any:
+                k = self.made.get(id(x))
+                if k is not None and k not in new:
+                    new[k] = self.graph.made[k].new()
+                return x if k is None else new[k]
+            args, kwargs = walk((args, kwargs), fresh)
+        return self.module(*args, **kwargs)
+
+
+def _made_in(obj: Any) -> list[Made]:
+    """Every ``Made`` marker inside nested tuples/lists/dicts (a node's arguments)."""
+    out: list[Made] = []
+    walk(obj, lambda x: out.append(x) if isinstance(x, Made) else None)
+    return out
 
 
 def _stage_of_nodes(graph: Graph, starts: list[str]) -> list[int | None]:
