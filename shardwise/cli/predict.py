@@ -111,8 +111,11 @@ def _print_tables(cfg: Any, hw: Any, pred: Any) -> None:
              "buffers": mem.buffers}
     for name, value in terms.items():
         marker = "  ← largest" if name == mem.largest else ""
-        memory.add_row(name + marker, f"{value / _GB:.2f}", f"{value / max(mem.total, 1):.0%}")
-    memory.add_row("total", f"{mem.total / _GB:.2f}", f"of {mem.capacity / _GB:.1f} GB")
+        memory.add_row(name + marker, f"{value / _GB:.2f}", f"{value / max(mem.training, 1):.0%}")
+    memory.add_row("training peak", f"{mem.training / _GB:.2f}", "")
+    memory.add_row("construction (build, load)" + ("  ← largest" if mem.largest == "construction" else ""),
+                   f"{mem.construction / _GB:.2f}", "")
+    memory.add_row("total (the larger)", f"{mem.total / _GB:.2f}", f"of {mem.capacity / _GB:.1f} GB")
     time_ = Table(title="time per step")
     for col in ("term", "s", "%"):
         time_.add_column(col, justify="left" if col == "term" else "right")

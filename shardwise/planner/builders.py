@@ -35,7 +35,7 @@ def gpt_layers(*, n_layer: int, h: int, a: int, v: int, s: int, positions: int, 
     mask = 2.5 * sh if dropout else 0.0  # one dropout: read, write, ½-element mask
     embed = Layer("wte", "embedding", params=v * h + positions * h, tp_params=v * h,
                   ew_rep=5.0 * sh + mask, ops=3 + int(dropout), act_rep=0.5 * sh if dropout else 0.0,
-                  hidden=sh, tp_allreduces=1)
+                  hidden=sh, tp_allreduces=1, largest=max(v, positions) * h)
     core, core_traffic, core_kept, core_ops = _attention_core(s, a, hd, attention, dropout)
     gemms = (Gemm("qkv", s, h, 3 * h, "col"),) + core + (
         Gemm("proj", s, h, h, "row"), Gemm("fc", s, h, 4 * h, "col"), Gemm("fc_proj", s, 4 * h, h, "row"))
@@ -51,12 +51,13 @@ def gpt_layers(*, n_layer: int, h: int, a: int, v: int, s: int, positions: int, 
         act_rep=4.0 * sh + (1.0 * sh if dropout else 0.0),
         # q, k, v, attention output, proj input, GELU input, fc_proj input (Korthikanti: 24/t bytes = 12 el.;
         # a flash kernel also keeps its own output)
-        act_tp=(13.0 if attention == "flash" else 12.0) * sh, act_attn=core_kept, hidden=sh, tp_allreduces=2)
+        act_tp=(13.0 if attention == "flash" else 12.0) * sh, act_attn=core_kept, hidden=sh, tp_allreduces=2,
+        largest=4 * h * h)  # fc and its projection
     blocks = [Layer(f"blocks.{i}", "block", **block_kwargs) for i in range(n_layer)]
     head = Layer("ln_f", "head", params=(2 * h if bias else h) + v * h, tp_params=v * h,
                  gemms=(Gemm("lm_head", s, h, v, "col"),), ew_rep=2.0 * sh, ew_tp=4.0 * s * v, ops=4,
                  act_rep=2.0 * sh, act_fp32=float(s * v), hidden=sh, tp_allreduces=1,
-                 tied="wte" if tie else "", shared=v * h if tie else 0)
+                 tied="wte" if tie else "", shared=v * h if tie else 0, largest=v * h)
     return (embed, *blocks, head)
 
 
@@ -67,7 +68,7 @@ def llama_layers(*, n_layer: int, h: int, a: int, kv: int, f: int, v: int, s: in
     hd, sh = h // a, s * h
     kvw = kv * hd  # width of k (and of v)
     embed = Layer("embed_tokens", "embedding", params=v * h, tp_params=v * h, ew_rep=1.0 * sh, ops=1,
-                  hidden=sh, tp_allreduces=1)
+                  hidden=sh, tp_allreduces=1, largest=v * h)
     core, core_traffic, core_kept, core_ops = _attention_core(s, a, hd, attention, dropout=False)
     gemms = (Gemm("qkv", s, h, h + 2 * kvw, "col"),) + core + (
         Gemm("o_proj", s, h, h, "row"), Gemm("gate_up", s, h, 2 * f, "col"), Gemm("down", s, f, h, "row"))
@@ -82,9 +83,9 @@ def llama_layers(*, n_layer: int, h: int, a: int, kv: int, f: int, v: int, s: in
         ops=12 + core_ops,
         act_rep=4.0 * sh,  # inputs of both norms, of qkv, of gate_up
         act_tp=s * (h + 2 * kvw) + 2.0 * sh + 4.0 * s * f,  # q,k,v; attn out, o input; gate, up, SiLU, down input
-        act_attn=core_kept, hidden=sh, tp_allreduces=2)
+        act_attn=core_kept, hidden=sh, tp_allreduces=2, largest=max(h * h, h * kvw, h * f))  # q/o, k/v, MLP
     blocks = [Layer(f"layers.{i}", "block", **block_kwargs) for i in range(n_layer)]
     head = Layer("norm", "head", params=h + v * h, tp_params=v * h, gemms=(Gemm("lm_head", s, h, v, "col"),),
                  ew_rep=6.0 * sh, ew_tp=4.0 * s * v, ops=6, act_rep=2.0 * sh, act_fp32=float(s * v), hidden=sh,
-                 tp_allreduces=1, tied="embed_tokens" if tie else "", shared=v * h if tie else 0)
+                 tp_allreduces=1, tied="embed_tokens" if tie else "", shared=v * h if tie else 0, largest=v * h)
     return (embed, *blocks, head)

@@ -67,6 +67,9 @@ class Layer:
     """Parameters of ``params`` that are the tied layer's (counted once when both sit on one device)."""
     replicated: bool = False
     """Kept whole on every tensor-parallel rank (a module pinned data-parallel): no tp split, no tp comm."""
+    largest: int = 0
+    """Elements of the layer's largest parameter tensor (built whole before a rank keeps its slice: the
+    construction peak); 0 = unknown, then its largest weight GEMM, else all of ``params``."""
 
     @property
     def flops(self) -> float:

@@ -12,6 +12,12 @@ bf16-mixed     2           2      12 (fp32 master, m, v) — the ZeRO paper's 2�
 =============  ==========  =====  ==================================================
 
 ZeRO over ``dp`` divides the optimizer state (stage ≥ 1), the gradients (≥ 2) and the parameters (3).
+
+Construction (``construction_bytes``): a rank builds its model one full parameter tensor at a time and keeps its
+slice, so while the model is built (and loaded) it holds its kept parameters plus the largest full tensor it
+slices — ZeRO-3 over dp > 1 slices every tensor, tensor parallelism the layers it splits; a rank that keeps
+whole tensors (data parallelism without ZeRO-3, a pipeline stage) builds them in place, nothing more. The
+device's peak is the larger of that and the training peak (``MemoryBreakdown.total``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from .compute import act_bytes
 from .plan import Plan
 from .layers import Layer
 
-__all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown"]
+__all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
+           "construction_bytes"]
 
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
 
@@ -52,6 +59,20 @@ def local_params(layer: Layer, tp: int) -> float:
     if layer.replicated:
         return float(layer.params)
     return layer.tp_params / tp + (layer.params - layer.tp_params)
+
+
+def largest_tensor(layer: Layer) -> float:
+    """Elements of ``layer``'s largest full parameter tensor: ``Layer.largest``, else its largest weight GEMM,
+    else (nothing known) all of its parameters."""
+    if layer.largest:
+        return float(layer.largest)
+    return float(max((g.k * g.n for g in layer.gemms if g.weight), default=layer.params))
+
+
+def construction_bytes(kept_params: float, *, in_flight: float, precision: str) -> float:
+    """Peak bytes of one rank while it builds (or loads) its model: its kept parameter bytes plus the
+    ``in_flight`` elements of the one full tensor it is slicing (0 when it keeps whole tensors)."""
+    return kept_params + in_flight * _PER_ELEMENT[precision][0]
 
 
 def layer_activation_bytes(layer: Layer, plan: Plan) -> tuple[float, float]:
@@ -84,10 +105,19 @@ class MemoryBreakdown:
     capacity: float
     rank: int = 0
     """Pipeline rank the numbers are for (the one with the highest total)."""
+    construction: float = 0.0
+    """Peak while the model is built and loaded, before training (``construction_bytes``): the kept parameters
+    plus the one full tensor in flight."""
+
+    @property
+    def training(self) -> float:
+        """The training peak: the sum of the five terms."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        """The device's peak: the larger of the training peak and the construction peak."""
+        return max(self.training, self.construction)
 
     @property
     def fits(self) -> bool:
@@ -95,6 +125,9 @@ class MemoryBreakdown:
 
     @property
     def largest(self) -> str:
+        """The largest training term, or ``construction`` when building the model is the peak."""
+        if self.construction > self.training:
+            return "construction"
         terms = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                  "activations": self.activations, "buffers": self.buffers}
         return max(terms, key=lambda k: terms[k])
@@ -102,6 +135,7 @@ class MemoryBreakdown:
     def to_json(self) -> dict[str, float | int | str | bool]:
         return {"total_bytes": self.total, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
+                "training_bytes": self.training, "construction": self.construction,
                 "capacity_bytes": self.capacity, "largest": self.largest, "pipeline_rank": self.rank}
 
 
@@ -112,8 +146,10 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
     ``bucket_cap`` bytes at most. ``parts``: ``rank_parts(layers, chunk_layers, plan)`` when the caller has it
     (they do not depend on dp, ZeRO or what is in flight: the search reuses them)."""
-    n, per_chunk, transient, biggest, loss = parts or rank_parts(layers, chunk_layers, plan)
+    n, per_chunk, transient, biggest, loss, whole, split = parts or rank_parts(layers, chunk_layers, plan)
     states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.dp)
+    sliced = whole if plan.zero_stage >= 3 and plan.dp > 1 else split  # the full tensor built before slicing
+    construction = construction_bytes(states.params, in_flight=sliced, precision=plan.precision)
     activations = in_flight * per_chunk + transient
     buffers = min(bucket_cap, n * _PER_ELEMENT[plan.precision][1])  # buckets hold at most all the gradients
     if plan.precision == "bf16":
@@ -121,12 +157,14 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     if plan.zero_stage == 3:
         buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)  # current + prefetched unit
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
-                           activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank)
+                           activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank,
+                           construction=construction)
 
 
-RankParts = tuple[float, float, float, float, float]
+RankParts = tuple[float, float, float, float, float, float, float]
 """``(local parameters, mean activation bytes of one chunk × micro-batch, transient recomputation bytes,
-largest layer's local parameters, loss bytes)`` of one pipeline rank."""
+largest layer's local parameters, loss bytes, largest full tensor of any layer, largest full tensor of a layer
+tensor parallelism splits (0 at tp = 1))`` of one pipeline rank."""
 
 
 def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], plan: Plan) -> RankParts:
@@ -140,4 +178,7 @@ def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     biggest = max((local_params(layer, plan.tp) for layer in layers), default=0.0)
     loss = max((layer.act_fp32 / (1 if layer.replicated else plan.tp) * plan.micro_batch * 4 for layer in layers),
                default=0.0)
-    return n, sum(per_chunk) / len(per_chunk), transient, biggest, loss
+    whole = max((largest_tensor(layer) for layer in layers), default=0.0)
+    split = max((largest_tensor(layer) for layer in layers if plan.tp > 1 and layer.tp_params and not layer.replicated),
+                default=0.0)
+    return n, sum(per_chunk) / len(per_chunk), transient, biggest, loss, whole, split

@@ -192,7 +192,7 @@ def _layers(units: list[tuple[str, nn.Module]], rec: _Recorder, saved: dict[int,
         # saved bytes → elements of 4 bytes (the spec counts elements; traced numbers are in the traced dtype)
         layers.append(Layer(name, kind, params=own, gemms=gemms, ew_rep=rec.traffic.get(i, 0.0) / 4 / batch,
                             ops=rec.ops.get(i, 0), act_rep=saved.get(i, 0.0) / 4 / batch, hidden=outputs.get(i, 0),
-                            tied=tied, shared=shared))
+                            tied=tied, shared=shared, largest=max((p.numel() for p in unit.parameters()), default=0)))
     return {"seq_len": seq, "layers": tuple(layers)}
 
 
