@@ -25,6 +25,7 @@ from ..runtime.config import (PRESETS, Config, DebugConfig, ParallelConfig, conf
 from ..runtime.calibration import calibration_note, check_calibration_setting
 from ..runtime.model_build import saved_model
 from ..runtime.job import LAUNCH_CONFIG, Nodes, atomic_json, launch_ranks, publish_config, run_job
+from ..runtime.memory_check import check_memory
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "publish_config", "add_config_arguments",
            "config_overrides"]
@@ -94,6 +95,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     _check_data(cfg)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                 calibration=check_calibration_setting(cfg.parallel)))
+    check_memory(cfg, device="cuda" if _cuda() else "cpu", nproc=nodes.per_node(cfg))  # train.memory_check
     if resume is None and nodes.leader and latest_checkpoint(run_dir) is not None:
         if not args.overwrite:
             raise ValueError(f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume, "

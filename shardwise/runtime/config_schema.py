@@ -144,6 +144,11 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: autocast compute (forward and loss) in bf16 with fp32 master weights, gradients and optimizer state
     in every layout (``shardwise.parallel.common.autocast``); ``fp32``: no autocast."""
+    memory_check: bool = True
+    """Refuse to launch, before any rank starts, a layout the planner predicts will not fit a device's memory (per
+    rank the larger of the construction peak and the training peak, against the GPU's memory or, on CPU ranks, the
+    host's physical RAM shared by the ranks on it); ``false`` launches anyway. ``parallel.auto`` always searches
+    among layouts predicted to fit."""
 
 
 @dataclass(frozen=True, kw_only=True)

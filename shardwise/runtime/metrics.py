@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import torch
 
 __all__ = ["MetricsWriter", "ProgressReporter", "flops_per_token", "peak_flops", "peak_memory_bytes",
-           "read_metrics", "append_record", "summary_record", "format_bytes"]
+           "resident_peak_bytes", "read_metrics", "append_record", "summary_record", "format_bytes"]
 
 # Dense FP32 (no tensor cores) peak FLOP/s: ``shardwise train`` computes in float32 with TF32 off (torch's
 # default for matmuls). First matching substring of torch.cuda.get_device_name() wins (most specific first).
@@ -52,11 +52,27 @@ def flops_per_token(*, n_params: int, n_layer: int, n_embd: int, block_size: int
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on the CPU."""
+    """Peak memory of this process so far: CUDA allocator peak on a GPU, peak resident set size on the CPU
+    (``resident_peak_bytes``). Nothing resets either: building and loading the model count."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    return resident_peak_bytes()
+
+
+def resident_peak_bytes() -> int:
+    """This process's peak resident set size in bytes. On Linux ``VmHWM`` of ``/proc/self/status``: the
+    high-water mark of this program's own memory, whereas ``getrusage``'s ``ru_maxrss`` carries over the parent's
+    resident set at ``fork`` across ``exec`` (a rank started by torchrun would report at least the launcher's);
+    elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def format_bytes(n: float) -> str:
@@ -175,7 +191,10 @@ def _model_states(memory: dict[str, Any]) -> int | None:
 def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The ``{"kind": "summary"}`` record of ``metrics.jsonl``: the step time (rank 0's median over the steps
     after the first two) and each rank's memory (its strategy's ``memory()`` report: model states and peak)
-    measured, next to ``prediction`` (``runtime/prediction.py``'s record, or None when it was skipped).
+    measured, next to ``prediction`` (``runtime/prediction.py``'s record, or None when it was skipped). Per rank
+    also ``measured_process_peak_bytes``, the whole process's peak including building and loading the model
+    (``peak_memory_bytes``: peak resident set on a CPU, CUDA allocator peak on a GPU), and ``bare_runtime_bytes``,
+    the same measure at the trainer's start (torch and shardwise imported, nothing built).
     None when no rank left a summary."""
     ranks = _rank_summaries(run_dir)
     if not ranks:
@@ -188,6 +207,9 @@ def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = 
             "measured_peak_memory_bytes": [m.get("peak") for m in memory],
             "predicted_model_state_bytes": pred.get("model_state_bytes"),
             "measured_model_state_bytes": [_model_states(m) for m in memory],
+            "predicted_construction_bytes": pred.get("construction_bytes"),
+            "measured_process_peak_bytes": [r.get("peak_memory") for r in ranks],
+            "bare_runtime_bytes": [r.get("bare_runtime_bytes") for r in ranks],
             "hardware": pred.get("hardware_source"), "time": time.time()}
 
 
@@ -207,7 +229,27 @@ def _comparison_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
                                         f"predicted (peak {format_bytes(record['predicted_peak_memory_bytes'])} with "
                                         f"activations and buffers); model states measured "
                                         f"{fmt(record['measured_model_state_bytes'])}"))
+        above = [p - b if isinstance(p, (int, float)) and isinstance(b, (int, float)) else None
+                 for p, b in zip(record.get("measured_process_peak_bytes") or [], record.get("bare_runtime_bytes") or [])]
+        if record.get("predicted_construction_bytes") is not None and any(v is not None for v in above):
+            rows.append(("peak vs prediction", f"{format_bytes(record['predicted_peak_memory_bytes'])} predicted (the "
+                                               f"larger of training and construction; construction "
+                                               f"{format_bytes(record['predicted_construction_bytes'])}); resident "
+                                               f"above the bare runtime measured {fmt(above)}"))
     return rows
+
+
+def _peak_row(ranks: list[dict[str, Any]]) -> tuple[str, str]:
+    """Each rank's process peak (construction and loading included) and its increment over the bare runtime."""
+    what = "allocated" if str(ranks[0].get("device", "")).startswith("cuda") else "resident"
+
+    def one(r: dict[str, Any]) -> str:
+        bare = r.get("bare_runtime_bytes")
+        extra = (f" (bare runtime {format_bytes(bare)}, +{format_bytes(max(0, r['peak_memory'] - bare))})"
+                 if isinstance(bare, (int, float)) else "")
+        return f"r{r['rank']} {format_bytes(r['peak_memory'])}{extra}"
+
+    return f"peak {what} per rank (incl. construction)", ", ".join(one(r) for r in ranks)
 
 
 def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -238,7 +280,7 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
                  ("model FLOPs utilisation", mfu),
                  ("framework overhead", f"{head['overhead_s'] / max(head['step_s'], 1e-12):.1%} of a step (time "
                                         f"outside forward, backward, optimizer, communication)"),
-                 ("peak memory per rank", ", ".join(f"r{r['rank']} {format_bytes(r['peak_memory'])}" for r in ranks)),
+                 _peak_row(ranks),
                  ("checkpoint", str(head["checkpoint"])), ("metrics", str(run_dir / "metrics.jsonl"))):
         table.add_row(k, v)
     record = summary_record(cfg, run_dir, prediction)

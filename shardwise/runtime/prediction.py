@@ -321,6 +321,7 @@ def prediction_record(pred: Prediction, where: str, *, step: int) -> dict[str, A
     memory = pred.memory.to_json()
     return {"kind": "prediction", "step": step, "step_time_s": pred.step_time_s,
             "peak_memory_bytes": memory["total_bytes"], "model_state_bytes": _states(memory),
+            "construction_bytes": memory["construction"],
             "tokens_per_s": pred.tokens_per_s, "fits": pred.fits, "memory": memory,
             "breakdown": dict(pred.breakdown), "plan": pred.plan.to_json(), "hardware": pred.hardware,
             "hardware_source": where, "time": time.time()}
@@ -331,5 +332,5 @@ def prediction_line(record: dict[str, Any]) -> str:
     from .metrics import format_bytes
 
     return (f"shardwise train: predicted {record['step_time_s']:.3g} s/step, {format_bytes(record['peak_memory_bytes'])}"
-            f" peak per rank (model states {format_bytes(record['model_state_bytes'])}); hardware: "
-            f"{record['hardware_source']}")
+            f" peak per rank (model states {format_bytes(record['model_state_bytes'])}, construction "
+            f"{format_bytes(record.get('construction_bytes', 0.0))}); hardware: {record['hardware_source']}")

@@ -77,6 +77,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
+        self.bare_runtime = peak_memory_bytes(world.device)
+        """The process peak before anything is built (torch and shardwise imported): the summary's baseline."""
         p = cfg.parallel
         calibration = mesh_calibrations(p, world.device, world.rank, world.world_size)
         self.mesh = _build_mesh(p, cfg.train.timeout_s, calibration)
@@ -270,7 +272,7 @@ class Trainer:
                 "wall_tokens_per_s": steps * self.tokens_per_step / wall if wall else 0.0,
                 "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
-                "skipped_steps": self.skipped, "memory": memory,
+                "skipped_steps": self.skipped, "memory": memory, "bare_runtime_bytes": self.bare_runtime,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
                 "activation_peak_bytes": self._activation_peak(memory)}
 

@@ -128,6 +128,8 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("model-shape", ["train", "--model.n_embd", "65"], None,
      ("model.n_embd (65) must be divisible by n_head (2)", "e.g. n_embd=64")),
     # --- ranges ---
+    ("memory-over-device", ["train", "--model.n_layer", "64", "--model.n_embd", "8192"], None,
+     ("mb=16 fp32 is predicted to need", "--train.memory_check false launches it anyway")),
     ("negative-grad-accum", ["train", "--parallel.grad_accum", "-1"], None,
      ("parallel.grad_accum = -1 must be >= 0", "e.g. --parallel.grad_accum 0")),
     ("negative-micro-batch", ["train", "--parallel.micro_batch", "-2"], None,

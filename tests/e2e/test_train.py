@@ -61,6 +61,11 @@ def test_dp2_run_writes_metrics_checkpoints_summary(baseline):
     assert last["measured_step_s"] > 0 and len(last["measured_model_state_bytes"]) == 2
     for measured in last["measured_model_state_bytes"]:  # params + grads + AdamW m, v: the planner's 16 B each
         assert measured == pytest.approx(last["predicted_model_state_bytes"], rel=0.01)
+    # the whole process's peak (building and loading included) next to the bare runtime each rank started from
+    assert first["construction_bytes"] == last["predicted_construction_bytes"] > 0
+    assert len(last["measured_process_peak_bytes"]) == len(last["bare_runtime_bytes"]) == 2
+    for peak, bare in zip(last["measured_process_peak_bytes"], last["bare_runtime_bytes"]):
+        assert 0 <= bare <= peak and peak > 0  # a GPU's allocator starts empty: 0 there
 
 
 def test_export_writes_the_plain_models_keys(baseline, tmp_path):
