@@ -9,6 +9,8 @@ from .mesh import Mesh, MeshLayout
 from .parallel.common.activation_checkpointing import checkpoint_layers
 from .parallel.auto import Plan, auto
 from .parallel.data.data_parallel import DataParallel
+from .parallel.common.init_rules import Constant, Normal, Uniform
+from .parallel.common.materialize import materialize_model as materialize
 from .parallel.common.memory import memory_report
 from .parallel.common.mixed_precision import MixedPrecision
 from .parallel.pipeline.api import Pipeline, pipeline
@@ -27,6 +29,8 @@ __all__ = [
     # strategies
     "DataParallel", "checkpoint_layers", "parallelize", "ColumnParallel", "RowParallel", "VocabParallel",
     "QKVParallel", "SequenceParallel", "zero", "MixedPrecision", "pipeline", "Pipeline",
+    # models larger than one device: built on meta, materialised in shards
+    "materialize", "Normal", "Uniform", "Constant",
     # state and accounting
     "full_state_dict", "memory_report", "models", "__version__",
     # planning (pure: no processes)

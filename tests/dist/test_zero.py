@@ -98,7 +98,8 @@ def test_bad_input(worlds):
     for key in ("wrapped-twice", "inner-twice", "data-parallel"):
         assert out[key].startswith("ValueError") and "already wrapped" in out[key], out[key]
     assert out["mixed-dtypes"].startswith("ValueError") and "torch.float64" in out["mixed-dtypes"]
-    assert out["mixed-devices"].startswith("ValueError") and "meta" in out["mixed-devices"]
+    assert out["meta-no-source"].startswith("ValueError") and "'extra.w'" in out["meta-no-source"]
+    assert "nothing says how to initialise it" in out["meta-no-source"]
     assert out["algorithm"].startswith("ValueError") and "'fast'" in out["algorithm"] and "ring" in out["algorithm"]
     assert out["unit-name"].startswith("ValueError") and "blocks.9" in out["unit-name"]
     assert out["unit-container"].startswith("ValueError") and "ModuleList" in out["unit-container"]

@@ -280,9 +280,10 @@ def check_bad_input() -> dict[str, str]:
     mixed = build("uneven")
     mixed.b.double()
     out["mixed-dtypes"] = _error(lambda: sw.zero(mixed, m, stage=2, optimizer=sgd))
-    off = build("uneven")
-    off.b.to("meta")
-    out["mixed-devices"] = _error(lambda: sw.zero(off, m, stage=3, optimizer=sgd))
+    off = build("uneven")  # a meta parameter is built in place, if something says how to initialise it
+    off.extra = nn.Module()
+    off.extra.w = nn.Parameter(torch.empty(3, device="meta"))
+    out["meta-no-source"] = _error(lambda: sw.zero(off, m, stage=3, optimizer=sgd))
     out["algorithm"] = _error(lambda: sw.zero(build("uneven"), m, stage=1, optimizer=sgd, algorithm="fast"))
     out["unit-name"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, units=[["blocks.9"]]))
     out["unit-container"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, units=[["blocks"]]))

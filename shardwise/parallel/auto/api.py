@@ -26,7 +26,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from torch.utils._pytree import tree_map
+
 from ...mesh import Mesh, MeshLayout
+from ..common.materialize import has_meta
 from .cost import CostModel, NominalHardware
 from .options import applicable
 from .pins import Pin, parse_pins
@@ -58,6 +61,8 @@ def _check(model: nn.Module, memory_budget: float | None) -> None:
 def _trace(model: nn.Module, example_inputs: Any) -> Graph:
     modes = {m: m.training for m in model.modules()}
     model.eval()  # no dropout, no running-statistics updates while tracing
+    if has_meta(model):  # built on the meta device: trace shapes only, the inputs on meta too
+        example_inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example_inputs)
     try:
         return trace_graph(model, example_inputs)
     finally:

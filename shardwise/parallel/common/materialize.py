@@ -30,10 +30,11 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import nn
 
+from ...mesh import Mesh
 from .init_rules import InitRule, block_seed, draw
 
-__all__ = ["Source", "InitSource", "ModuleResetSource", "source_of", "set_source", "ensure_sources",
-           "materialize", "draw_seed", "init_from_rules", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
+__all__ = ["needs_broadcast", "mark_drawn", "Source", "InitSource", "ModuleResetSource", "source_of", "set_source", "ensure_sources",
+           "materialize", "materialize_model", "draw_seed", "init_from_rules", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
 
 _ATTR = "_shardwise_source"
 
@@ -47,6 +48,20 @@ class Source(Protocol):
     def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor: ...
 
     def read_flat(self, start: int, stop: int) -> torch.Tensor: ...
+
+
+_DRAWN = "_shardwise_drawn"
+
+
+def needs_broadcast(t: torch.Tensor) -> bool:
+    """Whether replicas must copy coordinate 0's ``t``: not when it is meta (each rank reads it from its source)
+    or was drawn from one (every rank drew the same values)."""
+    return not t.is_meta and not getattr(t, _DRAWN, False)
+
+
+def mark_drawn(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _DRAWN, True)
+    return t
 
 
 def source_of(t: torch.Tensor) -> Source | None:
@@ -215,7 +230,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> int:
     for name, module, attr, t in list(meta_tensors(model)):
         value = _source(name, t).read().to(device)
         if attr in module._parameters:
-            new = nn.Parameter(value, requires_grad=t.requires_grad)
+            new = mark_drawn(nn.Parameter(value, requires_grad=t.requires_grad))
             for k, v in vars(t).items():
                 if k != _ATTR:
                     setattr(new, k, v)
@@ -224,7 +239,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> int:
             for owner in model.modules():  # a buffer is a plain tensor: re-register it wherever it sits
                 for key, b in list(owner._buffers.items()):
                     if b is t:
-                        owner._buffers[key] = value
+                        owner._buffers[key] = mark_drawn(value)
         total += value.numel() * value.element_size()
     return total
 
@@ -250,3 +265,15 @@ def init_from_rules(model: nn.Module, seed: int) -> None:
         rule = rule_of(name)
         if rule is not None:
             t.copy_(draw(rule, seed, name, t.numel(), 0, t.numel(), t.dtype).view(t.shape))
+
+
+def materialize_model(model: nn.Module, where: "torch.device | str | Mesh") -> nn.Module:
+    """``sw.materialize``: every meta parameter and buffer of ``model`` given its values on ``where`` (a device, or
+    a mesh: its device) — the initial values any layout draws, or the pretrained values attached
+    (``sw.load_pretrained``). For a model used as it is after ``sw.parallelize`` (no ZeRO, DataParallel or
+    pipeline wrapper, which materialise themselves), and for the one-device reference of a meta-built model.
+    Returns ``model``. Local."""
+    device = where.device if isinstance(where, Mesh) else torch.device(where)
+    ensure_sources(model)
+    materialize(model, device)
+    return model

@@ -31,7 +31,7 @@ from .centralized import CentralizedDataParallel
 from .comm_stats import CommStats
 from .local_sgd import ParameterAverager
 from .reducer import GradientReducer
-from ..common.materialize import ensure_sources, materialize
+from ..common.materialize import ensure_sources, materialize, needs_broadcast
 from .replicas import broadcast_coalesced, check_module, check_replicas_agree, trainable
 
 __all__ = ["DataParallel", "CentralizedDataParallel"]
@@ -76,7 +76,7 @@ class DataParallel(nn.Module):
                  grad_views: bool = True) -> None:
         check_module(module, mesh, axis)
         _check_options(bucket_cap_mb, first_bucket_mb, algorithm, average, period)
-        real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+        real = [t for t in (*module.parameters(), *module.buffers()) if needs_broadcast(t)]
         ensure_sources(module)  # a meta-device model: every replica draws the same values from the same sources
         super().__init__()
         self.module = module

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ...comm import autograd as cag
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
-from ..common.materialize import read_block, read_full
+from ..common.materialize import mark_drawn, read_block, read_full
 from ...sbp.params import annotate
 from ...sbp.placement import Broadcast, Split
 from .rng import RNGStreams
@@ -101,6 +101,8 @@ def shard_param(full: torch.Tensor, ctx: TPContext, dim: int | None) -> nn.Param
     else:
         local = full.detach() if dim is None else full.detach().split(shard_sizes(full.size(dim), n), dim=dim)[c]
     p = nn.Parameter(local.clone() if not full.is_meta else local.contiguous(), requires_grad=full.requires_grad)
+    if full.is_meta:
+        mark_drawn(p)
     annotate(p, ctx.mesh, ctx.sbp(dim), shape=tuple(full.shape))
     return p
 
@@ -112,12 +114,14 @@ def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int) -> 
     n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
     per = n_head // n
     rest = tuple(full.shape[1:])
-    grad = full.requires_grad
+    grad, drawn = full.requires_grad, full.is_meta
     if full.is_meta:  # built on the meta device: read the fused matrix (one tensor in flight), keep the heads
         full = read_full(full, ctx.mesh.device)
     view = full.detach().reshape(fused, n_head, -1, *rest)
     local = view[:, c * per:(c + 1) * per].reshape(-1, *rest)
     p = nn.Parameter(local.clone(), requires_grad=grad)
+    if drawn:
+        mark_drawn(p)
     p._shardwise_heads = (ctx.mesh, ctx.axis, fused, tuple(full.shape))  # type: ignore[attr-defined]
     return p
 

@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_map
 from ... import comm
 from ...mesh import Mesh
 from ..common.buckets import default_order, plan_buckets
-from ..common.materialize import ensure_sources, materialize
+from ..common.materialize import ensure_sources, materialize, needs_broadcast
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_replicas_agree, trainable
@@ -108,7 +108,7 @@ class ZeroModel(nn.Module):
         # only), so only tensors that were already real need coordinate 0's values.
         ensure_sources(module)
         check_replicas_agree(module, mesh, axis)  # includes the sources' seeds
-        real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+        real = [t for t in (*module.parameters(), *module.buffers()) if needs_broadcast(t)]
         if stage < 3:
             materialize(module, mesh.device)
         broadcast_coalesced(real, mesh, axis, src=0)
