@@ -1,6 +1,7 @@
 """Rank-side checks for graph pipelines: ``sw.pipeline(model, mesh, example_inputs=...)`` on third-party
-decoders (Hugging Face ``transformers`` Llama and Qwen2 built from a small config, no download) and on a
-model of our own with keyword inputs and a dataclass output.
+decoders (Hugging Face ``transformers`` Llama and Qwen2 built from a small config, no download; ``cache=True``
+leaves ``use_cache`` at its default, True, so every forward makes a ``DynamicCache`` that its layers fill) and
+on a model of our own with keyword inputs and a dataclass output.
 
 Reference: the same model (same seed) trained on one device with plain SGD on the whole batch, computed on
 every rank, so parity is asserted against numbers the pipeline code never touched.
@@ -51,13 +52,14 @@ class Toy(nn.Module):
         return Out(loss, logits)
 
 
-def _model(kind: str) -> nn.Module:
+def _model(kind: str, cache: bool = False) -> nn.Module:
     torch.manual_seed(4321)
     if kind == "toy":
         return Toy()
     import transformers as tf
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  **({} if cache else {"use_cache": False}))
     if kind == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
     if kind == "qwen2":  # q/k/v biases, embedding tied to the head (one Parameter on the first and last stage)
@@ -70,8 +72,8 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model(kind)
+def _reference(kind: str, cache: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(kind, cache)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for ids in _batches():
@@ -94,7 +96,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _pipe(case: dict) -> tuple[sw.Mesh, nn.Module, object]:
     axes = dict(pp=2, **{k: case[k] for k in ("dp", "tp") if k in case})
     m = mesh(**axes) if len(axes) > 1 else mesh(pp=-1)
-    model = _model(case["model"])
+    model = _model(case["model"], case.get("cache", False))
     if "tp" in case:  # Megatron pairs inside each decoder layer; the head stays whole (the model's own loss)
         plan = {"model.layers.*.self_attn.q_proj": sw.parallel.tensor.ColumnParallel(heads=4),
                 "model.layers.*.self_attn.[kv]_proj": sw.parallel.tensor.ColumnParallel(heads=2),
@@ -126,7 +128,7 @@ def _run_case(case: dict) -> dict:
         opt.step()
         opt.zero_grad()
     full = sw.full_state_dict(pipe)
-    ref_losses, ref_state = _reference(case["model"])
+    ref_losses, ref_state = _reference(case["model"], case.get("cache", False))
     return {
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
@@ -136,6 +138,7 @@ def _run_case(case: dict) -> dict:
         "stages": pipe.stage_names(),
         "tied": len(pipe.tied),
         "coord": m.coord("pp"),
+        "made": [x.kind for x in pipe.all_stages[0].graph.made],
     }
 
 

@@ -4,6 +4,9 @@ Hugging Face ``transformers`` Llama (GQA, untied head) and Qwen2 (q/k/v biases, 
 from a small config, and a model of our own (keyword inputs, a mask and position ids used by every layer, a skip
 connection, a dataclass output), under every schedule, with checkpointing, pp x dp and pp x tp: losses and
 trained parameters (``sw.full_state_dict``, the original keys) equal one device's SGD within fp32 rounding.
+Decoders with ``use_cache`` at its default (True: each forward makes a ``DynamicCache`` its layers fill) train
+the same 2 steps to one device's losses: the cache is made anew for every call (and every checkpointed
+recomputation), so nothing of one step or micro-batch reaches the next.
 Communication: whatever crosses a boundary (hidden states, position ids, rotary cos and sin) travels as ONE
 message per micro-batch each way, plus one metadata message per boundary on the first step, plus one message
 each way for the tied embedding/head — the same count as a chain pipeline (``test_pipeline._expected_sends``).
@@ -35,6 +38,9 @@ CASES = {
         dict(model="qwen2", schedule="interleaved", m=2, chunks=2),
         dict(model="qwen2", schedule="zb-h1", m=2, checkpoint=True),
         dict(model="qwen2", schedule="zb-h2", m=4),
+        # use_cache left at True: a DynamicCache made inside every forward, never sent, never kept between calls
+        dict(model="llama", schedule="1f1b", m=2, cache=True),
+        dict(model="qwen2", schedule="zb-h1", m=2, cache=True, checkpoint=True),
     ],
     4: [
         dict(model="llama", schedule="1f1b", m=2, dp=2),
@@ -56,6 +62,7 @@ def test_graph_pipelines_match_one_device(worlds, n):
             got = rank_out[k]
             assert got["loss_err"] < TOL and got["param_err"] < TOL, (case, got["loss_err"], got["param_err"])
             assert got["keys_ok"], case
+            assert got["made"] == (["DynamicCache"] if case.get("cache") else []), (case, got["made"])
             p = 2 if n == 2 or "dp" in case or "tp" in case else 4
             first, later = _expected_sends({**case, "tie": _tie(case)}, got["coord"], p)
             assert got["sends"] == [first] + [later] * (len(got["sends"]) - 1), (case, got["sends"], first, later)

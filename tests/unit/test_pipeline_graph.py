@@ -1,11 +1,14 @@
 """Graph capture and cutting for ``sw.pipeline(..., example_inputs=...)``: pure, one process, no mesh.
 
 What crosses a cut of a Hugging Face decoder, FLOP-balanced automatic splits, the bad inputs (split names,
-stages without parameters, data-dependent control flow, shapes that differ from the capture), and that a capture
-leaves the model and the random stream untouched.
+stages without parameters, data-dependent control flow, shapes that differ from the capture, objects made inside
+the forward that cannot be made anew), that a capture leaves the model and the random stream untouched, and that
+objects made inside the forward (a ``use_cache=True`` decoder's cache) are made anew for every call.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -16,11 +19,11 @@ from shardwise.parallel.pipeline.capture import CaptureError
 from shardwise.parallel.pipeline.graph_stage import build_graph_stages, leaf_modules, model_loss
 
 
-def _llama(layers: int = 4) -> nn.Module:
+def _llama(layers: int = 4, **config) -> nn.Module:
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+                         num_attention_heads=4, num_key_value_heads=2, **{"use_cache": False, **config})
     return tf.LlamaForCausalLM(cfg)
 
 
@@ -183,3 +186,110 @@ def test_model_loss_finds_the_loss_or_says_what_to_pass():
     assert model_loss({"loss": loss}) == 2.0 and model_loss((loss, torch.zeros(3))) == 2.0
     with pytest.raises(ValueError, match="give loss_fn="):
         model_loss(torch.zeros(2, 3))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_cache_made_inside_the_forward_is_made_anew_for_every_call(checkpointed):
+    model = _llama(use_cache=True)  # the default config: LlamaModel.forward makes a DynamicCache per call
+    stages = build_graph_stages(model, 2, None, _example())
+    made = stages[0].graph.made
+    assert [m.kind for m in made] == ["DynamicCache"] and "modeling_llama.py" in made[0].where
+    assert "DynamicCache(" in made[0].where
+    for s in stages:
+        s.checkpoint = checkpointed  # the recomputation in backward gets a new cache too
+    for k in range(3):  # three calls, each with other tokens: nothing of one call reaches the next
+        ids = (torch.arange(16).reshape(2, 8) * (k + 3)) % 64
+        mb = normalize_example({"input_ids": ids, "labels": ids})
+        out = stages[1](mb, stages[0](mb, []))
+        model_loss(out).backward()
+        got = _grads(model)
+        ref = model(input_ids=ids, labels=ids)
+        ref.loss.backward()
+        assert torch.equal(out.logits, ref.logits) and torch.equal(model_loss(out), ref.loss)
+        assert all(torch.allclose(got[n], g, rtol=1e-5, atol=1e-7) for n, g in _grads(model).items())
+    assert all(layer.keys is None for layer in made[0].template.layers)  # the copy kept is the empty cache
+
+
+class _Log:
+    def __init__(self, owner: nn.Module) -> None:
+        self.owner, self.calls = owner, []
+
+
+class _Logged(nn.Linear):
+    def forward(self, x: torch.Tensor, log: _Log) -> torch.Tensor:  # type: ignore[override]
+        log.calls.append(len(log.calls))
+        return super().forward(x) * len(log.calls)  # the output depends on what this call's log holds
+
+
+class _LogModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), _Logged(4, 4), _Logged(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log = _Log(self)
+        x = self.layers[0](x)
+        for layer in self.layers[1:]:
+            x = layer(x, log)
+        return x.sum()
+
+
+def test_an_object_made_inside_the_forward_is_copied_per_call_and_shares_what_existed_before():
+    model = _LogModel()
+    stages = build_graph_stages(model, 2, ["layers.1"], ((torch.randn(2, 4),), {}))
+    (made,) = stages[0].graph.made
+    assert made.kind == "_Log" and "log = _Log(self)" in made.where and made.template.calls == []
+    assert made.new().owner is model  # the model existed before the forward: shared, never copied
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        assert torch.allclose(stages[1](((x,), {}), stages[0](((x,), {}), [])), model(x))
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Locked:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+class _Carry(nn.Module):
+    """Passes an object made in its forward to a layer: one that holds a tensor computed from the inputs, or
+    one that cannot be copied."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.layers = nn.ModuleList([nn.Linear(4, 4), _Take(), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        holder = _Holder(x * 2) if self.kind == "tensor" else _Locked()
+        return self.layers[2](self.layers[1](self.layers[0](x), holder)).sum()
+
+
+class _Take(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+
+    def forward(self, x: torch.Tensor, holder: object) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x + getattr(holder, "t", 0))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("tensor", r"a _Holder made inside the forward at \S*test_pipeline_graph.py:\d+ \(holder = _Holder\(x \* 2\) .*"
+               r"holds tensors computed in the forward \(shapes \[\[2, 4\]\]\).*pass them to the modules"),
+    ("lock", r"a _Locked made inside the forward at \S*test_pipeline_graph.py:\d+ .*copy.deepcopy fails "
+             r"\(TypeError: .*lock.*\); give _Locked a working __deepcopy__"),
+])
+def test_an_object_made_inside_the_forward_that_cannot_be_made_anew_is_refused(kind, message):
+    with pytest.raises(CaptureError, match=message) as err:
+        build_graph_stages(_Carry(kind), 2, None, ((torch.randn(2, 4),), {}))
+    assert "\n" not in str(err.value) and "use_cache=False" in str(err.value)
