@@ -11,6 +11,12 @@ The checkpoint is verified first (``verify_checkpoint``: every piece present, co
 indexed shape and checksum) and a non-finite model tensor is refused. The output is written to a temporary
 file beside ``--out`` and moved over it with ``os.replace``, so a failed export leaves no partial file and an
 existing ``--out`` untouched. Every failure is one line on stderr (``shardwise export: error: ...``), exit 2.
+
+``--format hf --out DIR`` writes a Hugging Face model directory instead (``shardwise.checkpoint.hf_dir``):
+``config.json``, safetensors shards of at most ``--max-shard-mb`` with their index (or one
+``model.safetensors``), GPT-2's keys and layout for a reference-GPT run, HF's own for a ``model.hf_config`` run,
+and the tokenizer files of the run directory or of the pretrained directory the run started from. Tensors are
+read and written one at a time; ``DIR`` is replaced atomically (docs/training.md, "Pretrained weights in and out").
 """
 
 from __future__ import annotations
@@ -20,18 +26,31 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
 
+from ..checkpoint.hf_dir import check_out_dir, hf_export, write_hf_dir
 from ..checkpoint.sharded import Checkpoint, resolve_checkpoint, verify_checkpoint
 
-__all__ = ["add_arguments", "main", "consolidate", "write_atomic"]
+__all__ = ["add_arguments", "main", "consolidate", "write_atomic", "export_hf", "tokenizer_files", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
+"""Copied into an ``--format hf`` export from the first directory holding any of them."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="run directory (its latest checkpoint) or a checkpoint directory")
-    parser.add_argument("--out", default="model.safetensors", help="output file (default model.safetensors)")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: one file with the plain model's keys (default); hf: a Hugging Face model "
+                             "directory (config.json, shards, index, tokenizer files) that from_pretrained loads")
+    parser.add_argument("--out", default=None,
+                        help="output file (--format safetensors, default model.safetensors) or directory (--format hf, "
+                             "required; an existing model directory is replaced)")
+    parser.add_argument("--max-shard-mb", type=float, default=5000.0,
+                        help="--format hf: the size limit of one safetensors shard in MB (default 5000)")
 
 
 def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -80,12 +99,71 @@ def _error(text: object) -> int:
     return 2
 
 
+def tokenizer_files(ckpt: Checkpoint) -> list[Path]:
+    """The tokenizer files of the first of: the run directory, the run's ``model.pretrained`` directory, the
+    directory of its ``model.hf_config`` — that holds any (files of two tokenizers are never mixed)."""
+    model = ckpt.state.get("config", {}).get("model", {}) if isinstance(ckpt.state.get("config"), dict) else {}
+    places = [ckpt.path.parent.parent] if ckpt.path.parent.name == "checkpoints" else []
+    for field, parent in (("pretrained", False), ("hf_config", True)):
+        value = model.get(field) if isinstance(model, dict) else None
+        if isinstance(value, str) and value:
+            places.append(Path(value).expanduser().parent if parent else Path(value).expanduser())
+    for place in places:
+        found = [place / name for name in TOKENIZER_FILES if (place / name).is_file()]
+        if found:
+            return found
+    return []
+
+
+def export_hf(path: str | Path, out: Path, max_shard_bytes: int) -> tuple[int, int, int, list[Path]]:
+    """Write the checkpoint at ``path`` as a Hugging Face model directory ``out``; returns (step, tensors, values,
+    tokenizer files copied). Raises what the reading and writing raise (one-line messages)."""
+    check_out_dir(out)  # before anything is read or written
+    where = resolve_checkpoint(path)
+    verify_checkpoint(where)
+    ckpt = Checkpoint(where)
+    config, tensors = hf_export(ckpt)
+    counted = {"tensors": 0, "values": 0}
+
+    def counting() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in tensors:
+            counted["tensors"] += 1
+            counted["values"] += t.numel()
+            yield name, t
+            del t
+
+    extra = tokenizer_files(ckpt)
+    write_hf_dir(counting(), config, out, max_shard_bytes=max_shard_bytes, extra_files=extra)
+    return ckpt.step, counted["tensors"], counted["values"], extra
+
+
+def _main_hf(args: argparse.Namespace) -> int:
+    if not args.out:
+        return _error("--format hf needs --out DIR (the model directory to write)")
+    if not args.max_shard_mb > 0:
+        return _error(f"--max-shard-mb {args.max_shard_mb} must be positive")
+    out = Path(args.out)
+    try:
+        step, n, values, extra = export_hf(args.path, out, int(args.max_shard_mb * 1e6))
+    except (ValueError, TypeError, SafetensorError) as exc:  # CheckpointError is a ValueError
+        return _error(exc)
+    except OSError as exc:
+        where = exc.filename or out
+        return _error(f"{where}: {exc.strerror or exc}; --out must be a writable directory path and the checkpoint "
+                      f"readable")
+    tok = f" + {len(extra)} tokenizer files" if extra else ""
+    print(f"shardwise export: {n} tensors ({values:,} values) of step {step}{tok} → {out} (Hugging Face directory)")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "format", "safetensors") == "hf":
+        return _main_hf(args)
     try:
         tensors, meta = consolidate(args.path)
     except (ValueError, OSError, SafetensorError) as exc:  # CheckpointError is a ValueError
         return _error(exc)
-    out = Path(args.out)
+    out = Path(args.out or "model.safetensors")
     try:
         write_atomic(tensors, meta, out)
     except (OSError, SafetensorError) as exc:
