@@ -43,7 +43,7 @@ from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layo
                         latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
                         verify_checkpoint)
 
-__all__ = ["Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint", "latest_checkpoint",
+__all__ = ["RangePiece", "Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint", "latest_checkpoint",
            "resolve_checkpoint", "CHECKPOINTS", "CheckpointError", "verify_checkpoint", "latest_intact_checkpoint"]
 
 
@@ -68,6 +68,21 @@ class Piece:
     def owner(self) -> bool:
         """Whether this rank writes the piece: replicas (B axes) are written by coordinate 0 only."""
         return all(c == 0 for p, c in zip(self.sbp, self.coords) if isinstance(p, Broadcast))
+
+
+@dataclass(frozen=True)
+class RangePiece(Piece):
+    """A piece that is one range ``[start, start + count)`` of a flattened tensor (``view_shape`` = (numel,)),
+    written by its rank whatever the placement says: a ZeRO rank's part of a parameter, which need not be an
+    even split of it. The index records the extent, so reading and verifying need nothing else."""
+
+    rows: tuple[int, int] = (0, 0)
+
+    def extent(self) -> list[tuple[int, int]]:
+        return [self.rows]
+
+    def owner(self) -> bool:
+        return True
 
 
 def replicated_piece(key: str, t: torch.Tensor, mesh: Mesh) -> Piece:

@@ -20,7 +20,7 @@ data/tensor parallelism, any stage, any dp and tp size.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from ..parallel.zero.optim import ZeroOptimizer
 from ..sbp.placement import Broadcast, Split
 from .flat_state import param_state, saved_groups
 from .layout import describe, local_of
-from .sharded import Checkpoint, Piece, replicated_piece, without_axis
+from .sharded import Checkpoint, Piece, RangePiece, replicated_piece, without_axis
 
 __all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "zero_index_state", "param_state",
            "saved_groups", "fill_flat_state", "load_zero", "tag_axes", "group_tag", "flat_state_pieces",
@@ -81,8 +81,33 @@ def group_entry(key: str, g: FlatGroup, names: list[str], mesh: Mesh) -> dict[st
 
 
 def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
-    """This rank's pieces of the parameters (each flat group gathered over dp: collective), in the model's own
-    layout — replicated, or tp shards — each storage once."""
+    """This rank's pieces of the parameters. Without tp: each rank writes the flat-group elements it owns, as
+    ranges of the flattened parameters (``RangePiece``: nothing is gathered, no rank holds more than its shard —
+    the model may not fit one device). With tp inside: each flat group gathered over dp (collective), in the
+    model's own layout (tp shards). Each storage once."""
+    if tag_axes(mesh, model.axis):
+        return _gathered_pieces(model, mesh)
+    coords = tuple(mesh.coord(a) for a in mesh.axes)
+    sbp = tuple(Split(0) if a == model.axis else Broadcast() for a in mesh.axes)
+    out: list[Piece] = []
+    managed: set[int] = set()
+    for g in model.groups:
+        master = g.master.detach()
+        for k, a, b in g.layout.pieces(mesh.coord(model.axis)):
+            start = g.layout.offsets[k] + a - g.lo  # in this rank's shard
+            numel = (g.layout.numels[k],)
+            out.append(RangePiece(f"model/{g.names[k]}", master[start:start + b - a], numel, tuple(g.shapes[k]), sbp,
+                                  tuple(mesh.axes), tuple(mesh.shape), coords, rows=(a, b - a)))
+        managed |= {id(p) for p in g.params}
+    seen = set(managed)
+    for key, value in model.module.state_dict(keep_vars=True).items():  # frozen parameters, buffers
+        if id(value) not in seen:
+            seen.add(id(value))
+            out.append(describe(f"model/{key}", value, mesh, value.detach()))
+    return out
+
+
+def _gathered_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
     tensors = model.module.state_dict(keep_vars=True)
     seen: set[int] = set()
     out: list[Piece] = []
@@ -138,14 +163,30 @@ def fill_flat_state(inner: torch.optim.Optimizer, groups: Sequence[FlatGroup], g
 
 
 @torch.no_grad()
+class _Lazy(Mapping[str, torch.Tensor]):
+    """The checkpoint's full tensors under the plain model's keys, each read when asked for: loading holds one
+    flat group's full values at a time, never the whole model."""
+
+    def __init__(self, ckpt: Checkpoint, keys: list[str], aliases: dict[str, str]) -> None:
+        self.ckpt, self.keys_, self.aliases = ckpt, keys, aliases
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.ckpt.full(f"model/{self.aliases.get(key, key)}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __contains__(self, key: object) -> bool:  # without reading the tensor (Mapping's default would)
+        return key in self.keys_
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+
 def load_zero(ckpt: Checkpoint, model: ZeroModel, optimizer: ZeroOptimizer) -> None:
     """Load parameters (full, any stage; each rank keeps its tp piece) and rebuild this rank's flat
     optimizer-state shards. Local."""
     plain: nn.Module = model.module
-    aliases = ckpt.state.get("aliases", {})
-    full = {}
-    for key in plain.state_dict().keys():
-        full[key] = ckpt.full(f"model/{aliases.get(key, key)}")
-    model.load_state_dict(full)
+    model.load_state_dict(_Lazy(ckpt, list(plain.state_dict(keep_vars=True)), ckpt.state.get("aliases", {})))
     names, fetch = param_state(ckpt)
     fill_flat_state(optimizer.optimizer, model.groups, [list(g.names) for g in model.groups], names, fetch)
