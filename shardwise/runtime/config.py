@@ -25,7 +25,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
-from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf
+from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
 
 
 _SECTIONS = {f.name: f for f in fields(Config)}
@@ -121,7 +121,8 @@ def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
         changes.setdefault(section, {})[name] = _coerce(key, value, types_[name])
     try:
         parts = {s: dataclasses.replace(getattr(config, s), **changes.get(s, {})) for s in _SECTIONS}
-        parts["model"] = resolve_hf(parts["model"], changes.get("model", {}))  # model.hf_config sets the shape
+        given = changes.get("model", {})
+        parts["model"] = resolve_hf(resolve_pretrained(parts["model"], given), given)  # they set the shape
     except ValueError as exc:
         # [model] is GPTConfig, which checks its shape when built: name the config keys, not the class
         raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
@@ -239,8 +240,8 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     if not p.bucket_cap_mb > 0:
         raise ValueError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb} must be > 0 (megabytes); e.g. "
                          f"--parallel.bucket_cap_mb 25")
-    if not o.lr > 0:
-        raise ValueError(f"optimizer.lr = {o.lr} must be > 0; e.g. --optimizer.lr 0.003")
+    if not o.lr >= 0:  # 0: the weights stay as loaded (a pretrained round trip, an evaluation run)
+        raise ValueError(f"optimizer.lr = {o.lr} must be >= 0; e.g. --optimizer.lr 0.003")
     if not 0 <= o.min_lr <= o.lr:
         raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
                          f"--optimizer.min_lr {o.lr / 10:g}")

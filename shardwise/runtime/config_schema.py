@@ -26,6 +26,10 @@ class ModelConfig(GPTConfig):
     hf_config: str = ""
     """Path of a Hugging Face ``config.json`` (model_type llama, mistral or qwen2): train that decoder, built from
     the config with random weights (nothing is downloaded); its shape fields replace model.n_layer etc."""
+    pretrained: str = ""
+    """A Hugging Face model directory (``config.json`` + ``model.safetensors``, or sharded files with
+    ``model.safetensors.index.json``) to start from: Llama, Mistral, Qwen2, or GPT-2 (the reference GPT's own
+    ``shardwise export --format hf``). Its config sets the model's shape; each rank reads only its slices."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec",
-           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf",
+           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf", "resolve_pretrained",
            "check_tp", "HF_REPLICABLE"]
 
 
@@ -101,7 +101,7 @@ def meta_model_for(cfg: Any) -> nn.Module:
     if pretrained:
         from ..checkpoint.hf_dir import attach_pretrained
 
-        attach_pretrained(model, pretrained, arch="gpt" if hf_of(cfg.model) is None else "llama")
+        attach_pretrained(model, pretrained, arch=_arch(cfg.model))
     return model
 
 
@@ -146,7 +146,7 @@ def planner_split_names(m: ModelConfig, names: tuple[str, ...]) -> tuple[str, ..
 def saved_model(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's ``[model]`` dict with the fields added since it was written at their defaults (a checkpoint
     from before ``hf_config`` existed trained the GPT), so that it compares equal to the config it resumes under."""
-    return {"hf_config": "", **saved}
+    return {"hf_config": "", "pretrained": "", **saved}
 
 
 def resolve_hf(m: ModelConfig, given: dict[str, Any]) -> ModelConfig:
@@ -165,6 +165,40 @@ def resolve_hf(m: ModelConfig, given: dict[str, Any]) -> ModelConfig:
                              f"{value!r}; drop --model.{key} (the HF config sets the model's shape)")
     hf.check_block_size(m.block_size)
     return dataclasses.replace(m, hf_config=path, **fields)
+
+
+def resolve_pretrained(m: ModelConfig, given: dict[str, Any]) -> ModelConfig:
+    """``m`` with the fields ``model.pretrained``'s directory decides: a GPT-2 directory the reference GPT's shape, a
+    Llama-family one ``hf_config`` = its ``config.json`` (then ``resolve_hf`` fills the shape). The directory is
+    checked here, before anything launches (headers only: files, index, every tensor's name, shape and dtype
+    against the model's). ``ValueError`` naming a ``[model]`` value that contradicts the directory. Unchanged
+    without ``pretrained``."""
+    if not m.pretrained:
+        return m
+    from ..checkpoint.hf_dir import attach_pretrained, open_pretrained, pretrained_config
+
+    path = str(os.path.abspath(os.path.expanduser(m.pretrained)))
+    pretrained = open_pretrained(path)
+    kind = pretrained.config.get("model_type")
+    if kind == "gpt2":
+        fields = pretrained_config(pretrained, arch="gpt")
+        out = dataclasses.replace(m, pretrained=path, **fields)
+    else:
+        fields = {"hf_config": str(pretrained.config_path)}
+        out = dataclasses.replace(m, pretrained=path, **fields)
+    for key, value in fields.items():
+        if key in given and given[key] != value and not (key == "hf_config" and os.path.abspath(given[key]) == value):
+            raise ValueError(f"model.{key} = {given[key]!r} contradicts model.pretrained {path!r}, which makes it "
+                             f"{value!r}; drop --model.{key} (the pretrained directory sets the model's shape)")
+    if kind != "gpt2":
+        out = resolve_hf(out, {k: v for k, v in given.items() if k != "hf_config"})
+    attach_pretrained(meta_model(out), pretrained, arch=_arch(out))  # names, shapes and dtypes, nothing read
+    return out
+
+
+def _arch(m: ModelConfig) -> str:
+    hf = hf_of(m)
+    return "gpt" if hf is None else hf.model_type
 
 
 def check_tp(m: ModelConfig, tp: int) -> None:
