@@ -5,6 +5,7 @@ Public API re-exports only; the contract is ARCHITECTURE.md, "Public API".
 
 from . import comm, models, planner
 from .checkpoint import full_state_dict
+from .checkpoint.hf_dir import load_pretrained
 from .mesh import Mesh, MeshLayout
 from .parallel.common.activation_checkpointing import checkpoint_layers
 from .parallel.auto import Plan, auto
@@ -30,7 +31,7 @@ __all__ = [
     "DataParallel", "checkpoint_layers", "parallelize", "ColumnParallel", "RowParallel", "VocabParallel",
     "QKVParallel", "SequenceParallel", "zero", "MixedPrecision", "pipeline", "Pipeline",
     # models larger than one device: built on meta, materialised in shards
-    "materialize", "Normal", "Uniform", "Constant",
+    "materialize", "load_pretrained", "Normal", "Uniform", "Constant",
     # state and accounting
     "full_state_dict", "memory_report", "models", "__version__",
     # planning (pure: no processes)
