@@ -210,6 +210,8 @@ def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = 
             "predicted_construction_bytes": pred.get("construction_bytes"),
             "measured_process_peak_bytes": [r.get("peak_memory") for r in ranks],
             "bare_runtime_bytes": [r.get("bare_runtime_bytes") for r in ranks],
+            "measured_construction_peak_bytes": [r.get("construction_peak_bytes") for r in ranks],
+            "construction_s": [r.get("construction_s") for r in ranks],
             "hardware": pred.get("hardware_source"), "time": time.time()}
 
 
@@ -247,6 +249,9 @@ def _peak_row(ranks: list[dict[str, Any]]) -> tuple[str, str]:
         bare = r.get("bare_runtime_bytes")
         extra = (f" (bare runtime {format_bytes(bare)}, +{format_bytes(max(0, r['peak_memory'] - bare))})"
                  if isinstance(bare, (int, float)) else "")
+        built = r.get("construction_peak_bytes")
+        if isinstance(built, (int, float)) and isinstance(bare, (int, float)):
+            extra += f"; built +{format_bytes(max(0, built - bare))} in {r.get('construction_s', 0.0):.1f} s"
         return f"r{r['rank']} {format_bytes(r['peak_memory'])}{extra}"
 
     return f"peak {what} per rank (incl. construction)", ", ".join(one(r) for r in ranks)

@@ -83,7 +83,12 @@ class Trainer:
         calibration = mesh_calibrations(p, world.device, world.rank, world.world_size)
         self.mesh = _build_mesh(p, cfg.train.timeout_s, calibration)
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
+        built = time.perf_counter()
         self.strategy: Strategy = build_strategy(cfg, self.mesh)
+        self.construction_s = time.perf_counter() - built
+        """Seconds building the layout: materialising this rank's pieces (drawn, or read from model.pretrained)."""
+        self.construction_peak = peak_memory_bytes(self.mesh.device)
+        """The process peak once the layout is built, before the first step (construction and loading)."""
         tokens = load_corpus(cfg.data.path, cfg.data.format)
         dataset = TokenWindows(tokens, cfg.model.block_size)
         dp_size, dp_rank = self.strategy.data_shard()  # a pipeline loads all of dp's sequences: not sharded
@@ -273,6 +278,7 @@ class Trainer:
                 "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                 "skipped_steps": self.skipped, "memory": memory, "bare_runtime_bytes": self.bare_runtime,
+                "construction_peak_bytes": self.construction_peak, "construction_s": self.construction_s,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
                 "activation_peak_bytes": self._activation_peak(memory)}
 

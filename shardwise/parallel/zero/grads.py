@@ -38,6 +38,10 @@ from .flat import FlatGroup
 
 __all__ = ["ShardGradReducer", "attach_full_grads"]
 
+MAX_IN_FLIGHT = 2
+"""Reduce-scatters a backward keeps outstanding (see ``_launch``): one communicating while the next group's
+gradients are computed, as FSDP's two in-flight limit."""
+
 # What a stage-1 view holds for its parameter (``ShardGradReducer._state``).
 EMPTY, LOCAL, AVERAGED = 0, 1, 2
 """EMPTY: nothing (the value is ``param.grad``, or zero); LOCAL: this rank's accumulated gradient (``param.grad``
@@ -175,6 +179,12 @@ class ShardGradReducer:
                                      async_op=True)
         assert isinstance(handle, comm.Handle)
         self.handles.append((k, handle))
+        # Bound the reductions in flight: each holds its group's full flat gradient (stage 3: a unit) until it
+        # is waited for, so waiting only when backward ends would hold every unit's at once — the whole model's
+        # gradient, which need not fit. The oldest is done or nearly (launched a group's backward ago).
+        while len(self.handles) > MAX_IN_FLIGHT:
+            k0, h0 = self.handles.pop(0)
+            self._store(k0, h0.wait())
         self.next_launch = k + 1
         if self.on_launched is not None:
             self.on_launched(k)
