@@ -182,11 +182,14 @@ class FlatGroup:
         self.gathered = False
 
     # -- gradients ------------------------------------------------------------------------------------
-    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        """A new ``L``-element flat tensor of the params' gradients (zeros where a param has none)."""
+    def flat_grads(self, dtype: torch.dtype, release: bool = False) -> torch.Tensor:
+        """A new ``L``-element flat tensor of the params' gradients (zeros where a param has none). ``release``:
+        drop each ``param.grad`` once copied, so the group's gradients exist about once, not twice."""
         out = torch.empty(self.layout.total, dtype=dtype, device=self.full.device)  # every element written once
         for view, p in zip(self.views(out), self.params):
             view.copy_(p.grad) if p.grad is not None else view.zero_()
+            if release:
+                p.grad = None
         return out
 
     @torch.no_grad()

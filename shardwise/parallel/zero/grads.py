@@ -172,9 +172,9 @@ class ShardGradReducer:
             buf = self.full[k]
             flat = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
         else:
-            flat = group.flat_grads(self.reduce_dtype)  # (L,) full gradient of the group, zeros where unused
-            for p in group.params:
-                p.grad = None  # stage 2's point: no full-size gradient survives its reduction
+            # (L,) full gradient of the group, zeros where unused; each param.grad dropped once copied (stage 2's
+            # point: no full-size gradient survives its reduction)
+            flat = group.flat_grads(self.reduce_dtype, release=True)
         handle = comm.reduce_scatter(flat, self.mesh, self.axis, op="avg", algorithm=self.algorithm,
                                      async_op=True)
         assert isinstance(handle, comm.Handle)
