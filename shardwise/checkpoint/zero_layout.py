@@ -162,7 +162,6 @@ def fill_flat_state(inner: torch.optim.Optimizer, groups: Sequence[FlatGroup], g
             inner.state[g.master] = new
 
 
-@torch.no_grad()
 class _Lazy(Mapping[str, torch.Tensor]):
     """The checkpoint's full tensors under the plain model's keys, each read when asked for: loading holds one
     flat group's full values at a time, never the whole model."""
@@ -183,6 +182,7 @@ class _Lazy(Mapping[str, torch.Tensor]):
         return len(self.keys_)
 
 
+@torch.no_grad()
 def load_zero(ckpt: Checkpoint, model: ZeroModel, optimizer: ZeroOptimizer) -> None:
     """Load parameters (full, any stage; each rank keeps its tp piece) and rebuild this rank's flat
     optimizer-state shards. Local."""
