@@ -212,6 +212,7 @@ def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = 
             "bare_runtime_bytes": [r.get("bare_runtime_bytes") for r in ranks],
             "measured_construction_peak_bytes": [r.get("construction_peak_bytes") for r in ranks],
             "construction_s": [r.get("construction_s") for r in ranks],
+            "pretrained_bytes_read": [r.get("pretrained_bytes_read") for r in ranks],
             "hardware": pred.get("hardware_source"), "time": time.time()}
 
 

@@ -101,7 +101,8 @@ def meta_model_for(cfg: Any) -> nn.Module:
     if pretrained:
         from ..checkpoint.hf_dir import attach_pretrained
 
-        attach_pretrained(model, pretrained, arch=_arch(cfg.model))
+        # kept on the model: the trainer reports the bytes this rank's sources read (its share, not the model)
+        model._shardwise_pretrained = attach_pretrained(model, pretrained, arch=_arch(cfg.model))
     return model
 
 

@@ -279,6 +279,7 @@ class Trainer:
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                 "skipped_steps": self.skipped, "memory": memory, "bare_runtime_bytes": self.bare_runtime,
                 "construction_peak_bytes": self.construction_peak, "construction_s": self.construction_s,
+                "pretrained_bytes_read": getattr(self.strategy, "pretrained_bytes_read", 0),
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
                 "activation_peak_bytes": self._activation_peak(memory)}
 

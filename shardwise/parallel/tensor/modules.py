@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ...comm import autograd as cag
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
-from ..common.materialize import mark_drawn, read_block, read_full
+from ..common.materialize import mark_drawn, read_block
 from ...sbp.params import annotate
 from ...sbp.placement import Broadcast, Split
 from .rng import RNGStreams
@@ -115,11 +115,14 @@ def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int) -> 
     per = n_head // n
     rest = tuple(full.shape[1:])
     grad, drawn = full.requires_grad, full.is_meta
-    if full.is_meta:  # built on the meta device: read the fused matrix (one tensor in flight), keep the heads
-        full = read_full(full, ctx.mesh.device)
-    view = full.detach().reshape(fused, n_head, -1, *rest)
-    local = view[:, c * per:(c + 1) * per].reshape(-1, *rest)
-    p = nn.Parameter(local.clone(), requires_grad=grad)
+    if drawn:  # built on the meta device: read this rank's heads of each chunk, (per·hd, ...) rows apiece
+        rows = full.size(0) // (fused * n_head)  # hd
+        local = torch.cat([read_block(full, (slice(start, start + per * rows),), ctx.mesh.device)
+                           for start in (f * n_head * rows + c * per * rows for f in range(fused))])
+    else:
+        view = full.detach().reshape(fused, n_head, -1, *rest)
+        local = view[:, c * per:(c + 1) * per].reshape(-1, *rest).clone()
+    p = nn.Parameter(local, requires_grad=grad)
     if drawn:
         mark_drawn(p)
     p._shardwise_heads = (ctx.mesh, ctx.axis, fused, tuple(full.shape))  # type: ignore[attr-defined]

@@ -31,8 +31,13 @@ def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:
     wrappers broadcast or check the weights over their axes)."""
     plain = meta_model_for(cfg)
     p = cfg.parallel
+    strategy: Strategy
     if p.pp > 1:
-        return PipelineStrategy(cfg, mesh, plain)
-    if p.zero_stage:
-        return ZeroStrategy(cfg, mesh, plain)
-    return PlainStrategy(cfg, mesh, plain)
+        strategy = PipelineStrategy(cfg, mesh, plain)
+    elif p.zero_stage:
+        strategy = ZeroStrategy(cfg, mesh, plain)
+    else:
+        strategy = PlainStrategy(cfg, mesh, plain)
+    pretrained = getattr(plain, "_shardwise_pretrained", None)
+    strategy.pretrained_bytes_read = pretrained.bytes_read if pretrained is not None else 0  # type: ignore[attr-defined]
+    return strategy
