@@ -432,8 +432,8 @@ def check_bad_inputs() -> dict[str, str]:
     m = mesh(dp=-1)
     r = m.coord("dp")
     out = {"complex": _error(lambda: DataParallel(_Complex(), m))}
-    off = build("mlp")
-    off.fc2.to("meta")
+    off = build("mlp")  # a meta parameter is materialised in place, when something says how to initialise it
+    off.extra = nn.Parameter(torch.empty(3, device="meta"))
     out["device"] = _error(lambda: DataParallel(off, m))
     frozen = build("mlp").requires_grad_(False)
     out["frozen"] = _error(lambda: DataParallel(frozen, m))

@@ -80,6 +80,11 @@ def _wrap(layout: str, m: sw.Mesh) -> tuple[Any, torch.optim.Optimizer, Any]:
         model, opt = sw.zero(model, m, stage=int(layout[-1]), optimizer=sgd, axis="dp")
         loss = _tp_loss(m) if "tp" in m.axes else lm_loss
         return model, opt, lambda x, y: loss(model(_rows(x, m)), _rows(y, m)).backward()
+    if layout == "pp-graph":  # the forward captured on the meta model, each rank materialises its stages
+        example = _batch(0)[0][:B // m.size("dp") // 2]
+        pipe = sw.pipeline(model, m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss, dp_axis="dp",
+                           example_inputs=(example,))
+        return pipe, sgd(list(pipe.parameters())), lambda x, y: pipe.step(x, y)
     if layout == "pp":
         pipe = sw.pipeline(model, m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss,
                            dp_axis="dp" if "dp" in m.axes else None)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from tests.dist import meta_checks as mc
 
 LAYOUTS = [("dp", {"dp": 4}), ("tp", {"tp": 4}), ("zero1", {"dp": 4}), ("zero2", {"dp": 4}),
-           ("zero3", {"dp": 4}), ("zero3", {"dp": 2, "tp": 2}), ("pp", {"pp": 4}), ("pp", {"pp": 2, "dp": 2})]
+           ("zero3", {"dp": 4}), ("zero3", {"dp": 2, "tp": 2}), ("pp", {"pp": 4}), ("pp", {"pp": 2, "dp": 2}),
+           ("pp-graph", {"pp": 2, "dp": 2})]
 
 
 def test_every_layout_starts_and_trains_as_one_device(worlds):

@@ -139,7 +139,7 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("train.timeout_s = 0.0", "e.g. --train.timeout_s 60")),
     ("bucket-cap-zero", ["train", "--parallel.bucket_cap_mb", "0"], None,
      ("parallel.bucket_cap_mb = 0.0 must be > 0", "e.g. --parallel.bucket_cap_mb 25")),
-    ("lr-zero", ["train", "--optimizer.lr", "0"], None, ("optimizer.lr = 0.0 must be > 0", "e.g. --optimizer.lr")),
+    ("lr-negative", ["train", "--optimizer.lr", "-1"], None, ("optimizer.lr = -1.0 must be >= 0", "e.g. --optimizer.lr")),
     ("min-lr-above-lr", ["train", "--optimizer.lr", "0.001", "--optimizer.min_lr", "0.01"], None,
      ("optimizer.min_lr = 0.01 must be in [0, optimizer.lr = 0.001]", "e.g. --optimizer.min_lr 0.0001")),
     # --- data files ---

@@ -93,3 +93,15 @@ def test_model_without_rules_uses_layer_resets_and_names_what_it_cannot_start():
     sw.materialize(two, "cpu")
     assert torch.equal(one.a.weight, two.a.weight)  # same seed, same module name: same values
     assert not torch.equal(one.a.weight, one.b.weight)  # each module its own stream
+
+
+def test_auto_plans_a_meta_model_as_the_real_one():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32)
+    x = torch.randint(0, cfg.vocab_size, (4, 16))
+    layout = sw.MeshLayout(("dp", "tp"), (1, 2))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    torch.manual_seed(0)
+    assert str(sw.auto(meta, layout, example_inputs=(x,))) == str(sw.auto(GPT(cfg), layout, example_inputs=(x,)))
+    assert meta.wte.weight.is_meta  # tracing allocated nothing
