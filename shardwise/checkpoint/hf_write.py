@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Iterable
 import torch
 
 from .hf_read import CONFIG, INDEX, SINGLE
+from .integrity import fsync_path
 
 __all__ = ["write_hf_dir", "check_out_dir", "DEFAULT_SHARD_BYTES", "CODES"]
 
@@ -35,14 +36,6 @@ _CHUNK = 4 * 2**20  # bytes per write of one tensor's rows, and per copy of scra
 CODES: dict[torch.dtype, str] = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                                  torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
                                  torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Shard:
@@ -104,7 +97,7 @@ def check_out_dir(out: Path) -> None:
 
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    _fsync(path)
+    fsync_path(path)
 
 
 def _write_tensors(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int) -> dict[str, Any]:
@@ -159,8 +152,8 @@ def write_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, 
         _write_json(tmp / CONFIG, config)
         for extra in extra_files:
             shutil.copyfile(extra, tmp / Path(extra).name)
-            _fsync(tmp / Path(extra).name)
-        _fsync(tmp)
+            fsync_path(tmp / Path(extra).name)
+        fsync_path(tmp)
         _publish(tmp, out, old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -179,6 +172,6 @@ def _publish(tmp: Path, out: Path, old: Path) -> None:
         if moved:
             os.rename(old, out)
         raise
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if moved:
         shutil.rmtree(old, ignore_errors=True)

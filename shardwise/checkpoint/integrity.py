@@ -32,6 +32,7 @@ is a ``CheckpointError`` before a single byte outside the directory is opened.
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 import zlib
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["CheckpointError", "FORMAT", "FORMATS", "tensor_crc32", "load_index", "piece_path", "check_layout",
+__all__ = ["fsync_path", "CheckpointError", "FORMAT", "FORMATS", "tensor_crc32", "load_index", "piece_path", "check_layout",
            "read_piece", "verify_checkpoint", "checkpoints_root", "latest_checkpoint", "resolve_checkpoint",
            "latest_intact_checkpoint"]
 
@@ -284,3 +285,12 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tup
         except (CheckpointError, OSError) as exc:
             skipped.append((ckpt, _one_line(exc)))
     return None, skipped
+
+
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to disk: what makes a rename durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

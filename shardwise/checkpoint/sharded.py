@@ -39,7 +39,7 @@ from ..comm.collectives import all_reduce, barrier
 from ..mesh import Mesh
 from ..sbp.placement import Broadcast, Partial, Placement, format_sbp, parse_sbp
 from ..sbp.spec import local_extent
-from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layout, latest_checkpoint,
+from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layout, fsync_path, latest_checkpoint,
                         latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
                         verify_checkpoint)
 
@@ -105,14 +105,6 @@ def without_axis(piece: Piece, axis: str) -> Piece:
                  tuple(piece.coords[i] for i in keep))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _barrier_all(mesh: Mesh) -> None:
     # A barrier over each axis in turn is a barrier over the whole mesh (no world-group state needed).
     for axis in mesh.axes:
@@ -147,12 +139,12 @@ def save_checkpoint(ckpt_root: str | Path, step: int, pieces: Sequence[Piece], *
         if final.exists():  # re-saving a step (e.g. resumed at it): move the old one out of the way first
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(root)
+        fsync_path(root)
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(name + "\n")
-        _fsync(pointer)
+        fsync_path(pointer)
         os.replace(pointer, root / LATEST)
-        _fsync(root)
+        fsync_path(root)
         _prune(root, keep)
     _barrier_all(mesh)
     return final
@@ -199,7 +191,7 @@ def _write_rank_files(tmp: Path, pieces: Sequence[Piece], rank: int, rank_state:
     meta = tmp / f"rank{rank:05d}.json"
     meta.write_text(json.dumps({"entries": entries, "state": rank_state}))
     for path in (data, meta):
-        _fsync(path)
+        fsync_path(path)
 
 
 def _write_index(tmp: Path, step: int, mesh: Mesh, state: dict[str, Any]) -> None:
@@ -213,8 +205,8 @@ def _write_index(tmp: Path, step: int, mesh: Mesh, state: dict[str, Any]) -> Non
              "world_size": mesh.world_size, "state": state, "tensors": tensors}
     path = tmp / "index.json"
     path.write_text(json.dumps(index, indent=1))
-    _fsync(path)
-    _fsync(tmp)
+    fsync_path(path)
+    fsync_path(tmp)
 
 
 def _prune(root: Path, keep: int) -> None:
