@@ -146,3 +146,25 @@ def _fresh_plain(seed: int) -> nn.Module:
         model = Plain()
     model.init_seed = seed  # type: ignore[assignment]
     return model
+
+
+def check_hf_meta_pipeline(directory: str) -> dict[str, Any]:
+    """A ``transformers`` Llama built on the meta device, its weights attached from a Hugging Face directory
+    (``sw.load_pretrained``: sources only) and pipelined from its captured forward: each rank reads its stages;
+    the step's loss and the full state equal ``from_pretrained``'s (its rotary ``inv_freq`` buffer comes from the
+    model's own ``_init_weights``)."""
+    import transformers
+
+    m = mesh(pp=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    sw.load_pretrained(model, directory)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    pipe = sw.pipeline(model, m, "pp", microbatches=2, schedule="1f1b", split=["model.layers.1"],
+                       example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    loss = pipe.step(input_ids=ids, labels=ids)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory).float()
+    with torch.no_grad():
+        want = float(ref(input_ids=ids, labels=ids).loss)
+    full = sw.full_state_dict(pipe)
+    return {"err": abs(loss - want) / want, "same": all(torch.equal(full[k], v) for k, v in ref.state_dict().items())}

@@ -8,6 +8,9 @@ each rank holds only its share of the parameters, and nothing it drew itself is 
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from tests.dist import meta_checks as mc
 
 LAYOUTS = [("dp", {"dp": 4}), ("tp", {"tp": 4}), ("zero1", {"dp": 4}), ("zero2", {"dp": 4}),
@@ -42,3 +45,13 @@ def test_a_model_without_param_init_starts_from_its_layers_reset(worlds):
     for res in per_rank:
         assert res["same_init"] and res["differs_per_layer"], res
 
+
+
+def test_transformers_model_on_meta_loads_pretrained_into_a_graph_pipeline(worlds, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    for res in worlds.get(2).run(mc.check_hf_meta_pipeline, str(tmp_path / "llama"), timeout=180):
+        assert res["err"] < 1e-6 and res["same"], res

@@ -14,8 +14,9 @@ meta tensor without one its initial-value source:
 * the model's ``param_init(name) -> Normal | Uniform | Constant`` (``init_rules.py``) with the model's
   ``init_seed`` attribute (else ``torch.initial_seed()``): layout-independent values, a rank draws only its
   elements;
-* else the owning module's ``reset_parameters()`` run on a CPU copy under an RNG seeded from (seed, module
-  name) — layout-independent too, one module in flight, but it draws the module whole.
+* else the owning module's ``reset_parameters()`` — or the root's ``_init_weights(module)``, as a Hugging Face
+  model has — run on a CPU copy under an RNG seeded from (seed, module name): layout-independent too, one module
+  in flight, but it draws the module whole.
 
 ``materialize`` replaces a module's remaining meta tensors by their full values on a device; the parameter
 *objects* stay the same (``torch.utils.swap_tensors``), so tied weights stay tied. Local: nothing here
@@ -116,16 +117,22 @@ class InitSource:
         return f"InitSource({self.key!r}, {self.rule}, seed={self.seed})"
 
 
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()  # type: ignore[operator]
+
+
 class ModuleResetSource:
-    """A parameter's value from its module's ``reset_parameters()`` run on a CPU copy, the RNG seeded from
-    ``(seed, module name)``. The last module's values are cached (its other parameters read them next)."""
+    """A parameter's (or buffer's) value from an initialiser run on a CPU copy of its module — the module's
+    ``reset_parameters()``, or the root model's ``_init_weights(module)`` (Hugging Face's convention, which also
+    recomputes rotary ``inv_freq`` buffers) — the RNG seeded from ``(seed, module name)``. The last module's
+    values are cached (its other tensors read them next)."""
 
     _cache: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def __init__(self, module: nn.Module, module_name: str, attr: str, seed: int, shape: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, init: Callable[[nn.Module], None] = _reset) -> None:
         self.module, self.module_name, self.attr, self.seed = module, module_name, attr, int(seed)
-        self.shape, self.dtype = tuple(int(s) for s in shape), dtype
+        self.shape, self.dtype, self.init = tuple(int(s) for s in shape), dtype, init
 
     def _values(self) -> dict[str, torch.Tensor]:
         cached = ModuleResetSource._cache
@@ -135,7 +142,7 @@ class ModuleResetSource:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(block_seed(self.seed, self.module_name, 0))
             with torch.no_grad():
-                tmp.reset_parameters()  # type: ignore[operator]
+                self.init(tmp)
         values = {n: t.detach() for n, t in [*tmp.named_parameters(recurse=False), *tmp.named_buffers(recurse=False)]}
         ModuleResetSource._cache = (id(self.module), values)
         return values
@@ -171,6 +178,7 @@ def ensure_sources(model: nn.Module, seed: int | None = None) -> int:
     how many were given one. Raises ``ValueError`` naming a tensor nothing can initialise. Local."""
     seed = int(seed if seed is not None else getattr(model, "init_seed", None) or torch.initial_seed())
     rule_of = getattr(model, "param_init", None)
+    root_init = getattr(model, "_init_weights", None)  # a Hugging Face model initialises any of its modules
     count = 0
     for name, module, attr, t in meta_tensors(model):
         if source_of(t) is not None:
@@ -178,9 +186,10 @@ def ensure_sources(model: nn.Module, seed: int | None = None) -> int:
         rule = rule_of(name) if callable(rule_of) else None
         if rule is not None:
             set_source(t, InitSource(name, rule, seed, tuple(t.shape), t.dtype))
-        elif callable(getattr(module, "reset_parameters", None)):
-            mod_name = name.rpartition(".")[0]
-            set_source(t, ModuleResetSource(module, mod_name, attr, seed, tuple(t.shape), t.dtype))
+        elif callable(getattr(module, "reset_parameters", None)) or callable(root_init):
+            init = _reset if callable(getattr(module, "reset_parameters", None)) else root_init
+            set_source(t, ModuleResetSource(module, name.rpartition(".")[0], attr, seed, tuple(t.shape), t.dtype,
+                                            init))
         else:
             raise ValueError(
                 f"{name!r} {tuple(t.shape)} is on the meta device and nothing says how to initialise it: give "
