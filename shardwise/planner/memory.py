@@ -13,10 +13,11 @@ bf16-mixed     2           2      12 (fp32 master, m, v) — the ZeRO paper's 2�
 
 ZeRO over ``dp`` divides the optimizer state (stage ≥ 1), the gradients (≥ 2) and the parameters (3).
 
-Construction (``construction_bytes``): a rank builds its model one full parameter tensor at a time and keeps its
-slice, so while the model is built (and loaded) it holds its kept parameters plus the largest full tensor it
-slices — ZeRO-3 over dp > 1 slices every tensor, tensor parallelism the layers it splits; a rank that keeps
-whole tensors (data parallelism without ZeRO-3, a pipeline stage) builds them in place, nothing more. The
+Construction (``construction_bytes``): a rank builds its model from the meta device and keeps its pieces, so while
+the model is built (and loaded) it holds its kept parameters (with ZeRO also the gradient buffers it allocates
+then) plus the largest full tensor it slices: tensor parallelism reads a row-split matrix whole; ZeRO-3 reads
+its flat ranges directly and a rank that keeps whole tensors (data parallelism, a pipeline stage) builds them
+in place — nothing more. The
 device's peak is the larger of that and the training peak (``MemoryBreakdown.total``).
 """
 
@@ -148,8 +149,12 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     (they do not depend on dp, ZeRO or what is in flight: the search reuses them)."""
     n, per_chunk, transient, biggest, loss, whole, split = parts or rank_parts(layers, chunk_layers, plan)
     states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.dp)
-    sliced = whole if plan.zero_stage >= 3 and plan.dp > 1 else split  # the full tensor built before slicing
-    construction = construction_bytes(states.params, in_flight=sliced, precision=plan.precision)
+    # ZeRO-3 reads its flat ranges straight from the sources (no full tensor in flight); tensor parallelism reads
+    # a row-split matrix whole before slicing it. ZeRO allocates its gradient buffers while it is built (stage 1:
+    # full buffers; 2-3: the shards), so they count too.
+    sliced = 0.0 if plan.zero_stage >= 3 and plan.dp > 1 else split
+    kept = states.params + (states.grads if plan.zero_stage >= 1 else 0.0)
+    construction = construction_bytes(kept, in_flight=sliced, precision=plan.precision)
     activations = in_flight * per_chunk + transient
     buffers = min(bucket_cap, n * _PER_ELEMENT[plan.precision][1])  # buckets hold at most all the gradients
     if plan.precision == "bf16":
