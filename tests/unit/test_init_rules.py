@@ -105,3 +105,16 @@ def test_auto_plans_a_meta_model_as_the_real_one():
     torch.manual_seed(0)
     assert str(sw.auto(meta, layout, example_inputs=(x,))) == str(sw.auto(GPT(cfg), layout, example_inputs=(x,)))
     assert meta.wte.weight.is_meta  # tracing allocated nothing
+
+
+def test_reset_values_are_never_reused_for_another_module_or_seed():
+    from shardwise.parallel.common.materialize import ModuleResetSource
+
+    with torch.device("meta"):
+        lin, other = nn.Linear(5, 7), nn.Linear(5, 7)
+    one = ModuleResetSource(lin, "lin", "weight", 1, (7, 5), torch.float32).read()
+    two = ModuleResetSource(lin, "lin", "weight", 2, (7, 5), torch.float32).read()
+    assert not torch.equal(one, two)  # the same module under another seed draws anew
+    assert torch.equal(ModuleResetSource(other, "lin", "weight", 1, (7, 5), torch.float32).read(), one)
+    ModuleResetSource.release()
+    assert ModuleResetSource._cache is None

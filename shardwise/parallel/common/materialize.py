@@ -127,7 +127,9 @@ class ModuleResetSource:
     recomputes rotary ``inv_freq`` buffers) — the RNG seeded from ``(seed, module name)``. The last module's
     values are cached (its other tensors read them next)."""
 
-    _cache: tuple[int, dict[str, torch.Tensor]] | None = None
+    _cache: tuple[tuple, dict[str, torch.Tensor]] | None = None
+    """(key, values) of the last module drawn. The key holds the module itself, not its ``id`` — an id is reused
+    once a module is freed, and a stale hit would hand one module's values to another."""
 
     def __init__(self, module: nn.Module, module_name: str, attr: str, seed: int, shape: tuple[int, ...],
                  dtype: torch.dtype, init: Callable[[nn.Module], None] = _reset) -> None:
@@ -135,8 +137,9 @@ class ModuleResetSource:
         self.shape, self.dtype, self.init = tuple(int(s) for s in shape), dtype, init
 
     def _values(self) -> dict[str, torch.Tensor]:
+        key = (self.module, self.module_name, self.seed, self.init)
         cached = ModuleResetSource._cache
-        if cached is not None and cached[0] == id(self.module):
+        if cached is not None and len(cached[0]) == len(key) and all(a is b or a == b for a, b in zip(cached[0], key)):
             return cached[1]
         tmp = copy.deepcopy(self.module).to_empty(device="cpu", recurse=True)
         with torch.random.fork_rng(devices=[]):
@@ -144,8 +147,13 @@ class ModuleResetSource:
             with torch.no_grad():
                 self.init(tmp)
         values = {n: t.detach() for n, t in [*tmp.named_parameters(recurse=False), *tmp.named_buffers(recurse=False)]}
-        ModuleResetSource._cache = (id(self.module), values)
+        ModuleResetSource._cache = (key, values)
         return values
+
+    @staticmethod
+    def release() -> None:
+        """Drop the cached module values (called when a materialisation is done: they are one module's copy)."""
+        ModuleResetSource._cache = None
 
     def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         value = self._values()[self.attr].to(self.dtype)
@@ -250,6 +258,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> int:
                     if b is t:
                         owner._buffers[key] = mark_drawn(value)
         total += value.numel() * value.element_size()
+    ModuleResetSource.release()
     return total
 
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ... import comm
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
-from ..common.materialize import read_flat
+from ..common.materialize import ModuleResetSource, read_flat
 
 __all__ = ["FlatLayout", "flat_layout", "FlatGroup"]
 
@@ -141,6 +141,7 @@ class FlatGroup:
                 torch.utils.swap_tensors(p, new)
         self.gathered = True
         self.free()
+        ModuleResetSource.release()
 
     # -- views ----------------------------------------------------------------------------------------
     def _point_params(self) -> None:
