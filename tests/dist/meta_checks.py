@@ -85,6 +85,10 @@ def _wrap(layout: str, m: sw.Mesh) -> tuple[Any, torch.optim.Optimizer, Any]:
         pipe = sw.pipeline(model, m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss, dp_axis="dp",
                            example_inputs=(example,))
         return pipe, sgd(list(pipe.parameters())), lambda x, y: pipe.step(x, y)
+    if layout == "pp-tp":  # the tp pieces stay meta until the pipeline materialises this rank's stages
+        model = sw.parallelize(model, m, CFG.tensor_parallel_plan(), axis="tp")
+        pipe = sw.pipeline(model, m, "pp", microbatches=2, schedule="1f1b", loss_fn=_tp_loss(m))
+        return pipe, sgd(list(pipe.parameters())), lambda x, y: pipe.step(x, y)
     if layout == "pp":
         pipe = sw.pipeline(model, m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss,
                            dp_axis="dp" if "dp" in m.axes else None)

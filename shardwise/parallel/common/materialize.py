@@ -34,8 +34,8 @@ from torch import nn
 from ...mesh import Mesh
 from .init_rules import InitRule, block_seed, draw
 
-__all__ = ["needs_broadcast", "mark_drawn", "Source", "InitSource", "ModuleResetSource", "source_of", "set_source", "ensure_sources",
-           "materialize", "materialize_model", "draw_seed", "init_from_rules", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
+__all__ = ["needs_broadcast", "mark_drawn", "Source", "InitSource", "ModuleResetSource", "SliceSource", "deferred_piece", "source_of", "set_source", "ensure_sources",
+           "materialize", "swap_in", "materialize_model", "draw_seed", "init_from_rules", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
 
 _ATTR = "_shardwise_source"
 
@@ -163,6 +163,47 @@ class ModuleResetSource:
         return self._values()[self.attr].reshape(-1)[start:stop].to(self.dtype)
 
 
+class SliceSource:
+    """The values of a tensor-parallel piece of a meta parameter, read from the full parameter's source only when
+    the piece is materialised (by whichever wrapper comes last: ZeRO-3 reads flat ranges of it, a pipeline only
+    its own stages' pieces). The piece is ``cat(full[r : r + n, cols] for r, n in segments)`` along dim 0: one
+    segment for a row (dim-0) split, one with a column range for a dim-1 split, one per fused chunk for heads."""
+
+    def __init__(self, full: Source, segments: list[tuple[int, int]], cols: tuple[int, int] | None,
+                 seed: int | None = None) -> None:
+        self.full, self.segments, self.cols = full, segments, cols
+        rest = tuple(full.shape[1:])
+        if cols is not None:
+            rest = (cols[1] - cols[0], *rest[1:])
+        self.shape: tuple[int, ...] = (sum(n for _, n in segments), *rest)
+        self.dtype = full.dtype
+        self.seed = getattr(full, "seed", seed)
+
+    def _rows(self, first: int, stop: int) -> torch.Tensor:
+        """Rows ``[first, stop)`` of the piece, each from its segment of the full tensor."""
+        parts, at = [], 0
+        for start, n in self.segments:
+            a, b = max(first, at), min(stop, at + n)
+            if a < b:
+                index: tuple[slice, ...] = (slice(start + a - at, start + b - at),)
+                if self.cols is not None:
+                    index += (slice(*self.cols),)
+                parts.append(self.full.read(index))
+            at += n
+        if not parts:
+            return torch.empty((0, *self.shape[1:]), dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_flat(self, start: int, stop: int) -> torch.Tensor:
+        row = _numel(self.shape[1:])
+        first, last = start // row, -(-max(start, stop) // row)
+        block = self._rows(first, last).reshape(-1)
+        return block[start - first * row:stop - first * row].contiguous()
+
+    def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        return rows_then_index(self.read_flat, self.shape, index)
+
+
 def meta_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
     """``(qualified name, owner module, attribute, tensor)`` of every meta parameter and buffer, each tensor once
     (a tied one under its first name)."""
@@ -238,6 +279,15 @@ def read_flat(t: torch.Tensor, start: int, stop: int, device: torch.device | str
     return _source(name, t).read_flat(start, stop).to(device)
 
 
+def swap_in(t: torch.Tensor, new: torch.Tensor) -> None:
+    """Make the (meta) tensor object ``t`` hold ``new``'s data, keeping ``t``'s Python attributes (SBP
+    annotations, head layouts; not its source): every module, tie and hook holding ``t`` then sees the value."""
+    for k, v in vars(t).items():
+        if k != _ATTR:
+            setattr(new, k, v)
+    torch.utils.swap_tensors(t, new)
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str) -> int:
     """Replace every meta parameter and buffer of ``model`` by its full value on ``device``, keeping parameter
@@ -247,11 +297,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> int:
     for name, module, attr, t in list(meta_tensors(model)):
         value = _source(name, t).read().to(device)
         if attr in module._parameters:
-            new = mark_drawn(nn.Parameter(value, requires_grad=t.requires_grad))
-            for k, v in vars(t).items():
-                if k != _ATTR:
-                    setattr(new, k, v)
-            torch.utils.swap_tensors(t, new)  # every module holding ``t`` now sees the value
+            swap_in(t, mark_drawn(nn.Parameter(value, requires_grad=t.requires_grad)))
         else:
             for owner in model.modules():  # a buffer is a plain tensor: re-register it wherever it sits
                 for key, b in list(owner._buffers.items()):
@@ -295,3 +341,16 @@ def materialize_model(model: nn.Module, where: "torch.device | str | Mesh") -> n
     ensure_sources(model)
     materialize(model, device)
     return model
+
+
+def deferred_piece(full: torch.Tensor, segments: list[tuple[int, int]], cols: tuple[int, int] | None) -> nn.Parameter:
+    """A meta parameter for a piece of the meta parameter ``full`` (see ``SliceSource``): nothing is read until the
+    piece is materialised. ``full`` must have a source (``ensure_sources``)."""
+    src = source_of(full)
+    if src is None:
+        raise ValueError(f"a meta parameter of shape {tuple(full.shape)} has no source of values; call "
+                         f"ensure_sources(model) on the root model first")
+    piece = SliceSource(src, segments, cols)
+    p = nn.Parameter(torch.empty(piece.shape, dtype=full.dtype, device="meta"), requires_grad=full.requires_grad)
+    set_source(p, piece)
+    return p

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ...comm import autograd as cag
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
-from ..common.materialize import mark_drawn, read_block
+from ..common.materialize import deferred_piece, mark_drawn, read_full
 from ...sbp.params import annotate
 from ...sbp.placement import Broadcast, Split
 from .rng import RNGStreams
@@ -90,19 +90,25 @@ class TPContext:
 
 
 def shard_param(full: torch.Tensor, ctx: TPContext, dim: int | None) -> nn.Parameter:
-    """This rank's piece of ``full`` along ``dim`` (whole when None), annotated with its global description."""
+    """This rank's piece of ``full`` along ``dim`` (whole when None), annotated with its global description. A meta
+    ``full`` (built on the meta device) gives a meta piece whose source reads only that piece, when the last
+    wrapper materialises it (``materialize.SliceSource``: ZeRO-3 then reads flat ranges of the piece, a pipeline
+    only its own stages' pieces)."""
     n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
-    if full.is_meta:  # built on the meta device: read only this rank's block from the parameter's source
-        index = [slice(None)] * (0 if dim is None else dim + 1)
-        if dim is not None:
-            start = shard_offsets(full.size(dim), n)[c]
-            index[dim] = slice(start, start + shard_sizes(full.size(dim), n)[c])
-        local = read_block(full, tuple(index), ctx.mesh.device)
+    if full.is_meta and dim in (None, 0, 1) and full.dim() >= 1:
+        span = (shard_offsets(full.size(dim), n)[c], shard_sizes(full.size(dim), n)[c]) if dim is not None else None
+        rows = [span] if dim == 0 else [(0, full.size(0))]
+        cols = (span[0], span[0] + span[1]) if dim == 1 and span is not None else None
+        p = deferred_piece(full, rows, cols)  # type: ignore[list-item]
     else:
-        local = full.detach() if dim is None else full.detach().split(shard_sizes(full.size(dim), n), dim=dim)[c]
-    p = nn.Parameter(local.clone() if not full.is_meta else local.contiguous(), requires_grad=full.requires_grad)
-    if full.is_meta:
-        mark_drawn(p)
+        if full.is_meta:  # a scalar or a split past dim 1: read the whole tensor, keep the piece
+            full_value = read_full(full, ctx.mesh.device)
+        else:
+            full_value = full.detach()
+        local = full_value if dim is None else full_value.split(shard_sizes(full.size(dim), n), dim=dim)[c]
+        p = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+        if full.is_meta:
+            mark_drawn(p)
     annotate(p, ctx.mesh, ctx.sbp(dim), shape=tuple(full.shape))
     return p
 
@@ -110,21 +116,17 @@ def shard_param(full: torch.Tensor, ctx: TPContext, dim: int | None) -> nn.Param
 def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int) -> nn.Parameter:
     """Whole heads of a fused projection: ``full`` (fused·nh·hd, ...) viewed as (fused, nh, hd, ...); this rank
     keeps heads [c·nh/tp, (c+1)·nh/tp) of every chunk → (fused·nh/tp·hd, ...). Not a contiguous block of
-    ``full``, so it carries ``_shardwise_heads`` (used by ``full_state_dict``) instead of an SBP annotation."""
+    ``full``, so it carries ``_shardwise_heads`` (used by ``full_state_dict``) instead of an SBP annotation. A meta
+    ``full`` gives a meta piece that reads only those rows when materialised."""
     n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
     per = n_head // n
     rest = tuple(full.shape[1:])
-    grad, drawn = full.requires_grad, full.is_meta
-    if drawn:  # built on the meta device: read this rank's heads of each chunk, (per·hd, ...) rows apiece
+    if full.is_meta:
         rows = full.size(0) // (fused * n_head)  # hd
-        local = torch.cat([read_block(full, (slice(start, start + per * rows),), ctx.mesh.device)
-                           for start in (f * n_head * rows + c * per * rows for f in range(fused))])
+        p = deferred_piece(full, [(f * n_head * rows + c * per * rows, per * rows) for f in range(fused)], None)
     else:
         view = full.detach().reshape(fused, n_head, -1, *rest)
-        local = view[:, c * per:(c + 1) * per].reshape(-1, *rest).clone()
-    p = nn.Parameter(local, requires_grad=grad)
-    if drawn:
-        mark_drawn(p)
+        p = nn.Parameter(view[:, c * per:(c + 1) * per].reshape(-1, *rest).clone(), requires_grad=full.requires_grad)
     p._shardwise_heads = (ctx.mesh, ctx.axis, fused, tuple(full.shape))  # type: ignore[attr-defined]
     return p
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ... import comm
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
-from ..common.materialize import ModuleResetSource, read_flat
+from ..common.materialize import ModuleResetSource, read_flat, swap_in
 
 __all__ = ["FlatLayout", "flat_layout", "FlatGroup"]
 
@@ -136,9 +136,8 @@ class FlatGroup:
         self.shard = self.master.detach() if same else exact.to(self.compute_dtype)
         for i, p in enumerate(self.params):
             if p.is_meta:  # a real (empty) tensor in its place, the same object: ``.data`` can point at ``full``
-                new = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=device),
-                                   requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, new)
+                swap_in(p, nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=device),
+                                        requires_grad=p.requires_grad))
         self.gathered = True
         self.free()
         ModuleResetSource.release()
