@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..parallel.common.materialize import flat_from_rows
+
 __all__ = ["PretrainedDir", "TensorInfo", "SafetensorsSource", "open_pretrained", "read_header", "FILE_DTYPES",
            "SINGLE", "INDEX", "CONFIG"]
 
@@ -271,14 +273,7 @@ class SafetensorsSource:
         """Elements ``[start, stop)`` of the flattened value: reads the rows covering them only, then cuts."""
         if not self.shape:
             return self.read().reshape(1)[start:stop]
-        row = 1
-        for s in self.shape[1:]:
-            row *= s
-        stop = max(start, stop)
-        first, last = start // row, -(-stop // row)
-        block = self.read((slice(first, last),)).reshape(-1)
-        cut = block[start - first * row: stop - first * row]
-        return cut.clone() if cut.numel() < block.numel() else cut
+        return flat_from_rows(lambda a, b: self.read((slice(a, b),)), self.shape, start, stop)
 
     def __repr__(self) -> str:
         t = ", transpose=True" if self.transpose else ""

@@ -11,7 +11,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.common.init_rules import BLOCK, draw, draw_full
-from shardwise.parallel.common.materialize import InitSource, ensure_sources, read_block, read_flat
+from shardwise.parallel.common.materialize import InitSource, SliceSource, ensure_sources, read_flat
 
 
 @pytest.mark.parametrize("start,stop", [(0, 10), (5, BLOCK + 7), (BLOCK - 1, 3 * BLOCK + 2), (2 * BLOCK, 2 * BLOCK)])
@@ -46,8 +46,12 @@ def test_blocks_read_only_their_rows():
     with torch.device("meta"):
         meta = nn.Parameter(torch.empty(50, 7))
     meta._shardwise_source = src  # type: ignore[attr-defined]
-    assert torch.equal(read_block(meta, (slice(3, 9),), "cpu"), whole[3:9])
     assert torch.equal(read_flat(meta, 0, 20, "cpu"), whole.reshape(-1)[:20])
+    # a tp piece: rows 10-19 and 30-34, columns 2-5 of the whole, read only when asked for
+    piece = SliceSource(src, [(10, 10), (30, 5)], (2, 5))
+    want = torch.cat([whole[10:20, 2:5], whole[30:35, 2:5]])
+    assert piece.shape == (15, 3) and torch.equal(piece.read(), want)
+    assert torch.equal(piece.read_flat(4, 40), want.reshape(-1)[4:40])
 
 
 @pytest.mark.parametrize("build", ["gpt", "llama"])

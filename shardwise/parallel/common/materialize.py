@@ -35,7 +35,7 @@ from ...mesh import Mesh
 from .init_rules import InitRule, block_seed, draw
 
 __all__ = ["needs_broadcast", "mark_drawn", "Source", "InitSource", "ModuleResetSource", "SliceSource", "deferred_piece", "source_of", "set_source", "ensure_sources",
-           "materialize", "swap_in", "materialize_model", "draw_seed", "init_from_rules", "read_full", "read_block", "read_flat", "has_meta", "meta_tensors", "rows_then_index"]
+           "materialize", "swap_in", "materialize_model", "draw_seed", "init_from_rules", "read_full", "read_flat", "flat_from_rows", "has_meta", "meta_tensors", "rows_then_index"]
 
 _ATTR = "_shardwise_source"
 
@@ -81,6 +81,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def flat_from_rows(read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, ...], start: int,
+                   stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a tensor of ``shape`` (≥ 1-D) that reads whole rows (``read_rows(first,
+    stop)``): only the rows covering the range are read, then cut (a fresh tensor)."""
+    row = _numel(tuple(shape[1:]))
+    stop = max(start, stop)
+    first, last = start // row, -(-stop // row)
+    block = read_rows(first, last).reshape(-1)
+    cut = block[start - first * row:stop - first * row]
+    return cut.clone() if cut.numel() < block.numel() else cut.contiguous()
 
 
 def rows_then_index(read_flat: Callable[[int, int], torch.Tensor], shape: tuple[int, ...],
@@ -195,10 +207,7 @@ class SliceSource:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def read_flat(self, start: int, stop: int) -> torch.Tensor:
-        row = _numel(self.shape[1:])
-        first, last = start // row, -(-max(start, stop) // row)
-        block = self._rows(first, last).reshape(-1)
-        return block[start - first * row:stop - first * row].contiguous()
+        return flat_from_rows(self._rows, self.shape, start, stop)
 
     def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         return rows_then_index(self.read_flat, self.shape, index)
@@ -263,13 +272,6 @@ def read_full(t: torch.Tensor, device: torch.device | str, name: str = "?") -> t
     if not t.is_meta:
         return t.detach()
     return _source(name, t).read().to(device)
-
-
-def read_block(t: torch.Tensor, index: tuple[slice, ...], device: torch.device | str, name: str = "?") -> torch.Tensor:
-    """``t[index]`` of the full value, reading only those rows from a meta tensor's source."""
-    if not t.is_meta:
-        return t.detach()[index]
-    return _source(name, t).read(index).to(device)
 
 
 def read_flat(t: torch.Tensor, start: int, stop: int, device: torch.device | str, name: str = "?") -> torch.Tensor:
