@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import shardwise as sw
+from shardwise.checkpoint.zero_layout import zero_model_pieces
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
 from shardwise.parallel.tensor.api import vocab_parallel_cross_entropy
@@ -126,8 +127,14 @@ def check_layout(layout: str, axes: dict[str, int]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     whole = sum(v.numel() * v.element_size() for k, v in init.items() if k != "lm_head.weight")  # tied
-    return {"same_init": same_init, "err": _max_err(sw.full_state_dict(model), trained),
-            "held": _held_bytes(model, opt), "whole": whole, "broadcasts": built.count("broadcast")}
+    out = {"same_init": same_init, "err": _max_err(sw.full_state_dict(model), trained),
+           "held": _held_bytes(model, opt), "whole": whole, "broadcasts": built.count("broadcast")}
+    if layout.startswith("zero"):
+        with CommCounter() as saved:  # the checkpoint's pieces: without tp each rank's own flat ranges, no gather
+            zero_model_pieces(model, m)
+        out.update(save_gathers=saved.count("all_gather"), groups=len(model.groups),
+                   in_flight=model._reducer.peak_in_flight)
+    return out
 
 
 def check_layouts(layouts: list[tuple[str, dict[str, int]]]) -> list[dict[str, Any]]:

@@ -92,6 +92,8 @@ class ShardGradReducer:
         """Local gradients were accumulated under ``no_sync`` and not reduced yet."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(k, j))
                        for k, g in enumerate(groups) for j, p in enumerate(g.params)]
+        self.peak_in_flight = 0
+        """The most reduce-scatters outstanding at once so far (at most ``MAX_IN_FLIGHT``)."""
         self._reset()
 
     @property
@@ -185,6 +187,7 @@ class ShardGradReducer:
         while len(self.handles) > MAX_IN_FLIGHT:
             k0, h0 = self.handles.pop(0)
             self._store(k0, h0.wait())
+        self.peak_in_flight = max(self.peak_in_flight, len(self.handles))
         self.next_launch = k + 1
         if self.on_launched is not None:
             self.on_launched(k)
