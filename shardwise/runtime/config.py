@@ -9,6 +9,7 @@ every error names the field, the value and the fix. Pure: nothing here starts pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import importlib.util
 import json
@@ -229,9 +230,10 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.micro_batch", p.micro_batch),
               ("data.global_batch", config.data.global_batch), ("train.steps", t.steps),
               ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints),
-              ("train.max_skipped", t.max_skipped))
+              ("train.max_skipped", t.max_skipped), ("train.eval_batches", t.eval_batches))
     for key, value in (("parallel.nproc", p.nproc), ("parallel.dp", p.dp), ("parallel.grad_accum", p.grad_accum),
-                       ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps)):
+                       ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps),
+                       ("train.eval_every", t.eval_every)):
         if value < 0:
             meaning = "infer it" if key.startswith("parallel") else "off"
             raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning}); e.g. --{key} 0")
@@ -242,6 +244,9 @@ def validate(config: Config, *, launch: bool = True) -> Config:
                          f"--parallel.bucket_cap_mb 25")
     if not o.lr >= 0:  # 0: the weights stay as loaded (a pretrained round trip, an evaluation run)
         raise ValueError(f"optimizer.lr = {o.lr} must be >= 0; e.g. --optimizer.lr 0.003")
+    if not (o.clip_grad_norm >= 0 and math.isfinite(o.clip_grad_norm)):
+        raise ValueError(f"optimizer.clip_grad_norm = {o.clip_grad_norm} must be a finite number >= 0 (0: no "
+                         f"clipping); e.g. --optimizer.clip_grad_norm 1.0")
     if not 0 <= o.min_lr <= o.lr:
         raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
                          f"--optimizer.min_lr {o.lr / 10:g}")

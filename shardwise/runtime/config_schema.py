@@ -37,9 +37,13 @@ class DataConfig:
     """Where tokens come from and how many make a step."""
 
     path: str = ""
-    """Text file (byte-level tokens) or pre-tokenized uint16 ``.bin``; empty = the built-in generated corpus."""
-    format: Literal["auto", "text", "bin"] = "auto"
-    """``auto``: ``.bin`` files are uint16 tokens, anything else is text."""
+    """A dataset directory written by ``shardwise prepare`` (memory-mapped token shards, their index and tokenizer),
+    a text file (byte-level tokens) or a pre-tokenized uint16 ``.bin``; empty = the built-in generated corpus."""
+    format: Literal["auto", "text", "bin", "prepared"] = "auto"
+    """``auto``: a directory is a prepared dataset, ``.bin`` files are uint16 tokens, anything else is text."""
+    val_path: str = ""
+    """Validation data (same kinds as ``path``); empty = the validation split of a prepared ``path`` (none for a
+    file). Read only when ``train.eval_every`` > 0."""
     global_batch: int = 32
     """Sequences per optimizer step over all ranks (= micro_batch × grad_accum × dp)."""
     shuffle: bool = True
@@ -68,6 +72,9 @@ class OptimizerConfig:
     """AdamW second-moment decay."""
     eps: float = 1e-8
     """AdamW denominator epsilon."""
+    clip_grad_norm: float = 0.0
+    """Clip the global gradient norm (over every rank's shards, as one device would) to this value before each
+    step; the norm is logged every step. 0 = no clipping."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +155,11 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: autocast compute (forward and loss) in bf16 with fp32 master weights, gradients and optimizer state
     in every layout (``shardwise.parallel.common.autocast``); ``fp32``: no autocast."""
+    eval_every: int = 0
+    """Steps between validation passes (forward only, every layout): ``val_loss`` and perplexity in metrics,
+    progress line and summary; also after the last step. 0 = never."""
+    eval_batches: int = 8
+    """Global batches (``data.global_batch`` sequences each) per validation pass; the same ones every pass."""
     memory_check: bool = True
     """Refuse to launch, before any rank starts, a layout the planner predicts will not fit a device's memory (per
     rank the larger of the construction peak and the training peak, against the GPU's memory or, on CPU ranks, the
