@@ -9,7 +9,6 @@ every error names the field, the value and the fix. Pure: nothing here starts pr
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
 import importlib.util
 import json
@@ -24,6 +23,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "validate", "default_nproc", "describe_fields"]
 
 
+from .config_ranges import check_numbers
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
 from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
@@ -237,7 +237,7 @@ def validate(config: Config, *, launch: bool = True) -> Config:
         if value < 0:
             meaning = "infer it" if key.startswith("parallel") else "off"
             raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning}); e.g. --{key} 0")
-    _check_numbers(config)
+    check_numbers(config)
     _check_strategies(config)
     if launch:
         _check_devices(config)
@@ -265,24 +265,6 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     m = _check_pipeline(config, cut=launch)
     return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=accum,
                                                                     pp_microbatches=m))
-
-
-def _check_numbers(config: Config) -> None:
-    """The real-valued fields' ranges (timeout, bucket size, learning rates, clipping)."""
-    p, t, o = config.parallel, config.train, config.optimizer
-    if not 0 < t.timeout_s <= 3600:
-        raise ValueError(f"train.timeout_s = {t.timeout_s} must be in (0, 3600] seconds; e.g. --train.timeout_s 60")
-    if not p.bucket_cap_mb > 0:
-        raise ValueError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb} must be > 0 (megabytes); e.g. "
-                         f"--parallel.bucket_cap_mb 25")
-    if not o.lr >= 0:  # 0: the weights stay as loaded (a pretrained round trip, an evaluation run)
-        raise ValueError(f"optimizer.lr = {o.lr} must be >= 0; e.g. --optimizer.lr 0.003")
-    if not (o.clip_grad_norm >= 0 and math.isfinite(o.clip_grad_norm)):
-        raise ValueError(f"optimizer.clip_grad_norm = {o.clip_grad_norm} must be a finite number >= 0 (0: no "
-                         f"clipping); e.g. --optimizer.clip_grad_norm 1.0")
-    if not 0 <= o.min_lr <= o.lr:
-        raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
-                         f"--optimizer.min_lr {o.lr / 10:g}")
 
 
 REPLICABLE = {"wte": "wte", "lm_head": "ln_f"}
