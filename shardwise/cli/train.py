@@ -90,8 +90,10 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     nodes.check(cfg)
     if resume is not None:
         _check_resume(cfg, resume)
-    if cfg.data.path:  # ranks (and a later --resume from another directory) read it by absolute path
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
+    # ranks (and a later --resume from another directory) read the data by absolute path
+    absolute = {key: str(Path(getattr(cfg.data, key)).resolve()) for key in ("path", "val_path")
+                if getattr(cfg.data, key)}
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **absolute))
     _check_data(cfg)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                 calibration=check_calibration_setting(cfg.parallel)))
@@ -185,24 +187,9 @@ def _relayout(saved: ParallelConfig, new: ParallelConfig, overrides: dict[str, A
 
 
 def _check_data(cfg: Config) -> None:
-    import torch
+    from ..runtime.train_data import check_data
 
-    from ..runtime.corpus import load_corpus
-
-    tokens = load_corpus(cfg.data.path, cfg.data.format)
-    windows = (tokens.numel() - 1) // cfg.model.block_size
-    if windows < cfg.data.global_batch:
-        raise ValueError(f"data.path = {cfg.data.path!r} holds {tokens.numel()} tokens = {windows} windows of "
-                         f"model.block_size={cfg.model.block_size}, fewer than one step's data.global_batch="
-                         f"{cfg.data.global_batch}; use more data or a smaller global batch / block size")
-    top = int(tokens.to(torch.int32).max()) if tokens.numel() else 0  # uint16 has no max kernel
-    if top >= cfg.model.vocab_size and cfg.model.hf_config:
-        raise ValueError(f"data.path = {cfg.data.path!r} contains token id {top} but model.hf_config's vocab_size = "
-                         f"{cfg.model.vocab_size}; use data tokenized for that model, or a config.json with vocab_size "
-                         f">= {top + 1}")
-    if top >= cfg.model.vocab_size:
-        raise ValueError(f"data.path = {cfg.data.path!r} contains token id {top} but model.vocab_size = "
-                         f"{cfg.model.vocab_size}; set --model.vocab_size {top + 1} or larger")
+    check_data(cfg)
 
 
 def launch(cfg: Config, run_dir: Path, resume: Path | None, *, save: bool = True) -> int:

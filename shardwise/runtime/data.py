@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..mesh import Mesh
 
 __all__ = ["BatchPlan", "ShardedSampler", "TokenWindows", "BYTE_VOCAB", "text_to_tokens", "tokens_to_text",
-           "load_text_tokens", "iter_batches"]
+           "load_text_tokens", "iter_batches", "IGNORE"]
 
 BYTE_VOCAB = 256
 """Vocabulary size of the byte-level tokeniser: one token per byte value."""
@@ -207,30 +207,60 @@ class TokenWindows(torch.utils.data.Dataset):
     ``block_size`` tokens) and ``targets`` (the same window shifted by one), both int64 ``(block_size,)``.
     ``stride`` defaults to ``block_size`` (non-overlapping windows). The stream may be stored compactly as
     uint16 (vocabularies up to 65,536); windows are converted to int64 on access.
+
+    ``tokens`` is a 1-D tensor or a ``TokenStream`` of a prepared dataset (memory-mapped shards: ``len`` and
+    ``read(start, stop)`` → int64). ``mask`` (same length, 0/1): where token ``j`` does not count as a target
+    (supervised fine-tuning: prompt tokens), its target is ``IGNORE`` (-100), which every loss of the trainer
+    skips.
     """
 
-    def __init__(self, tokens: Tensor, block_size: int, *, stride: int | None = None) -> None:
-        if not isinstance(tokens, Tensor) or tokens.dim() != 1:
-            raise ValueError(f"tokens must be a 1-D tensor, got {getattr(tokens, 'shape', type(tokens).__name__)}")
-        if tokens.dtype not in (torch.uint8, torch.uint16, torch.int32, torch.int64):
-            raise TypeError(f"tokens must be an integer tensor (uint8/uint16/int32/int64), got {tokens.dtype}")
+    def __init__(self, tokens: Any, block_size: int, *, stride: int | None = None, mask: Any = None) -> None:
+        if isinstance(tokens, Tensor):
+            if tokens.dim() != 1:
+                raise ValueError(f"tokens must be a 1-D tensor, got {tuple(tokens.shape)}")
+            if tokens.dtype not in (torch.uint8, torch.uint16, torch.int32, torch.int64):
+                raise TypeError(f"tokens must be an integer tensor (uint8/uint16/int32/int64), got {tokens.dtype}")
+        elif not hasattr(tokens, "read"):
+            raise ValueError(f"tokens must be a 1-D tensor or a token stream, got {type(tokens).__name__}")
         _positive_int("block_size", block_size)
         self.stride = block_size if stride is None else _positive_int("stride", stride)
-        if tokens.numel() < block_size + 1:
-            raise ValueError(f"a token stream of {tokens.numel()} tokens is too short for one window of "
+        n = _length(tokens)
+        if n < block_size + 1:
+            raise ValueError(f"a token stream of {n} tokens is too short for one window of "
                              f"block_size={block_size} (needs block_size + 1 = {block_size + 1}); "
                              "use more text or a smaller block_size")
-        self.tokens, self.block_size = tokens, block_size
+        if mask is not None and _length(mask) != n:
+            raise ValueError(f"mask has {_length(mask)} entries for {n} tokens; they must align one to one")
+        self.tokens, self.block_size, self.mask = tokens, block_size, mask
 
     def __len__(self) -> int:
-        return (self.tokens.numel() - self.block_size - 1) // self.stride + 1
+        return (_length(self.tokens) - self.block_size - 1) // self.stride + 1
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"window {i} out of range for {len(self)} windows")
         start = (i % len(self)) * self.stride
-        window = self.tokens[start:start + self.block_size + 1].to(torch.int64)
-        return window[:-1], window[1:]
+        window = _read(self.tokens, start, start + self.block_size + 1)
+        targets = window[1:]
+        if self.mask is not None:  # mask[j] = 0: token j is not a target (its prediction is not trained)
+            keep = _read(self.mask, start + 1, start + self.block_size + 1).bool()
+            targets = targets.masked_fill(~keep, IGNORE)
+        return window[:-1], targets
+
+
+IGNORE = -100
+"""Target id of a position that does not count (``F.cross_entropy``'s default ``ignore_index``)."""
+
+
+def _length(stream: Any) -> int:
+    return stream.numel() if isinstance(stream, Tensor) else len(stream)
+
+
+def _read(stream: Any, start: int, stop: int) -> Tensor:
+    """``stream[start:stop]`` as int64: a tensor slice, or a prepared stream's ``read`` (memory-mapped)."""
+    if isinstance(stream, Tensor):
+        return stream[start:stop].to(torch.int64)
+    return stream.read(start, stop)
 
 
 def iter_batches(dataset: TokenWindows, sampler: ShardedSampler, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:

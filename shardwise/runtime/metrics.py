@@ -7,6 +7,7 @@ Nothing here communicates; rank 0 writes the files.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -173,6 +174,13 @@ class ProgressReporter:
             eta = elapsed / max(done, 1) * (self.total - step)
             print(f"step {step:>6}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {eta:4.0f}s", flush=True)
 
+    def note(self, line: str) -> None:
+        """A line above the live bar (or between the plain progress lines): e.g. a validation result."""
+        if self._bar is not None:
+            self._bar.console.print(line)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
@@ -213,6 +221,7 @@ def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = 
             "measured_construction_peak_bytes": [r.get("construction_peak_bytes") for r in ranks],
             "construction_s": [r.get("construction_s") for r in ranks],
             "pretrained_bytes_read": [r.get("pretrained_bytes_read") for r in ranks],
+            "final_val_loss": head.get("val_loss"), "eval_s": head.get("eval_s"),
             "hardware": pred.get("hardware_source"), "time": time.time()}
 
 
@@ -279,7 +288,10 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
     mfu = (f"{head['tokens_per_s'] * flops / (peak * len(ranks)):.1%} (of the dense {precision} peak)" if peak
            else "n/a (peak FLOP/s unknown for this device)")
     table = Table(title="shardwise train: summary", show_header=False)
-    for k, v in (("final loss", f"{head['final_loss']:.4f}"), ("steps this run", str(head["steps"])),
+    val = head.get("val_loss")
+    for k, v in (("final loss", f"{head['final_loss']:.4f}"
+                  + (f"; validation {val:.4f} (perplexity {math.exp(min(val, 700)):.2f})" if val is not None else "")),
+                 ("steps this run", str(head["steps"])),
                  ("parameters", f"{n_params / 1e6:.2f} M"),
                  ("tokens/s", f"{head['tokens_per_s']:,.0f} (median step, all ranks together); "
                               f"{head.get('wall_tokens_per_s', 0):,.0f} over the whole run"),

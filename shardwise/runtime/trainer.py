@@ -39,8 +39,11 @@ from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from ..mesh import Mesh
 from .calibration import mesh_calibrations
 from .config import Config, OptimizerConfig, ParallelConfig, load_config
-from .corpus import StepBatches, load_corpus
-from .data import ShardedSampler, TokenWindows
+from .corpus import StepBatches
+from .data import ShardedSampler
+from .token_loss import TokenNormalized, counted_targets
+from .train_data import open_data
+from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, saved_model
@@ -89,13 +92,18 @@ class Trainer:
         """Seconds building the layout: materialising this rank's pieces (drawn, or read from model.pretrained)."""
         self.construction_peak = peak_memory_bytes(self.mesh.device)
         """The process peak once the layout is built, before the first step (construction and loading)."""
-        tokens = load_corpus(cfg.data.path, cfg.data.format)
-        dataset = TokenWindows(tokens, cfg.model.block_size)
+        data = open_data(cfg)  # memory maps of a prepared dataset; small files and the generated corpus in memory
         dp_size, dp_rank = self.strategy.data_shard()  # a pipeline loads all of dp's sequences: not sharded
-        sampler = ShardedSampler(len(dataset), dp_size=dp_size, dp_rank=dp_rank, shuffle=cfg.data.shuffle,
+        sampler = ShardedSampler(len(data.train), dp_size=dp_size, dp_rank=dp_rank, shuffle=cfg.data.shuffle,
                                  seed=cfg.train.seed)
-        self.data = StepBatches(dataset, sampler, micro_batch=p.micro_batch * p.dp // dp_size,
+        self.data = StepBatches(data.train, sampler, micro_batch=p.micro_batch * p.dp // dp_size,
                                 grad_accum=p.grad_accum, device=self.mesh.device)
+        self.token_loss = (TokenNormalized(self.strategy.sum_loss, cfg.data.global_batch) if data.masked else None)
+        """Loss-masked data: every counted token weighs alike in every layout (``token_loss.py``); else None."""
+        self.val = (ValBatches(data.val, global_batch=cfg.data.global_batch, eval_batches=cfg.train.eval_batches,
+                               dp_size=dp_size, dp_rank=dp_rank, micro_batch=p.micro_batch * p.dp // dp_size,
+                               device=self.mesh.device) if data.val is not None else None)
+        self.evals: list[dict[str, Any]] = []
         self.step = 0
         self.last_ckpt: Path | None = None
         self.tokens_per_step = cfg.data.global_batch * cfg.model.block_size
@@ -150,19 +158,24 @@ class Trainer:
         start = time.perf_counter()
         batches = self.data.next()
         t["data"] = time.perf_counter() - start
+        if self.token_loss is not None:  # the step's counted targets over all ranks (one all-reduce over dp)
+            self.token_loss.tokens = counted_targets(batches, self.mesh, self.strategy.data_shard()[0])
         t["comm"] = 0.0
         # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
         # the bytes autograd keeps for backward, at their high-water mark; a GPU's allocator peak says it without
         # a Python hook per saved tensor (which would cost host time the GPU waits for at small micro-batches)
         with self.activations if self.mesh.device.type != "cuda" else nullcontext():
-            loss_sum = self.strategy.passes(batches, t, sync, poison=poison)
+            loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss)
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
             self.strategy.scale_param_grads(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
         local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
+        self.grad_norm = float("nan")  # the step's norm before clipping (logged with clipping on; NaN: skipped)
         if self._finite(local_loss):  # collective: every rank takes the same branch
             self.skipped_in_row, self.last_skipped = 0, False
+            if cfg.optimizer.clip_grad_norm > 0:  # collective: 1 all-reduce of 1 number per axis (grad_clip.py)
+                self.grad_norm = self.strategy.clip_grad_norm(cfg.optimizer.clip_grad_norm)
             self.optimizer.step()
             if self.memory is None:  # the first step: parameters, gradients and optimizer state all live
                 self.memory = self._memory()
@@ -229,6 +242,8 @@ class Trainer:
                 if writer is not None and progress is not None:
                     writer.write(self._record(loss, t))
                     progress.update(self.step, loss, self.tokens_per_step / t["step"])
+                if self.val is not None and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
+                    self._evaluate(writer, progress)
                 periodic = cfg.train.ckpt_every and self.step % cfg.train.ckpt_every == 0
                 if save and periodic and self.step < cfg.train.steps:
                     self.save()
@@ -240,6 +255,16 @@ class Trainer:
         if save and (self.last_ckpt is None or Checkpoint(self.last_ckpt).step != self.step):
             self.save()
         return self._summary(loss, timings, self.step - start_step, time.perf_counter() - t_begin)
+
+    def _evaluate(self, writer: MetricsWriter | None, progress: ProgressReporter | None) -> None:
+        """A validation pass (``validation.py``), written to the metrics and the progress line. Collective."""
+        assert self.val is not None
+        record = evaluate(self.strategy, self.plain, self.val, self.step)
+        self.evals.append(record)
+        if writer is not None and progress is not None:
+            writer.write(record)
+            progress.note(f"eval  step {record['step']:>6}  val_loss {record['val_loss']:.4f}  "
+                          f"ppl {record['val_ppl']:.2f}  ({record['val_tokens']:,} tokens, {record['eval_s']:.2f} s)")
 
     def _beat(self) -> None:
         """Record the step this rank is starting in ``RUN/ranks/rankN.step`` (one pwrite, ~µs): after a failure
@@ -255,7 +280,8 @@ class Trainer:
         return {"step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
                 "step_s": t["step"], "fwd_s": t["fwd"], "bwd_s": t["bwd"], "opt_s": t["opt"], "comm_s": t["comm"],
-                "data_s": t["data"], "overhead_s": overhead, "time": time.time(), "skipped": self.last_skipped}
+                "data_s": t["data"], "overhead_s": overhead, "time": time.time(), "skipped": self.last_skipped,
+                **({"grad_norm": self.grad_norm} if self.cfg.optimizer.clip_grad_norm > 0 else {})}
 
     def _memory(self) -> dict[str, int]:
         """``Strategy.memory`` (local); a report that fails must not fail the run: then empty."""
@@ -280,6 +306,8 @@ class Trainer:
                 "skipped_steps": self.skipped, "memory": memory, "bare_runtime_bytes": self.bare_runtime,
                 "construction_peak_bytes": self.construction_peak, "construction_s": self.construction_s,
                 "pretrained_bytes_read": getattr(self.strategy, "pretrained_bytes_read", 0),
+                "val_loss": self.evals[-1]["val_loss"] if self.evals else None,
+                "eval_s": statistics.median(e["eval_s"] for e in self.evals) if self.evals else None,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
                 "activation_peak_bytes": self._activation_peak(memory)}
 

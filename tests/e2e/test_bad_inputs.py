@@ -91,7 +91,7 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("flag-bad-enum", ["train", "--parallel.algorithm", "butterfly"], None,
      ("'butterfly'", "choose one of ['native', 'ring', 'tree', 'shm', 'auto']")),
     ("flag-bad-format", ["train", "--data.format", "csv"], None,
-     ("data.format = 'csv'", "choose one of ['auto', 'text', 'bin']")),
+     ("data.format = 'csv'", "choose one of ['auto', 'text', 'bin', 'prepared']")),
     ("flag-bad-precision", ["train", "--train.precision", "fp16"], None,
      ("train.precision = 'fp16'", "choose one of ['fp32', 'bf16']")),
     ("preset-typo", ["train", "--preset", "gpt-smal"], None,

@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...checkpoint.sharded import Checkpoint, Piece
@@ -25,7 +26,7 @@ from ...models.gpt import lm_loss
 from ..config import Config, OptimizerConfig, replicated_modules
 from ..nonfinite import Grad
 
-__all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel"]
+__all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel", "summed_loss"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -46,10 +47,20 @@ class Strategy(Protocol):
         """``(dp size, dp rank)`` the data sampler shards over (a pipeline shards inside ``pipe.step``). Local."""
         ...
 
-    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor | float:
+    sum_loss: LossFn
+    """The layout's cross-entropy summed over counted targets (``summed_loss``)."""
+
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool,
+               loss_fn: LossFn | None = None) -> torch.Tensor | float:
         """The step's ``grad_accum`` forward/backward passes with gradient synchronisation; returns this rank's
         loss of the step (already the dp mean for a pipeline). ``poison``: multiply the loss by NaN (debug
-        fault). Adds phase times to ``t``; ``sync`` waits for queued device work. Collective."""
+        fault). ``loss_fn``: a loss already scaled for the whole step (``token_loss.TokenNormalized``) instead
+        of the layout's mean. Adds phase times to ``t``; ``sync`` waits for queued device work. Collective."""
+        ...
+
+    def eval_sums(self, batches: Batches) -> tuple[float, int]:
+        """Forward only (no gradients touched) over this rank's share of validation batches: ``(Σ cross-entropy,
+        counted targets)`` over the whole mesh's data, the same on every rank. Collective."""
         ...
 
     def mean_loss(self, loss: torch.Tensor | float) -> float:
@@ -63,6 +74,14 @@ class Strategy(Protocol):
     def scale_param_grads(self, factor: float) -> None:
         """Multiply per-parameter gradients by ``factor`` (debug fault ``sum_grads``); no-op for layouts whose
         gradients live in ZeRO's flat buffers. Local."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip this step's gradients (after the passes, before ``optimizer.step()``) so that their L2 norm over
+        the whole model is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on one device over every
+        parameter; returns that norm before clipping (the same on every rank). Scales every gradient tensor the
+        optimizer reads (ZeRO: the flat shards). Collective: one all-reduce of one fp32 number per mesh axis
+        whose ranks hold different gradient pieces (``grad_clip.py``)."""
         ...
 
     def pieces(self) -> list[Piece]:
@@ -119,3 +138,25 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Modul
         # not on that list, so cast here, or the loss would come back rounded to bf16 (~3 digits). No-op in fp32.
         return vocab_ce(logits.float(), targets)
     return model, loss
+
+
+def summed_loss(cfg: Config, mesh: Mesh) -> LossFn:
+    """The layout's cross-entropy summed over the counted targets (``targets == -100`` skipped; 0 when none
+    count): the plain one, or the vocab-parallel one when ``tensor_parallel`` split the LM head. The trainer
+    divides it by a token count itself (``token_loss.py``: validation, loss-masked data), so that every layout
+    weighs each counted token alike, as one device does. Collective over tp as the vocab-parallel loss is."""
+    if cfg.parallel.tp > 1 and "lm_head" not in replicated_modules(cfg):
+        from ...parallel.tensor.api import vocab_parallel_cross_entropy
+
+        return partial(_vocab_sum, ce=partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp",
+                                              vocab_size=cfg.model.vocab_size, reduction="sum"))
+    return _plain_sum
+
+
+def _plain_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits (b, t, v), targets (b, t); under autocast F.cross_entropy computes in fp32
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+
+
+def _vocab_sum(logits: torch.Tensor, targets: torch.Tensor, *, ce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    return ce(logits.float(), targets)  # fp32, as in tensor_parallel's loss (autocast does not cover it)

@@ -27,12 +27,15 @@ from ...checkpoint.pipeline_zero import load_pipeline_zero, pipeline_zero_groups
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
 from ...parallel.common.autocast import precision_dtype
+from ...parallel.common.grad_norm import shard_pieces
 from ...parallel.common.memory import storage_bytes
 from ...parallel.pipeline.api import Pipeline, pipeline
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
+from ..grad_clip import clip_, counted_grads
 from ..nonfinite import Grad, flat_grads, names_by_id, poisoned
-from .base import Batches, Timings, build_optimizer, tensor_parallel
+from ..data import IGNORE
+from .base import Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel
 
 __all__ = ["PipelineStrategy"]
 
@@ -49,6 +52,7 @@ class PipelineStrategy:
             return loss(logits, targets) / p.grad_accum  # one pass of grad_accum, like the plain loop's scaling
 
         self.plain, self.mesh = module, mesh
+        self.sum_loss = summed_loss(cfg, mesh)
         self.model: Pipeline = pipeline(
             module, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
             split=list(p.pp_split) or None, chunks=p.pp_chunks, dp_axis="dp", zero_stage=p.zero_stage,
@@ -65,15 +69,17 @@ class PipelineStrategy:
         itself); the saved position (samples consumed by all ranks) is the same either way."""
         return 1, 0
 
-    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> float:
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool,
+               loss_fn: LossFn | None = None) -> float:
         """One ``pipe.step`` per accumulation pass; the step's mean loss (same on every rank). Times: this rank's
         F actions → fwd, B and W → bwd, the rest of ``pipe.step`` (waiting for neighbours — bubble and
         transfers —, tied-weight exchange, dp reduction) → comm. On CUDA the split is of launch times unless
         ``pipe.interpreter.synchronize_timings`` is set; the step time is exact (``step`` syncs). Collective."""
         pipe, total = self.model, 0.0
         clean = pipe.interpreter.loss_fn  # the last stage looks its loss up here, per micro-batch
-        if poison:
-            pipe.interpreter.loss_fn = poisoned(clean)
+        # loss_fn (loss-masked data): already scaled for the whole step (token_loss.py), so not / grad_accum
+        loss = loss_fn or clean
+        pipe.interpreter.loss_fn = poisoned(loss) if poison else loss
         try:
             for x, y in batches:
                 start = time.perf_counter()
@@ -86,6 +92,22 @@ class PipelineStrategy:
         finally:
             pipe.interpreter.loss_fn = clean
         return total
+
+    def eval_sums(self, batches: Batches) -> tuple[float, int]:
+        """``(Σ cross-entropy, counted targets)`` of the validation batches (every rank loads each pass's
+        ``micro_batch × dp`` rows): one forward-only ``pipe.evaluate`` per pass, whose mean over the pipeline's
+        micro-batches and dp replicas of ``Σ CE · m · dp`` is the pass's sum. Collective."""
+        m, dp = self.model.microbatches, self.mesh.size("dp")
+        summed = self.sum_loss
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return summed(logits, targets) * (m * dp)
+
+        total, count = 0.0, 0
+        for x, y in batches:
+            total += self.model.evaluate(x, y, loss_fn=loss)
+            count += int((y != IGNORE).sum())
+        return total, count
 
     def mean_loss(self, loss: torch.Tensor | float) -> float:
         """Local: ``pipe.step``'s loss is already the mean over dp."""
@@ -106,6 +128,23 @@ class PipelineStrategy:
             for param in self.plain.parameters():
                 if param.grad is not None:
                     param.grad.mul_(factor)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Its stages' gradients: with ZeRO-1 each bucket's averaged shard (the optimizer's gradient; ``.grad``
+        keeps the replica's own sum), else every ``param.grad`` (dp replicas identical: counted locally). A
+        weight tied to another pipeline rank counts on the lower pp coordinate; one all-reduce over pp, one
+        over tp with tp, one over dp with ZeRO-1."""
+        pipe, mesh = self.model, self.mesh
+        skip = {id(q) for q, peer in pipe.tied if peer < mesh.coord(pipe.axis)}
+        own = {pipe.axis, "dp"}  # each pp rank its stages; dp: ZeRO-1 shards, or identical replicas
+        sync = pipe.grad_sync
+        if sync is not None and sync.zero:
+            scale = sync.shard_grads()
+            count = shard_pieces(sync.groups, scale, mesh, sync.axis, own, skip)
+            return clip_(count, scale, mesh, [pipe.axis, "tp", sync.axis], max_norm)
+        params = list(pipe.parameters())
+        scale = [q.grad for q in params if q.grad is not None]
+        return clip_(counted_grads(params, mesh, own, skip), scale, mesh, [pipe.axis, "tp"], max_norm)
 
     def pieces(self) -> list[Piece]:
         """Its own stages' tensors under the plain model's keys, and their optimizer state — per parameter, or

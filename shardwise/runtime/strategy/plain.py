@@ -21,8 +21,10 @@ from ...parallel.common.autocast import compute_autocast, precision_dtype
 from ...parallel.common.materialize import ensure_sources, materialize
 from ...parallel.common.memory import memory_report
 from ..config import Config
+from ..grad_clip import clip_, counted_grads
 from ..nonfinite import Grad, param_grads, poisoned
-from .base import Batches, LossFn, Timings, build_optimizer, tensor_parallel
+from ..data import IGNORE
+from .base import Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel
 
 __all__ = ["PlainStrategy", "accumulate", "dp_mean", "checkpointed"]
 
@@ -99,15 +101,33 @@ class DataParallelSteps:
     mesh: Mesh
     model: Any
     loss_fn: LossFn
+    sum_loss: LossFn
+    """The cross-entropy summed over counted targets (``base.summed_loss``): validation and loss-masked data."""
     autocast: torch.dtype | None = None
     """``train.precision``'s autocast dtype (None: fp32); set by the subclass from the config."""
 
     def data_shard(self) -> tuple[int, int]:
         return self.mesh.size("dp"), self.mesh.coord("dp")
 
-    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool) -> torch.Tensor:
-        loss_fn = poisoned(self.loss_fn) if poison else self.loss_fn
-        return accumulate(self.model, loss_fn, batches, t, sync, self.mesh.device, self.autocast)
+    def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool,
+               loss_fn: LossFn | None = None) -> torch.Tensor:
+        loss = loss_fn or self.loss_fn
+        return accumulate(self.model, poisoned(loss) if poison else loss, batches, t, sync, self.mesh.device,
+                          self.autocast)
+
+    def eval_sums(self, batches: Batches) -> tuple[float, int]:
+        """Forward only over this rank's shard of the validation batches: ``(Σ cross-entropy, counted targets)``
+        over every dp rank (one all-reduce of two numbers). Collective (and over tp as the forward is)."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
+        with torch.no_grad():
+            for x, y in batches:
+                with compute_autocast(self.mesh.device, self.autocast):
+                    total = self.sum_loss(self.model(x), y)
+                sums[0] += total.double()
+                sums[1] += (y != IGNORE).sum()
+        if self.mesh.size("dp") > 1:
+            all_reduce(sums, self.mesh, "dp", op="sum")
+        return float(sums[0]), int(sums[1])
 
     def mean_loss(self, loss: torch.Tensor | float) -> float:
         return dp_mean(loss, self.mesh)
@@ -122,6 +142,7 @@ class PlainStrategy(DataParallelSteps):
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
         ensure_sources(plain)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
+        self.sum_loss = summed_loss(cfg, mesh)
         self.plain: nn.Module = checkpointed(cfg, module)
         self.model: nn.Module = self.plain
         if p.dp > 1:
@@ -139,6 +160,14 @@ class PlainStrategy(DataParallelSteps):
         for param in self.plain.parameters():
             if param.grad is not None:
                 param.grad.mul_(factor)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Every ``param.grad`` (tp shards): dp replicas hold identical averaged gradients and count them all
+        locally; a tp-split parameter counts on every tp rank, a replicated one on tp coordinate 0 — so one
+        all-reduce over tp (none without tp)."""
+        params = list(self.plain.parameters())  # each tied parameter once
+        count = counted_grads(params, self.mesh, own_axes=set(self.mesh.axes) - {"tp"})
+        return clip_(count, [q.grad for q in params if q.grad is not None], self.mesh, ["tp"], max_norm)
 
     def pieces(self) -> list[Piece]:
         return model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)

@@ -16,13 +16,15 @@ from ...checkpoint.sharded import Checkpoint, Piece
 from ...checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pieces, zero_optimizer_pieces
 from ...mesh import Mesh
 from ...parallel.common.autocast import precision_dtype
+from ...parallel.common.grad_norm import shard_pieces
 from ...parallel.common.memory import memory_report
 from ...parallel.zero.api import ZeroModel, zero
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
+from ..grad_clip import clip_
 from ..model_build import block_names
 from ..nonfinite import Grad, flat_grads
-from .base import build_optimizer, tensor_parallel
+from .base import build_optimizer, summed_loss, tensor_parallel
 from .plain import DataParallelSteps, checkpointed
 
 __all__ = ["ZeroStrategy", "zero_algorithm"]
@@ -44,6 +46,7 @@ class ZeroStrategy(DataParallelSteps):
         p = cfg.parallel
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
+        self.sum_loss = summed_loss(cfg, mesh)
         self.plain = checkpointed(cfg, module)
         # ZeRO-3 gathers one transformer layer at a time (its default finds only a ``blocks`` list)
         units = [[name] for name in block_names(self.plain)] or None
@@ -65,6 +68,14 @@ class ZeroStrategy(DataParallelSteps):
 
     def scale_param_grads(self, factor: float) -> None:
         """No-op: the ``sum_grads`` fault targets per-parameter gradients, which ZeRO does not keep."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """This rank's averaged shard of each flat group — what the optimizer reads (stage 1: the own slice of
+        the full buffer) — counted per parameter piece (a tp-replicated one on tp coordinate 0 only); one
+        all-reduce over dp, and one over tp with tp."""
+        shards = self.model.shard_grads
+        count = shard_pieces(self.model.groups, shards, self.mesh, "dp", {"dp"})
+        return clip_(count, shards, self.mesh, ["dp", "tp"], max_norm)
 
     def pieces(self) -> list[Piece]:
         return zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.optimizer,

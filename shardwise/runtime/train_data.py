@@ -1,0 +1,141 @@
+"""Where ``shardwise train``'s tokens come from: training windows, validation windows, and their checks.
+
+``data.path`` is a dataset directory of ``shardwise prepare`` (memory-mapped uint16/uint32 shards, read where a
+window falls: nothing is loaded whole), a text file (byte-level tokens), a uint16 ``.bin``, or empty (the
+generated corpus). Validation data is ``data.val_path`` (the same kinds; a prepared directory gives its
+validation split, or its training split when it has none) or else the validation split of a prepared
+``data.path``. Loss-masked (supervised fine-tuning) datasets carry a mask: their windows' prompt targets are
+``IGNORE``.
+
+``check_data`` runs in the launcher before any rank starts: every problem is one ``ValueError`` line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config
+from .data import TokenWindows
+
+__all__ = ["TrainData", "open_data", "check_data", "open_source"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One data path opened: its token stream(s), mask(s), the vocabulary bound of its ids, and where the
+    validation split is (prepared datasets). ``tokens``: a 1-D tensor or a prepared ``TokenStream``."""
+
+    path: str
+    tokens: Any
+    mask: Any
+    vocab: int
+    """Ids are < vocab: the tokenizer's vocabulary (prepared), or the largest id + 1 (files)."""
+    fingerprint: str
+    """The tokenizer's fingerprint (prepared), "bytes" (text), "" (unknown: a .bin or the generated corpus)."""
+    val_tokens: Any = None
+    val_mask: Any = None
+
+
+def open_source(path: str, fmt: str = "auto") -> Source:
+    """Open ``path`` (module docstring). Raises ``ValueError`` (one line) when it cannot be used."""
+    from .corpus import load_corpus
+
+    if fmt == "prepared" or (fmt == "auto" and path and Path(path).is_dir()):
+        from .prepared import open_prepared
+
+        ds = open_prepared(path)
+        val = ds.val
+        return Source(path, ds.train.tokens, ds.train.mask, ds.vocab_size, ds.tokenizer_fingerprint,
+                      val.tokens if val is not None else None, val.mask if val is not None else None)
+    tokens = load_corpus(path, fmt)
+    top = int(tokens.to(torch.int32).max()) if tokens.numel() else 0  # uint16 has no max kernel
+    binary = fmt == "bin" or (fmt == "auto" and Path(path).suffix == ".bin")
+    return Source(path, tokens, None, top + 1, "" if binary or not path else "bytes")
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """The training windows, the validation windows (None without validation data) and whether targets are
+    loss-masked (then the trainer weighs every counted token alike: ``token_loss.py``)."""
+
+    train: TokenWindows
+    val: TokenWindows | None
+    masked: bool
+
+
+def _val_source(cfg: Config, main: Source) -> tuple[Source | None, str]:
+    """The validation tokens and where they came from (for messages)."""
+    if cfg.data.val_path:
+        src = open_source(cfg.data.val_path, "auto")
+        if src.val_tokens is not None:  # a prepared directory: its validation split
+            src = Source(src.path, src.val_tokens, src.val_mask, src.vocab, src.fingerprint)
+        return src, f"data.val_path = {cfg.data.val_path!r}"
+    if main.val_tokens is not None:
+        return Source(main.path, main.val_tokens, main.val_mask, main.vocab, main.fingerprint), \
+            f"the validation split of data.path = {main.path!r}"
+    return None, ""
+
+
+def open_data(cfg: Config) -> TrainData:
+    """This rank's view of the data (memory maps; nothing communicated). Validation only with eval_every."""
+    main = open_source(cfg.data.path, cfg.data.format)
+    block = cfg.model.block_size
+    train = TokenWindows(main.tokens, block, mask=main.mask)
+    val = None
+    if cfg.train.eval_every:
+        src, _ = _val_source(cfg, main)
+        val = TokenWindows(src.tokens, block, mask=src.mask) if src is not None else None
+    return TrainData(train, val, masked=main.mask is not None or (val is not None and val.mask is not None))
+
+
+def check_data(cfg: Config) -> None:
+    """Every data problem of a launch, before any rank starts (``ValueError``, one line each): the training
+    data holds at least one global batch, its ids fit the model's vocabulary, validation data exists when
+    ``train.eval_every`` asks for it, matches the training data's tokenizer and holds one global batch."""
+    main = open_source(cfg.data.path, cfg.data.format)
+    what = f"data.path = {cfg.data.path!r}"
+    _check_windows(main, what, cfg, "one step's")
+    _check_vocab(main, what, cfg)
+    if cfg.data.val_path and not cfg.train.eval_every:
+        print(f"shardwise train: warning: data.val_path is set but train.eval_every = 0: no validation runs; e.g. "
+              f"--train.eval_every 100", flush=True)
+    if not cfg.train.eval_every:
+        return
+    val, where = _val_source(cfg, main)
+    if val is None:
+        kind = ("has no validation split (prepared with --val-fraction 0)" if main.fingerprint not in ("", "bytes")
+                else "is not a prepared dataset with a validation split")
+        raise ValueError(f"train.eval_every = {cfg.train.eval_every} needs validation data, but {what} {kind}; "
+                         f"pass --data.val_path PATH, or prepare the data with shardwise prepare --val-fraction 0.01")
+    if val.fingerprint != main.fingerprint and main.fingerprint and val.fingerprint:
+        raise ValueError(f"{where} was tokenized with another tokenizer ({val.fingerprint[:12]}) than {what} "
+                         f"({main.fingerprint[:12]}); prepare both with the same --tokenizer")
+    _check_windows(val, where, cfg, "one validation batch's")
+    _check_vocab(val, where, cfg)
+
+
+def _check_windows(src: Source, what: str, cfg: Config, role: str) -> None:
+    n = src.tokens.numel() if isinstance(src.tokens, torch.Tensor) else len(src.tokens)
+    windows = (n - 1) // cfg.model.block_size
+    if windows < cfg.data.global_batch:
+        raise ValueError(f"{what} holds {n} tokens = {windows} windows of model.block_size={cfg.model.block_size}, "
+                         f"fewer than {role} data.global_batch={cfg.data.global_batch}; use more data or a smaller "
+                         f"global batch / block size")
+
+
+def _check_vocab(src: Source, what: str, cfg: Config) -> None:
+    if src.vocab <= cfg.model.vocab_size:
+        return
+    prepared = src.fingerprint not in ("", "bytes")
+    origin = (f"was tokenized with a vocabulary of {src.vocab} tokens" if prepared
+              else f"contains token id {src.vocab - 1}")
+    if cfg.model.hf_config or cfg.model.pretrained:
+        fix = f"use data tokenized for that model, or a config.json with vocab_size >= {src.vocab}"
+        model = f"the model's vocab_size = {cfg.model.vocab_size} (model.hf_config / model.pretrained)"
+    else:
+        fix, model = f"set --model.vocab_size {src.vocab} or larger", f"model.vocab_size = {cfg.model.vocab_size}"
+    raise ValueError(f"{what} {origin} but {model}; {fix}")
