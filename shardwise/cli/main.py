@@ -47,6 +47,10 @@ def _command(name: str) -> Command:
         from . import calibrate as module
     elif name == "plan":
         from . import plan as module
+    elif name == "generate":
+        from . import generate as module
+    elif name == "prepare":
+        from . import prepare as module
     else:
         raise KeyError(name)
     return module
@@ -88,8 +92,12 @@ COMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
                 "before it runs (the planner)"),
     "plan": (partial(_command, "plan"), "search every layout of a model on N devices: the fastest that fit, "
              "ranked, before anything runs"),
+    "prepare": (partial(_command, "prepare"), "tokenize text / JSON Lines / a datasets dataset once into "
+                "memory-mapped shards with a checksummed index (train and val splits, SFT loss masks)"),
     "calibrate": (partial(_command, "calibrate"), "measure this machine (GEMM, bandwidth, collectives) into a "
                   "hardware JSON for the planner and algorithm=auto"),
+    "generate": (partial(_command, "generate"), "continue a prompt with a run's, a checkpoint's or a Hugging Face "
+                 "directory's model (one device, KV cache)"),
 }
 # bench kind -> (loader, one-line help)
 BENCHES: dict[str, tuple[Callable[[], Command], str]] = {

@@ -1,0 +1,178 @@
+"""The inputs of ``shardwise prepare``: what each path is, and the stream of chunks the encoding workers get.
+
+Kinds: a text file (one document), a JSON Lines file (``.jsonl``/``.json``: one object per line), a directory
+(its files, recursively, in sorted order, hidden ones skipped; each file by its own kind) and a Hugging Face
+``datasets`` dataset saved with ``save_to_disk``. Everything is checked in ``discover`` before any work starts.
+
+``chunks`` streams the inputs: the main process lists text files (the worker reads them), reads JSON Lines as raw
+lines (the worker parses them) and rows of a dataset; a chunk holds about ``CHUNK_BYTES`` of input. Chunk
+boundaries and document ordinals depend on the inputs alone, never on the number of workers, so the split of
+each document and the bytes written are the same for any ``--workers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from .prepare_worker import Chunk
+
+__all__ = ["Input", "Chunk", "discover", "chunks", "CHUNK_BYTES", "INSTALL_DATASETS"]
+
+CHUNK_BYTES = 1 << 20
+"""Input bytes per chunk (about): small enough that 2 × workers chunks in flight bound the memory, large enough
+that a worker's round trip is amortised."""
+CHUNK_ITEMS = 2048
+INSTALL_DATASETS = 'pip install "shardwise[datasets]"'
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+Kind = Literal["text", "jsonl", "hf-dataset"]
+
+
+@dataclass
+class Input:
+    """One INPUT argument and what it expanded to."""
+
+    arg: str
+    kind: str
+    """``text``, ``jsonl``, ``hf-dataset`` or ``directory``."""
+    files: list[tuple[Path, Kind]] = field(default_factory=list)
+    documents: int = 0
+    """Filled in while preparing: the documents (examples) kept from this input."""
+
+
+def _kind_of_file(path: Path) -> Kind:
+    return "jsonl" if path.suffix.lower() in JSONL_SUFFIXES else "text"
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
+
+
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def _expand(arg: str, *, sft: bool) -> Input:
+    path = Path(arg)
+    if not path.exists():
+        raise ValueError(f"input {arg!r} does not exist; pass text files, .jsonl files, directories of them or a "
+                         f"datasets directory (save_to_disk)")
+    if path.is_dir() and (path / "dataset_dict.json").is_file():
+        raise ValueError(f"input {arg!r} is a DatasetDict saved with save_to_disk; pass one split's directory, "
+                         f"e.g. {str(path / 'train')!r}")
+    if path.is_dir() and _is_hf_dataset(path):
+        _require_datasets(arg)
+        return Input(arg, "hf-dataset", [(path, "hf-dataset")])
+    if path.is_dir():
+        found = sorted((p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))),
+                       key=lambda p: p.relative_to(path).as_posix())
+        if not found:
+            raise ValueError(f"input directory {arg!r} holds no files (hidden files are skipped); pass a directory "
+                             f"of text or .jsonl files")
+        inp = Input(arg, "directory", [(p, _kind_of_file(p)) for p in found])
+    else:
+        inp = Input(arg, _kind_of_file(path), [(path, _kind_of_file(path))])
+    if sft:
+        text = next((p for p, k in inp.files if k == "text"), None)
+        if text is not None:
+            raise ValueError(f"--sft reads JSON Lines records (or a datasets directory), but {str(text)!r} is a "
+                             f"text file; pass .jsonl files with prompt/response fields, or drop --sft")
+    return inp
+
+
+def _require_datasets(arg: str) -> Any:
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise ValueError(f"input {arg!r} is a Hugging Face datasets directory, which needs the datasets package; "
+                         f"install it with: {INSTALL_DATASETS}") from None
+    return datasets
+
+
+def discover(args: list[str] | tuple[str, ...], *, sft: bool, fields: tuple[str, ...]) -> list[Input]:
+    """Expand and check every INPUT (existence, kinds, the fields of a dataset's columns)."""
+    if not args:
+        raise ValueError("no INPUT given; pass text files, .jsonl files, directories or a datasets directory")
+    inputs = [_expand(a, sft=sft) for a in args]
+    for inp in inputs:
+        if inp.kind == "hf-dataset":
+            columns = _open_dataset(inp.arg).column_names
+            missing = [f for f in fields if f not in columns]
+            if missing:
+                raise ValueError(f"dataset {inp.arg!r} has no column {missing[0]!r} (columns: {columns}); pass the "
+                                 f"column that holds it with {_field_flag(missing[0], fields, sft)}")
+    return inputs
+
+
+def _field_flag(name: str, fields: tuple[str, ...], sft: bool) -> str:
+    if not sft:
+        return "--field NAME"
+    return "--prompt-field NAME" if name == fields[0] else "--response-field NAME"
+
+
+def _open_dataset(arg: str) -> Any:
+    datasets = _require_datasets(arg)
+    ds = datasets.load_from_disk(arg)
+    if not isinstance(ds, datasets.Dataset):
+        raise ValueError(f"input {arg!r} is not a single dataset (got {type(ds).__name__}); pass one split's "
+                         f"directory")
+    return ds
+
+
+def chunks(inputs: list[Input], *, fields: tuple[str, ...]) -> Iterator[Chunk]:
+    """Every input's documents in order, about ``CHUNK_BYTES`` at a time (streamed: nothing is read ahead)."""
+    ordinal = 0
+    for i, inp in enumerate(inputs):
+        files: list[str] = []
+        size = 0
+        for path, kind in inp.files:
+            if kind == "text":
+                files.append(str(path))
+                size += path.stat().st_size
+                if size >= CHUNK_BYTES or len(files) >= CHUNK_ITEMS:
+                    yield Chunk("files", i, ordinal, files)
+                    ordinal, files, size = ordinal + len(files), [], 0
+                continue
+            if files:  # keep the order of a directory's files: flush the text files before a JSON Lines file
+                yield Chunk("files", i, ordinal, files)
+                ordinal, files, size = ordinal + len(files), [], 0
+            source = _jsonl_chunks if kind == "jsonl" else _dataset_chunks
+            for chunk in source(path, i, ordinal, fields):
+                ordinal += len(chunk.payload)
+                yield chunk
+        if files:
+            yield Chunk("files", i, ordinal, files)
+            ordinal += len(files)
+
+
+def _jsonl_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...]) -> Iterator[Chunk]:
+    lines: list[bytes] = []
+    size, first = 0, 1
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            lines.append(line)
+            size += len(line)
+            if size >= CHUNK_BYTES or len(lines) >= CHUNK_ITEMS:
+                yield Chunk("lines", index, ordinal, lines, str(path), first)
+                ordinal, lines, size, first = ordinal + len(lines), [], 0, number + 1
+    if lines:
+        yield Chunk("lines", index, ordinal, lines, str(path), first)
+
+
+def _dataset_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...]) -> Iterator[Chunk]:
+    ds = _open_dataset(str(path)).select_columns(list(fields))
+    row = 0
+    rows: list[Any] = []
+    size = 0
+    for batch in ds.iter(batch_size=256):
+        columns = [batch[f] for f in fields]
+        for values in zip(*columns):
+            rows.append(values[0] if len(fields) == 1 else tuple(values))
+            size += sum(len(v) if isinstance(v, str) else 0 for v in values)
+            if size >= CHUNK_BYTES or len(rows) >= CHUNK_ITEMS:
+                yield Chunk("rows", index, ordinal, rows, str(path), row)
+                ordinal, row, rows, size = ordinal + len(rows), row + len(rows), [], 0
+    if rows:
+        yield Chunk("rows", index, ordinal, rows, str(path), row)
