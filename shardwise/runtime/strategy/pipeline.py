@@ -51,7 +51,7 @@ class PipelineStrategy:
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return loss(logits, targets) / p.grad_accum  # one pass of grad_accum, like the plain loop's scaling
 
-        self.plain, self.mesh = module, mesh
+        self.plain, self.mesh, self.grad_accum = module, mesh, p.grad_accum
         self.sum_loss = summed_loss(cfg, mesh)
         self.model: Pipeline = pipeline(
             module, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
@@ -77,8 +77,9 @@ class PipelineStrategy:
         ``pipe.interpreter.synchronize_timings`` is set; the step time is exact (``step`` syncs). Collective."""
         pipe, total = self.model, 0.0
         clean = pipe.interpreter.loss_fn  # the last stage looks its loss up here, per micro-batch
-        # loss_fn (loss-masked data): already scaled for the whole step (token_loss.py), so not / grad_accum
-        loss = loss_fn or clean
+        # loss_fn (loss-masked data) is scaled for the whole step (token_loss.py), which assumes the calls are
+        # averaged; pipe.step averages its micro-batches and dp replicas, the passes are summed: / grad_accum
+        loss = clean if loss_fn is None else _divided(loss_fn, self.grad_accum)
         pipe.interpreter.loss_fn = poisoned(loss) if poison else loss
         try:
             for x, y in batches:
@@ -175,3 +176,9 @@ class PipelineStrategy:
         device = self.mesh.device
         peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else sum(counts.values())
         return {**counts, "peak": peak}
+
+
+def _divided(loss_fn: LossFn, n: int) -> LossFn:
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, targets) / n
+    return loss
