@@ -31,6 +31,23 @@ def _u16(ids: list[int]) -> bytes:
     return struct.pack(f"<{len(ids)}H", *ids)
 
 
+def _prepare_files(**files: str) -> Setup:
+    """``tok.json`` (a word-level tokenizer with ``<|endoftext|>``, built here: no download) and text ``files``
+    (``name=text``; ``__`` in a name stands for ``.``) for ``shardwise prepare`` cases."""
+    def setup(root: Path) -> None:
+        import tokenizers
+
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1, "hi": 2},
+                                                               unk_token="[UNK]"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        tok.save(str(root / "tok.json"))
+        for name, text in files.items():
+            path = root / name.replace("__", ".")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return setup
+
+
 def _fake_run(name: str = "done", *, steps: int = 5, ckpt_step: int = 5) -> Setup:
     """A run directory as ``shardwise train`` leaves it (``config.json``, ``checkpoints/latest`` naming a
     ``step_NNNNNN`` directory with an ``index.json``), without training: the refusals never open a tensor."""
@@ -153,6 +170,19 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("contains token id 299 but model.vocab_size = 256", "set --model.vocab_size 300 or larger")),
     ("data-odd-bin", ["train", "--data", "odd.bin"], _file("odd.bin", b"abc"),
      ("odd.bin' has 3 bytes, not a whole number of uint16 tokens", "ids.astype('<u2').tofile(path)")),
+    ("eval-without-validation-data", ["train", "--train.eval_every", "10"], None,
+     ("train.eval_every = 10 needs validation data", "pass --data.val_path PATH")),
+    ("eval-every-negative", ["train", "--train.eval_every", "-1"], None,
+     ("train.eval_every = -1 must be >= 0", "e.g. --train.eval_every 0")),
+    ("eval-batches-zero", ["train", "--train.eval_batches", "0"], None, ("train.eval_batches", "must be")),
+    ("val-data-too-small", ["train", "--train.eval_every", "10", "--data.val_path", "v.txt"],
+     _file("v.txt", "tiny corpus " * 40),
+     ("data.val_path = ", "fewer than one validation batch's data.global_batch=32")),
+    ("val-data-over-vocab", ["train", "--train.eval_every", "10", "--data.val_path", "v.bin"],
+     _file("v.bin", _u16(list(range(300)) * 40)),
+     ("data.val_path = ", "contains token id 299 but model.vocab_size = 256")),
+    ("clip-negative", ["train", "--optimizer.clip_grad_norm", "-1"], None,
+     ("optimizer.clip_grad_norm = -1.0 must be a finite number >= 0", "e.g. --optimizer.clip_grad_norm 1.0")),
     # --- run directories and --resume ---
     ("resume-nothing", ["train", "--resume", "runs/none"], None,
      ("'runs/none'", "start a fresh run without --resume")),
@@ -160,6 +190,30 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("'runs/done' already holds checkpoints", "continue it with --resume, start over with --overwrite")),
     ("resume-finished", ["train", "--resume", "runs/done"], _fake_run("done", steps=5, ckpt_step=5),
      ("is at step 5 and train.steps = 5", "pass --train.steps N with N > 5")),
+    # --- shardwise prepare (workers 1: the cases that read inputs encode in this process) ---
+    ("prepare-tokenizer-missing", ["prepare", "a.txt", "--tokenizer", "nope.json", "--out", "ds"],
+     _prepare_files(a__txt="hi"), ("--tokenizer 'nope.json' does not exist", "pass a tokenizer.json file")),
+    ("prepare-tokenizer-dir-without-json", ["prepare", "a.txt", "--tokenizer", "m", "--out", "ds"],
+     _prepare_files(a__txt="hi", **{"m/README": "no tokenizer here"}),
+     ("--tokenizer 'm' is a directory without tokenizer.json", "pass a directory that has one")),
+    ("prepare-input-missing", ["prepare", "missing.txt", "--tokenizer", "tok.json", "--out", "ds"], _prepare_files(),
+     ("input 'missing.txt' does not exist", "pass text files, .jsonl files")),
+    ("prepare-empty-input", ["prepare", "empty.txt", "--tokenizer", "tok.json", "--out", "ds", "--workers", "1"],
+     _prepare_files(empty__txt=""), ("'empty.txt' hold no documents with any tokens (1 empty)", "pass files with text")),
+    ("prepare-bad-json", ["prepare", "x.jsonl", "--tokenizer", "tok.json", "--out", "ds", "--workers", "1"],
+     _prepare_files(x__jsonl='{"text": "hi"}\n{"text": hi}\n'),
+     ("x.jsonl:2: not valid JSON (Expecting value: line 1 column 10", "fix the line or remove it")),
+    ("prepare-missing-field", ["prepare", "x.jsonl", "--tokenizer", "tok.json", "--out", "ds", "--workers", "1"],
+     _prepare_files(x__jsonl='{"content": "hi", "id": 3}\n'),
+     ("x.jsonl:1: no field 'text' (fields: ['content', 'id'])", "pass --field NAME")),
+    ("prepare-sft-empty-response", ["prepare", "x.jsonl", "--sft", "--tokenizer", "tok.json", "--out", "ds",
+                                    "--workers", "1"], _prepare_files(x__jsonl='{"prompt": "hi", "response": ""}\n'),
+     ("x.jsonl:1: the response (field 'response') has no tokens", "fix the record or remove it")),
+    ("prepare-out-exists", ["prepare", "a.txt", "--tokenizer", "tok.json", "--out", "ds"],
+     _prepare_files(a__txt="hi", **{"ds/dataset.json": "{}"}),
+     ("--out 'ds' already exists", "pass --force to replace it")),
+    ("prepare-val-fraction", ["prepare", "a.txt", "--tokenizer", "tok.json", "--out", "ds", "--val-fraction", "1.5"],
+     _prepare_files(a__txt="hi"), ("--val-fraction must be in [0, 1), got 1.5", "e.g. --val-fraction 0.01")),
     # --- other commands ---
     ("unknown-command", ["trian"], None, ("invalid choice 'trian'", "did you mean train?")),
     ("unknown-bench-kind", ["bench", "nope"], None, ("invalid choice 'nope'", "choose from comm, dp, sbp")),
