@@ -75,6 +75,8 @@ def _bench(name: str) -> Command:
         from ..bench import planner as module
     elif name == "auto":
         from ..bench import auto as module
+    elif name == "prepare":
+        from ..bench import prepare as module
     else:
         raise KeyError(name)
     return module
@@ -111,6 +113,8 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
     "planner": (partial(_bench, "planner"), "planner predictions vs published tables and vs measured layouts"),
     "auto": (partial(_bench, "auto"), "sw.auto's plan vs the hand-written Megatron plan: step time, collectives, "
              "planning time"),
+    "prepare": (partial(_bench, "prepare"), "shardwise prepare's tokens/s and peak memory vs the tokenizers "
+                "package's encode_batch on as many cores"),
 }
 
 # The packages the loaders import from. An ImportError naming one of them means the command's module is not in

@@ -102,3 +102,17 @@ def test_a_killed_prepare_leaves_nothing_the_reader_accepts(tmp_path: Path, tok:
     assert not tmp.exists(), "the next prepare removes what the killed one left"
     assert json.loads((tmp_path / "ds" / "dataset.json").read_text())["splits"]["train"]["documents"] == 20
     assert sorted(os.listdir(tmp_path)) == ["corpus", "ds"]
+
+
+def test_bench_prepare_runs_and_counts_the_same_tokens(tmp_path: Path):
+    """A small ``shardwise bench prepare``: both sides run, the table and the JSON come out (the bench itself
+    refuses to report when prepare's tokens differ from encode_batch's)."""
+    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "prepare", "--corpus-mb", "0.3", "--rounds",
+                          "1", "--memory-scale", "0", "--vocab", "300", "--workers", "2", "--json", "r.json"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "encode_batch s" in out.stdout and "peak resident set" in out.stdout, out.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    row = result["throughput"][0]
+    assert row["workers"] == 2 and row["tokens"] > row["documents"] > 10 and row["prepare_s"] > 0
+    assert result["memory"][0]["worker_mb"] > 0
