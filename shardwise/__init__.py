@@ -7,6 +7,7 @@ from . import comm, models, planner
 from .checkpoint import full_state_dict
 from .checkpoint.hf_dir import load_pretrained
 from .mesh import Mesh, MeshLayout
+from .models.generate import generate
 from .parallel.common.activation_checkpointing import checkpoint_layers
 from .parallel.auto import Plan, auto
 from .parallel.data.data_parallel import DataParallel
@@ -34,6 +35,8 @@ __all__ = [
     "materialize", "load_pretrained", "Normal", "Uniform", "Constant",
     # state and accounting
     "full_state_dict", "memory_report", "models", "__version__",
+    # inference: sampling text from a model on one device (KV cache)
+    "generate",
     # planning (pure: no processes)
     "planner", "auto", "Plan",
 ]

@@ -31,6 +31,7 @@ from ..parallel.common.materialize import draw_seed, init_from_rules
 from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style,
                                       VocabParallel)
+from .kv_cache import KVCache, cached_attention
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "synthetic_batch"]
 
@@ -117,7 +118,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         qkv = self.qkv(x)
         # Sizes come from qkv's output so a tensor-parallel qkv (whole heads per rank, ``n_head`` lowered to
         # the local count) runs this code unchanged: there h is this rank's width, not n_embd.
@@ -125,11 +126,25 @@ class CausalSelfAttention(nn.Module):
         # (b, t, h) @ (h, 3h) -> three (b, t, h) -> (b, nh, t, hd) each
         q, k, v = qkv.split(h, dim=2)
         q, k, v = (z.view(b, t, self.n_head, h // self.n_head).transpose(1, 2) for z in (q, k, v))
+        return q, k, v
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self._heads(x)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         # (b, nh, t, hd) -> (b, t, h)
-        y = y.transpose(1, 2).contiguous().view(b, t, h)
+        b, t = x.size(0), x.size(1)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.proj(y))
+
+    def decode(self, x: Tensor, cache: KVCache, layer: int) -> Tensor:
+        """``forward`` of ``x`` (b, t, h) at positions ``cache.length ..``: its keys/values are appended to
+        ``cache`` as ``layer``'s and the queries attend to every cached position. No dropout (inference)."""
+        q, k, v = self._heads(x)
+        past = cache.length
+        k, v = cache.append(layer, k, v)  # (b, nh, past + t, hd)
+        y = cached_attention(q, k, v, past)
+        return self.proj(y.transpose(1, 2).contiguous().view(x.size(0), x.size(1), -1))
 
 
 class MLP(nn.Module):
@@ -157,6 +172,11 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def decode(self, x: Tensor, cache: KVCache, layer: int) -> Tensor:
+        """``forward`` with attention over ``cache`` (``CausalSelfAttention.decode``)."""
+        x = x + self.attn.decode(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -218,6 +238,23 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def decode(self, idx: Tensor, cache: KVCache) -> Tensor:
+        """``forward`` of the tokens ``idx`` (b, t) that follow the ``cache.length`` positions already in ``cache``
+        → logits (b, t, v); their keys/values join the cache. With an empty cache this is ``forward`` (the
+        prefill); then one token per call decodes at the cost of one position. ``ValueError`` past
+        ``block_size``."""
+        past, t = cache.length, idx.size(-1)
+        if idx.dim() != 2 or past + t > self.config.block_size:
+            raise ValueError(f"GPT.decode takes (batch, seq) token ids with cached + new positions <= block_size "
+                             f"{self.config.block_size}, got shape {tuple(idx.shape)} after {past} cached; generate "
+                             f"fewer tokens or use a model with a larger block_size")
+        pos = torch.arange(past, past + t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (b, t, h) + (t, h)
+        for i, block in enumerate(self.blocks):
+            x = block.decode(x, cache, i)
+        cache.advance(t)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:

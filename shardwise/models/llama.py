@@ -31,6 +31,7 @@ from ..parallel.common.materialize import draw_seed, init_from_rules
 from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import ColumnParallel, RowParallel, Style, VocabParallel
 from .hf_config import HFDecoderConfig
+from .kv_cache import KVCache, cached_attention
 
 __all__ = ["Llama", "RMSNorm", "rotary_tables"]
 
@@ -50,12 +51,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rotary_tables(t: int, c: HFDecoderConfig, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)`` of positions ``0..t-1``, each (t, hd): computed in fp32 outside autocast, cast to ``dtype``.
-    Recomputed per call (a few thousand elements) so that no buffer enters the state dict or a pipeline stage."""
+def rotary_tables(t: int, c: HFDecoderConfig, device: torch.device, dtype: torch.dtype,
+                  start: int = 0) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of positions ``start .. start+t-1``, each (t, hd): computed in fp32 outside autocast, cast to
+    ``dtype``. Recomputed per call (a few thousand elements) so that no buffer enters the state dict or a pipeline
+    stage. ``start``: the first position (decoding with a cache continues from the cache's length)."""
     with torch.autocast(device_type=device.type, enabled=False):
         inv_freq = inverse_frequencies(c, device)
-        pos = torch.arange(t, device=device, dtype=torch.float)
+        pos = torch.arange(start, start + t, device=device, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]  # (t, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (t, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -97,7 +100,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, hd = x.size(0), x.size(1), self.head_dim
         # Head counts come from the projections' outputs, so a tensor-parallel layer (whole heads per rank: nh/tp
         # query and nkv/tp key/value heads) runs this code unchanged; the groups stay aligned because both are
@@ -105,12 +108,33 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)  # (b, nh, t, hd)
         k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)  # (b, nkv, t, hd)
         v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        group = q.size(1) // k.size(1)
-        if group > 1:  # (b, nkv, t, hd) -> (b, nh, t, hd): kv head j serves query heads j*group .. (j+1)*group-1
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t = x.size(0), x.size(1)
+        q, k, v = self._heads(x, cos, sin)
+        k, v = _expand_groups(k, v, q.size(1))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (b, t, nh*hd) @ (nh*hd, h)
+
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int) -> Tensor:
+        """``forward`` of ``x`` (b, t, h) at positions ``cache.length ..`` (``cos``/``sin`` of those positions):
+        the rotated keys and the values are cached as ``layer``'s with their ``nkv`` heads (a GQA cache is
+        ``nh / nkv`` times smaller) and the queries attend to every cached position. No dropout (inference)."""
+        q, k, v = self._heads(x, cos, sin)
+        past = cache.length
+        k, v = cache.append(layer, k, v)  # (b, nkv, past + t, hd)
+        k, v = _expand_groups(k, v, q.size(1))
+        y = cached_attention(q, k, v, past)
+        return self.o_proj(y.transpose(1, 2).reshape(x.size(0), x.size(1), -1))
+
+
+def _expand_groups(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """(b, nkv, t, hd) keys/values -> (b, nh, t, hd): kv head j serves query heads j*group .. (j+1)*group-1."""
+    group = heads // k.size(1)
+    if group > 1:
+        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return k, v
 
 
 class MLP(nn.Module):
@@ -141,6 +165,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         cos, sin = rotary_tables(x.size(1), self._hf, x.device, x.dtype)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int) -> Tensor:
+        """``forward`` with attention over ``cache`` (``Attention.decode``); the caller gives the rotary tables of
+        the new positions (one computation per step for all layers)."""
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -200,6 +230,22 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(idx)  # (b, t, h)
         for layer in self.model.layers:
             x = layer(x)
+        return self.lm_head(self.model.norm(x))
+
+    def decode(self, idx: Tensor, cache: KVCache) -> Tensor:
+        """``forward`` of the tokens ``idx`` (b, t) that follow the ``cache.length`` positions already in ``cache``
+        → logits (b, t, v); rotary positions continue from the cache's length and the new keys/values join it.
+        ``ValueError`` past ``block_size`` (``shardwise generate`` builds the model with the architecture's context)."""
+        past, t = cache.length, idx.size(-1)
+        if idx.dim() != 2 or past + t > self.block_size:
+            raise ValueError(f"Llama.decode takes (batch, seq) token ids with cached + new positions <= block_size "
+                             f"{self.block_size}, got shape {tuple(idx.shape)} after {past} cached; generate fewer "
+                             f"tokens or build the model with a larger block_size")
+        x = self.model.embed_tokens(idx)  # (b, t, h)
+        cos, sin = rotary_tables(t, self.config, x.device, x.dtype, start=past)  # (t, hd) each
+        for i, layer in enumerate(self.model.layers):
+            x = layer.decode(x, cos, sin, cache, i)
+        cache.advance(t)
         return self.lm_head(self.model.norm(x))
 
     def num_params(self) -> int:
