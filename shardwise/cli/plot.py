@@ -1,11 +1,13 @@
-"""``shardwise plot RUN_DIR``: ``loss.png`` (loss and learning rate per step) and ``throughput.png`` (tokens/s
-and where a step's time goes) from the run's ``metrics.jsonl``. Needs matplotlib (``pip install matplotlib``)."""
+"""``shardwise plot RUN_DIR``: ``loss.png`` (loss and learning rate per step), ``throughput.png`` (tokens/s
+and where a step's time goes) and, for a run with ``optimizer.clip_grad_norm``, ``grad_norm.png`` (the global
+gradient norm before clipping) from the run's ``metrics.jsonl``. Needs matplotlib (``pip install matplotlib``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..runtime.metrics import read_metrics
 
@@ -18,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plot_run(run_dir: Path, out: Path) -> list[Path]:
-    """Write the two PNGs; returns their paths. Raises ``ValueError`` without metrics."""
+    """Write the PNGs; returns their paths. Raises ``ValueError`` without metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,6 +36,10 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)  # only once there is something to draw: a failed plot writes nothing
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in rows], label="loss", color="tab:blue")
+    evals = read_metrics(path, kind="eval")  # train.eval_every: the validation loss at its steps
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss",
+                color="tab:red", markersize=3)
     ax.set_xlabel("step"), ax.set_ylabel("loss (nats/token)"), ax.set_title(f"{run_dir.name}: training loss")
     lr = ax.twinx()
     lr.plot(steps, [r["lr"] for r in rows], color="tab:gray", alpha=0.5, label="learning rate")
@@ -51,7 +57,24 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
     fig.tight_layout()
     tput_png = out / "throughput.png"
     fig.savefig(tput_png, dpi=110), plt.close(fig)
-    return [loss_png, tput_png]
+    norm_png = _plot_grad_norm(plt, run_dir.name, rows, out)
+    return [loss_png, tput_png] + ([norm_png] if norm_png is not None else [])
+
+
+def _plot_grad_norm(plt: Any, name: str, rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """``grad_norm.png``: the global gradient norm before clipping per step, for a run with
+    ``optimizer.clip_grad_norm`` on (its steps log ``grad_norm``; a skipped step's is NaN, left as a gap); None
+    for a run without clipping."""
+    points = [(r["step"], r["grad_norm"]) for r in rows if "grad_norm" in r]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot([s for s, _ in points], [v for _, v in points], color="tab:red")
+    ax.set_xlabel("step"), ax.set_ylabel("gradient norm (before clipping)")
+    ax.set_title(f"{name}: global gradient norm"), fig.tight_layout()
+    path = out / "grad_norm.png"
+    fig.savefig(path, dpi=110), plt.close(fig)
+    return path
 
 
 def main(args: argparse.Namespace) -> int:

@@ -174,7 +174,7 @@ class Trainer:
         self.grad_norm = float("nan")  # the step's norm before clipping (logged with clipping on; NaN: skipped)
         if self._finite(local_loss):  # collective: every rank takes the same branch
             self.skipped_in_row, self.last_skipped = 0, False
-            if cfg.optimizer.clip_grad_norm > 0:  # collective: 1 all-reduce of 1 number per axis (grad_clip.py)
+            if cfg.optimizer.clip_grad_norm > 0:  # collective: one tiny all-reduce per axis needing it (grad_clip.py)
                 self.grad_norm = self.strategy.clip_grad_norm(cfg.optimizer.clip_grad_norm)
             self.optimizer.step()
             if self.memory is None:  # the first step: parameters, gradients and optimizer state all live

@@ -54,9 +54,25 @@ BF16: dict[str, dict[str, str]] = {  # 2 ranks, train.precision = bf16 (compared
 }
 
 
+_TEXT: list[str] = []
+
+
+def _text_file() -> str:
+    """A 32 kB text file of the generated corpus' first bytes, written once per process (the same bytes in every
+    rank and in the reference): every Trainer would otherwise generate the whole 1 MB corpus, ~1 s of CPU each."""
+    if not _TEXT:
+        from shardwise.runtime.corpus import generated_text
+
+        path = Path(tempfile.mkdtemp()) / "text.txt"
+        path.write_text(generated_text(32_000))
+        _TEXT.append(str(path))
+    return _TEXT[0]
+
+
 def config(overrides: dict[str, str], clip: float) -> Any:
     """``SMALL`` + ``overrides`` with ``optimizer.clip_grad_norm = clip``, validated."""
-    return validate(load_config(overrides={**SMALL, **overrides, "optimizer.clip_grad_norm": str(clip)}))
+    return validate(load_config(overrides={**SMALL, **overrides, "optimizer.clip_grad_norm": str(clip),
+                                           "data.path": _text_file()}))
 
 
 def initial_params() -> dict[str, torch.Tensor]:
