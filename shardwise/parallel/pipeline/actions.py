@@ -106,6 +106,9 @@ class Schedule:
     """True when backward is split into ``B`` (input gradient) and ``W`` (weight gradient)."""
     ranks: tuple[tuple[Action, ...], ...]
     """Per-rank ordered action lists."""
+    forward_only: bool = False
+    """True for an evaluation schedule (``schedules.forward_only``): ``F`` actions only, nothing to differentiate.
+    A training schedule (the default) must list every ``B`` (and ``W``) as well."""
 
     @property
     def num_stages(self) -> int:
@@ -116,16 +119,22 @@ class Schedule:
         return stage % self.p
 
     def compute_kinds(self) -> tuple[str, ...]:
+        if self.forward_only:
+            return ("F",)
         return ("F", "B", "W") if self.split_backward else ("F", "B")
 
     def validate(self) -> None:
-        """Check every (stage, kind, micro-batch) compute action appears exactly once, on its stage's rank.
+        """Check every (stage, kind, micro-batch) compute action appears exactly once, on its stage's rank
+        (kinds: ``compute_kinds()``, so a forward-only schedule lists ``F`` only and a training one all of them).
 
         Raises ``ValueError`` naming the missing, duplicated or misplaced actions. Ordering (deadlocks) is the
         simulator's job: see ``simulate``.
         """
         if len(self.ranks) != self.p:
             raise ValueError(f"schedule {self.name!r} has {len(self.ranks)} rank lists but p={self.p}")
+        if self.forward_only and self.split_backward:
+            raise ValueError(f"schedule {self.name!r} is forward_only, so it has no backward to split, but "
+                             f"split_backward=True; use split_backward=False")
         seen: dict[Action, int] = {}
         misplaced: list[str] = []
         for rank, actions in enumerate(self.ranks):

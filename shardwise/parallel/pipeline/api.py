@@ -33,6 +33,7 @@ from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from ...comm.shm_p2p import shm_link_for
 from .communication import check_transport, lower_communication, receive_placement
 from .executor import Interpreter, run_actions
+from .evaluate import evaluate
 from .actions import Action
 from .schedules import get_schedule
 from .grad_sync import DpGradSync, PipelineZeroGroups
@@ -104,6 +105,8 @@ class Pipeline:
         """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
         self.last_events: list[tuple[Action, float, float]] = []
         """After ``step``: this rank's compute actions with host-clock start and end (see ``timeline``)."""
+        self._evaluator: Interpreter | None = None  # evaluate's forward-only interpreter, built on first use
+        self._eval_actions: tuple[Action, ...] = ()
 
     # -- training ------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> float:
@@ -136,6 +139,13 @@ class Pipeline:
         if self.grad_sync is not None:
             self.grad_sync.finish()  # tied buckets start now; the others started inside the schedule
         return self._mean_loss(state.losses)
+
+    def evaluate(self, *args: Any, loss_fn: Callable[[Any, Tensor], Tensor] | None = None, **kwargs: Any) -> float:
+        """The mean loss of a batch, forward only (validation): the arguments, dp slicing and micro-batches of
+        ``step``; ``loss_fn`` replaces the pipeline's for this call. Under ``no_grad``, stages in eval mode;
+        gradients, optimizer state, ``last_events`` and the next ``step`` are untouched. Collective along the
+        pipeline axis (one activation message per micro-batch per boundary) and dp (one loss all-reduce)."""
+        return evaluate(self, args, kwargs, loss_fn)
 
     @property
     def used_transport(self) -> str | None:

@@ -114,7 +114,7 @@ def lower_communication(schedule: Schedule, *, recv_ahead: int = 1, recv_before_
             out += [send for send, _, _ in _sends_after(a, schedule)]
         ranks.append(tuple(out))
     return Schedule(name=schedule.name, p=schedule.p, m=schedule.m, chunks=schedule.chunks,
-                    split_backward=schedule.split_backward, ranks=tuple(ranks))
+                    split_backward=schedule.split_backward, ranks=tuple(ranks), forward_only=schedule.forward_only)
 
 
 def receive_placement(device_type: str, recv_ahead: int | None = None,

@@ -15,6 +15,8 @@ Per action (stage ``s``, micro-batch ``i``):
   output (``weight_grad.WeightCapture``); ``W`` later runs each module's local weight backward
   (``weight_grad.weight_gradients``) and accumulates into ``.grad``.
 * ``SEND_F`` / ``SEND_B``: start an asynchronous send; every send is waited for at the end of the step.
+* A forward-only schedule (evaluation, run under ``torch.no_grad``): ``F`` keeps nothing for a backward; a
+  stage's output is dropped once sent (or handed to the next local stage), the last stage keeps only the loss.
 
 Shapes: the first message on each stage boundary is preceded by a small metadata message (dtype and shape).
 Under autocast the dtype is whatever the stage returned: the reference GPT's residual stream stays fp32 (a bf16
@@ -208,10 +210,13 @@ class Interpreter:
                 loss = self.loss_fn(out, st.targets[i]) if self.loss_fn is not None else model_loss(out)
         if s == self.last:
             st.losses.append(loss.detach())
+            if self.schedule.forward_only:  # evaluation: the loss is all a micro-batch leaves behind
+                return
             outs = [loss / len(st.inputs)]  # d(mean over micro-batches) / d(loss_i) = 1/m
         else:
             outs = out if isinstance(out, list) else [out]
-        st.inputs_kept[(s, i)] = [x for x in received if x.requires_grad]
+        if not self.schedule.forward_only:  # evaluation keeps the outputs only until they are sent
+            st.inputs_kept[(s, i)] = [x for x in received if x.requires_grad]
         st.outputs[(s, i)] = outs
         st.peak_held = max(st.peak_held, len(st.outputs))
 
@@ -270,8 +275,11 @@ class Interpreter:
         if a.kind == "F":
             self._forward(s, i, st)
             if s < self.last and same_rank(s + 1) == same_rank(s):
-                st.pending[("RECV_F", s + 1, i)] = [o.detach().clone().requires_grad_(o.requires_grad)
-                                                    for o in st.outputs[(s, i)]]
+                if self.schedule.forward_only:  # no backward: the next stage may take the tensors themselves
+                    st.pending[("RECV_F", s + 1, i)] = st.outputs.pop((s, i))
+                else:
+                    st.pending[("RECV_F", s + 1, i)] = [o.detach().clone().requires_grad_(o.requires_grad)
+                                                        for o in st.outputs[(s, i)]]
         elif a.kind == "B":
             (self._backward_input if self.schedule.split_backward else self._backward_full)(s, i, st)
             if s > 0 and same_rank(s - 1) == same_rank(s):
@@ -284,7 +292,8 @@ class Interpreter:
         if a.kind in ("RECV_F", "RECV_B"):
             self._queue_recv(a, st)
         elif a.kind == "SEND_F":
-            outs = st.outputs[(s, i)]
+            # evaluation frees a micro-batch's output once sent (the send holds its own reference until done)
+            outs = st.outputs.pop((s, i)) if self.schedule.forward_only else st.outputs[(s, i)]
             if s not in sent_meta:
                 self._send_meta(s, outs)
                 self.shapes[s] = [spec_of(o) for o in outs]

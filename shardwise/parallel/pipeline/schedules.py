@@ -39,7 +39,7 @@ from typing import Callable
 
 from .actions import Action, Schedule
 
-__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "get_schedule"]
+__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "get_schedule", "forward_only"]
 
 
 def _f(stage: int, mb: int) -> Action:
@@ -81,11 +81,7 @@ def interleaved(p: int, m: int, chunks: int) -> Schedule:
     chunks reversed. Warm-up is ``2(p-r-1) + (chunks-1)p`` forwards (all of them when m == p).
     """
     total = m * chunks
-
-    def order(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // p) % chunks
-        mb = (k // (p * chunks)) * p + k % p
-        return (chunks - 1 - chunk if backward else chunk), mb
+    order = lambda k, backward: _megatron_order(p, chunks, k, backward)  # noqa: E731
 
     ranks = []
     for r in range(p):
@@ -98,6 +94,37 @@ def interleaved(p: int, m: int, chunks: int) -> Schedule:
         acts += bwd[total - warmup:]
         ranks.append(tuple(acts))
     return Schedule(name="interleaved", p=p, m=m, chunks=chunks, split_backward=False, ranks=tuple(ranks))
+
+
+def _megatron_order(p: int, chunks: int, k: int, backward: bool) -> tuple[int, int]:
+    """(chunk, micro-batch) of a rank's k-th forward (or backward) in the interleaved order: groups of p
+    micro-batches go through one chunk, then the next (backward: chunks reversed)."""
+    chunk = (k // p) % chunks
+    mb = (k // (p * chunks)) * p + k % p
+    return (chunks - 1 - chunk if backward else chunk), mb
+
+
+def forward_only(p: int, m: int, chunks: int = 1) -> Schedule:
+    """Evaluation: every stage runs ``F`` for each micro-batch, in micro-batch order; no ``B``/``W``.
+
+    ``chunks == 1``: rank r runs ``F(r, 0), ..., F(r, m-1)``, and stage s starts as soon as micro-batch 0
+    reaches it, so the step takes (m + p - 1) forwards, with nothing held for a backward. ``chunks > 1``: the
+    virtual stages in interleaved order (groups of p micro-batches per chunk, as ``interleaved``'s forwards,
+    ``m % p == 0``), so rank r's next chunk starts on a group while the ranks after it are still busy with
+    the previous one, and a rank holds receives for at most about one group per chunk.
+    """
+    for label, value in (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+    if chunks > 1 and m % p != 0:
+        raise ValueError(f"a forward-only schedule with chunks={chunks} runs micro-batches in groups of p, so m "
+                         f"must be a multiple of p, got m={m}, p={p}; use m={(m // p + 1) * p}")
+    ranks = tuple(tuple(_f(c * p + r, mb) for c, mb in (_megatron_order(p, chunks, k, False)
+                                                         for k in range(m * chunks))) for r in range(p))
+    schedule = Schedule(name="forward-only", p=p, m=m, chunks=chunks, split_backward=False, ranks=ranks,
+                        forward_only=True)
+    schedule.validate()
+    return schedule
 
 
 def zb_h1(p: int, m: int) -> Schedule:
