@@ -15,8 +15,9 @@ existing ``--out`` untouched. Every failure is one line on stderr (``shardwise e
 ``--format hf --out DIR`` writes a Hugging Face model directory instead (``shardwise.checkpoint.hf_dir``):
 ``config.json``, safetensors shards of at most ``--max-shard-mb`` with their index (or one
 ``model.safetensors``), GPT-2's keys and layout for a reference-GPT run, HF's own for a ``model.hf_config`` run,
-and the tokenizer files of the run directory or of the pretrained directory the run started from. Tensors are
-read and written one at a time; ``DIR`` is replaced atomically (docs/training.md, "Pretrained weights in and out").
+and the tokenizer files of the run's prepared dataset, of the run directory or of the pretrained directory the run
+started from. Tensors are read and written one at a time; ``DIR`` is replaced atomically (docs/training.md,
+"Pretrained weights in and out").
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from safetensors import SafetensorError
 from ..checkpoint.hf_dir import check_out_dir, hf_export, write_hf_dir
 from ..checkpoint.sharded import Checkpoint, resolve_checkpoint, verify_checkpoint
 
-__all__ = ["add_arguments", "main", "consolidate", "write_atomic", "export_hf", "tokenizer_files", "TOKENIZER_FILES"]
+__all__ = ["add_arguments", "main", "consolidate", "write_atomic", "export_hf", "tokenizer_files", "prepared_dir",
+           "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
@@ -99,11 +101,25 @@ def _error(text: object) -> int:
     return 2
 
 
+def prepared_dir(state: dict) -> Path | None:
+    """The prepared dataset directory (``shardwise prepare``'s output: ``dataset.json``, ``tokenizer.json``) a
+    checkpoint's run trained on — its ``data.path`` when that is a directory — or None."""
+    config = state.get("config")
+    data = config.get("data") if isinstance(config, dict) else None
+    path = data.get("path") if isinstance(data, dict) else None
+    if isinstance(path, str) and path and Path(path).expanduser().is_dir():
+        return Path(path).expanduser()
+    return None
+
+
 def tokenizer_files(ckpt: Checkpoint) -> list[Path]:
-    """The tokenizer files of the first of: the run directory, the run's ``model.pretrained`` directory, the
-    directory of its ``model.hf_config`` — that holds any (files of two tokenizers are never mixed)."""
+    """The tokenizer files of the first of: the run's prepared dataset directory (``data.path``), the run
+    directory, the run's ``model.pretrained`` directory, the directory of its ``model.hf_config`` — that holds any
+    (files of two tokenizers are never mixed)."""
     model = ckpt.state.get("config", {}).get("model", {}) if isinstance(ckpt.state.get("config"), dict) else {}
-    places = [ckpt.path.parent.parent] if ckpt.path.parent.name == "checkpoints" else []
+    prepared = prepared_dir(ckpt.state)
+    places = [prepared] if prepared is not None else []
+    places += [ckpt.path.parent.parent] if ckpt.path.parent.name == "checkpoints" else []
     for field, parent in (("pretrained", False), ("hf_config", True)):
         value = model.get(field) if isinstance(model, dict) else None
         if isinstance(value, str) and value:

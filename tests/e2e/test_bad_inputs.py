@@ -68,6 +68,37 @@ def _fake_run(name: str = "done", *, steps: int = 5, ckpt_step: int = 5) -> Setu
     return setup
 
 
+def _gen_dir(vocab: int = 8, positions: int = 8, tokenizer: bool = True) -> Setup:
+    """A tiny GPT-2 directory ``m`` for ``shardwise generate`` (tests/e2e/generate_dirs.py) whose word tokenizer
+    knows ``w0 .. w11`` (ids 0-11: more than the model's ``vocab``)."""
+    def setup(root: Path) -> None:
+        from tests.e2e.generate_dirs import gpt2_dir, word_tokenizer
+
+        tok = word_tokenizer([f"w{i}" for i in range(12)]) if tokenizer else None
+        gpt2_dir(root / "m", vocab=vocab, positions=positions, tokenizer=tok)
+    return setup
+
+
+def _gen_run(data_path: str = "", checkpoint: bool = True) -> Setup:
+    """A run directory ``runs/r`` whose checkpoint index names no tensors (the refusals read none) and whose
+    saved config trained on ``data_path``; without ``checkpoint`` only its ``config.json``."""
+    def setup(root: Path) -> None:
+        from shardwise.runtime.config import Config
+
+        cfg = Config().to_dict()
+        cfg["data"]["path"] = data_path
+        run = root / "runs" / "r"
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps(cfg))
+        if checkpoint:
+            (run / "checkpoints" / "step_000001").mkdir(parents=True)
+            (run / "checkpoints" / "latest").write_text("step_000001\n")
+            (run / "checkpoints" / "step_000001" / "index.json").write_text(json.dumps({
+                "format": "shardwise-sharded-v1", "step": 1, "mesh": {"dp": 1, "tp": 1}, "world_size": 1,
+                "state": {"config": cfg}, "tensors": {}}))
+    return setup
+
+
 # (id, argv, setup or None, substrings the one line must contain: the offending value first, then the fix)
 CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     # --- config files (TOML) ---
@@ -243,6 +274,32 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("export-bad-format", ["export", "nowhere", "--format", "onnx"], None,
      ("--format: invalid choice 'onnx'", "choose from safetensors, hf")),
     ("plot-no-run", ["plot", "nowhere"], None, ("'nowhere/metrics.jsonl' does not exist", "pass the directory")),
+    # --- shardwise generate ---
+    ("generate-missing-path", ["generate", "nope", "--prompt", "hi"], None,
+     ("RUN_OR_DIR 'nope' does not exist", "pass a run directory")),
+    ("generate-not-a-model-dir", ["generate", ".", "--prompt", "hi"], _file("notes.txt", "mine"),
+     ("'.' is not a run, a checkpoint or a Hugging Face model directory", "pass a run directory")),
+    ("generate-run-without-checkpoint", ["generate", "runs/r", "--prompt", "hi"], _gen_run(checkpoint=False),
+     ("run 'runs/r' holds no checkpoint", "train it until it saves one")),
+    ("generate-empty-prompt", ["generate", "m", "--prompt", ""], None,
+     ("--prompt is empty", "e.g. --prompt 'Once upon a time'")),
+    ("generate-max-new-zero", ["generate", "m", "--prompt", "w1", "--max-new-tokens", "0"], None,
+     ("--max-new-tokens = 0 must be >= 1", "e.g. --max-new-tokens 100")),
+    ("generate-negative-temperature", ["generate", "m", "--prompt", "w1", "--temperature", "-1"], None,
+     ("--temperature = -1.0 must be >= 0", "e.g. --temperature 0.8")),
+    ("generate-negative-top-k", ["generate", "m", "--prompt", "w1", "--top-k", "-3"], None,
+     ("--top-k = -3 must be >= 0", "e.g. --top-k 50")),
+    ("generate-prompt-fills-context", ["generate", "m", "--prompt", " ".join(["w1"] * 8)], _gen_dir(),
+     ("the prompt (8 tokens) leaves no room in the model's context of 8 positions", "at most 7 tokens")),
+    ("generate-prompt-plus-new-too-long", ["generate", "m", "--prompt", "w1 w2 w3", "--max-new-tokens", "10"],
+     _gen_dir(), ("prompt (3 tokens) + max_new_tokens (10) = 13 exceeds the model's context of 8",
+                  "ask for at most 5 new tokens")),
+    ("generate-token-over-vocab", ["generate", "m", "--prompt", "w1 w10"], _gen_dir(),
+     ("prompt token id 10 is outside the model's vocabulary [0, 8)", "the model's own tokenizer")),
+    ("generate-hf-without-tokenizer", ["generate", "m", "--prompt", "w1"], _gen_dir(tokenizer=False),
+     ("holds no tokenizer.json", "copy the model's tokenizer.json into it")),
+    ("generate-bin-without-tokenizer", ["generate", "runs/r", "--prompt", "hi"], _gen_run("/data/ids.bin"),
+     ("data.path '/data/ids.bin'", "copy the tokenizer's tokenizer.json into the run directory")),
     ("predict-unknown-hardware", ["predict", "--parallel.nproc", "2", "--hardware", "a100"], None,
      ("unknown hardware 'a100'", "choose one of ['a100-80g-sxm', 'h100-80g-sxm', 'h200-141g-sxm']")),
     ("predict-missing-calibration", ["predict", "--parallel.nproc", "2", "--hardware", "hw.json"], None,
