@@ -179,5 +179,5 @@ def test_data_beyond_the_hf_vocabulary_is_refused(tmp_path):
     data = tmp_path / "tokens.bin"
     np.arange(0, 400, dtype=np.uint16).repeat(8).tofile(data)  # token ids up to 399; the example's vocabulary: 256
     cfg = load_config(overrides={"model.hf_config": str(LLAMA), "data.path": str(data), "data.global_batch": "2"})
-    with pytest.raises(ValueError, match=r"token id 399 but model.hf_config's vocab_size = 256; use data tokenized"):
+    with pytest.raises(ValueError, match=r"token id 399 but the model's vocab_size = 256 \(model.hf_config / model.pretrained\); use data tokenized"):
         _check_data(cfg)
