@@ -1,0 +1,129 @@
+"""``shardwise train`` on a ``shardwise prepare`` dataset, as a user runs it: the validation loss in every layout
+equals plain torch's cross-entropy of the final weights on the same validation windows; loss-masked (SFT) data
+trains to the same losses in another layout; and the data checks refuse, in one line, what cannot work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.e2e.runs import cli, losses
+
+pytest.importorskip("tokenizers")
+
+from shardwise.cli.export import consolidate  # noqa: E402
+from shardwise.runtime.config import load_config  # noqa: E402
+from shardwise.runtime.model_build import build_model  # noqa: E402
+from shardwise.runtime.prepared import open_prepared  # noqa: E402
+from shardwise.runtime.toy_tokenizer import train_bpe  # noqa: E402
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
+         "phi chi psi omega").split()
+G, T, K = 8, 32, 2
+SMALL = ["--model.vocab_size", "512", "--model.block_size", str(T), "--model.n_layer", "2", "--data.global_batch",
+         str(G), "--parallel.micro_batch", "2", "--train.steps", "4", "--train.eval_every", "2",
+         "--train.eval_batches", str(K), "--optimizer.warmup_steps", "0", "--train.log_every", "1"]
+
+
+def _doc(i: int) -> str:
+    return " ".join(WORDS[(i * 7 + j * j) % len(WORDS)] for j in range(40 + i % 13)) + ".\n"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 120-document corpus, a 400-token BPE, the prepared dataset (10 % validation) and an SFT dataset."""
+    root = tmp_path_factory.mktemp("data")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(120):
+        (corpus / f"{i:03d}.txt").write_text(_doc(i) * 3)
+    tok = train_bpe(sorted(corpus.glob("*.txt")), 400, root / "tok")
+    proc = cli(root, "prepare", "corpus", "--tokenizer", str(tok), "--out", "ds", "--val-fraction", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.dumps({"prompt": _doc(i)[:60], "response": _doc(i + 1)}) for i in range(120)]
+    (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    proc = cli(root, "prepare", "chats.jsonl", "--sft", "--tokenizer", str(tok), "--out", "sft",
+                "--val-fraction", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def _evals(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "eval"]
+
+
+def _reference_val_loss(run: Path, dataset: Path) -> float:
+    """Plain torch: the final checkpoint's weights, the first K·G validation windows in order, mean CE per token."""
+    cfg = load_config(path=run / "config.json")
+    model = build_model(cfg.model)
+    state, _ = consolidate(run)
+    model.load_state_dict(state)
+    stream = open_prepared(dataset).val.tokens
+    rows = torch.stack([stream.read(i * T, i * T + T + 1) for i in range(K * G)])
+    with torch.no_grad():
+        logits = model(rows[:, :-1])
+    return float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1)))
+
+
+@pytest.mark.parametrize("layout", [["--parallel.nproc", "1"], ["--parallel.nproc", "2"],
+                                    ["--parallel.nproc", "2", "--parallel.pp", "2"],
+                                    ["--parallel.nproc", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3"]],
+                         ids=["one", "dp2", "pp2", "tp2-zero3"])
+def test_validation_loss_equals_plain_torch(data: Path, layout: list[str], request: pytest.FixtureRequest):
+    name = "v-" + request.node.callspec.id
+    proc = cli(data, "train", "--data.path", "ds", *SMALL, *layout, "--train.name", name)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    evals = _evals(data / "runs" / name)
+    assert [e["step"] for e in evals] == [2, 4]
+    assert all(e["val_tokens"] == K * G * T and e["val_batches"] == K for e in evals)
+    assert evals[-1]["val_loss"] == pytest.approx(_reference_val_loss(data / "runs" / name, data / "ds"), rel=1e-5)
+    assert "eval  step      4  val_loss" in proc.stdout
+    summary = [json.loads(line) for line in (data / "runs" / name / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["kind"] == "summary" and summary["final_val_loss"] == evals[-1]["val_loss"]
+
+
+def test_loss_masked_data_trains_alike_in_two_layouts(data: Path):
+    runs = {}
+    for name, layout in (("sft1", ["--parallel.nproc", "1"]), ("sftpp", ["--parallel.nproc", "2", "--parallel.pp", "2"])):
+        proc = cli(data, "train", "--data.path", "sft", *SMALL, *layout, "--train.name", name)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[name] = (losses(data / "runs" / name), _evals(data / "runs" / name))
+    (one, one_evals), (pp, pp_evals) = runs["sft1"], runs["sftpp"]
+    assert one == pytest.approx(pp, rel=1e-5)
+    assert [e["val_loss"] for e in one_evals] == pytest.approx([e["val_loss"] for e in pp_evals], rel=1e-5)
+    # only response tokens count: fewer counted than the K·G·T targets of the batches
+    assert 0 < one_evals[-1]["val_tokens"] < K * G * T
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--data.path", "ds", "--model.vocab_size", "256"],
+     ("data.path = ", "was tokenized with a vocabulary of {V} tokens but model.vocab_size = 256",
+      "set --model.vocab_size {V} or larger")),
+    (["--data.path", "noval", "--model.vocab_size", "512", "--train.eval_every", "5"],
+     ("train.eval_every = 5 needs validation data", "has no validation split (prepared with --val-fraction 0)")),
+    (["--data.path", "ds", "--model.vocab_size", "512", "--train.eval_every", "5", "--data.val_path", "other"],
+     ("was tokenized with another tokenizer", "prepare both with the same --tokenizer")),
+    (["--data.path", "half", "--model.vocab_size", "512"], ("half-written or not a prepared dataset",)),
+], ids=["vocab-too-small", "no-val-split", "val-other-tokenizer", "half-written"])
+def test_bad_data_is_one_line_before_launch(data: Path, args: list[str], expect: tuple[str, ...]):
+    if not (data / "other").exists():  # the same corpus under another tokenizer
+        tok = train_bpe(sorted((data / "corpus").glob("*.txt"))[:50], 300, data / "tok2")
+        assert cli(data, "prepare", "corpus", "--tokenizer", str(tok), "--out", "other").returncode == 0
+        assert cli(data, "prepare", "corpus", "--tokenizer", str(data / "tok"), "--out", "noval").returncode == 0
+        (data / "half").mkdir()
+        (data / "half" / "train-00000.bin").write_bytes(b"\0" * 64)  # shards without an index: a killed prepare
+    proc = cli(data, "train", *args, "--train.name", "bad")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("shardwise train: error: "), err
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(data / "tok")).get_vocab_size(with_added_tokens=True)
+    for text in expect:
+        assert text.replace("{V}", str(vocab)) in err, (text, err)
+    assert not (data / "runs" / "bad").exists()
