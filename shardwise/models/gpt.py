@@ -132,9 +132,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._heads(x)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        # (b, nh, t, hd) -> (b, t, h)
-        b, t = x.size(0), x.size(1)
-        y = y.transpose(1, 2).contiguous().view(b, t, -1)
+        # (b, nh, t, hd) -> (b, t, h); sizes from y, not x: under sequence parallelism x holds t / tp positions and
+        # qkv gathers the whole sequence
+        y = y.transpose(1, 2).contiguous().view(y.size(0), y.size(2), -1)
         return self.resid_drop(self.proj(y))
 
     def decode(self, x: Tensor, cache: KVCache, layer: int) -> Tensor:
@@ -143,8 +143,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._heads(x)
         past = cache.length
         k, v = cache.append(layer, k, v)  # (b, nh, past + t, hd)
-        y = cached_attention(q, k, v, past)
-        return self.proj(y.transpose(1, 2).contiguous().view(x.size(0), x.size(1), -1))
+        y = cached_attention(q, k, v, past)  # (b, nh, t, hd)
+        return self.proj(y.transpose(1, 2).contiguous().view(y.size(0), y.size(2), -1))
 
 
 class MLP(nn.Module):
