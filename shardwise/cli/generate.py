@@ -8,7 +8,7 @@ directory, or a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2); ``g
 drawn and printed), ``--max-new-tokens`` (default 100, or what the model's context leaves after the prompt);
 generation stops at the tokenizer's EOS. The prompt and its continuation go to stdout (``--json``: one object
 with ``prompt``, ``completion``, ``tokens``, ``tokens_per_s``); the speed to stderr. Every bad input is one line
-(``shardwise generate: error: ...``, exit 2), found before any weight is read. docs/generate.md is the guide.
+(``shardwise generate: error: ...``, exit 2), found before the weights are loaded. docs/generate.md is the guide.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         device = _check_args(args)
         src = find_source(args.path)
-        model = meta_model_of(src)  # shapes only: the prompt is checked before any weight is read
+        model = meta_model_of(src)  # shapes only: the prompt is checked before the weights are loaded
         codec = find_codec(src)
         ids = codec.encode(args.prompt)
         if not ids:

@@ -8,7 +8,7 @@
   ``shardwise.models.llama.Llama``, read with ``sw.load_pretrained`` and ``sw.materialize``.
 
 The model is first built on the meta device, so that the prompt can be checked against its vocabulary and
-context before any weight is read. Every failure is one ``UsageError`` line. The tokenizer is
+context before the weights are loaded (a checkpoint's files are read once before, to verify their checksums). Every failure is one ``UsageError`` line. The tokenizer is
 ``generate_text.py``'s business.
 """
 
@@ -113,8 +113,12 @@ def find_source(path: str) -> Source:
 
 @contextlib.contextmanager
 def _meta() -> Iterator[None]:
-    """Build on the meta device (no memory, no draws; ``materialize`` or ``load_weights`` fill it in)."""
-    with torch.device("meta"):
+    """Build on the meta device (no memory, no draws; ``load_weights`` fills it in). Random initialisers are
+    skipped as ``model_build.meta_model`` skips them: on meta their first call imports ``torch._dynamo`` (seconds
+    of a command that should start fast)."""
+    from ..runtime.model_build import _SkipRandomInit
+
+    with torch.device("meta"), _SkipRandomInit():
         yield
 
 
@@ -148,8 +152,11 @@ def meta_model_of(src: Source) -> nn.Module:
             return _gpt_of(config.get("model", {}) if isinstance(config, dict) else {}, f"checkpoint {src.path}")
         from ..checkpoint.hf_map import gpt_config_from_gpt2
 
-        where = str(src.path / CONFIG)
-        if src.state.get("model_type") == "gpt2":
+        where, kind = str(src.path / CONFIG), src.state.get("model_type")
+        if kind not in ("gpt2", "llama", "mistral", "qwen2"):
+            raise UsageError(f"{where}: model_type = {kind!r} is not supported by shardwise generate; supported: "
+                             f"gpt2, llama, mistral, qwen2 (dense decoders our models compute)")
+        if kind == "gpt2":
             return _gpt_of(gpt_config_from_gpt2(src.state, where=where), where)
         hf = hf_config_from_dict(src.state, source=where)
         with _meta():
