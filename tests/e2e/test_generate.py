@@ -1,7 +1,8 @@
 """``shardwise generate`` on runs of ``shardwise train``: a run trained in two layouts (dp=2, tp=2) continues a prompt
 exactly as the one-process run of the same config does (greedy and seeded sampling), a damaged latest checkpoint
 falls back to the previous intact one, a prepared dataset's tokenizer is found (and copied by ``shardwise export
---format hf``). Training runs as a user would (a subprocess per run); generation in this process."""
+--format hf``), a Llama-family run generates what ``transformers`` computes from its export. Training runs as a
+user would (a subprocess per run); generation in this process."""
 
 from __future__ import annotations
 
@@ -125,3 +126,32 @@ def test_missing_tokenizers_package_is_one_line(tmp_path, monkeypatch, capsys):
     assert sw_cli.main(["generate", str(tmp_path / "m"), "--prompt", "a"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and 'pip install "shardwise[data]"' in err and "tokenizers package" in err
+
+
+def test_a_llama_run_generates_what_transformers_computes_from_its_export(tmp_path, capsys):
+    """A Llama-family run (``--model.hf_config``, trained in tp=2) → ``shardwise generate RUN``; the same checkpoint
+    exported with ``--format hf`` and loaded by ``transformers``: same greedy tokens, same logits."""
+    transformers = pytest.importorskip("transformers")
+    config = Path(__file__).resolve().parents[2] / "examples" / "hf" / "tiny-llama.json"
+    proc = cli(tmp_path, "train", "--model.hf_config", str(config), *TINY, *LAYOUTS["tp2"], "--train.name", "llama")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "llama"
+    greedy = generate(run, capsys, "--temperature", "0", "--max-new-tokens", "30")[0]
+    sampled = generate(run, capsys, "--seed", "4", "--max-new-tokens", "30")[0]
+    proc = cli(tmp_path, "export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model.generation_config.eos_token_id = None  # a byte-level run has no EOS
+    prompt = torch.tensor([greedy["prompt_tokens"]])
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
+                              pad_token_id=0)[0, prompt.size(1):].tolist()
+        seq = torch.tensor([sampled["prompt_tokens"] + sampled["tokens"]])
+        theirs = model(seq).logits
+    assert greedy["tokens"] == want
+    from shardwise.cli.generate_load import find_source, load_weights, meta_model_of
+
+    src = find_source(str(run))
+    with torch.no_grad():
+        ours = load_weights(meta_model_of(src), src, torch.device("cpu"))(seq)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
