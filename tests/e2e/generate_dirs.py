@@ -4,13 +4,14 @@
 * ``word_tokenizer(words)``: a whitespace word-level tokenizer whose ids are the positions in ``words``.
 * ``gpt2_dir(path, ...)``: a GPT-2 model directory written with ``safetensors`` alone (no ``transformers``):
   the reference GPT's random weights under GPT-2's keys, ``config.json``, a ``tokenizer.json``.
+* ``gen_dir_setup``, ``gen_run_setup``: setups of ``tests/e2e/test_bad_inputs.py``'s ``generate`` cases.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,3 +61,32 @@ def gpt2_dir(path: Path, *, vocab: int, positions: int, tokenizer: Any | None = 
     if tokenizer is not None:
         tokenizer.save(str(path / "tokenizer.json"))
     return path
+
+
+def gen_dir_setup(vocab: int = 8, positions: int = 8, tokenizer: bool = True) -> Callable[[Path], None]:
+    """Bad-input setup: a tiny GPT-2 directory ``m`` (``gpt2_dir``) whose word tokenizer knows ``w0 .. w11`` (ids
+    0-11: more than the model's ``vocab``)."""
+    def setup(root: Path) -> None:
+        tok = word_tokenizer([f"w{i}" for i in range(12)]) if tokenizer else None
+        gpt2_dir(root / "m", vocab=vocab, positions=positions, tokenizer=tok)
+    return setup
+
+
+def gen_run_setup(data_path: str = "", checkpoint: bool = True) -> Callable[[Path], None]:
+    """Bad-input setup: a run directory ``runs/r`` whose checkpoint index names no tensors (the refusals read none)
+    and whose saved config trained on ``data_path``; without ``checkpoint`` only its ``config.json``."""
+    def setup(root: Path) -> None:
+        from shardwise.runtime.config import Config
+
+        cfg = Config().to_dict()
+        cfg["data"]["path"] = data_path
+        run = root / "runs" / "r"
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps(cfg))
+        if checkpoint:
+            (run / "checkpoints" / "step_000001").mkdir(parents=True)
+            (run / "checkpoints" / "latest").write_text("step_000001\n")
+            (run / "checkpoints" / "step_000001" / "index.json").write_text(json.dumps({
+                "format": "shardwise-sharded-v1", "step": 1, "mesh": {"dp": 1, "tp": 1}, "world_size": 1,
+                "state": {"config": cfg}, "tensors": {}}))
+    return setup

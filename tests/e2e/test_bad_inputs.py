@@ -17,6 +17,8 @@ from typing import Callable
 import pytest
 
 from shardwise import cli
+from tests.e2e.generate_dirs import gen_dir_setup as _gen_dir
+from tests.e2e.generate_dirs import gen_run_setup as _gen_run
 
 Setup = Callable[[Path], None]
 
@@ -65,37 +67,6 @@ def _fake_run(name: str = "done", *, steps: int = 5, ckpt_step: int = 5) -> Setu
         (ckpt / "index.json").write_text(json.dumps({
             "format": "shardwise-sharded-v1", "step": ckpt_step, "mesh": {"dp": 1, "tp": 1}, "world_size": 1,
             "state": {}, "tensors": {}}))
-    return setup
-
-
-def _gen_dir(vocab: int = 8, positions: int = 8, tokenizer: bool = True) -> Setup:
-    """A tiny GPT-2 directory ``m`` for ``shardwise generate`` (tests/e2e/generate_dirs.py) whose word tokenizer
-    knows ``w0 .. w11`` (ids 0-11: more than the model's ``vocab``)."""
-    def setup(root: Path) -> None:
-        from tests.e2e.generate_dirs import gpt2_dir, word_tokenizer
-
-        tok = word_tokenizer([f"w{i}" for i in range(12)]) if tokenizer else None
-        gpt2_dir(root / "m", vocab=vocab, positions=positions, tokenizer=tok)
-    return setup
-
-
-def _gen_run(data_path: str = "", checkpoint: bool = True) -> Setup:
-    """A run directory ``runs/r`` whose checkpoint index names no tensors (the refusals read none) and whose
-    saved config trained on ``data_path``; without ``checkpoint`` only its ``config.json``."""
-    def setup(root: Path) -> None:
-        from shardwise.runtime.config import Config
-
-        cfg = Config().to_dict()
-        cfg["data"]["path"] = data_path
-        run = root / "runs" / "r"
-        run.mkdir(parents=True)
-        (run / "config.json").write_text(json.dumps(cfg))
-        if checkpoint:
-            (run / "checkpoints" / "step_000001").mkdir(parents=True)
-            (run / "checkpoints" / "latest").write_text("step_000001\n")
-            (run / "checkpoints" / "step_000001" / "index.json").write_text(json.dumps({
-                "format": "shardwise-sharded-v1", "step": 1, "mesh": {"dp": 1, "tp": 1}, "world_size": 1,
-                "state": {"config": cfg}, "tensors": {}}))
     return setup
 
 
