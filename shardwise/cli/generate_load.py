@@ -8,8 +8,8 @@
   ``shardwise.models.llama.Llama``, read with ``sw.load_pretrained`` and ``sw.materialize``.
 
 The model is first built on the meta device, so that the prompt can be checked against its vocabulary and
-context before the weights are loaded (a checkpoint's files are read once before, to verify their checksums). Every failure is one ``UsageError`` line. The tokenizer is
-``generate_text.py``'s business.
+context before the weights are loaded (a checkpoint's files are read once before, to verify their checksums).
+Every failure is one ``UsageError`` line. The tokenizer is ``generate_text.py``'s business.
 """
 
 from __future__ import annotations

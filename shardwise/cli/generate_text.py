@@ -136,5 +136,6 @@ def find_codec(src: Source) -> Codec:
         return found
     where = ", ".join(str(p) for p in places) or "nowhere (a bare checkpoint)"
     run = src.run or src.path
-    raise UsageError(f"data.path {path!r} holds token ids of a tokenizer this run does not name, and no {TOKENIZER} was "
-                     f"found (looked in {where}); copy the tokenizer's {TOKENIZER} into the run directory {run}")
+    raise UsageError(f"data.path {path!r} holds token ids of a tokenizer this run does not name, and no "
+                     f"{TOKENIZER} was found (looked in {where}); copy the tokenizer's {TOKENIZER} into the run "
+                     f"directory {run}")
