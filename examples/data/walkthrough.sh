@@ -10,6 +10,7 @@ FILES=("$LIB"/json/*.py "$LIB"/email/*.py "$LIB"/logging/*.py "$LIB"/http/*.py "
 # 1. a tokenizer trained here, on the Python standard library's own source
 python "$HERE/train_tokenizer.py" --vocab-size 4096 --out tokenizer "${FILES[@]}"
 # 2. tokenize once: memory-mapped shards, an index, a 10 % validation split
+mkdir -p data export
 shardwise prepare "${FILES[@]}" --tokenizer tokenizer --out data/stdlib --val-fraction 0.1
 # 3. train a small Llama; the planner picks the layout; validation every STEPS/4 steps
 shardwise train --model.hf_config "$HERE/llama-4k.json" --model.block_size 128 --data.path data/stdlib \
