@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -119,19 +120,22 @@ def _measure(args: argparse.Namespace) -> int:
 
         tok = Tokenizer.from_file(str(tokenizer))
         paths = [p for p, _ in discover([str(corpus)], sft=False, fields=("text",))[0].files]
-        docs = [p.read_text() for p in paths]
+        docs = [p.read_bytes().decode("utf-8") for p in paths]  # as prepare reads them: no newline translation
         encode = tok.encode_batch_fast if args.measure == "baseline-fast" else tok.encode_batch
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         encodings = encode(docs, add_special_tokens=False)
-        seconds = time.perf_counter() - t0
-        row = {"seconds": seconds, "tokens": sum(len(e.ids) for e in encodings), "documents": len(docs),
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        row = {"seconds": seconds, "cpu_s": cpu, "tokens": sum(len(e.ids) for e in encodings),
+               "documents": len(docs),
                "nbytes": sum(len(d.encode()) for d in docs), "peak_rss_kb": peak_rss_kb(), "worker_peak_rss_kb": 0}
     else:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         report = prepare(PrepareOptions(inputs=(str(corpus),), tokenizer=str(tokenizer), out=str(Path(args.dir) / "ds"),
                                         workers=args.n, force=True))
         seconds = time.perf_counter() - t0
-        row = {"seconds": seconds, "tokens": sum(report.tokens.values()), "documents": sum(report.documents.values()),
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, reaped when the pool closed
+        row = {"seconds": seconds, "cpu_s": time.process_time() - c0 + children.ru_utime + children.ru_stime,
+               "tokens": sum(report.tokens.values()), "documents": sum(report.documents.values()),
                "nbytes": report.nbytes, "peak_rss_kb": report.peak_rss_kb,
                "worker_peak_rss_kb": report.worker_peak_rss_kb}
     print(json.dumps(row))
@@ -152,7 +156,9 @@ def _throughput(args: argparse.Namespace, workers: list[int], corpus: Path, tok:
         tb = statistics.median(r["seconds"] for r in runs["baseline"])
         tp = statistics.median(r["seconds"] for r in runs["prepare"])
         tf = statistics.median(r["seconds"] for r in runs["baseline-fast"])
+        cpu = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
         rows.append({"workers": n, "baseline_s": tb, "baseline_fast_s": tf, "prepare_s": tp, "ratio": tp / tb,
+                     "cpu_s": cpu,
                      "ratio_fast": tp / tf,
                      "baseline_tok_s": base["tokens"] / tb, "prepare_tok_s": ours["tokens"] / tp,
                      "mb_s": ours["nbytes"] / 1e6 / tp, "tokens": ours["tokens"], "documents": ours["documents"],
@@ -175,11 +181,12 @@ def _memory(args: argparse.Namespace, workers: list[int], corpora: list[tuple[Pa
 def _print(throughput: list[dict], memory: list[dict], corpus_mb: float, docs: int) -> None:
     print(f"corpus: {corpus_mb:.1f} MB of Python stdlib sources, {docs} documents; median of the rounds")
     print(f"{'workers':>7} {'encode_batch s':>14} {'_fast s':>8} {'prepare s':>10} {'ratio':>6} {'vs _fast':>8} "
-          f"{'baseline tok/s':>15} {'prepare tok/s':>14} {'prepare MB/s':>12}")
+          f"{'baseline tok/s':>15} {'prepare tok/s':>14} {'prepare MB/s':>12}  CPU s: batch, _fast, prepare")
     for r in throughput:
+        cpu = r["cpu_s"]
         print(f"{r['workers']:>7} {r['baseline_s']:>14.2f} {r['baseline_fast_s']:>8.2f} {r['prepare_s']:>10.2f} "
               f"{r['ratio']:>6.2f} {r['ratio_fast']:>8.2f} {r['baseline_tok_s']:>15,.0f} {r['prepare_tok_s']:>14,.0f} "
-              f"{r['mb_s']:>12.1f}")
+              f"{r['mb_s']:>12.1f}  {cpu['baseline']:.2f}, {cpu['baseline-fast']:.2f}, {cpu['prepare']:.2f}")
     if memory:
         print(f"peak resident set (VmHWM), --workers {memory[0]['workers']}:")
         print(f"{'corpus MB':>9} {'prepare main MB':>15} {'largest worker MB':>17} {'encode_batch MB':>15}")

@@ -195,8 +195,8 @@ def _encode_all(o: PrepareOptions, inputs: list[Input], cfg: WorkerConfig, tmp: 
             collect()
     report.tokens = {s: w.tokens for s, w in writers.items()}
     report.peak_rss_kb = peak_rss_kb()
-    _check_counts(o, report, inputs)
     report.shards = {s: w.close() for s, w in writers.items()}
+    _check_counts(o, report, inputs)
     return report
 
 

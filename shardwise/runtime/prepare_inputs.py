@@ -5,7 +5,8 @@ Kinds: a text file (one document), a JSON Lines file (``.jsonl``/``.json``: one 
 ``datasets`` dataset saved with ``save_to_disk``. Everything is checked in ``discover`` before any work starts.
 
 ``chunks`` streams the inputs: the main process lists text files (the worker reads them), reads JSON Lines as raw
-lines (the worker parses them) and rows of a dataset; a chunk holds about ``CHUNK_BYTES`` of input. Chunk
+lines (the worker parses them) and rows of a dataset; a chunk holds at most ``CHUNK_BYTES`` of input, or one
+larger document alone. Chunk
 boundaries and document ordinals depend on the inputs alone, never on the number of workers, so the split of
 each document and the bytes written are the same for any ``--workers``.
 """
@@ -21,7 +22,7 @@ from .prepare_worker import Chunk
 __all__ = ["Input", "Chunk", "discover", "chunks", "CHUNK_BYTES", "INSTALL_DATASETS"]
 
 CHUNK_BYTES = 1 << 20
-"""Input bytes per chunk (about): small enough that 2 × workers chunks in flight bound the memory, large enough
+"""Input bytes per chunk (at most, unless one document is larger): small enough that 2 × workers chunks in flight bound the memory, large enough
 that a worker's round trip is amortised."""
 CHUNK_ITEMS = 2048
 INSTALL_DATASETS = 'pip install "shardwise[datasets]"'
@@ -122,18 +123,20 @@ def _open_dataset(arg: str) -> Any:
 
 
 def chunks(inputs: list[Input], *, fields: tuple[str, ...]) -> Iterator[Chunk]:
-    """Every input's documents in order, about ``CHUNK_BYTES`` at a time (streamed: nothing is read ahead)."""
+    """Every input's documents in order, at most ``CHUNK_BYTES`` at a time or one larger document alone (streamed:
+    nothing is read ahead). A worker's memory is bounded by its chunks, whatever the size of the corpus."""
     ordinal = 0
     for i, inp in enumerate(inputs):
         files: list[str] = []
         size = 0
         for path, kind in inp.files:
             if kind == "text":
-                files.append(str(path))
-                size += path.stat().st_size
-                if size >= CHUNK_BYTES or len(files) >= CHUNK_ITEMS:
+                n = path.stat().st_size
+                if files and (size + n > CHUNK_BYTES or len(files) >= CHUNK_ITEMS):
                     yield Chunk("files", i, ordinal, files)
                     ordinal, files, size = ordinal + len(files), [], 0
+                files.append(str(path))
+                size += n
                 continue
             if files:  # keep the order of a directory's files: flush the text files before a JSON Lines file
                 yield Chunk("files", i, ordinal, files)
@@ -152,11 +155,11 @@ def _jsonl_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...])
     size, first = 0, 1
     with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
+            if lines and (size + len(line) > CHUNK_BYTES or len(lines) >= CHUNK_ITEMS):
+                yield Chunk("lines", index, ordinal, lines, str(path), first)
+                ordinal, lines, size, first = ordinal + len(lines), [], 0, number
             lines.append(line)
             size += len(line)
-            if size >= CHUNK_BYTES or len(lines) >= CHUNK_ITEMS:
-                yield Chunk("lines", index, ordinal, lines, str(path), first)
-                ordinal, lines, size, first = ordinal + len(lines), [], 0, number + 1
     if lines:
         yield Chunk("lines", index, ordinal, lines, str(path), first)
 
@@ -169,10 +172,11 @@ def _dataset_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...
     for batch in ds.iter(batch_size=256):
         columns = [batch[f] for f in fields]
         for values in zip(*columns):
-            rows.append(values[0] if len(fields) == 1 else tuple(values))
-            size += sum(len(v) if isinstance(v, str) else 0 for v in values)
-            if size >= CHUNK_BYTES or len(rows) >= CHUNK_ITEMS:
+            n = sum(len(v) if isinstance(v, str) else 0 for v in values)
+            if rows and (size + n > CHUNK_BYTES or len(rows) >= CHUNK_ITEMS):
                 yield Chunk("rows", index, ordinal, rows, str(path), row)
                 ordinal, row, rows, size = ordinal + len(rows), row + len(rows), [], 0
+            rows.append(values[0] if len(fields) == 1 else tuple(values))
+            size += n
     if rows:
         yield Chunk("rows", index, ordinal, rows, str(path), row)
