@@ -96,5 +96,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shardwise prepare: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # prepare removed its temporary directory and stopped its workers
+        print(f"shardwise prepare: interrupted; {args.out} was not written (an existing one is untouched)",
+              file=sys.stderr)
+        return 130
     print(_summary(report))
     return 0

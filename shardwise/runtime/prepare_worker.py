@@ -21,6 +21,7 @@ import json
 import os
 import pickle
 import queue
+import signal
 import struct
 import sys
 import threading
@@ -261,6 +262,7 @@ def _drain(stream: BinaryIO, inbox: queue.Queue) -> None:
 def serve() -> None:
     """The worker loop over stdin/stdout. Library output goes to stderr: stdout carries only messages."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
     out = sys.stdout.buffer
     sys.stdout = sys.stderr
     inbox: queue.Queue = queue.Queue()
