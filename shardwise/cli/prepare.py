@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing prepared dataset at --out")
     parser.add_argument("--shard-tokens", type=int, default=2 ** 28, metavar="N",
                         help="tokens per shard file at most (default 2**28)")
+    parser.add_argument("--glob", action="append", metavar="PATTERN",
+                        help="read only a directory's files whose name or relative path matches (repeatable), e.g. "
+                             "--glob '*.py'; files named explicitly are always read")
     parser.add_argument("--eos-token", default=None, metavar="TOKEN",
                         help="the token appended after each document (default: the tokenizer's end-of-text token)")
 
@@ -47,7 +50,7 @@ def _options(args: argparse.Namespace) -> PrepareOptions:
     return PrepareOptions(inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out,
                           val_fraction=args.val_fraction, workers=args.workers, field=args.field, sft=args.sft,
                           prompt_field=args.prompt_field, response_field=args.response_field, force=args.force,
-                          shard_tokens=args.shard_tokens, eos_token=args.eos_token)
+                          shard_tokens=args.shard_tokens, eos_token=args.eos_token, glob=tuple(args.glob or ()))
 
 
 def _progress_bar() -> tuple[Any, Callable[[Any], None]] | tuple[None, None]:

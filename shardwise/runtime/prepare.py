@@ -54,6 +54,8 @@ class PrepareOptions:
     force: bool = False
     shard_tokens: int = 2 ** 28
     eos_token: str | None = None
+    glob: tuple[str, ...] = ()
+    """Patterns a directory's files must match (name or relative path) to be read; empty: every file."""
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -109,7 +111,7 @@ def prepare(options: PrepareOptions, *, progress: Callable[[ChunkResult], None] 
     out = Path(options.out)
     _check_out(out, options.force)
     info = load_tokenizer_info(options.tokenizer, eos_token=options.eos_token)
-    inputs = discover(options.inputs, sft=options.sft, fields=options.fields)
+    inputs = discover(options.inputs, sft=options.sft, fields=options.fields, globs=options.glob)
     remove_stale_temps(out)
     tmp = temp_dir_for(out)
     t0 = time.perf_counter()

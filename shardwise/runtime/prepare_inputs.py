@@ -14,6 +14,7 @@ each document and the bytes written are the same for any ``--workers``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -55,7 +56,13 @@ def _hidden(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts)
 
 
-def _expand(arg: str, *, sft: bool) -> Input:
+def _matches(rel: Path, globs: tuple[str, ...]) -> bool:
+    """Whether a directory's file (its path relative to the directory) is kept: any ``--glob`` pattern matches its
+    name or its relative path (``*.py``, ``src/*.txt``); no pattern keeps every file."""
+    return not globs or any(fnmatch(rel.name, g) or fnmatch(rel.as_posix(), g) for g in globs)
+
+
+def _expand(arg: str, *, sft: bool, globs: tuple[str, ...] = ()) -> Input:
     path = Path(arg)
     if not path.exists():
         raise ValueError(f"input {arg!r} does not exist; pass text files, .jsonl files, directories of them or a "
@@ -67,11 +74,12 @@ def _expand(arg: str, *, sft: bool) -> Input:
         _require_datasets(arg)
         return Input(arg, "hf-dataset", [(path, "hf-dataset")])
     if path.is_dir():
-        found = sorted((p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))),
-                       key=lambda p: p.relative_to(path).as_posix())
+        found = sorted((p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))
+                        and _matches(p.relative_to(path), globs)), key=lambda p: p.relative_to(path).as_posix())
         if not found:
-            raise ValueError(f"input directory {arg!r} holds no files (hidden files are skipped); pass a directory "
-                             f"of text or .jsonl files")
+            which = f" matching --glob {list(globs)}" if globs else ""
+            raise ValueError(f"input directory {arg!r} holds no files{which} (hidden files are skipped); pass a "
+                             f"directory of text or .jsonl files" + (", or other --glob patterns" if globs else ""))
         inp = Input(arg, "directory", [(p, _kind_of_file(p)) for p in found])
     else:
         inp = Input(arg, _kind_of_file(path), [(path, _kind_of_file(path))])
@@ -92,11 +100,13 @@ def _require_datasets(arg: str) -> Any:
     return datasets
 
 
-def discover(args: list[str] | tuple[str, ...], *, sft: bool, fields: tuple[str, ...]) -> list[Input]:
-    """Expand and check every INPUT (existence, kinds, the fields of a dataset's columns)."""
+def discover(args: list[str] | tuple[str, ...], *, sft: bool, fields: tuple[str, ...],
+             globs: tuple[str, ...] = ()) -> list[Input]:
+    """Expand and check every INPUT (existence, kinds, the fields of a dataset's columns); ``globs`` filters the
+    files found in directories (files named explicitly are always read)."""
     if not args:
         raise ValueError("no INPUT given; pass text files, .jsonl files, directories or a datasets directory")
-    inputs = [_expand(a, sft=sft) for a in args]
+    inputs = [_expand(a, sft=sft, globs=globs) for a in args]
     for inp in inputs:
         if inp.kind == "hf-dataset":
             columns = _open_dataset(inp.arg).column_names

@@ -121,7 +121,7 @@ def _read_file(path: str) -> tuple[str, int]:
         return raw.decode("utf-8"), len(raw)
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8 or "
-                         f"leave it out of the inputs") from None
+                         f"leave it out of the inputs (in a directory: --glob '*.py' keeps only matching files)") from None
 
 
 def _field(obj: Any, name: str, where: str, fields: tuple[str, ...], sft: bool) -> str:

@@ -262,3 +262,22 @@ def test_datasets_directory(tmp_path: Path, tok_file: Path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(ValueError, match="is a DatasetDict .* e.g. '.*dd/train'"):
         prepare(_opts(tmp_path, tok_file, [tmp_path / "dd"], force=True))
+
+
+def test_glob_keeps_only_matching_files_of_directories(tmp_path: Path, tok_file: Path):
+    """A source tree with binary caches: --glob '*.txt' reads the text files (by name or relative path) and skips the
+    rest; without it the binary file is a one-line error that names --glob; a pattern matching nothing is refused."""
+    d, docs = _corpus(tmp_path, 6)
+    (d / "__pycache__").mkdir()
+    (d / "__pycache__" / "f000.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\x00\x00")
+    with pytest.raises(ValueError, match=r"is not UTF-8 text .*--glob '\*\.py' keeps only matching files"):
+        prepare(_opts(tmp_path, tok_file, [d]))
+    prepare(_opts(tmp_path, tok_file, [d], glob=("*.txt",)))
+    eos = tokenizers.Tokenizer.from_file(str(tok_file)).token_to_id("<|endoftext|>")
+    assert _stream(open_prepared(tmp_path / "ds").train) == [t for text in docs for t in _ids(tok_file, text) + [eos]]
+    sub = [text for name, text in zip(sorted(f"{'sub/' if i % 3 == 0 else ''}f{i:03d}.txt" for i in range(6)), docs)
+           if name.startswith("sub/")]
+    prepare(_opts(tmp_path, tok_file, [d], glob=("sub/*",), force=True))
+    assert _stream(open_prepared(tmp_path / "ds").train) == [t for text in sub for t in _ids(tok_file, text) + [eos]]
+    with pytest.raises(ValueError, match=r"holds no files matching --glob \['\*\.md'\]"):
+        prepare(_opts(tmp_path, tok_file, [d], glob=("*.md",), force=True))
