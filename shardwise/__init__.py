@@ -19,6 +19,7 @@ from .parallel.pipeline.api import Pipeline, pipeline
 from .parallel.tensor.api import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
 from .parallel.zero.api import zero
 from .sbp import Broadcast, GlobalTensor, Partial, Split, distribute, parse_sbp, to_global
+from .runtime.prepared import open_prepared
 from .world import World, init, shutdown
 
 __version__ = "0.1.0"
@@ -35,6 +36,8 @@ __all__ = [
     "materialize", "load_pretrained", "Normal", "Uniform", "Constant",
     # state and accounting
     "full_state_dict", "memory_report", "models", "__version__",
+    # data: datasets written by shardwise prepare (memory-mapped token shards)
+    "open_prepared",
     # inference: sampling text from a model on one device (KV cache)
     "generate",
     # planning (pure: no processes)
