@@ -19,19 +19,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardWriter", "fsync_file", "fsync_dir", "write_json_synced", "temp_dir_for", "publish",
+__all__ = ["ShardWriter", "fsync_dir", "write_json_synced", "temp_dir_for", "publish",
            "remove_stale_temps", "TEMP_NAME"]
 
 TEMP_NAME = re.compile(r"\.(tmp|old)-(\d+)$")
 """The suffix of a directory being built (``.tmp-PID``) or being replaced (``.old-PID``)."""
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

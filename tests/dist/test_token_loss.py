@@ -76,17 +76,10 @@ def test_reference_is_not_the_naive_mean(refs):
     assert abs(ref["losses"][0] - ref["naive"][0]) > 100 * LOSS_RTOL * ref["losses"][0], ref
 
 
-def test_masked_loss_and_validation_on_2_ranks(worlds, refs):
-    names = list(tc.LAYOUTS)
-    per_rank = worlds.get(2).run(tc.check_layouts, names, timeout=360)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_masked_loss_and_validation_in_every_layout(worlds, refs, ranks: int):
+    names = list(tc.LAYOUTS if ranks == 2 else tc.HYBRIDS)
+    per_rank = worlds.get(ranks).run(tc.check_layouts, names, timeout=360)
     for k, name in enumerate(names):
-        for ranks in per_rank:
-            _check(name, ranks[k], _ref_for(name, refs))
-
-
-def test_masked_loss_and_validation_on_4_ranks(worlds, refs):
-    names = list(tc.HYBRIDS)
-    per_rank = worlds.get(4).run(tc.check_layouts, names, timeout=360)
-    for k, name in enumerate(names):
-        for ranks in per_rank:
-            _check(name, ranks[k], _ref_for(name, refs))
+        for results in per_rank:
+            _check(name, results[k], _ref_for(name, refs))

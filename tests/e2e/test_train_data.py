@@ -85,6 +85,11 @@ def test_validation_loss_equals_plain_torch(data: Path, layout: list[str], reque
     assert "eval  step      4  val_loss" in proc.stdout
     summary = [json.loads(line) for line in (data / "runs" / name / "metrics.jsonl").read_text().splitlines()][-1]
     assert summary["kind"] == "summary" and summary["final_val_loss"] == evals[-1]["val_loss"]
+    if request.node.callspec.id == "one":  # the plot draws the validation points next to the training loss
+        from shardwise.cli.plot import plot_run
+
+        pngs = plot_run(data / "runs" / name, data / "plots")
+        assert (data / "plots" / "loss.png") in pngs and (data / "plots" / "loss.png").stat().st_size > 0
 
 
 def test_loss_masked_data_trains_alike_in_two_layouts(data: Path):

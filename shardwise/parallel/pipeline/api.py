@@ -33,13 +33,13 @@ from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from ...comm.shm_p2p import shm_link_for
 from .communication import check_transport, lower_communication, receive_placement
 from .executor import Interpreter, run_actions
-from .evaluate import evaluate
+from .evaluate import evaluate, micro_batches
 from .actions import Action
 from .schedules import get_schedule
 from .grad_sync import DpGradSync, PipelineZeroGroups
 from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
-from .batching import normalize_example, split_chain, split_graph
+from .batching import normalize_example
 from .capture import Graph
 from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
@@ -117,17 +117,7 @@ class Pipeline:
         Chain pipelines: ``step(inputs, targets)``. Graph pipelines (built with ``example_inputs``): the model's
         own arguments, ``step(input_ids=ids, labels=ids)``, with the targets last when ``loss_fn`` is given
         (``batching.py``)."""
-        m = self.microbatches
-        dp = self.mesh.size(self.dp_axis) if self.dp_axis else 1
-        me = self.mesh.coord(self.dp_axis) if self.dp_axis else 0
-        if self.graph is None:
-            if len(args) != 2 or kwargs:
-                raise TypeError("pipe.step(inputs, targets) takes two tensors for this pipeline; keyword inputs "
-                                "need sw.pipeline(..., example_inputs=...)")
-            inputs, targets = split_chain(args[0], args[1], m, dp, me, self.dp_axis, self.mesh.device)
-        else:
-            inputs, targets = split_graph(args, kwargs, self.loss_fn is not None, self.graph, m, dp, me,
-                                          self.dp_axis, self.mesh.device)
+        inputs, targets = micro_batches(self, args, kwargs, self.loss_fn, "step")
         self._choose_transport()
         if self.grad_sync is not None:
             self.grad_sync.begin_step()

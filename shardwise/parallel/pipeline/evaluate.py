@@ -41,16 +41,17 @@ def _evaluator(pipe: Any) -> Interpreter:
     return pipe._evaluator
 
 
-def _micro_batches(pipe: Any, args: tuple, kwargs: dict,
-                   loss_fn: Callable | None) -> tuple[list[Any], list[Tensor | None]]:
-    """This rank's micro-batches and targets, split as ``step`` splits them."""
+def micro_batches(pipe: Any, args: tuple, kwargs: dict, loss_fn: Callable | None,
+                  what: str = "evaluate") -> tuple[list[Any], list[Tensor | None]]:
+    """This rank's micro-batches and targets of ``pipe.step``/``pipe.evaluate``'s arguments (``what`` names the
+    call in the error): its dp slice, cut into the pipeline's micro-batches."""
     m = pipe.microbatches
     dp = pipe.mesh.size(pipe.dp_axis) if pipe.dp_axis else 1
     me = pipe.mesh.coord(pipe.dp_axis) if pipe.dp_axis else 0
     if pipe.graph is None:
         if len(args) != 2 or kwargs:
-            raise TypeError("pipe.evaluate(inputs, targets) takes two tensors for this pipeline; keyword inputs "
-                            "need sw.pipeline(..., example_inputs=...)")
+            raise TypeError(f"pipe.{what}(inputs, targets) takes two tensors for this pipeline; keyword inputs "
+                            f"need sw.pipeline(..., example_inputs=...)")
         return split_chain(args[0], args[1], m, dp, me, pipe.dp_axis, pipe.mesh.device)  # type: ignore[return-value]
     return split_graph(args, kwargs, loss_fn is not None, pipe.graph, m, dp, me, pipe.dp_axis,  # type: ignore[return-value]
                        pipe.mesh.device)
@@ -61,7 +62,7 @@ def evaluate(pipe: Any, args: tuple, kwargs: dict, loss_fn: Callable[[Any, Tenso
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {loss_fn!r}")
     fn = loss_fn if loss_fn is not None else pipe.interpreter.loss_fn  # the loss `step` uses
-    inputs, targets = _micro_batches(pipe, args, kwargs, fn)
+    inputs, targets = micro_batches(pipe, args, kwargs, fn)
     pipe._choose_transport()
     interp = _evaluator(pipe)
     interp.p2p, interp.loss_fn = pipe.interpreter.p2p, fn
