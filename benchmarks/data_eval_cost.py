@@ -1,6 +1,6 @@
 """What reading a prepared dataset and the validation pass cost inside `shardwise train` (RESULTS, "Real data").
 
-    python benchmarks/data_eval_cost.py [--steps 60] [--layouts dp2,zero3,tp2,pp2]
+    python benchmarks/data_eval_cost.py [--steps 60] [--layouts dp2,zero3,tp2,pp2] [--train-flags "..."]
 
 Builds a small corpus from the Python standard library's own sources (present wherever Python is), trains a
 4,096-token byte-level BPE on it with the `tokenizers` package, runs `shardwise prepare`, then for each layout
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--train-flags", default="", help="more shardwise train flags, e.g. a larger model")
     args = parser.parse_args()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -89,7 +90,7 @@ def main() -> None:
         _shardwise("train", "--data.path", str(root / "ds"), "--model.vocab_size", "4096", "--parallel.nproc", "2",
                    *LAYOUTS[name], "--train.steps", str(args.steps), "--train.eval_every", str(every),
                    "--train.eval_batches", str(args.eval_batches), "--train.name", name, "--train.ckpt_every", "0",
-                   cwd=root)
+                   *args.train_flags.split(), cwd=root)
         m = _measure(root / "runs" / name, args.eval_batches)
         print(f"{name:8} {1e3 * m['step_s']:8.1f} {1e3 * m['data_s']:8.2f} {100 * m['data_share']:6.2f}% "
               f"{1e3 * m['fwd_s']:8.1f} {1e3 * m['eval_s']:8.1f} {m['eval_over_forwards']:9.2f}")
