@@ -32,6 +32,7 @@ from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
 from ...sbp.placement import Broadcast, Split
 from .grad_regions import build_regions
+from .model_loss import install_model_loss
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
                              VocabParallelHead, shard_heads, shard_param)
 from .rng import RNGStreams
@@ -90,6 +91,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     partial: list[tuple[str, nn.Module, list[str]]] = []  # (module name, module, its partial-gradient params)
     for name, style in matched.items():
         _apply(model, name, modules[name], style, ctx, shared, partial)
+        if isinstance(style, VocabParallel) and isinstance(modules[name], nn.Linear):
+            install_model_loss(model, name, ctx)  # model(..., labels=...).loss over the split logits
     ctx.regions = build_regions(model, partial, mesh, axis, algorithm)
     model.register_forward_pre_hook(lambda *_: _enter(ctx))
     model.register_forward_hook(lambda *_: _leave(ctx), always_call=True)
