@@ -167,7 +167,8 @@ def _rows(graph: Graph, parents: dict[str, nn.Module], found: dict[str | None, S
         kind = kinds.pop() if len(kinds) == 1 else "mixed"
         alts = tuple((alt, *_forced(graph, parents, found, members, alt, pins, budget))
                      for alt in applicable(graph.nodes[members[0]]) if alt != kind)
-        rows.append(Row(pattern, kind, sum(best.chosen[i].time_s for i in members), alts))
+        rows.append(Row(pattern, kind, sum(best.chosen[i].time_s for i in members), alts,
+                        type(graph.nodes[members[0]].module).__name__, any(i in pins for i in members)))
     return tuple(rows)
 
 

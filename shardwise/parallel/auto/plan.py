@@ -21,14 +21,13 @@ from typing import Any, Iterator, Mapping
 
 from ..tensor.styles import STYLES, Style
 
-__all__ = ["Plan", "Row", "parse_style", "format_style"]
+__all__ = ["Plan", "Row", "parse_style", "format_style", "why_replicated"]
 
 _BY_NAME = {cls.__name__: cls for cls in STYLES}
 
 
 def format_style(style: Style) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in vars(style).items())
-    return f"{type(style).__name__}({args})"
+    return repr(style)  # Name(field=value, ...); ColumnParallel leaves out parts=1
 
 
 def parse_style(text: str) -> Style:
@@ -54,6 +53,10 @@ class Row:
     """The group's own price under the chosen plan (compute + tp communication + gradient all-reduce)."""
     alternatives: tuple[tuple[str, float | None, str], ...]
     """``(kind, predicted step time of the best plan with this group forced to kind or None, why not)``."""
+    module_type: str = ""
+    """The class name of the group's modules (for the reason a module stays replicated)."""
+    pinned: bool = False
+    """The user's ``pins=`` fixed this group's layout."""
 
 
 @dataclass(frozen=True)
@@ -152,4 +155,27 @@ def _lines(plan: Plan) -> list[str]:
             alts = "  ".join(f"{k}: {_ms(t) if t is not None else 'n/a (' + why + ')'}"
                              for k, t, why in r.alternatives) or "(no alternative)"
             out.append(f"  {r.pattern:<44} {r.kind:<7} {_ms(r.time_s):>12}  | {alts}")
+            if r.kind == "B":
+                out.append(f"      replicated: {why_replicated(r, plan.time_s)}")
     return out
+
+
+def why_replicated(row: Row, step_s: float | None) -> str:
+    """Why ``row``'s modules stay replicated on the tp axis, with the change that would split them. Pure."""
+    if row.pinned:
+        return (f"pinned by the user (a pins= pattern matching {row.pattern!r} asks 'B'); drop that pin to let "
+                f"sw.auto price the splits")
+    if not row.alternatives:
+        return (f"no tensor-parallel layout for {row.module_type or 'this module type'} (sw.parallelize splits "
+                f"nn.Linear and nn.Embedding); it runs data parallel")
+    priced = [(t, k) for k, t, _ in row.alternatives if t is not None]
+    if not priced:
+        reasons = "; ".join(f"{k}: {why}" for k, _, why in row.alternatives)
+        return f"no split fits its shapes ({reasons}); choose a tp size that divides them, or pad the dimension"
+    t, kind = min(priced)
+    if step_s is None:
+        return f"too small to pay: {kind} gives a step of {_ms(t)}; replicated is cheaper"
+    extra = (t - step_s) / step_s * 100 if step_s > 0 else 0.0
+    return (f"too small to pay: the best alternative, {kind}, predicts a step of {_ms(t)} vs {_ms(step_s)} "
+            f"replicated (+{extra:.1f} %); it pays with larger layers, a larger batch or faster links, or "
+            f"pins={{{row.pattern!r}: {kind!r}}} forces it")
