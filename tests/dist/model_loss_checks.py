@@ -57,16 +57,23 @@ def _loss_and_grads(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, *
     return loss.detach(), grads
 
 
-def check_own_loss(arch: str, vocab: int, items: int | None = None) -> float:
+def check_own_loss(arch: str, vocab: int, items: int | None = None, auto: bool = False) -> float:
     """``model(ids, labels=labels).loss`` and all gradients with tp=2 and a vocabulary-parallel head equal one
-    device (rtol 1e-5). ``items``: pass ``num_items_in_batch`` (sum over tokens / items). Returns the loss."""
+    device (rtol 1e-5). ``items``: pass ``num_items_in_batch`` (sum over tokens / items). ``auto``: the plan is
+    ``sw.auto``'s (traced with the labels, the head pinned to the vocabulary split). Returns the loss."""
     m = mesh(tp=2)
     ids, labels = _batch(vocab)
     kw = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     torch.manual_seed(0)
     ref_loss, ref_grads = _loss_and_grads(_build(arch, vocab), ids, labels, **kw)
     torch.manual_seed(0)
-    model = sw.parallelize(_build(arch, vocab), m, _plan(arch), axis="tp")
+    model = _build(arch, vocab)
+    plan: Any = _plan(arch)
+    if auto:
+        # one mesh axis: without the pin a model this small is cheapest pure data parallel
+        plan = sw.auto(model, m, example_inputs={"input_ids": ids, "labels": labels}, pins={"lm_head": "vocab"})
+        assert plan.vocab_parallel_loss and isinstance(plan.get("lm_head"), sw.VocabParallel), dict(plan)
+    model = sw.parallelize(model, m, plan, axis="tp")
     head = model.get_submodule("lm_head").weight
     assert head.shape[0] < vocab  # the head really is split (this rank holds part of the vocabulary)
     loss, grads = _loss_and_grads(model, ids, labels, **kw)

@@ -22,6 +22,11 @@ def test_own_loss_num_items_in_batch(worlds):
     worlds.get(2).run(mc.check_own_loss, "llama", 65, 40, timeout=60)
 
 
+def test_own_loss_with_an_auto_plan(worlds):
+    # a plan from sw.auto (head pinned vocab-parallel on the one tp axis): the model's own loss follows
+    worlds.get(2).run(mc.check_own_loss, "llama", 1001, None, True, timeout=60)
+
+
 def test_unreachable_loss_is_refused(worlds):
     msgs = worlds.get(2).run(mc.check_unreachable_loss, timeout=60)
     assert "keep 'head' replicated" in msgs[0]
