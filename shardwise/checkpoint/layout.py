@@ -30,8 +30,7 @@ def describe(key: str, t: torch.Tensor, mesh: Mesh, local: torch.Tensor | None =
     coords = tuple(mesh.coord(a) for a in mesh.axes)
     heads = getattr(t, "_shardwise_heads", None)
     if heads is not None:
-        _, axis, fused, full_shape = heads
-        view = (fused, full_shape[0] // fused, *full_shape[1:])
+        _, axis, _fused, full_shape, view = heads[:5]  # view: see tensor.modules.shard_heads
         sbp = tuple(Split(1) if a == axis else Broadcast() for a in mesh.axes)
         return Piece(key, local, view, tuple(full_shape), sbp, tuple(mesh.axes), tuple(mesh.shape), coords)
     spec = spec_of(t)

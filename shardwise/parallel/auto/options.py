@@ -11,9 +11,14 @@ a column layer's replicated input gets its gradient all-reduced in backward):
 | ``B``    | any unit                  | B            | B    | B     | none on tp (compute not divided)               |
 | column   | ``nn.Linear``             | S(0)         | B    | Sf    | backward: input gradient P -> B                |
 | row      | ``nn.Linear``             | S(1)         | Sf   | B     | forward: output P -> B                         |
+| column/row | transposed (``Conv1D``) | S(1) / S(0)  | as ``nn.Linear``   | same as ``nn.Linear``            |
 | vocab    | ``nn.Embedding``          | S(0)         | any  | B     | forward: output P -> B                         |
 | vocab    | ``nn.Linear``, model output | S(0)       | B    | Sf    | backward input gradient; the loss's two (N,) all-reduces |
 | ``B``/``Sf`` | join (residual add, gating, attention core) | — | = | =  | none (all inputs must agree)                   |
+
+A fused projection (its output cut into equal chunks by ``split``/``chunk``, ``trace.Node.parts``) is offered
+column only as a split of every chunk: ``QKVParallel`` for h -> 3h under a head count (``n_head`` or
+``num_heads``), ``ColumnParallel(parts=k)`` otherwise.
 
 Every unit also pays its gradient all-reduce over the data axes (in buckets) and ``STATE_COPIES`` times its
 parameter bytes plus its output's bytes of memory.
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ..tensor.styles import ColumnParallel, QKVParallel, RowParallel, Style, VocabParallel
+from ..tensor.styles import ColumnParallel, QKVParallel, RowParallel, Style, VocabParallel, linear_dims, linear_layout
 from .cost import STATE_COPIES, CostModel
 from .trace import Graph, Node
 
@@ -82,16 +87,43 @@ def _heads(node: Node, parent: nn.Module | None, features: int, t: int) -> tuple
     return heads, None
 
 
-def _linear_splits(node: Node, mod: nn.Linear, parent: nn.Module | None, cm: CostModel,
+def _head_attr(parent: nn.Module | None) -> tuple[str | None, int | None]:
+    """The parent's head-count attribute and value: ``n_head`` (reference GPT) or ``num_heads`` (GPT-2)."""
+    for attr in ("n_head", "num_heads"):
+        value = getattr(parent, attr, None)
+        if isinstance(value, int):
+            return attr, value
+    return None, None
+
+
+def _fused_column(node: Node, parent: nn.Module | None, i: int, o: int, t: int,
+                  out: NodeOptions) -> Style | None:
+    """The column style of a fused projection (``node.parts`` > 1 chunks, or h -> 3h under ``n_head``)."""
+    attr, n_head = _head_attr(parent)
+    if n_head is not None and o == 3 * i and (node.parts in (1, 3)) and (attr == "n_head" or node.parts == 3):
+        if n_head % t:
+            out.unavailable["column"] = f"its {n_head} fused heads do not divide over tp={t}"
+            return None
+        split = getattr(parent, "split_size", None)  # GPT-2 cuts [q | k | v] by split_size = h
+        return QKVParallel(n_head, head_attr=attr, divide_attrs=("split_size",) if split == i else ())
+    parts = node.parts
+    heads, why = _heads(node, parent, o // parts, t)
+    if o % parts or (o // parts) % t or why:
+        out.unavailable["column"] = why or f"its {parts} fused chunks of {o // parts} features do not divide over tp={t}"
+        return None
+    return ColumnParallel(heads=heads, parts=parts)
+
+
+def _linear_splits(node: Node, mod: nn.Module, parent: nn.Module | None, cm: CostModel,
                    out: NodeOptions) -> tuple[Style | None, bool]:
     """The column style (or None, reason recorded) and whether row applies."""
-    t, i, o = cm.t, mod.in_features, mod.out_features
+    (i, o), t = linear_dims(mod), cm.t
     col: Style | None = None
     n_head = getattr(parent, "n_head", None)
-    if isinstance(n_head, int) and o == 3 * i:  # a fused [q | k | v] projection (reference GPT)
-        col = QKVParallel(n_head) if n_head % t == 0 else None
-        if col is None:
-            out.unavailable["column"] = f"its {n_head} fused heads do not divide over tp={t}"
+    if node.parts == 0:
+        out.unavailable["column"] = "its output is cut into chunks of different widths (fused grouped-query q/k/v)"
+    elif node.parts > 1 or (isinstance(n_head, int) and o == 3 * i):  # a fused projection
+        col = _fused_column(node, parent, i, o, t, out)
     elif isinstance(n_head, int):
         out.unavailable["column"] = (f"its parent {type(parent).__name__} reshapes by n_head={n_head}, which a "
                                      f"column split would not lower (only QKVParallel does, for a fused h -> 3h)")
@@ -111,8 +143,8 @@ def _linear_splits(node: Node, mod: nn.Linear, parent: nn.Module | None, cm: Cos
 
 def _linear(graph: Graph, node: Node, parent: nn.Module | None, cm: CostModel) -> NodeOptions:
     mod = node.module
-    assert isinstance(mod, nn.Linear)
-    t, i, o = cm.t, mod.in_features, mod.out_features
+    assert mod is not None and linear_layout(mod) is not None
+    t, (i, o) = cm.t, linear_dims(mod)
     tokens = math.prod(node.out_shape[:-1]) / cm.d
     pb, out_b = _param_bytes(graph, node, cm), _bytes(node.out_shape, cm)
     in_shape = (*node.out_shape[:-1], i)
@@ -130,7 +162,9 @@ def _linear(graph: Graph, node: Node, parent: nn.Module | None, cm: CostModel) -
         w = pb - bias_b
         res.options.append(_option("row", RowParallel(), "Sf", "B", split, cm.reduce_over_tp(node.out_shape),
                                    cm.grad_allreduce(w / t + bias_b), STATE_COPIES * (w / t + bias_b) + out_b))
-    if not node.sink or node.succs:
+    if not isinstance(mod, nn.Linear):
+        res.unavailable["vocab"] = "VocabParallel applies to an nn.Linear head (not a transposed layer)"
+    elif not node.sink or node.succs:
         res.unavailable["vocab"] = "a vocabulary-parallel Linear must produce the model's output (the logits)"
     elif o < t:
         res.unavailable["vocab"] = f"out_features={o} is smaller than tp={t}"
@@ -172,7 +206,7 @@ def _node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: C
         if cm.t > 1:
             opts.append(_option("Sf", None, "Sf", "Sf", cm.elementwise(out_b / cm.t), 0.0, 0.0, out_b / cm.t))
         return NodeOptions(opts)
-    if isinstance(node.module, nn.Linear):
+    if node.module is not None and linear_layout(node.module) is not None:
         return _linear(graph, node, parents.get(node.name), cm)
     if isinstance(node.module, nn.Embedding):
         return _embedding(graph, node, cm)
@@ -185,8 +219,8 @@ def _node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: C
 def applicable(node: Node) -> tuple[str, ...]:
     """The kinds that exist for this node's module type (the others are not alternatives at all)."""
     module = node.module
-    if isinstance(module, nn.Linear):
-        return KINDS if node.sink else KINDS[:3]
+    if module is not None and linear_layout(module) is not None:
+        return KINDS if node.sink and isinstance(module, nn.Linear) else KINDS[:3]
     return ("B", "vocab") if isinstance(module, nn.Embedding) else ("B",)
 
 

@@ -52,6 +52,10 @@ class Node:
     sink: bool = False
     """Its value reaches the model's output."""
     succs: list[int] = field(default_factory=list)
+    parts: int = 1
+    """Into how many equal chunks its output is cut on the last dim (``split``/``chunk``) by a consumer: > 1 for
+    a fused projection ([q | k | v], [gate | up]), whose chunks must each be split on their own; 0 when the
+    chunks differ in width (grouped-query [q | k | v]): no column split keeps them whole."""
 
 
 @dataclass
@@ -110,6 +114,19 @@ class _Tracer(TorchFunctionMode):
         self.stamp(outs, node.index)
         return node.index
 
+    def note_chunks(self, func: Any, args: Any, kwargs: dict, out: Any, pred: int) -> None:
+        """Record a module's output cut into equal chunks on its last (feature) dim: ``x.split(h, dim=-1)``,
+        ``x.chunk(k, -1)``, as a fused projection's consumer does."""
+        if getattr(func, "__name__", "") not in ("split", "chunk", "tensor_split") or not isinstance(out, (tuple, list)):
+            return
+        x, node = args[0] if args else None, self.nodes[pred]
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or node.kind != "module" or len(out) < 2:
+            return
+        if dim % x.dim() == x.dim() - 1 and x.size(-1) == node.out_shape[-1]:
+            even = len({o.shape for o in out}) == 1
+            node.parts = 0 if not even or node.parts == 0 else max(node.parts, len(out))
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -117,6 +134,7 @@ class _Tracer(TorchFunctionMode):
             return out
         preds = self.sources((args, kwargs))
         if len(preds) == 1:
+            self.note_chunks(func, args, kwargs, out, preds[0])
             self.stamp(_tensors(out), preds[0])
         elif len(preds) > 1 and _tensors(out):
             self.add("join", "", preds, out)

@@ -34,10 +34,10 @@ from ...sbp.placement import Broadcast, Split
 from .grad_regions import build_regions
 from .model_loss import install_model_loss
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
-                             VocabParallelHead, shard_heads, shard_param)
+                             VocabParallelHead, heads_local_shape, shard_heads, shard_param)
 from .rng import RNGStreams
 from .styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style, VocabParallel,
-                            check_style, match_plan)
+                            check_style, linear_dims, linear_layout, match_plan)
 from .vocab_loss import vocab_parallel_cross_entropy
 
 __all__ = ["parallelize", "gpt_plan", "vocab_parallel_cross_entropy", "global_view", "split_axes", "full_tensor",
@@ -177,6 +177,8 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
         partial.append((name, module, [n for n, _ in module.named_parameters(remove_duplicate=False)]))
         return
     tp = ctx.mesh.size(ctx.axis)
+    transposed = linear_layout(module) == "in_out"  # Conv1D: weight (i, o), the split dims swap
+    fused = _fused_units(module, style)  # (chunks, units per chunk) split whole, or None
 
     def shard(p: torch.Tensor | None, dim: int | None, key: str) -> nn.Parameter | None:
         if p is None:
@@ -186,10 +188,10 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
                 raise ValueError(f"{name}: a tied parameter is sharded two ways ({shared[id(p)][0]} and {key}); "
                                  f"tied uses must split it identically")
             return shared[id(p)][1]
-        if isinstance(style, QKVParallel):
-            new = shard_heads(p, ctx, 3, style.n_head)
+        if fused is not None:
+            new = shard_heads(p, ctx, fused[0], fused[1], dim=1 if transposed and p.dim() == 2 else 0)
         else:
-            new = shard_param(p, ctx, dim)
+            new = shard_param(p, ctx, dim if dim is None or p.dim() == 1 or not transposed else 1 - dim)
         shared[id(p)] = (key, new)
         return new
 
@@ -198,19 +200,32 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
                                                 module.padding_idx)
     elif isinstance(style, RowParallel):
         bias = shard(module.bias, None, "B")
-        new = RowParallelLinear(shard(module.weight, 1, "S(1)"), bias, ctx, module.in_features)
+        new = RowParallelLinear(shard(module.weight, 1, "S(1)"), bias, ctx, linear_dims(module)[0], transposed)
         if bias is not None and ctx.sequence_parallel:
             partial.append((name, new, ["bias"]))  # added to sequence-split activations: partial gradient
     else:
         cls = VocabParallelHead if isinstance(style, VocabParallel) else ColumnParallelLinear
-        key = f"heads/{tp}" if isinstance(style, QKVParallel) else "S(0)"
-        new = cls(shard(module.weight, 0, key), shard(module.bias, 0, key), ctx, module.out_features)
+        key = f"heads/{tp}/{fused}" if fused is not None else "S(0)"
+        new = cls(shard(module.weight, 0, key), shard(module.bias, 0, key), ctx, linear_dims(module)[1], transposed)
         if isinstance(style, QKVParallel):
             parent = model.get_submodule(name.rpartition(".")[0])
             setattr(parent, style.head_attr, style.n_head // tp)
+            for attr in style.divide_attrs:  # e.g. GPT-2's split_size: the width of each of q, k, v
+                setattr(parent, attr, getattr(parent, attr) // tp)
     new.train(module.training)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, new)
+
+
+def _fused_units(module: nn.Module, style: Style) -> tuple[int, int] | None:
+    """(chunks, units per chunk) when ``style`` splits each chunk of the output on its own, whole units (heads,
+    or single features) per rank: QKVParallel (3, n_head); ColumnParallel(parts=k) (k, heads or features per
+    chunk). None for a plain contiguous split."""
+    if isinstance(style, QKVParallel):
+        return 3, style.n_head
+    if isinstance(style, ColumnParallel) and style.parts > 1:
+        return style.parts, style.heads if style.heads is not None else linear_dims(module)[1] // style.parts
+    return None
 
 
 def _sequence_parallel(module: nn.Module, style: SequenceParallel, ctx: TPContext) -> None:
@@ -240,11 +255,11 @@ def global_view(param: torch.Tensor, local: torch.Tensor | None = None) -> Globa
 
 
 def _heads_view(heads: tuple) -> tuple[Mesh, tuple[int, ...], list]:
-    """``(mesh, view shape, sbp)`` of a head-split parameter (``_shardwise_heads``): its (fused, nh·hd, ...) view,
-    split S(1) over the tp axis (whole heads), B elsewhere."""
-    mesh, axis, fused, full_shape = heads
+    """``(mesh, view shape, sbp)`` of a head-split parameter (``_shardwise_heads``): its view — (fused, nh·hd, ...),
+    or (i·fused, nh·hd) for a transposed weight — split S(1) over the tp axis (whole heads), B elsewhere."""
+    mesh, axis, _fused, _full_shape, view = heads[:5]
     sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
-    return mesh, (fused, full_shape[0] // fused, *full_shape[1:]), sbp
+    return mesh, tuple(view), sbp
 
 
 def split_axes(param: torch.Tensor) -> set[str]:
@@ -274,8 +289,8 @@ def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     ``full_tensor``; ``full`` itself for a plain tensor. Local (a slice, no communication)."""
     heads = getattr(param, "_shardwise_heads", None)
     if heads is not None:
-        mesh, view, sbp = _heads_view(heads)  # local: (fused·nh/tp·hd, ...)
-        return distribute(full.reshape(view), mesh, sbp).to_local().reshape(-1, *view[2:])
+        mesh, view, sbp = _heads_view(heads)  # local: (fused·nh/tp·hd, ...), transposed (i, fused·nh/tp·hd)
+        return distribute(full.reshape(view), mesh, sbp).to_local().reshape(heads_local_shape(heads))
     spec = spec_of(param)
     if spec is None:
         return full

@@ -113,43 +113,69 @@ def shard_param(full: torch.Tensor, ctx: TPContext, dim: int | None) -> nn.Param
     return p
 
 
-def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int) -> nn.Parameter:
+def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int, dim: int = 0) -> nn.Parameter:
     """Whole heads of a fused projection: ``full`` (fused·nh·hd, ...) viewed as (fused, nh, hd, ...); this rank
-    keeps heads [c·nh/tp, (c+1)·nh/tp) of every chunk → (fused·nh/tp·hd, ...). Not a contiguous block of
-    ``full``, so it carries ``_shardwise_heads`` (used by ``full_state_dict``) instead of an SBP annotation. A meta
-    ``full`` gives a meta piece that reads only those rows when materialised."""
+    keeps heads [c·nh/tp, (c+1)·nh/tp) of every chunk → (fused·nh/tp·hd, ...). ``dim=1``: the transposed layout
+    (i, fused·nh·hd), the same heads' columns → (i, fused·nh/tp·hd). Not a contiguous block of ``full``, so it
+    carries ``_shardwise_heads`` = (mesh, axis, fused, full shape, view, dim) instead of an SBP annotation: ``view`` is
+    a reshape of ``full`` in which this rank's piece is a plain split on dim 1 — (fused, nh·hd, ...), or
+    (i·fused, nh·hd) when transposed. A meta ``full`` gives a meta piece that reads only those rows when
+    materialised (transposed: reads the whole tensor once and keeps the piece)."""
     n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
     per = n_head // n
     rest = tuple(full.shape[1:])
-    if full.is_meta:
+    if dim == 1:
+        value = read_full(full, ctx.mesh.device) if full.is_meta else full.detach()
+        i = value.size(0)  # (i, fused, nh, hd) -> keep this rank's heads of every chunk
+        cols = value.reshape(i, fused, n_head, -1)[:, :, c * per:(c + 1) * per].reshape(i, -1)
+        p = nn.Parameter(cols.clone(), requires_grad=full.requires_grad)
+        if full.is_meta:
+            mark_drawn(p)
+        view: tuple[int, ...] = (i * fused, full.size(1) // fused)
+    elif full.is_meta:
         rows = full.size(0) // (fused * n_head)  # hd
         p = deferred_piece(full, [(f * n_head * rows + c * per * rows, per * rows) for f in range(fused)], None)
+        view = (fused, full.size(0) // fused, *rest)
     else:
-        view = full.detach().reshape(fused, n_head, -1, *rest)
-        p = nn.Parameter(view[:, c * per:(c + 1) * per].reshape(-1, *rest).clone(), requires_grad=full.requires_grad)
-    p._shardwise_heads = (ctx.mesh, ctx.axis, fused, tuple(full.shape))  # type: ignore[attr-defined]
+        local = full.detach().reshape(fused, n_head, -1, *rest)[:, c * per:(c + 1) * per].reshape(-1, *rest)
+        p = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+        view = (fused, full.size(0) // fused, *rest)
+    p._shardwise_heads = (ctx.mesh, ctx.axis, fused, tuple(full.shape), view, dim)  # type: ignore[attr-defined]
     return p
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_r = x · W_rᵀ + b_r with W (o, i) split S(0): output (b, t, o_r), S(-1). Input B, or S(seq) gathered
-    first in sequence-parallel mode. Collective: backward all-reduce (or forward all-gather + backward
-    reduce-scatter with SP). Ends the shared-RNG region (its output is split)."""
+def heads_local_shape(heads: tuple) -> tuple[int, ...]:
+    """This rank's shape of a head-split parameter (its ``_shardwise_heads``): the full shape with the split dim
+    (0, or 1 when transposed) divided by the tp size. Pure."""
+    mesh, axis, _fused, full_shape, _view, dim = heads
+    shape = list(full_shape)
+    shape[dim] //= mesh.size(axis)
+    return tuple(shape)
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext, out_features: int) -> None:
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x · W_rᵀ + b_r with W (o, i) split S(0): output (b, t, o_r), S(-1). ``transposed``: W stored
+    (i, o) (``Conv1D``), split S(1), y_r = x · W_r + b_r. Input B, or S(seq) gathered first in
+    sequence-parallel mode. Collective: backward all-reduce (or forward all-gather + backward reduce-scatter with
+    SP). Ends the shared-RNG region (its output is split)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext, out_features: int,
+                 transposed: bool = False) -> None:
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
-        self.in_features, self.out_features = weight.size(1), out_features
+        self.weight, self.bias, self.ctx, self.transposed = weight, bias, ctx, transposed
+        self.in_features, self.out_features = weight.size(0 if transposed else 1), out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
-        y = F.linear(ctx.gather_input(x), self.weight, self.bias)  # (b, t, i) @ (i, o_r) -> (b, t, o_r)
+        w = self.weight.t() if self.transposed else self.weight  # (o_r, i)
+        y = F.linear(ctx.gather_input(x), w, self.bias)  # (b, t, i) @ (i, o_r) -> (b, t, o_r)
         if not ctx.sequence_parallel:  # with SP the whole forward is one split region (entered at the root)
             ctx.rng.enter_split()
         return y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} (local {self.weight.size(0)}), axis={self.ctx.axis}"
+        local = self.weight.size(1 if self.transposed else 0)
+        return f"in={self.in_features}, out={self.out_features} (local {local}), axis={self.ctx.axis}"
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -165,22 +191,26 @@ class VocabParallelHead(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = Σ_r x_r · W_rᵀ + b with W (o, i) split S(1): input (b, t, i_r), S(-1); the partial product is
     all-reduced (SP: reduce-scattered on the sequence) and the replicated bias added after. Collective:
-    forward all-reduce (SP: forward reduce-scatter + backward all-gather). Starts a shared-RNG region."""
+    forward all-reduce (SP: forward reduce-scatter + backward all-gather). Starts a shared-RNG region.
+    ``transposed``: W stored (i, o) (``Conv1D``), split S(0)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext, in_features: int) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext, in_features: int,
+                 transposed: bool = False) -> None:
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
-        self.in_features, self.out_features = in_features, weight.size(0)
+        self.weight, self.bias, self.ctx, self.transposed = weight, bias, ctx, transposed
+        self.in_features, self.out_features = in_features, weight.size(1 if transposed else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
         if not ctx.sequence_parallel:
             ctx.rng.leave_split()
-        y = ctx.reduce_output(F.linear(x, self.weight))  # (b, t, i_r) @ (i_r, o) -> partial (b, t, o)
+        w = self.weight.t() if self.transposed else self.weight  # (o, i_r)
+        y = ctx.reduce_output(F.linear(x, w))  # (b, t, i_r) @ (i_r, o) -> partial (b, t, o)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features} (local {self.weight.size(1)}), out={self.out_features}, axis={self.ctx.axis}"
+        local = self.weight.size(0 if self.transposed else 1)
+        return f"in={self.in_features} (local {local}), out={self.out_features}, axis={self.ctx.axis}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -15,6 +15,13 @@ one layer on the tp axis (Megatron-LM, Shoeybi et al. 2019; sequence parallelism
 
 Uneven features and vocabularies follow ``shard_sizes`` (the first ``size % tp`` ranks hold one more row);
 attention heads must divide evenly by tp (a head is the unit of attention and is never cut).
+
+Linear layers come in two weight layouts: ``nn.Linear``'s (out, in), y = x·Wᵀ + b, and the transposed (in, out),
+y = x·W + b, of transformers' ``Conv1D`` (GPT-2). The column/row/QKV styles apply to both; the split dims above
+swap for the transposed one (column: weight S(1); row: weight S(0)). A layer is recognised as linear by
+``linear_layout``: ``nn.Linear``; a class named ``Conv1D`` with a 2-D (nx, nf) ``weight``; or any module with
+a 2-D ``weight`` that declares ``weight_layout = "in_out"`` (or ``"out_in"``) and computes x·W + b (x·Wᵀ + b).
+Its forward is replaced by the parallel module's, so it must compute exactly that.
 """
 
 from __future__ import annotations
@@ -23,30 +30,43 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
+import torch
 import torch.nn as nn
 
-__all__ = ["ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel", "Style",
+__all__ = ["linear_layout", "linear_dims", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel", "Style",
            "match_plan", "check_style"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ColumnParallel:
     """``nn.Linear`` split on its output features: weight S(0), bias S(0), output S(-1) (local features).
 
     ``heads``: when set, the output features are ``heads`` attention heads and the split must fall on head
-    boundaries (``heads`` divisible by tp). For a *fused* q/k/v projection use ``QKVParallel``."""
+    boundaries (``heads`` divisible by tp). For a *fused* q/k/v projection use ``QKVParallel``.
+
+    ``parts``: the output is ``parts`` equal chunks used separately (a fused gate/up: h → [gate | up], chunked
+    after): each chunk is split on its own features, so every rank holds the same slice of gate and of up (a
+    naive column block would give one rank all of gate). Each chunk's width must divide by tp; with ``heads``,
+    each chunk is ``heads`` heads."""
 
     heads: int | None = None
+    parts: int = 1
+
+    def __repr__(self) -> str:  # parts shown only when fused (plans print styles)
+        return f"ColumnParallel(heads={self.heads}{f', parts={self.parts}' if self.parts != 1 else ''})"
 
 
 @dataclass(frozen=True)
 class QKVParallel:
     """A fused ``nn.Linear`` h → 3h whose output is [q | k | v], each ``n_head`` heads: every rank gets whole
     heads — the same heads' rows of q, k and v — not naive column blocks. The parent module's ``head_attr``
-    (the attention's head count) is lowered to ``n_head / tp``. ``n_head`` must be divisible by tp."""
+    (the attention's head count) is lowered to ``n_head / tp``, and each parent attribute named in
+    ``divide_attrs`` is divided by tp (GPT-2's attention splits its output by ``split_size`` = h: pass
+    ``head_attr="num_heads", divide_attrs=("split_size",)``). ``n_head`` must be divisible by tp."""
 
     n_head: int
     head_attr: str = "n_head"
+    divide_attrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,28 @@ class SequenceParallel:
 
 Style = Union[ColumnParallel, QKVParallel, RowParallel, VocabParallel, SequenceParallel]
 STYLES = (ColumnParallel, QKVParallel, RowParallel, VocabParallel, SequenceParallel)
+
+
+def linear_layout(module: nn.Module) -> str | None:
+    """``"out_in"`` (``nn.Linear``, y = x·Wᵀ + b), ``"in_out"`` (transposed: ``Conv1D``, y = x·W + b) or None
+    when ``module`` is not a linear layer the tensor-parallel styles know. Pure; never imports transformers."""
+    if isinstance(module, nn.Linear):
+        return "out_in"
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    declared = getattr(module, "weight_layout", None)
+    if declared in ("in_out", "out_in"):
+        return declared
+    if type(module).__name__ == "Conv1D" and getattr(module, "nf", None) == weight.size(1):
+        return "in_out"  # transformers.pytorch_utils.Conv1D: weight (nx, nf), y = addmm(b, x, W)
+    return None
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in features, out features) of a layer ``linear_layout`` recognises. Pure."""
+    w = module.weight
+    return (w.size(0), w.size(1)) if linear_layout(module) == "in_out" else (w.size(1), w.size(0))
 
 
 def match_plan(names: Sequence[str], plan: Mapping[str, Style]) -> dict[str, Style]:
@@ -114,23 +156,38 @@ def check_style(name: str, module: nn.Module, parent: nn.Module | None, style: S
                              f"sequence parallelism leave {name!r} out of the plan (it stays replicated)")
         return
     linear_only = isinstance(style, (ColumnParallel, QKVParallel, RowParallel))
-    if linear_only and not isinstance(module, nn.Linear):
-        raise ValueError(f"{name}: {type(style).__name__} applies to nn.Linear, got {kind}; match the Linear "
-                         f"layers only (e.g. 'blocks.*.mlp.fc')")
+    if linear_only and linear_layout(module) is None:
+        raise ValueError(f"{name}: {type(style).__name__} applies to nn.Linear, got {kind} (or Conv1D, or a module "
+                         f"declaring weight_layout='in_out'); match the Linear layers only (e.g. 'blocks.*.mlp.fc')")
     if isinstance(style, VocabParallel) and not isinstance(module, (nn.Linear, nn.Embedding)):
         raise ValueError(f"{name}: VocabParallel applies to nn.Embedding or an nn.Linear LM head, got {kind}")
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
         raise ValueError(f"{name}: VocabParallel does not support Embedding(max_norm=...) or sparse=True "
                          f"(got max_norm={module.max_norm}, sparse={module.sparse}); use a plain Embedding")
-    if isinstance(style, ColumnParallel) and style.heads is not None:
-        _check_heads(name, style.heads, module.out_features, tp, fused=1)
+    if isinstance(style, ColumnParallel):
+        _check_column(name, style, linear_dims(module)[1], tp)
     if isinstance(style, QKVParallel):
-        _check_heads(name, style.n_head, module.out_features, tp, fused=3)
+        _check_heads(name, style.n_head, linear_dims(module)[1], tp, fused=3)
         current = getattr(parent, style.head_attr, None)
         if current != style.n_head:
             raise ValueError(f"{name}: QKVParallel({style.n_head}) lowers the parent module's {style.head_attr!r} "
                              f"to n_head/tp, but the parent ({type(parent).__name__}) has "
                              f"{style.head_attr}={current!r}; pass head_attr= naming its head-count attribute")
+        for attr in style.divide_attrs:
+            value = getattr(parent, attr, None)
+            if not isinstance(value, int) or value % tp:
+                raise ValueError(f"{name}: QKVParallel divides the parent's {attr!r} by tp={tp}, but it is "
+                                 f"{value!r}; name only int attributes divisible by tp in divide_attrs")
+
+
+def _check_column(name: str, style: ColumnParallel, out_features: int, tp: int) -> None:
+    if style.heads is not None:
+        _check_heads(name, style.heads, out_features, tp, fused=style.parts)
+    if not isinstance(style.parts, int) or style.parts < 1:
+        raise ValueError(f"{name}: ColumnParallel(parts=...) must be a positive int, got {style.parts!r}")
+    if style.parts > 1 and (out_features % style.parts or (out_features // style.parts) % tp):
+        raise ValueError(f"{name}: ColumnParallel(parts={style.parts}) splits each of {style.parts} equal chunks "
+                         f"of out_features={out_features} over tp={tp}; each chunk's width must divide by tp")
 
 
 def _check_heads(name: str, n_head: int, out_features: int, tp: int, fused: int) -> None:
