@@ -69,7 +69,8 @@ class Plan(Mapping[str, Style]):
     dp_axes: tuple[str, ...]
     """The mesh axes the batch is split over (every other axis)."""
     vocab_parallel_loss: bool = False
-    """The model's output is vocabulary-split: compute the loss with ``vocab_parallel_cross_entropy``."""
+    """The model's output is vocabulary-split: compute the loss with ``vocab_parallel_cross_entropy`` (a Hugging
+    Face model's own ``.loss`` is made right by ``sw.parallelize``)."""
     time_s: float | None = None
     """Predicted step time (None after an edit)."""
     memory: float | None = None
