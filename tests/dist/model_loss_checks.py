@@ -113,3 +113,23 @@ def check_unreachable_loss() -> str:
         assert "\n" not in msg and "vocab_parallel_cross_entropy" in msg and "'head'" in msg, msg
         return msg
     raise AssertionError("labels with an unreachable loss under a vocabulary-parallel head were not refused")
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.lm = inner
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=labels).loss
+
+
+def check_wrapped_hf_model(vocab: int = 65) -> None:
+    """An HF model inside the user's own module (the plan names ``lm.lm_head``): its loss is still reached."""
+    m = mesh(tp=2)
+    ids, labels = _batch(vocab)
+    torch.manual_seed(0)
+    ref = _build("llama", vocab)(input_ids=ids, labels=labels).loss
+    torch.manual_seed(0)
+    model = sw.parallelize(_Wrapper(_build("llama", vocab)), m, {"lm.lm_head": sw.VocabParallel()}, axis="tp")
+    torch.testing.assert_close(model(ids, labels), ref, rtol=1e-5, atol=0)

@@ -61,11 +61,15 @@ def _takes_labels(model: nn.Module) -> bool:
 
 def install_model_loss(model: nn.Module, head: str, ctx: TPContext) -> None:
     """Make ``model``'s own loss right when ``head`` (a module name) is a vocabulary-parallel ``nn.Linear``:
-    a Hugging Face model (it has ``loss_function``) gets the vocabulary-parallel causal-LM loss; any other model
-    whose ``forward`` takes ``labels`` gets a forward pre-hook that refuses ``labels``. Local."""
-    if hasattr(type(model), "loss_function"):
-        model.loss_function = _causal_lm_loss(ctx)  # the property's setter: an instance override
-        return
+    the nearest Hugging Face model holding the head (``model`` itself or a submodule with ``loss_function``) gets
+    the vocabulary-parallel causal-LM loss; else, when ``model.forward`` takes ``labels``, a forward pre-hook
+    refuses ``labels``. Local."""
+    parts = head.split(".")
+    for depth in range(len(parts) - 1, -1, -1):  # the nearest module above the head that owns a loss_function
+        owner = model.get_submodule(".".join(parts[:depth]))
+        if hasattr(type(owner), "loss_function"):
+            owner.loss_function = _causal_lm_loss(ctx)  # the property's setter: an instance override
+            return
     if not _takes_labels(model):
         return  # the model returns logits only: the caller computes the loss (vocab_parallel_cross_entropy)
 
