@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.comm import CommCounter
-from shardwise.parallel.tensor.api import full_tensor
+from shardwise.checkpoint.layout import local_of
+from shardwise.parallel.tensor.api import full_tensor, local_piece
 from tests.dist import auto_checks as ac
 from tests.dist import fused_models as fm
 from tests.dist.meshes import mesh
@@ -63,6 +64,14 @@ def check_auto(which: str, dp: int) -> dict:
             "fwd_tp": fwd.count("all_reduce", axis="tp"), "shapes": _local_shapes(model), "dp": plan.dp_axes}
 
 
+def _check_pieces(model: nn.Module, full: dict[str, torch.Tensor], m: sw.Mesh) -> None:
+    """Every sharded parameter is this rank's piece of its full tensor under both inverse maps: tensor
+    parallelism's ``local_piece`` and the checkpoint's ``local_of`` (the transposed head-split layout included)."""
+    for name, p in model.named_parameters():
+        assert torch.equal(local_piece(p, full[name]), p.detach()), name
+        assert torch.equal(local_of(full[name], p, m, p.shape), p.detach()), name
+
+
 GPT2_PLAN = {"transformer.h.*.attn.c_attn": sw.QKVParallel(4, head_attr="num_heads", divide_attrs=("split_size",)),
              "transformer.h.*.attn.c_proj": sw.RowParallel(), "transformer.h.*.mlp.c_fc": sw.ColumnParallel(),
              "transformer.h.*.mlp.c_proj": sw.RowParallel()}
@@ -89,4 +98,5 @@ def check_gpt2_hand_plan(lr: float = 0.5) -> dict:
     full = sw.full_state_dict(model)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
+    _check_pieces(model, full, m)
     return {"shapes": _local_shapes(model), "split_size": model.transformer.h[0].attn.split_size}

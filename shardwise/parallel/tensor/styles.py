@@ -8,6 +8,7 @@ one layer on the tp axis (Megatron-LM, Shoeybi et al. 2019; sequence parallelism
 |-----------------------|----------------------|-------|------------------------|----------------------------------|
 | ``ColumnParallel()``  | S(0)                 | S(0)  | B (SP: S(seq) → gather) | S(-1)                            |
 | ``QKVParallel(nh)``   | S(heads) of q, k, v  | same  | as ColumnParallel      | S(-1), whole heads per rank      |
+| ``ColumnParallel(parts=k)`` | S(0) of each chunk | same | as ColumnParallel  | S(-1), a slice of every chunk    |
 | ``RowParallel()``     | S(1)                 | B     | S(-1)                  | P → B all-reduce (SP: → S(seq))  |
 | ``VocabParallel()``   | Embedding (v, h) S(0) | —     | B token ids            | P → B (SP: → S(seq))             |
 |                       | Linear (v, h) S(0)   | —     | as ColumnParallel      | S(-1) vocab-sharded logits       |
