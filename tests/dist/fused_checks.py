@@ -100,3 +100,23 @@ def check_gpt2_hand_plan(lr: float = 0.5) -> dict:
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
     _check_pieces(model, full, m)
     return {"shapes": _local_shapes(model), "split_size": model.transformer.h[0].attn.split_size}
+
+
+def _meta_gpt2() -> nn.Module:
+    with torch.device("meta"):
+        model = fm.hf_gpt2()
+    model.init_seed = 3  # type: ignore[assignment]
+    return model
+
+
+def check_gpt2_meta() -> dict:
+    """GPT-2 built on the meta device, parallelized by the hand plan, then materialised: each rank reads only its
+    pieces (the transposed head split: its columns of q, k and v), and the gathered state equals ``sw.materialize``
+    of the same meta model on one process."""
+    m = mesh(tp=2)
+    ref = sw.materialize(_meta_gpt2(), "cpu").state_dict()
+    model = sw.materialize(sw.parallelize(_meta_gpt2(), m, GPT2_PLAN, axis="tp"), m)
+    full = sw.full_state_dict(model)
+    differs = [k for k, v in ref.items() if not torch.equal(full[k], v)]
+    return {"differs": differs, "keys": sorted(full) == sorted(ref),
+            "c_attn": tuple(model.transformer.h[0].attn.c_attn.weight.shape)}

@@ -50,3 +50,10 @@ def test_fused_qkv_and_gate_up_auto_tp2(worlds):
     assert a["styles"]["blocks.*.mlp.gate_up"] == "ColumnParallel(heads=None, parts=2)", a["styles"]
     assert a["styles"]["blocks.*.attn.proj"] == a["styles"]["blocks.*.mlp.down"] == "RowParallel()"
     assert a["shapes"]["blocks.0.attn.qkv.weight"] == (3 * H // 2, H)
+
+
+@needs_hf
+def test_gpt2_meta_device_pieces_equal_one_process(worlds):
+    a, b = worlds.get(2).run(fc.check_gpt2_meta, timeout=60)
+    assert a["keys"] and a["differs"] == [] and b["differs"] == [], (a["differs"], b["differs"])
+    assert a["c_attn"] == (H, 3 * H // 2)

@@ -179,14 +179,17 @@ class SliceSource:
     """The values of a tensor-parallel piece of a meta parameter, read from the full parameter's source only when
     the piece is materialised (by whichever wrapper comes last: ZeRO-3 reads flat ranges of it, a pipeline only
     its own stages' pieces). The piece is ``cat(full[r : r + n, cols] for r, n in segments)`` along dim 0: one
-    segment for a row (dim-0) split, one with a column range for a dim-1 split, one per fused chunk for heads."""
+    segment for a row (dim-0) split, one with a column range for a dim-1 split, one per fused chunk for heads;
+    a transposed fused projection's heads: one segment and one column range per chunk, concatenated on dim 1."""
 
-    def __init__(self, full: Source, segments: list[tuple[int, int]], cols: tuple[int, int] | None,
-                 seed: int | None = None) -> None:
-        self.full, self.segments, self.cols = full, segments, cols
+    def __init__(self, full: Source, segments: list[tuple[int, int]],
+                 cols: tuple[int, int] | list[tuple[int, int]] | None, seed: int | None = None) -> None:
+        # cols: one [a, b) column range, or a list of them concatenated (a transposed fused projection's heads)
+        self.full, self.segments = full, segments
+        self.cols = [cols] if isinstance(cols, tuple) else cols
         rest = tuple(full.shape[1:])
-        if cols is not None:
-            rest = (cols[1] - cols[0], *rest[1:])
+        if self.cols is not None:
+            rest = (sum(b - a for a, b in self.cols), *rest[1:])
         self.shape: tuple[int, ...] = (sum(n for _, n in segments), *rest)
         self.dtype = full.dtype
         self.seed = getattr(full, "seed", seed)
@@ -197,10 +200,12 @@ class SliceSource:
         for start, n in self.segments:
             a, b = max(first, at), min(stop, at + n)
             if a < b:
-                index: tuple[slice, ...] = (slice(start + a - at, start + b - at),)
-                if self.cols is not None:
-                    index += (slice(*self.cols),)
-                parts.append(self.full.read(index))
+                rows = slice(start + a - at, start + b - at)
+                if self.cols is None:
+                    parts.append(self.full.read((rows,)))
+                else:
+                    spans = [self.full.read((rows, slice(c0, c1))) for c0, c1 in self.cols]
+                    parts.append(spans[0] if len(spans) == 1 else torch.cat(spans, dim=1))
             at += n
         if not parts:
             return torch.empty((0, *self.shape[1:]), dtype=self.dtype)
@@ -345,7 +350,8 @@ def materialize_model(model: nn.Module, where: "torch.device | str | Mesh") -> n
     return model
 
 
-def deferred_piece(full: torch.Tensor, segments: list[tuple[int, int]], cols: tuple[int, int] | None) -> nn.Parameter:
+def deferred_piece(full: torch.Tensor, segments: list[tuple[int, int]],
+                   cols: tuple[int, int] | list[tuple[int, int]] | None) -> nn.Parameter:
     """A meta parameter for a piece of the meta parameter ``full`` (see ``SliceSource``): nothing is read until the
     piece is materialised. ``full`` must have a source (``ensure_sources``)."""
     src = source_of(full)

@@ -119,19 +119,21 @@ def shard_heads(full: torch.Tensor, ctx: TPContext, fused: int, n_head: int, dim
     (i, fused·nh·hd), the same heads' columns → (i, fused·nh/tp·hd). Not a contiguous block of ``full``, so it
     carries ``_shardwise_heads`` = (mesh, axis, fused, full shape, view, dim) instead of an SBP annotation: ``view`` is
     a reshape of ``full`` in which this rank's piece is a plain split on dim 1 — (fused, nh·hd, ...), or
-    (i·fused, nh·hd) when transposed. A meta ``full`` gives a meta piece that reads only those rows when
-    materialised (transposed: reads the whole tensor once and keeps the piece)."""
+    (i·fused, nh·hd) when transposed. A meta ``full`` gives a meta piece that reads only those rows (transposed:
+    columns) when materialised."""
     n, c = ctx.mesh.size(ctx.axis), ctx.mesh.coord(ctx.axis)
     per = n_head // n
     rest = tuple(full.shape[1:])
     if dim == 1:
-        value = read_full(full, ctx.mesh.device) if full.is_meta else full.detach()
-        i = value.size(0)  # (i, fused, nh, hd) -> keep this rank's heads of every chunk
-        cols = value.reshape(i, fused, n_head, -1)[:, :, c * per:(c + 1) * per].reshape(i, -1)
-        p = nn.Parameter(cols.clone(), requires_grad=full.requires_grad)
-        if full.is_meta:
-            mark_drawn(p)
-        view: tuple[int, ...] = (i * fused, full.size(1) // fused)
+        i, width = full.size(0), full.size(1) // fused  # (i, fused·nh·hd): each chunk `width` = nh·hd columns
+        hd = width // n_head
+        if full.is_meta:  # reads only this rank's columns of each chunk when materialised
+            spans = [(f * width + c * per * hd, f * width + (c + 1) * per * hd) for f in range(fused)]
+            p = deferred_piece(full, [(0, i)], spans)
+        else:  # (i, fused, nh, hd) -> keep this rank's heads of every chunk
+            cols = full.detach().reshape(i, fused, n_head, -1)[:, :, c * per:(c + 1) * per].reshape(i, -1)
+            p = nn.Parameter(cols.clone(), requires_grad=full.requires_grad)
+        view: tuple[int, ...] = (i * fused, width)
     elif full.is_meta:
         rows = full.size(0) // (fused * n_head)  # hd
         p = deferred_piece(full, [(f * n_head * rows + c * per * rows, per * rows) for f in range(fused)], None)
