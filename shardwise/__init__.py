@@ -15,9 +15,9 @@ from .parallel.common.init_rules import Constant, Normal, Uniform
 from .parallel.common.materialize import materialize_model as materialize
 from .parallel.common.memory import memory_report
 from .parallel.common.mixed_precision import MixedPrecision
-from .parallel.pipeline.api import Pipeline, pipeline
-from .parallel.tensor.api import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
-from .parallel.zero.api import zero
+from .parallel.pipeline.build import Pipeline, pipeline
+from .parallel.tensor.apply_plan import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
+from .parallel.zero.wrap import zero
 from .sbp import Broadcast, GlobalTensor, Partial, Split, distribute, parse_sbp, to_global
 from .runtime.prepared import open_prepared
 from .world import World, init, shutdown

@@ -97,7 +97,7 @@ def _builder(args: argparse.Namespace, layers: int) -> tuple[Callable[[], nn.Mod
 
 def _step(model: nn.Module, ids: torch.Tensor, vocab_split: bool, mesh: Any) -> Callable[[], float]:
     """One SGD step on ``ids`` (this rank's rows of the global batch)."""
-    from ..parallel.tensor.api import vocab_parallel_cross_entropy
+    from ..parallel.tensor.apply_plan import vocab_parallel_cross_entropy
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = ids[:, :-1], ids[:, 1:]

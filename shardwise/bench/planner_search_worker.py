@@ -77,8 +77,8 @@ def _layout(model: nn.Sequential, plan: Any, mesh: Any, adamw: Any) -> tuple[Any
     step's forward/backward passes on the full global batch and returns this rank's loss."""
     from ..parallel.common.activation_checkpointing import checkpoint_layers
     from ..parallel.data.data_parallel import DataParallel
-    from ..parallel.pipeline.api import pipeline
-    from ..parallel.zero.api import zero
+    from ..parallel.pipeline.build import pipeline
+    from ..parallel.zero.wrap import zero
 
     accum = plan.grad_accum
     if plan.pp > 1:
@@ -130,7 +130,7 @@ class _Null:
 def _memory(model: Any, opt: Any) -> int:
     """Model states of this rank (parameters, gradients, optimizer state), each storage once."""
     from ..parallel.common.memory import memory_report, storage_bytes
-    from ..parallel.pipeline.api import Pipeline
+    from ..parallel.pipeline.build import Pipeline
 
     if isinstance(model, Pipeline):  # a pipeline: its stages' parameters and the dp gradient buffers
         params = list(model.parameters())

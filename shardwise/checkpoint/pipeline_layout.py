@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel.pipeline.api import Pipeline
+from ..parallel.pipeline.build import Pipeline
 from .layout import describe, load_optimizer, optimizer_pieces, tied_aliases
 from .sharded import Checkpoint, Piece, without_axis
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..parallel.pipeline.api import Pipeline
+from ..parallel.pipeline.build import Pipeline
 from ..parallel.pipeline.grad_sync import DpGradSync
 from ..parallel.zero.optim import ZeroOptimizer
 from .pipeline_layout import load_pipeline_model

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..parallel.zero.api import ZeroModel
+from ..parallel.zero.wrap import ZeroModel
 from ..parallel.zero.flat import FlatGroup
 from ..parallel.zero.optim import ZeroOptimizer
 from ..sbp.placement import Broadcast, Split

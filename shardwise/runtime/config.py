@@ -292,7 +292,7 @@ def _positive(*pairs: tuple[str, int]) -> None:
 def _check_strategies(config: Config) -> None:
     m, p = config.model, config.parallel
     if p.tp > 1:
-        if not _optional_module("shardwise.parallel.tensor.api"):
+        if not _optional_module("shardwise.parallel.tensor.apply_plan"):
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
         check_tp(m, p.tp)
@@ -305,8 +305,8 @@ def _check_strategies(config: Config) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3; e.g. --parallel.zero_stage 1 "
                          f"(0 = plain data parallelism)")
-    if p.zero_stage and not _optional_module("shardwise.parallel.zero.api"):
-        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero.api), which this "
+    if p.zero_stage and not _optional_module("shardwise.parallel.zero.wrap"):
+        raise ValueError(f"parallel.zero_stage = {p.zero_stage} needs ZeRO (shardwise.parallel.zero.wrap), which this "
                          f"build lacks; use --parallel.zero_stage 0")
     if p.pp > 1:
         _check_pipeline_hybrids(p)

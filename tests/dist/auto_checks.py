@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.comm import CommCounter
-from shardwise.parallel.tensor.api import full_tensor, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import full_tensor, vocab_parallel_cross_entropy
 from tests.dist import auto_models as am
 from tests.dist.meshes import mesh
 

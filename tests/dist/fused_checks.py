@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.comm import CommCounter
 from shardwise.checkpoint.layout import local_of
-from shardwise.parallel.tensor.api import full_tensor, local_piece
+from shardwise.parallel.tensor.apply_plan import full_tensor, local_piece
 from tests.dist import auto_checks as ac
 from tests.dist import fused_models as fm
 from tests.dist.meshes import mesh

@@ -14,7 +14,7 @@ from shardwise.comm import CommCounter
 from shardwise.models.gpt import lm_loss, synthetic_batch
 from shardwise.models.hf_config import load_hf_config
 from shardwise.models.llama import Llama
-from shardwise.parallel.tensor.api import vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 from tests.dist.reference import sgd_reference
 

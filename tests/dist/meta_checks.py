@@ -18,7 +18,7 @@ import shardwise as sw
 from shardwise.checkpoint.zero_layout import zero_model_pieces
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
-from shardwise.parallel.tensor.api import vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 
 CFG = GPTConfig(vocab_size=40, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)

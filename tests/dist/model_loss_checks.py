@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import shardwise as sw
-from shardwise.parallel.tensor.api import full_tensor
+from shardwise.parallel.tensor.apply_plan import full_tensor
 from tests.dist.meshes import mesh
 
 SEQ, BATCH = 8, 3

@@ -17,7 +17,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
-from shardwise.parallel.tensor.api import gpt_plan, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 from tests.dist.pipeline_graph_checks import SEQ, VOCAB, Out, _model as _graph_model
 from tests.dist.pipeline_hybrid_checks import _factory

@@ -14,7 +14,7 @@ import torch
 import shardwise as sw
 from shardwise.models.gpt import lm_loss
 from shardwise.parallel.common.activation_checkpointing import activation_memory
-from shardwise.parallel.tensor.api import gpt_plan, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 from tests.dist.pipeline_checks import _batches, _model, _pieces, _rel_err
 

@@ -20,7 +20,7 @@ from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
 from shardwise.parallel.common.activation_checkpointing import checkpoint_layers
 from shardwise.parallel.common.grad_norm import clip_counted, counted
-from shardwise.parallel.tensor.api import full_tensor, gpt_plan, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import full_tensor, gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 
 TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=True)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
-from shardwise.parallel.tensor.api import gpt_plan, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 from tests.dist.reference import sgd_reference
 

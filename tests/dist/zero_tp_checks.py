@@ -22,7 +22,7 @@ from shardwise.checkpoint.zero_layout import load_zero, param_state, zero_index_
     zero_optimizer_pieces
 from shardwise.comm import CommCounter
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
-from shardwise.parallel.tensor.api import gpt_plan, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.apply_plan import gpt_plan, vocab_parallel_cross_entropy
 from tests.dist.meshes import mesh
 
 TINY = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=12, bias=True)

@@ -121,7 +121,7 @@ def test_synthetic_batch_targets_are_next_tokens_and_reproducible() -> None:
 def test_gpt_carries_its_pipeline_units_and_tensor_plan():
     """The pipeline asks the model (PipelineCuttable) for its cut points; running the units in order is forward."""
     from shardwise.parallel.pipeline.stage import PipelineCuttable, model_units
-    from shardwise.parallel.tensor.api import gpt_plan
+    from shardwise.parallel.tensor.apply_plan import gpt_plan
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3)).eval()

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.tensor.api import gpt_plan
+from shardwise.parallel.tensor.apply_plan import gpt_plan
 from shardwise.parallel.tensor.rng import RNGStreams, split_seed
 from shardwise.parallel.tensor.styles import check_style, match_plan
 

@@ -1,6 +1,6 @@
 """``sw.auto``: per-module layouts (data parallel, column, row, vocabulary split) chosen by cost."""
 
-from .api import auto
+from .choose import auto
 from .plan import Plan
 
 __all__ = ["auto", "Plan"]

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..tensor.api import split_axes
+from ..tensor.apply_plan import split_axes
 
 if TYPE_CHECKING:  # a type only: importing zero here would cycle (zero.optim clips with this module)
     from ..zero.flat import FlatGroup

@@ -26,7 +26,7 @@ from .schedules import forward_only
 
 __all__ = ["evaluate"]
 
-# ``pipe`` below is an ``api.Pipeline`` (typed ``Any``: api imports this module, not the other way round)
+# ``pipe`` below is a ``build.Pipeline`` (typed ``Any``: build imports this module, not the other way round)
 
 
 def _evaluator(pipe: Any) -> Interpreter:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..tensor.api import global_view
+from ..tensor.apply_plan import global_view
 
 __all__ = ["full_meta", "release_other_stages", "key_owner", "full_state"]
 

@@ -1,6 +1,6 @@
 """Tensor (model) parallelism: ``sw.parallelize`` applies column/row/vocab/QKV/sequence-parallel styles from a
 declarative plan (module-name pattern → style)."""
 
-from .api import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
+from .apply_plan import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
 
 __all__ = ["parallelize", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel"]

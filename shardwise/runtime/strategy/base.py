@@ -123,7 +123,7 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Modul
     as ``sw.parallelize`` is."""
     if cfg.parallel.tp <= 1:
         return plain, lm_loss
-    from ...parallel.tensor.api import parallelize, vocab_parallel_cross_entropy
+    from ...parallel.tensor.apply_plan import parallelize, vocab_parallel_cross_entropy
 
     whole = replicated_modules(cfg)  # parallel.replicate: kept whole (the tied embedding and head)
     plan = {pattern: style for pattern, style in plain.tensor_parallel_plan().items() if pattern not in whole}
@@ -146,7 +146,7 @@ def summed_loss(cfg: Config, mesh: Mesh) -> LossFn:
     divides it by a token count itself (``token_loss.py``: validation, loss-masked data), so that every layout
     weighs each counted token alike, as one device does. Collective over tp as the vocab-parallel loss is."""
     if cfg.parallel.tp > 1 and "lm_head" not in replicated_modules(cfg):
-        from ...parallel.tensor.api import vocab_parallel_cross_entropy
+        from ...parallel.tensor.apply_plan import vocab_parallel_cross_entropy
 
         return partial(_vocab_sum, ce=partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp",
                                               vocab_size=cfg.model.vocab_size, reduction="sum"))

@@ -29,7 +29,7 @@ from ...mesh import Mesh
 from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.grad_norm import shard_pieces
 from ...parallel.common.memory import storage_bytes
-from ...parallel.pipeline.api import Pipeline, pipeline
+from ...parallel.pipeline.build import Pipeline, pipeline
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
 from ..grad_clip import clip_, counted_grads

@@ -18,7 +18,7 @@ from ...mesh import Mesh
 from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.grad_norm import shard_pieces
 from ...parallel.common.memory import memory_report
-from ...parallel.zero.api import ZeroModel, zero
+from ...parallel.zero.wrap import ZeroModel, zero
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
 from ..grad_clip import clip_

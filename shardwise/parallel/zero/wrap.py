@@ -59,7 +59,7 @@ from ..common.materialize import ensure_sources, materialize, needs_broadcast
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_replicas_agree, trainable
-from ..tensor.api import full_tensor, local_piece
+from ..tensor.apply_plan import full_tensor, local_piece
 from .flat import FlatGroup
 from .grads import ShardGradReducer
 from .optim import OptimizerFactory, ZeroOptimizer
