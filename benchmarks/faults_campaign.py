@@ -1,6 +1,7 @@
-"""``shardwise bench faults``: a seeded fault campaign against real ``shardwise train`` jobs.
+"""A seeded fault campaign against real ``shardwise train`` jobs (run from a checkout; not installed).
 
-    shardwise bench faults --trials 20 --seed 0 --out benchmarks/faults.json --markdown benchmarks/faults.md
+    python benchmarks/faults_campaign.py --trials 20 --seed 0 --out benchmarks/faults.json \
+        --markdown benchmarks/faults.md
 
 Kinds (``--trials`` each, ``--kinds`` for a subset): ``kill-rank`` (SIGKILL a random rank at a random time),
 ``kill-in-save`` (SIGKILL a rank while a checkpoint is being written), ``kill-launcher`` (SIGKILL the launcher:
@@ -8,7 +9,8 @@ its ranks must go and nothing be written after), ``sigstop-rank`` (SIGSTOP a ran
 ``train.timeout_s`` + 10 s), ``corrupt-piece`` (flip a byte in a finished checkpoint: verify, export and resume
 must notice). One uninterrupted reference run comes first; every resumed trial must reproduce its losses
 exactly. One ``random.Random(seed)`` draws the whole schedule (victims, kill times: a step after the first
-checkpoint plus a fraction of a step, bytes to flip). Trials in ``faults_trials.py``, tables in ``faults_report.py``.
+checkpoint plus a fraction of a step, bytes to flip). Trials in ``faults/trials.py`` and
+``faults/corrupt.py``, tables in ``faults/report.py``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from .faults_corrupt import trial_corrupt_piece
-from .faults_report import markdown, print_table, summarize
-from .faults_trials import (KINDS, Reference, Setup, empty_record, run_reference, trial_kill_in_save, trial_kill_launcher,
-                            trial_kill_rank, trial_sigstop_rank)
+if __package__ in (None, ""):  # run as a script: the repository root makes ``benchmarks.*`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.faults.corrupt import trial_corrupt_piece
+from benchmarks.faults.report import markdown, print_table, summarize
+from benchmarks.faults.trials import (KINDS, Reference, Setup, empty_record, run_reference, trial_kill_in_save,  # noqa: E402
+                                      trial_kill_launcher, trial_kill_rank, trial_sigstop_rank)
 
 TRIALS: dict[str, Callable[[Setup, Reference, random.Random, dict[str, Any]], None]] = {
     "kill-rank": trial_kill_rank, "kill-in-save": trial_kill_in_save, "kill-launcher": trial_kill_launcher,
@@ -38,6 +43,8 @@ TRIALS: dict[str, Callable[[Setup, Reference, random.Random, dict[str, Any]], No
 }
 
 __all__ = ["add_arguments", "main"]
+
+_PROG = "benchmarks/faults_campaign.py"
 
 
 def _kinds(text: str) -> list[str]:
@@ -122,9 +129,9 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.trials < 1 or args.steps < 8:
-        print("shardwise bench faults: error: --trials must be >= 1 and --steps >= 8", file=sys.stderr)
+        print(f"{_PROG}: error: --trials must be >= 1 and --steps >= 8", file=sys.stderr)
         return 2
-    result: dict[str, Any] = {"command": shlex.join(["shardwise", *sys.argv[1:]]), "seed": args.seed,
+    result: dict[str, Any] = {"command": shlex.join(["python", _PROG, *sys.argv[1:]]), "seed": args.seed,
                               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                               "machine": _machine()}
     if args.workdir:
@@ -133,7 +140,15 @@ def main(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="shardwise-faults-") as tmp:
             _campaign(args, Path(tmp), result)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
-    print_table(result["summary"], f"shardwise bench faults: seed {args.seed}, {args.trials} trial(s) per kind, "
+    print_table(result["summary"], f"{_PROG}: seed {args.seed}, {args.trials} trial(s) per kind, "
                                    f"{result['campaign_s']:.0f} s")
     _write(args, result)
     return 0
+
+
+if __name__ == "__main__":
+    from shardwise.world import exit_process
+
+    _parser = argparse.ArgumentParser(prog=f"python {_PROG}", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    exit_process(main(_parser.parse_args()))

@@ -1,4 +1,4 @@
-"""The ``corrupt-piece`` trial of ``shardwise bench faults``: flip one byte inside a tensor's data in the newest
+"""The ``corrupt-piece`` trial of the fault campaign (``benchmarks/faults_campaign.py``): flip one byte inside a tensor's data in the newest
 checkpoint of a finished run; ``verify_checkpoint``, ``shardwise export`` and ``shardwise train --resume`` must
 each notice, and the resume must fall back to the previous checkpoint and reproduce the reference losses."""
 
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.sharded import CheckpointError, latest_checkpoint, latest_intact_checkpoint, verify_checkpoint
-from .faults_trials import _JOB_TIMEOUT_S, Reference, Setup, resume
+from shardwise.checkpoint.sharded import CheckpointError, latest_checkpoint, latest_intact_checkpoint, verify_checkpoint
+from .trials import _JOB_TIMEOUT_S, Reference, Setup, resume
 
 __all__ = ["flip_byte", "trial_corrupt_piece"]
 

@@ -1,4 +1,4 @@
-"""Aggregation and output of ``shardwise bench faults``: per-kind summary, a rich table, Markdown."""
+"""Aggregation and output of the fault campaign (``benchmarks/faults_campaign.py``): per-kind summary, a rich table, Markdown."""
 
 from __future__ import annotations
 

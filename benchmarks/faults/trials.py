@@ -1,4 +1,4 @@
-"""The trials of ``shardwise bench faults``: real ``shardwise train`` launches, one fault each, then the checks.
+"""The trials of the fault campaign (``benchmarks/faults_campaign.py``): real ``shardwise train`` launches, one fault each, then the checks.
 
 Every trial starts ``python -m shardwise.cli train`` in a directory of its own, injects one fault from the
 outside (a signal to a rank or to the launcher, or a flipped byte in a finished checkpoint), measures how the
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..checkpoint.sharded import CheckpointError, latest_checkpoint, latest_intact_checkpoint, verify_checkpoint
-from ..runtime.metrics import read_metrics
-from ..runtime.supervisor import child_processes
+from shardwise.checkpoint.sharded import CheckpointError, latest_checkpoint, latest_intact_checkpoint, verify_checkpoint
+from shardwise.runtime.metrics import read_metrics
+from shardwise.runtime.supervisor import child_processes
 
 __all__ = ["Setup", "Launch", "Reference", "run_reference", "KINDS", "empty_record", "trial_kill_rank",
            "trial_kill_in_save", "trial_kill_launcher", "trial_sigstop_rank", "resume"]

@@ -1,17 +1,18 @@
 """Published measurements the planner is checked against (numbers only; each row cites its table).
 
-Used by the unit tests and by ``shardwise bench planner`` (which regenerates the table in
-``benchmarks/RESULTS.md``). Assumptions the papers do not state are named where they are made.
+Used by the unit tests and by ``python benchmarks/planner_published.py`` (which regenerates the tables in
+``benchmarks/RESULTS.md``); not part of the installed package. Assumptions the papers do not state are named
+where they are made.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hardware import Hardware
-from .plan import Plan
-from .predict import Prediction, predict
-from .spec import ModelSpec
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.plan import Plan
+from shardwise.planner.predict import Prediction, predict
+from shardwise.planner.spec import ModelSpec
 
 __all__ = ["MegatronRow", "MEGATRON_TABLE1", "megatron_prediction", "GPT3_175B_DAYS", "GPT3_175B_LAYOUT",
            "gpt3_plan", "gpt3_days", "ZERO_TABLE1", "KorthikantiRow", "KORTHIKANTI_TABLE5", "KORTHIKANTI_530B_DP8",

@@ -1,7 +1,7 @@
-"""``shardwise bench planner --search-measured --hardware FILE``: is the layout search's choice good, measured here?
+"""``python benchmarks/planner_search_measured.py --hardware FILE``: is the layout search's choice good, measured here?
 
 For three models on 4 CPU ranks — the reference GPT at two sizes (``shardwise train``) and a deep residual MLP
-(``planner_search_worker``, traced by ``ModelSpec.trace``, no tp plan) — with a memory per rank lowered below
+(``search_worker``, traced by ``ModelSpec.trace``, no tp plan) — with a memory per rank lowered below
 what plain data parallelism needs for two of them:
 
 1. ``search`` ranks every layout of the runnable space (``Space.runnable()``) under the budget: the planner's
@@ -13,7 +13,7 @@ what plain data parallelism needs for two of them:
 3. Each plan trains ``--steps`` steps (median after the first two, median over ranks; ``--repeats`` rounds,
    median over rounds), in a fixed shuffled order so that a drift in the machine's load does not follow
    the planner's ranking.
-4. The verdict per model (``planner_search_report``): first choice within 5 % of the best measured plan, and
+4. The verdict per model (``search_report``): first choice within 5 % of the best measured plan, and
    the best measured plan in the planner's top 3.
 """
 
@@ -31,10 +31,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from ..planner import Hardware, ModelSpec, Plan, Prediction, predict
-from ..planner.search import Space, search
-from .planner_search_report import model_lines, summary_lines, verdict
-from .planner_search_worker import MLPConfig, mlp_spec
+from shardwise.planner import Hardware, ModelSpec, Plan, Prediction, predict
+from shardwise.planner.search import Space, search
+from .search_report import model_lines, summary_lines, verdict
+from .search_worker import MLPConfig, mlp_spec
 
 __all__ = ["Case", "CASES", "add_search_arguments", "train_flags", "slices", "search_measured", "report_lines"]
 
@@ -85,12 +85,10 @@ def slices(first: Plan) -> tuple[Slice, ...]:
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--search-measured", action="store_true",
-                        help="measure every plan of the search's top 3 and two fixed slices on 4 ranks; verdict per "
-                             "model: first choice within 5 %% of the best measured, best in the top 3")
-    parser.add_argument("--repeats", type=int, default=1, help="--measured and --search-measured: rounds per layout, median over them (default 1)")
-    parser.add_argument("--models", default="", help="--search-measured: comma-separated model names (default: "
-                        "all of " + ", ".join(c.name for c in CASES) + ")")
+    """``--repeats`` and ``--models`` (the measured plans and the verdict: the module doc)."""
+    parser.add_argument("--repeats", type=int, default=1, help="rounds per plan, median over them (default 1)")
+    parser.add_argument("--models", default="", help="comma-separated model names (default: all of "
+                        + ", ".join(c.name for c in CASES) + ")")
 
 
 def train_flags(fields: dict[str, Any]) -> list[str]:
@@ -105,7 +103,7 @@ def train_flags(fields: dict[str, Any]) -> list[str]:
 
 
 def _gpt_config(case: Case) -> Any:
-    from ..runtime.config import load_config
+    from shardwise.runtime.config import load_config
 
     return load_config(preset="gpt-small", overrides={**case.model, "data.global_batch": case.global_batch})
 
@@ -114,7 +112,7 @@ def _refusal(case: Case, cfg: Any, plan: Plan) -> str | None:
     """Why ``shardwise train`` would not run ``plan`` (its own validation), or None."""
     if case.kind != "gpt":
         return None
-    from ..runtime.planning import apply_plan, config_from_plan
+    from shardwise.runtime.planning import apply_plan, config_from_plan
 
     try:
         apply_plan(cfg, config_from_plan(plan), DEVICES)
@@ -163,14 +161,14 @@ def _row(pred: Prediction, rank: int | None, where: list[str]) -> dict[str, Any]
 
 
 RunLayout = Callable[[str, list[str], int, Path], dict[str, Any]]
-"""``planner._run_layout``: one ``shardwise train`` run → median step, peak memory, the config it ran (passed in
-by ``planner.main``, which imports this module: importing it back would make a cycle)."""
+"""``shardwise.bench.planner.run_layout``: one ``shardwise train`` run → median step, peak memory, the config it
+ran."""
 
 
 def _measure_gpt(case: Case, plan: Plan, steps: int, root: Path, name: str, run_layout: RunLayout) -> dict[str, Any]:
-    from ..runtime.config import config_from_dict
-    from ..runtime.planning import config_from_plan
-    from ..runtime.prediction import plan_from_config
+    from shardwise.runtime.config import config_from_dict
+    from shardwise.runtime.planning import config_from_plan
+    from shardwise.runtime.prediction import plan_from_config
 
     model = [w for k, v in case.model.items() for w in (f"--{k}", str(v))]
     # train's data parallelism picks its all-reduce from the calibration the planner priced it with
@@ -184,10 +182,12 @@ def _measure_gpt(case: Case, plan: Plan, steps: int, root: Path, name: str, run_
 
 def _measure_mlp(case: Case, plan: Plan, steps: int, root: Path, name: str, run_layout: RunLayout) -> dict[str, Any]:
     out = root / name
-    argv = [sys.executable, "-m", "shardwise.cli", "run", "-n", str(DEVICES), "-m", "shardwise.bench.planner_search_worker",
+    argv = [sys.executable, "-m", "shardwise.cli", "run", "-n", str(DEVICES), "-m", "benchmarks.planner.search_worker",
             "--model", json.dumps(case.model), "--plan", plan.dumps(), "--global-batch", str(case.global_batch),
             "--steps", str(steps), "--out", str(out), "--calibration", CALIBRATION[0]]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    root_dir = str(Path(__file__).resolve().parents[2])  # the ranks import ``benchmarks.*`` from the checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root_dir, os.environ.get("PYTHONPATH", "")]))}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != DEVICES:
         raise RuntimeError(f"{plan.describe()} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -259,7 +259,7 @@ def _hardware(text: str) -> Hardware:
 
 def search_measured(args: argparse.Namespace, *, run_layout: RunLayout) -> tuple[list[str], dict[str, Any]]:
     if not args.hardware:
-        raise ValueError("--search-measured needs --hardware FILE measured at 4 ranks, e.g. --hardware "
+        raise ValueError("--hardware FILE measured at 4 ranks is needed, e.g. --hardware "
                          "benchmarks/hardware_cpu_4ranks.json (`shardwise calibrate --nproc 4 --out FILE`)")
     if args.steps < 3 or args.repeats < 1:
         raise ValueError(f"--steps {args.steps} / --repeats {args.repeats}: need at least 3 steps (the first two are "
@@ -276,7 +276,7 @@ def search_measured(args: argparse.Namespace, *, run_layout: RunLayout) -> tuple
 
     import torch
 
-    meta = {"command": "shardwise " + " ".join(sys.argv[1:]), "hardware": args.hardware, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
+    meta = {"command": "python benchmarks/planner_search_measured.py " + " ".join(sys.argv[1:]), "hardware": args.hardware, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or platform.system()}, torch {torch.__version__}",
             "load_at_start": list(start), "load_at_end": list(os.getloadavg())}
     return report_lines({**meta, "models": models}), {"search_measured": {**meta, "models": models}}

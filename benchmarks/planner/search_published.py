@@ -1,5 +1,5 @@
-"""``shardwise bench planner --search-published``: the search on Megatron-LM's Table 1 rows (model, GPU count and
-batch fixed, everything else free) against the paper's own layout, and the search time on GPT-3 175B at
+"""``python benchmarks/planner_published.py --search``: the search on Megatron-LM's Table 1 rows (model, GPU
+count and batch fixed, everything else free) against the paper's own layout, and the search time on GPT-3 175B at
 1,024 / 4,096 / 16,384 devices. Pure: nothing runs but the planner.
 
 Two spaces per row: ``free`` (every strategy the planner knows, ZeRO included) and ``megatron-2021`` (what the
@@ -12,10 +12,10 @@ import statistics
 import time
 from typing import Any
 
-from ..planner import Hardware
-from ..planner.enumerate import Space
-from ..planner.published import MEGATRON_TABLE1, megatron_prediction, megatron_spec
-from ..planner.search import search
+from shardwise.planner import Hardware
+from shardwise.planner.enumerate import Space
+from .published import MEGATRON_TABLE1, megatron_prediction, megatron_spec
+from shardwise.planner.search import search
 
 __all__ = ["search_row", "search_published", "search_speed", "published_search_lines"]
 
@@ -60,7 +60,7 @@ def search_speed(hw: Hardware | None = None, sizes: tuple[int, ...] = (1024, 409
     """Search time for GPT-3 175B (batch 1536) on ``sizes`` devices, one core, full space: CPU seconds of this
     process (whatever else the machine runs), the median of ``repeats`` cold searches — the schedule caches
     emptied before each, as in a fresh process — after one warm-up search of another model (imports)."""
-    from ..planner import flush_sim, pipeline_cost
+    from shardwise.planner import flush_sim, pipeline_cost
 
     hw = hw or Hardware.preset("a100-80g-sxm")
     spec = megatron_spec(96, 12288, 96)

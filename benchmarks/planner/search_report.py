@@ -1,4 +1,4 @@
-"""The verdict and tables of ``shardwise bench planner --search-measured`` (pure: numbers in, numbers and text out).
+"""The verdict and tables of ``benchmarks/planner_search_measured.py`` (pure: numbers in, numbers and text out).
 
 A *row* is one measured plan: ``describe`` (``Plan.describe()``), ``rank`` (its place in the planner's order
 over the whole runnable space, among the plans ``shardwise train`` accepts; 1 = the first choice),
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .planner_measured import kendall_tau
+from shardwise.bench.planner_measured import kendall_tau
 
 __all__ = ["TOLERANCE", "TOP", "verdict", "tau", "model_lines", "summary_lines"]
 

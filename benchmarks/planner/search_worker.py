@@ -1,11 +1,11 @@
-"""One rank of ``shardwise bench planner --search-measured`` for the non-transformer model: a deep residual MLP
+"""One rank of ``benchmarks/planner_search_measured.py`` for the non-transformer model: a deep residual MLP
 laid out as one planner ``Plan`` (dp × pp × ZeRO × micro-batch × schedule × checkpointing) with the public
 strategies — ``DataParallel``, ``sw.zero``, ``sw.pipeline``, ``sw.checkpoint_layers`` — and timed like
 ``shardwise train`` times its steps (median after the first two, AdamW, one tiny loss all-reduce per step).
 
 The model is an ``nn.Sequential`` of units (input projection, residual MLP blocks, head), so the planner's
 trace (``ModelSpec.trace``) and ``sw.pipeline`` cut it at the same names (``"0"``, ``"1"``, …) and the plan's
-``pp_split`` applies as it is. Run under torchrun: ``shardwise run -n 4 -m shardwise.bench.planner_search_worker
+``pp_split`` applies as it is. Run under torchrun: ``shardwise run -n 4 -m benchmarks.planner.search_worker
 --model JSON --plan JSON --global-batch B --steps N --out DIR``; each rank writes ``DIR/rankN.json``.
 """
 
@@ -57,7 +57,7 @@ def build_mlp(cfg: MLPConfig) -> nn.Sequential:
 
 def mlp_spec(cfg: MLPConfig) -> Any:
     """The planner's ``ModelSpec`` of ``build_mlp(cfg)``, traced (no tp plan), the loss included in the head."""
-    from ..planner import ModelSpec
+    from shardwise.planner import ModelSpec
 
     def loss(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long, device=out.device))
@@ -75,10 +75,10 @@ def _blocks(model: nn.Sequential) -> Callable[[str, nn.Module], bool]:
 def _layout(model: nn.Sequential, plan: Any, mesh: Any, adamw: Any) -> tuple[Any, Any, Callable[..., float]]:
     """``(model, optimizer, passes)``: the plan built with the public strategies; ``passes(x, y)`` runs one
     step's forward/backward passes on the full global batch and returns this rank's loss."""
-    from ..parallel.common.activation_checkpointing import checkpoint_layers
-    from ..parallel.data.data_parallel import DataParallel
-    from ..parallel.pipeline.build import pipeline
-    from ..parallel.zero.wrap import zero
+    from shardwise.parallel.common.activation_checkpointing import checkpoint_layers
+    from shardwise.parallel.data.data_parallel import DataParallel
+    from shardwise.parallel.pipeline.build import pipeline
+    from shardwise.parallel.zero.wrap import zero
 
     accum = plan.grad_accum
     if plan.pp > 1:
@@ -92,7 +92,7 @@ def _layout(model: nn.Sequential, plan: Any, mesh: Any, adamw: Any) -> tuple[Any
     if plan.activation_checkpointing == "full":
         checkpoint_layers(model, policy=_blocks(model))
     if plan.zero_stage:
-        from ..runtime.strategy.zero import zero_algorithm
+        from shardwise.runtime.strategy.zero import zero_algorithm
 
         units = [[str(i)] for i in range(len(model))]  # each unit gathered on its own, as the planner assumes
         # collectives chosen as `shardwise train` chooses them (parallel.algorithm auto, the given calibration)
@@ -129,8 +129,8 @@ class _Null:
 
 def _memory(model: Any, opt: Any) -> int:
     """Model states of this rank (parameters, gradients, optimizer state), each storage once."""
-    from ..parallel.common.memory import memory_report, storage_bytes
-    from ..parallel.pipeline.build import Pipeline
+    from shardwise.parallel.common.memory import memory_report, storage_bytes
+    from shardwise.parallel.pipeline.build import Pipeline
 
     if isinstance(model, Pipeline):  # a pipeline: its stages' parameters and the dp gradient buffers
         params = list(model.parameters())
@@ -145,14 +145,14 @@ def _memory(model: Any, opt: Any) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ..mesh import Mesh
-    from ..parallel.common.saved_memory import SavedTensorPeak
-    from ..planner import Plan
-    from ..world import init
+    from shardwise.mesh import Mesh
+    from shardwise.parallel.common.saved_memory import SavedTensorPeak
+    from shardwise.planner import Plan
+    from shardwise.world import init
 
     world = init()
     cfg, plan = MLPConfig(**json.loads(args.model)), Plan.from_json(args.plan).resolved(args.global_batch)
-    from ..comm.hardware import hardware_collectives, load_hardware_calibration
+    from shardwise.comm.hardware import hardware_collectives, load_hardware_calibration
 
     cals = hardware_collectives(load_hardware_calibration(args.calibration)) if args.calibration else []
     mesh = Mesh(pp=plan.pp, dp=plan.dp, calibration=cals) if plan.pp > 1 else Mesh(dp=plan.dp, calibration=cals)
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardwise.bench.planner_search_worker")
+    parser = argparse.ArgumentParser(prog="benchmarks.planner.search_worker")
     parser.add_argument("--model", default=json.dumps(asdict(MLPConfig())), help="MLPConfig as JSON")
     parser.add_argument("--plan", required=True, help="planner Plan as JSON")
     parser.add_argument("--global-batch", type=int, required=True)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", default="", help="hardware file whose collectives algorithm auto picks from "
                         "(as `shardwise train --parallel.calibration`)")
     args = parser.parse_args(argv)
-    from ..world import shutdown
+    from shardwise.world import shutdown
 
     result = run(args)
     out = Path(args.out)

@@ -58,9 +58,9 @@ def _flag_words(action: argparse.Action, flag: str, value: Any) -> list[str]:
 
 
 def run_bench(name: str, args: argparse.Namespace, *, validate: Callable[[argparse.Namespace], object],
-              worker: Callable[[argparse.Namespace], int], prog: str | None = None) -> int:
-    """Validate, then be one rank (``--worker``) or launch ``args.nproc`` local ranks of ``shardwise.bench.NAME``.
-    ``prog`` names the command in error lines (default ``shardwise bench NAME``)."""
+              worker: Callable[[argparse.Namespace], int], prog: str | None = None, module: str | None = None) -> int:
+    """Validate, then be one rank (``--worker``) or launch ``args.nproc`` local ranks of ``module`` (default
+    ``shardwise.bench.NAME``). ``prog`` names the command in error lines (default ``shardwise bench NAME``)."""
     try:
         if args.nproc < 1:
             raise ValueError(f"-n/--nproc must be >= 1, got {args.nproc}; e.g. -n 2")
@@ -72,7 +72,7 @@ def run_bench(name: str, args: argparse.Namespace, *, validate: Callable[[argpar
         return worker(args)
     from ..runtime.launch import run_local
 
-    return run_local(args.nproc, [f"shardwise.bench.{name}", *worker_argv(args)], module=True)
+    return run_local(args.nproc, [module or f"shardwise.bench.{name}", *worker_argv(args)], module=True)
 
 
 def paired_ratio(rounds: Sequence[Sequence[float]], ref: Sequence[Sequence[float]] | None) -> float:

@@ -1,17 +1,13 @@
-"""The measured side of ``shardwise bench planner``: the layouts a campaign trains, the table it prints, how far
-its measurement agrees with itself, and ``--rescore`` (a stored campaign re-predicted with this code). Pure except
-for reading the stored JSON."""
+"""The measured side of ``shardwise bench planner``: the layouts it trains, the table it prints, and how far its
+measurement agrees with itself. Pure."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 __all__ = ["MODEL", "LAYOUTS", "kendall_tau", "measurement_agreement", "layout_config", "predict_layout",
-           "rescore", "measured_table"]
+           "measured_table"]
 
 MODEL = ["--preset", "gpt-small", "--model.n_layer", "6", "--data.global_batch", "16", "--parallel.micro_batch", "4"]
 """The measured model: gpt-small widened to 6 blocks (so 4 pipeline ranks × 2 chunks have units to cut)."""
@@ -94,39 +90,6 @@ def layout_config(name: str) -> Any:
 
     flags = dict(LAYOUTS)[name]
     return validate(load_config(preset=MODEL[1], overrides=parse_overrides(MODEL[2:] + flags)), launch=True)
-
-
-def rescore(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    """Re-predict a stored ``--measured`` campaign (its JSON) with this code and ``--hardware``: nothing runs."""
-    from ..planner import Hardware
-
-    path = Path(args.rescore)
-    if not path.is_file():
-        raise ValueError(f"--rescore {args.rescore}: no such file; give the JSON a campaign wrote "
-                         "(`shardwise bench planner --measured ... --json FILE`)")
-    try:
-        stored = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--rescore {args.rescore} is not JSON ({exc}); give the JSON a campaign wrote "
-                         "(`shardwise bench planner --measured ... --json FILE`)") from None
-    if not isinstance(stored, dict) or not isinstance(stored.get("measured"), list):
-        raise ValueError(f"{args.rescore} is not the JSON of `shardwise bench planner --measured --json FILE` "
-                         "(no 'measured' list)")
-    unknown = [r.get("layout") for r in stored["measured"] if r.get("layout") not in dict(LAYOUTS)]
-    if unknown:
-        raise ValueError(f"{args.rescore}: layouts {unknown} are not this version's; known: {[n for n, _ in LAYOUTS]}")
-    by_ranks = {h.devices_per_node: h for h in (Hardware.resolve(f.strip()) for f in args.hardware.split(",")
-                                                 if f.strip())}
-    rows = []
-    for old in stored["measured"]:
-        cfg = layout_config(old["layout"])
-        if cfg.parallel.nproc not in by_ranks:
-            raise ValueError(f"layout {old['layout']!r} runs {cfg.parallel.nproc} ranks but --hardware has "
-                             f"calibrations for {sorted(by_ranks)} ranks; add the campaign's file for "
-                             f"{cfg.parallel.nproc} ranks")
-        seconds, pmem, dominant = predict_layout(cfg, by_ranks[cfg.parallel.nproc])
-        rows.append({**old, "predicted_s": seconds, "predicted_mem": pmem, "dominant": dominant})
-    return measured_table(rows), {"measured": rows}
 
 
 def measured_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -1,5 +1,6 @@
 """The ``shardwise`` command line: one module per command (``run``, ``train``, ``verify``, ``export``, ``plot``,
-``schedule``, ``bench``), wired in ``main.py``."""
+``generate``, ``prepare``, ``schedule``, ``predict``, ``plan``, ``calibrate``; ``bench KIND`` in ``shardwise.bench``),
+wired in ``main.py``."""
 
 from typing import NoReturn
 

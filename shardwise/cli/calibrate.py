@@ -3,7 +3,7 @@
 ``shardwise calibrate --nproc 4 --out FILE`` validates its flags, then starts 4 local ranks (``run_bench``:
 torchrun re-running this module with ``--worker``). Every rank then
 
-1. runs the compute probe (``probe.py``: GEMM FLOP/s per size and dtype, memory bandwidth, per-op overhead)
+1. runs the compute probe (``calibrate_probe.py``: GEMM FLOP/s per size and dtype, memory bandwidth, per-op overhead)
    with all ranks probing at once, as they share the machine during training;
 2. measures the collectives (``bench comm``'s measurement, ``bench_op``: all_reduce, all_gather,
    reduce_scatter, broadcast × native, ring, tree over 8 B .. 64 MiB, 2 MiB with ``--quick``) on the whole
@@ -13,6 +13,10 @@ torchrun re-running this module with ``--worker``). Every rank then
 3. rank 0 fits one alpha–beta model per (collective, algorithm) and group size (``fit_calibration``) and
    writes the file (schema: ``shardwise/comm/hardware.py``), by default to
    ``default_calibration_path(device, nproc)`` where ``shardwise train`` finds it for ``algorithm = "auto"``.
+
+The collective measurement is ``shardwise bench comm``'s (``shardwise/bench/comm.py``), the launch its harness
+(``shardwise/bench/harness.py``). Who reads the file: ``Hardware.load`` (``planner/calibrated.py``: the planner's
+fields), ``runtime/calibration.py`` (which file ``shardwise train`` attaches to the mesh for ``algorithm="auto"``).
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ import torch
 from ..comm.auto import choose_algorithm
 from ..comm.calibration import Calibration, fit_calibration
 from ..comm.hardware import HARDWARE_FORMAT, check_hardware_calibration, default_calibration_path
+from ..bench.comm import bench_op
+from ..bench.comm_report import ALL_OPS, power_of_two_sizes
+from ..bench.harness import add_launch_arguments, run_bench
 from ..comm.ops import ALGORITHMS
-from .comm import bench_op
-from .comm_report import ALL_OPS, power_of_two_sizes
-from .harness import add_launch_arguments, run_bench
-from .probe import probe_settings, run_probe
+from .calibrate_probe import probe_settings, run_probe
 
 __all__ = ["add_arguments", "main", "group_sizes", "memory_bytes", "hardware_document", "summary", "auto_ranges"]
 
@@ -68,7 +72,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Validate, then launch ``--nproc`` local ranks (or, with ``--worker``, be one rank of a torchrun job)."""
-    return run_bench("calibrate", args, validate=_validate, worker=_run_worker, prog=PROG)
+    return run_bench("calibrate", args, validate=_validate, worker=_run_worker, prog=PROG, module=__name__)
 
 
 def group_sizes(nproc: int) -> list[int]:
@@ -170,7 +174,7 @@ def summary(doc: dict[str, Any]) -> str:
 def auto_ranges(cal: Calibration, op: str, top: int = 1 << 30) -> str:
     """What "auto" runs for ``op`` over power-of-two sizes 8 B .. ``top``, as ranges, e.g.
     ``tree up to 4M, native from 8M``. Pure."""
-    from .comm_report import format_size
+    from ..bench.comm_report import format_size
 
     runs: list[list] = []  # [algorithm, first size, last size]
     for nbytes in power_of_two_sizes(8, top):
@@ -189,7 +193,7 @@ def auto_ranges(cal: Calibration, op: str, top: int = 1 << 30) -> str:
 if __name__ == "__main__":
     from shardwise.world import exit_process
 
-    _parser = argparse.ArgumentParser(prog="python -m shardwise.bench.calibrate",
+    _parser = argparse.ArgumentParser(prog="python -m shardwise.cli.calibrate",
                                       description="measure this machine (see `shardwise calibrate -h`)")
     add_arguments(_parser)
     exit_process(main(_parser.parse_args()))

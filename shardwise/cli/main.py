@@ -1,8 +1,12 @@
-"""``shardwise`` command line: ``run``, ``bench KIND``, ``schedule`` (more as they land).
+"""The ``shardwise`` command line: ``run``, ``train``, ``verify``, ``export``, ``plot``, ``generate``, ``prepare``,
+``schedule``, ``predict``, ``plan``, ``calibrate`` (``COMMANDS``) and ``bench KIND`` for ``KIND`` in comm, dp, sbp,
+tp, pp, zero, planner, auto, prepare (``BENCHES``).
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``
-(``Command``); this file only wires them up through one small loader function per command, which imports the
-module when its command is used (so ``shardwise --help`` stays fast).
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int`` (``Command``):
+``shardwise/cli/NAME.py`` for a command, ``shardwise/bench/KIND.py`` for a benchmark. This file only wires them
+up through one small loader function per command, which imports the module when its command is used (so
+``shardwise --help`` stays fast). The measurement campaigns behind ``benchmarks/RESULTS.md`` (published tables,
+the layout search against measurement, the fault campaign) are scripts in ``benchmarks/``, outside the package.
 """
 
 from __future__ import annotations
@@ -69,8 +73,6 @@ def _bench(name: str) -> Command:
         from ..bench import pp as module
     elif name == "zero":
         from ..bench import zero as module
-    elif name == "faults":
-        from ..bench import faults as module
     elif name == "planner":
         from ..bench import planner as module
     elif name == "auto":
@@ -109,8 +111,8 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
     "tp": (partial(_bench, "tp"), "tensor-parallel step time vs torch parallelize_module; boxing"),
     "pp": (partial(_bench, "pp"), "pipeline schedules vs torch.distributed.pipelining; bubble vs simulator"),
     "zero": (partial(_bench, "zero"), "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
-    "faults": (partial(_bench, "faults"), "fault campaign: kills, hangs, saves, launcher death, corrupted checkpoints"),
-    "planner": (partial(_bench, "planner"), "planner predictions vs published tables and vs measured layouts"),
+    "planner": (partial(_bench, "planner"), "planner predictions vs layouts measured on this machine (several "
+                "ranks or one accelerator)"),
     "auto": (partial(_bench, "auto"), "sw.auto's plan vs the hand-written Megatron plan: step time, collectives, "
              "planning time"),
     "prepare": (partial(_bench, "prepare"), "shardwise prepare's tokens/s and peak memory vs the tokenizers "

@@ -1,0 +1,2 @@
+"""The fault campaign of ``python benchmarks/faults_campaign.py``: its trials (``trials``, ``corrupt``) and its
+report (``report``)."""
