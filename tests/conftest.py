@@ -22,6 +22,12 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None or sys.dont_write
 
 from shardwise.testing.local_world import LocalWorld  # noqa: E402
 
+# The campaign tooling and the published tables live outside the package, in benchmarks/ (a checkout-only
+# ``benchmarks`` package): the tests that check them import it from the repository root.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
 
 # A calibration in the user's cache (``shardwise calibrate`` writes ~/.cache/shardwise/hardware-*.json) would
 # switch training's default algorithm="auto" away from native and change predictions: the suite never sees one.

@@ -1,4 +1,4 @@
-"""``shardwise bench planner --search-measured`` without processes: the verdict on synthetic numbers (the 5 % and
+"""``benchmarks/planner_search_measured.py`` without processes: the verdict on synthetic numbers (the 5 % and
 top-3 criteria), the tables, the measured set's slices, and the plan → ``shardwise train`` flags mapping, which
 must come back as the same plan through ``plan_from_config(cfg, train_passes=True)``."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from shardwise.bench.planner_search import CASES, DEVICES, slices, train_flags
-from shardwise.bench.planner_search_report import model_lines, summary_lines, verdict
+from benchmarks.planner.search import CASES, DEVICES, slices, train_flags
+from benchmarks.planner.search_report import model_lines, summary_lines, verdict
 from shardwise.planner import Hardware, ModelSpec, Plan
 from shardwise.planner.search import search
 from shardwise.runtime.config import load_config, parse_overrides, validate

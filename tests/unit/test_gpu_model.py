@@ -138,7 +138,7 @@ def test_mfu_uses_the_dense_peak_of_the_training_precision(monkeypatch):
 
 
 def test_a_gpu_calibration_sweeps_gemms_big_enough_to_fill_tensor_cores():
-    from shardwise.bench.probe import gemm_shapes, probe_settings
+    from shardwise.cli.calibrate_probe import gemm_shapes, probe_settings
 
     cpu, gpu = gemm_shapes(probe_settings(False)), gemm_shapes(probe_settings(False, "cuda"))
     flops = lambda shapes: max(m * n * k for m, n, k in shapes)  # noqa: E731

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from shardwise.bench.calibrate import auto_ranges, group_sizes, hardware_document, summary
-from shardwise.bench.probe import gemm_shapes, probe_settings
+from shardwise.cli.calibrate import auto_ranges, group_sizes, hardware_document, summary
+from shardwise.cli.calibrate_probe import gemm_shapes, probe_settings
 from shardwise.comm.auto import choose_algorithm
 from shardwise.comm.calibration import AlphaBeta, Calibration
 from shardwise.comm.hardware import (HARDWARE_FORMAT, default_calibration_path, hardware_collectives,

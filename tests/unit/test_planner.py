@@ -15,7 +15,7 @@ from shardwise.parallel.pipeline.simulate import Costs, simulate
 from shardwise.planner import Hardware, ModelSpec, Plan, predict
 from shardwise.planner.memory import layer_activation_bytes, local_params, model_state_bytes
 from shardwise.planner.pipeline_cost import simulate_flush
-from shardwise.planner.published import MEGATRON_TABLE1, ZERO_TABLE1, gpt3_days, megatron_prediction
+from benchmarks.planner.published import MEGATRON_TABLE1, ZERO_TABLE1, gpt3_days, megatron_prediction
 
 A100 = Hardware.preset("a100-80g-sxm")
 
@@ -343,7 +343,7 @@ def test_measured_campaign_takes_the_median_over_rounds(monkeypatch, tmp_path):
         assert Path(calibration).name == "hardware_cpu_2ranks.json"  # the run picks its collectives as predicted
         return {"step_s": next(times), "memory": 1e8, "config": dataclasses.asdict(cfg)}
 
-    monkeypatch.setattr(bench, "_run_layout", fake_run)
+    monkeypatch.setattr(bench, "run_layout", fake_run)
     hw = Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json"
     args = argparse.Namespace(hardware=str(hw), only="dp2", steps=3, repeats=3)
     lines, data = bench._measured(args)
@@ -505,6 +505,7 @@ def test_measurement_agreement_counts_the_pairs_every_round_orders_alike():
 def test_rescore_repredicts_a_stored_campaign_and_names_bad_files(tmp_path):
     import argparse
 
+    from benchmarks.planner.rescore import rescore
     from shardwise.bench import planner_measured as bench
 
     root = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -515,7 +516,7 @@ def test_rescore_repredicts_a_stored_campaign_and_names_bad_files(tmp_path):
                             "measured_mem": 5e7, "predicted_s": 123.0, "predicted_mem": 1.0, "dominant": "old"}]}
     f = tmp_path / "campaign.json"
     f.write_text(json.dumps(stored))
-    lines, data = bench.rescore(argparse.Namespace(rescore=str(f), hardware=hw))
+    lines, data = rescore(argparse.Namespace(rescore=str(f), hardware=hw))
     for row, n in zip(data["measured"], (2, 4)):
         cfg = bench.layout_config(row["layout"])
         assert cfg.parallel.nproc == n
@@ -528,10 +529,10 @@ def test_rescore_repredicts_a_stored_campaign_and_names_bad_files(tmp_path):
                            ({"measured": [{"layout": "dp9"}]}, r"\['dp9'\] are not this version's")):
         f.write_text(json.dumps(content))
         with pytest.raises(ValueError, match=match):
-            bench.rescore(argparse.Namespace(rescore=str(f), hardware=hw))
+            rescore(argparse.Namespace(rescore=str(f), hardware=hw))
     f.write_text(json.dumps(stored))
     with pytest.raises(ValueError, match="runs 4 ranks but --hardware has calibrations for \\[2\\] ranks"):
-        bench.rescore(argparse.Namespace(rescore=str(f), hardware=str(root / "hardware_cpu_2ranks.json")))
+        rescore(argparse.Namespace(rescore=str(f), hardware=str(root / "hardware_cpu_2ranks.json")))
 
 
 def test_bench_planner_bad_input_is_one_line(tmp_path, capsys):
@@ -540,12 +541,17 @@ def test_bench_planner_bad_input_is_one_line(tmp_path, capsys):
     hw = str(Path(__file__).resolve().parents[2] / "benchmarks" / "hardware_cpu_2ranks.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    for argv, words in ((["bench", "planner"], "choose --published"),
-                        (["bench", "planner", "--measured"], "--measured needs --hardware"),
-                        (["bench", "planner", "--rescore", str(bad)], "--rescore needs --hardware"),
-                        (["bench", "planner", "--rescore", str(tmp_path / "none.json"), "--hardware", hw],
-                         "no such file"),
-                        (["bench", "planner", "--rescore", str(bad), "--hardware", hw], "is not JSON")):
+    for argv, words in ((["bench", "planner"], "choose --measured"),
+                        (["bench", "planner", "--measured"], "--measured needs --hardware")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("shardwise bench planner: error: ") and words in err and "\n" not in err, err
+    # the campaign's re-prediction is a script in benchmarks/ (python benchmarks/planner_rescore.py JSON --hardware F)
+    import argparse
+
+    from benchmarks import planner_rescore
+
+    for path, words in ((tmp_path / "none.json", "no such file"), (bad, "is not JSON")):
+        assert planner_rescore.main(argparse.Namespace(rescore=str(path), hardware=hw, markdown=None, json=None)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("benchmarks/planner_rescore.py: error: ") and words in err and "\n" not in err, err

@@ -232,9 +232,9 @@ def test_on_a_cpu_host_communication_does_not_hide_under_compute():
 
 
 def test_search_on_a_megatron_row_is_at_least_as_fast_as_the_papers_layout():
-    """``bench planner --search-published`` on the smallest Table 1 row (both spaces), and its table."""
-    from shardwise.bench.planner_search_published import published_search_lines, search_row
-    from shardwise.planner.published import MEGATRON_TABLE1
+    """``benchmarks/planner_published.py --search`` on the smallest Table 1 row (both spaces), and its table."""
+    from benchmarks.planner.search_published import published_search_lines, search_row
+    from benchmarks.planner.published import MEGATRON_TABLE1
 
     row = search_row(MEGATRON_TABLE1[0], A100)
     for space in ("free", "megatron-2021"):
@@ -250,9 +250,9 @@ def test_search_on_a_megatron_row_is_at_least_as_fast_as_the_papers_layout():
 
 
 def test_search_speed_rows_are_cold_and_repeatable():
-    """``bench planner --search-published`` times each size cold (schedule caches emptied) and reports the
+    """``benchmarks/planner_published.py --search`` times each size cold (schedule caches emptied) and reports the
     median of its runs; a cold search returns what a warm one does."""
-    from shardwise.bench.planner_search_published import search_speed
+    from benchmarks.planner.search_published import search_speed
 
     (row,) = search_speed(A100, sizes=(64,), repeats=2)
     assert len(row["cpu_s_runs"]) == 2 and row["cpu_s"] > 0 and row["evaluated"] >= 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.planner import Hardware, Plan, predict
-from shardwise.planner.published import megatron_spec
+from benchmarks.planner.published import megatron_spec
 
 
 def _zero3(gpus: int, micro_batch: int):

@@ -11,7 +11,7 @@ from functools import lru_cache
 import pytest
 
 from shardwise.planner.predict import Prediction
-from shardwise.planner.published import (KORTHIKANTI_530B_DP8, KORTHIKANTI_METHODS, KORTHIKANTI_TABLE5,
+from benchmarks.planner.published import (KORTHIKANTI_530B_DP8, KORTHIKANTI_METHODS, KORTHIKANTI_TABLE5,
                                          KorthikantiRow, korthikanti_plan, korthikanti_prediction,
                                          korthikanti_published_s)
 

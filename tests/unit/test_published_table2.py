@@ -3,7 +3,7 @@ parallelism, GPT 175B and 530B on 384 to 2240 A100s at a fixed global batch (pur
 
 Every expected number here is the paper's (its table, its text, its Eqs. 2-4), never the planner's own output.
 The ZeRO-3 rows are DeepSpeed's (2021) and the planner does not reproduce their throughput (it predicts them 1.4x
-to 3x faster, see ``shardwise bench planner --published``); only the direction of their scaling is asserted."""
+to 3x faster, see ``python benchmarks/planner_published.py``); only the direction of their scaling is asserted."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from functools import lru_cache
 import pytest
 
 from shardwise.planner.predict import Prediction
-from shardwise.planner.published import (NARAYANAN_TABLE2, NARAYANAN_TABLE2_MODELS, NarayananTable2Row,
+from benchmarks.planner.published import (NARAYANAN_TABLE2, NARAYANAN_TABLE2_MODELS, NarayananTable2Row,
                                          narayanan_table2_days, narayanan_table2_plan, narayanan_table2_prediction)
 
 PTD = tuple(r for r in NARAYANAN_TABLE2 if r.scheme == "PTD-P")
