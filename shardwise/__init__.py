@@ -1,45 +1,73 @@
 """shardwise: train one PyTorch model on many devices as if they were one.
 
-Public API re-exports only; the contract is ARCHITECTURE.md, "Public API".
+This module re-exports the public API and nothing else; the contract is ARCHITECTURE.md, "Public API": every
+name in ``shardwise.__all__`` and in the ``__all__`` of the public submodules ``shardwise.comm``,
+``shardwise.models``, ``shardwise.planner`` and ``shardwise.schedules``. Any other module is internal and may
+move (``tests/unit/test_public_api.py`` checks that the docs and examples use only these names).
+
+    import shardwise as sw
+    sw.init()
+    mesh = sw.Mesh(dp=2, tp=2)
+    model = sw.parallelize(model, mesh, sw.gpt_plan(config), axis="tp")
+
+One name per idea; the old names stay as aliases of the same objects: ``Replicate`` (``Broadcast``, the SBP
+``B``), ``ParallelizePlan`` (``Plan``: what ``sw.auto`` returns and ``sw.parallelize`` takes) and, in the
+planner, ``sw.planner.Layout`` (``sw.planner.Plan``: a dp × tp × pp layout as plain data).
 """
 
-from . import comm, models, planner
-from .checkpoint import full_state_dict
-from .checkpoint.hf_dir import load_pretrained
-from .mesh import Mesh, MeshLayout
-from .models.generate import generate
-from .parallel.common.activation_checkpointing import checkpoint_layers
-from .parallel.auto import Plan, auto
-from .parallel.data.data_parallel import DataParallel
-from .parallel.common.init_rules import Constant, Normal, Uniform
-from .parallel.common.materialize import materialize_model as materialize
-from .parallel.common.memory import memory_report
-from .parallel.common.mixed_precision import MixedPrecision
-from .parallel.pipeline.build import Pipeline, pipeline
-from .parallel.tensor.apply_plan import ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel, parallelize
-from .parallel.zero.wrap import zero
-from .sbp import Broadcast, GlobalTensor, Partial, Split, distribute, parse_sbp, to_global
-from .runtime.prepared import open_prepared
+# public submodules
+from . import comm, models, planner, schedules
+# processes and meshes
 from .world import World, init, shutdown
+from .mesh import Mesh, MeshLayout
+# SBP global tensors
+from .sbp import Broadcast, GlobalTensor, Partial, Replicate, Split, distribute, parse_sbp, to_global
+# strategies
+from .parallel.data.data_parallel import DataParallel
+from .parallel.common.activation_checkpointing import checkpoint_layers, checkpoint_report
+from .parallel.common.mixed_precision import MixedPrecision
+from .parallel.tensor.apply_plan import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel,
+                                         gpt_plan, parallelize, vocab_parallel_cross_entropy)
+from .parallel.zero.wrap import zero
+from .parallel.pipeline.build import Pipeline, pipeline
+from .parallel.auto import ParallelizePlan, Plan, auto
+# models larger than one device: built on meta, materialised in shards
+from .parallel.common.materialize import materialize_model as materialize
+from .parallel.common.init_rules import Constant, Normal, Uniform
+from .checkpoint.hf_dir import load_pretrained
+# state and accounting
+from .checkpoint import full_state_dict
+from .parallel.common.memory import memory_report
+# data and inference
+from .runtime.prepared import open_prepared
+from .models.generate import generate
 
 __version__ = "0.1.0"
+"""The package version (also ``pyproject.toml``)."""
 
 __all__ = [
+    # public submodules: collectives, reference models, the planner (pure cost model and search), pipeline schedules
+    "comm", "models", "planner", "schedules",
     # processes and meshes
-    "init", "shutdown", "World", "Mesh", "MeshLayout", "comm",
-    # SBP global tensors
-    "Split", "Broadcast", "Partial", "parse_sbp", "GlobalTensor", "distribute", "to_global",
-    # strategies
-    "DataParallel", "checkpoint_layers", "parallelize", "ColumnParallel", "RowParallel", "VocabParallel",
-    "QKVParallel", "SequenceParallel", "zero", "MixedPrecision", "pipeline", "Pipeline",
+    "init", "shutdown", "World", "Mesh", "MeshLayout",
+    # SBP global tensors (Broadcast: the old name of Replicate, same class; both print as B)
+    "Split", "Replicate", "Broadcast", "Partial", "parse_sbp", "GlobalTensor", "distribute", "to_global",
+    # data parallelism and what every strategy shares
+    "DataParallel", "MixedPrecision", "checkpoint_layers", "checkpoint_report",
+    # tensor parallelism: styles, the GPT plan, the loss over vocabulary-split logits
+    "parallelize", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel", "gpt_plan",
+    "vocab_parallel_cross_entropy",
+    # ZeRO and pipelines
+    "zero", "pipeline", "Pipeline",
+    # automatic layouts (Plan: the old name of ParallelizePlan, same class)
+    "auto", "ParallelizePlan", "Plan",
     # models larger than one device: built on meta, materialised in shards
     "materialize", "load_pretrained", "Normal", "Uniform", "Constant",
     # state and accounting
-    "full_state_dict", "memory_report", "models", "__version__",
+    "full_state_dict", "memory_report",
     # data: datasets written by shardwise prepare (memory-mapped token shards)
     "open_prepared",
     # inference: sampling text from a model on one device (KV cache)
     "generate",
-    # planning (pure: no processes)
-    "planner", "auto", "Plan",
+    "__version__",
 ]

@@ -82,13 +82,13 @@ def _op_rows(mesh, iters: int) -> list[tuple[str, float, float, float]]:
 
 
 def _bytes_table(n: int) -> list[tuple[str, str, int, str]]:
-    from ..sbp.boxing import plan_boxing
-    from ..sbp.placement import Broadcast, Partial, Split
+    from ..sbp.boxing import route_boxing
+    from ..sbp.placement import Replicate, Partial, Split
 
-    places = [Split(0), Split(1), Broadcast(), Partial()]
+    places = [Split(0), Split(1), Replicate(), Partial()]
     rows = []
     for src, dst in itertools.product(places, repeat=2):
-        plan = plan_boxing((1024, 1024), 4, (src,), (dst,), (n,), ("dp",))
+        plan = route_boxing((1024, 1024), 4, (src,), (dst,), (n,), ("dp",))
         rows.append((str(src), str(dst), plan.bytes_sent, " + ".join(s.collective for s in plan.steps) or "-"))
     return rows
 

@@ -270,23 +270,23 @@ def _boxing_rows(mesh, iters: int) -> list[tuple[str, float, float, float]]:
 def _ring_bytes(src, dst, n: int, local: float) -> float | None:
     """Bytes one rank sends for a direct one-axis conversion (bandwidth-optimal ring collectives), None when
     there is no single collective for the pair."""
-    from ..sbp.placement import Broadcast, Partial, Split
+    from ..sbp.placement import Replicate, Partial, Split
 
     if src == dst:
         return 0.0
     if isinstance(src, Split):
-        return {Broadcast: (n - 1) * local, Split: (n - 1) / n * local, Partial: 0.0}[type(dst)]
-    if isinstance(src, Broadcast):
+        return {Replicate: (n - 1) * local, Split: (n - 1) / n * local, Partial: 0.0}[type(dst)]
+    if isinstance(src, Replicate):
         return 0.0
-    return {Broadcast: 2 * (n - 1) / n * local, Split: (n - 1) / n * local}.get(type(dst))
+    return {Replicate: 2 * (n - 1) / n * local, Split: (n - 1) / n * local}.get(type(dst))
 
 
 def _baseline(shape, src, dst, mesh_shape) -> float:
     """Cheapest route that moves every axis straight to its target or through B, in any order, respecting
     split nesting (a split of dim d changes on axis a only while no inner axis splits d)."""
-    from ..sbp.placement import Broadcast, Split
+    from ..sbp.placement import Replicate, Split
 
-    B = Broadcast()
+    B = Replicate()
     routes = [[(a, p) for p in ([dst[a]] if via == 0 else [B, dst[a]])] for a, via in
               itertools.product(range(len(src)), (0, 1))]
     best = math.inf
@@ -317,14 +317,14 @@ def _baseline(shape, src, dst, mesh_shape) -> float:
 
 
 def _bytes_rows() -> list[tuple[str, str, int, float]]:
-    from ..sbp.boxing import plan_boxing
-    from ..sbp.placement import Broadcast, Partial, Split
+    from ..sbp.boxing import route_boxing
+    from ..sbp.placement import Replicate, Partial, Split
 
     shape, mesh_shape = (1024, 1024), (2, 2)
-    sigs = list(itertools.product([Split(0), Split(1), Broadcast(), Partial()], repeat=2))
+    sigs = list(itertools.product([Split(0), Split(1), Replicate(), Partial()], repeat=2))
     rows = []
     for src, dst in itertools.product(sigs, repeat=2):
-        plan = plan_boxing(shape, 4, src, dst, mesh_shape, ("dp", "tp"))
+        plan = route_boxing(shape, 4, src, dst, mesh_shape, ("dp", "tp"))
         rows.append((",".join(map(str, src)), ",".join(map(str, dst)), plan.bytes_sent, _baseline(shape, src, dst, mesh_shape)))
     return rows
 

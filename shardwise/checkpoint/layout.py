@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..sbp.placement import Broadcast, Split
+from ..sbp.placement import Replicate, Split
 from ..sbp.params import spec_of
 from .flat_state import param_state
 from .full_state import unwrap
@@ -31,7 +31,7 @@ def describe(key: str, t: torch.Tensor, mesh: Mesh, local: torch.Tensor | None =
     heads = getattr(t, "_shardwise_heads", None)
     if heads is not None:
         _, axis, _fused, full_shape, view = heads[:5]  # view: see tensor.modules.shard_heads
-        sbp = tuple(Split(1) if a == axis else Broadcast() for a in mesh.axes)
+        sbp = tuple(Split(1) if a == axis else Replicate() for a in mesh.axes)
         return Piece(key, local, view, tuple(full_shape), sbp, tuple(mesh.axes), tuple(mesh.shape), coords)
     spec = spec_of(t)
     if spec is not None:

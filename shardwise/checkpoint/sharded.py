@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from ..comm.collectives import all_reduce, barrier
 from ..mesh import Mesh
-from ..sbp.placement import Broadcast, Partial, Placement, format_sbp, parse_sbp
+from ..sbp.placement import Replicate, Partial, Placement, format_sbp, parse_sbp
 from ..sbp.spec import local_extent
 from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layout, fsync_path, latest_checkpoint,
                         latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
@@ -67,7 +67,7 @@ class Piece:
 
     def owner(self) -> bool:
         """Whether this rank writes the piece: replicas (B axes) are written by coordinate 0 only."""
-        return all(c == 0 for p, c in zip(self.sbp, self.coords) if isinstance(p, Broadcast))
+        return all(c == 0 for p, c in zip(self.sbp, self.coords) if isinstance(p, Replicate))
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class RangePiece(Piece):
 def replicated_piece(key: str, t: torch.Tensor, mesh: Mesh) -> Piece:
     """A tensor every rank holds whole (B on every axis)."""
     shape = tuple(t.shape)
-    return Piece(key, t, shape, shape, tuple(Broadcast() for _ in mesh.axes), tuple(mesh.axes), tuple(mesh.shape),
+    return Piece(key, t, shape, shape, tuple(Replicate() for _ in mesh.axes), tuple(mesh.axes), tuple(mesh.shape),
                  tuple(mesh.coord(a) for a in mesh.axes))
 
 
@@ -97,7 +97,7 @@ def without_axis(piece: Piece, axis: str) -> Piece:
     ``axis`` holds the tensor at all (a pipeline stage's tensor on its pp coordinate; a ZeRO group of one tp
     coordinate, saved under a key of its own), or every coordinate would hold the same values."""
     keep = [i for i, a in enumerate(piece.axes) if a != axis]
-    if any(not isinstance(piece.sbp[i], Broadcast) for i, a in enumerate(piece.axes) if a == axis):
+    if any(not isinstance(piece.sbp[i], Replicate) for i, a in enumerate(piece.axes) if a == axis):
         raise ValueError(f"{piece.key}: split over the mesh axis {axis!r} ({piece.sbp}), which this tensor is saved "
                          f"without; a tensor held by one coordinate of {axis!r} must be whole there (B)")
     return Piece(piece.key, piece.local, piece.view_shape, piece.full_shape, tuple(piece.sbp[i] for i in keep),

@@ -29,7 +29,7 @@ from ..mesh import Mesh
 from ..parallel.zero.wrap import ZeroModel
 from ..parallel.zero.flat import FlatGroup
 from ..parallel.zero.optim import ZeroOptimizer
-from ..sbp.placement import Broadcast, Split
+from ..sbp.placement import Replicate, Split
 from .flat_state import param_state, saved_groups
 from .layout import describe, local_of
 from .sharded import Checkpoint, Piece, RangePiece, replicated_piece, without_axis
@@ -56,7 +56,7 @@ def flat_state_pieces(key: str, g: FlatGroup, state: dict[str, Any], mesh: Mesh,
     ``axis`` (this rank's ``[lo, hi)``), a scalar (Adam's step) ``B``; described without the ``drop`` axes,
     along which the key itself differs. Local."""
     coords = tuple(mesh.coord(a) for a in mesh.axes)
-    sbp = tuple(Split(0) if a == axis else Broadcast() for a in mesh.axes)
+    sbp = tuple(Split(0) if a == axis else Replicate() for a in mesh.axes)
     out: list[Piece] = []
     for name, value in state.items():
         value = torch.as_tensor(value).detach()
@@ -88,7 +88,7 @@ def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
     if tag_axes(mesh, model.axis):
         return _gathered_pieces(model, mesh)
     coords = tuple(mesh.coord(a) for a in mesh.axes)
-    sbp = tuple(Split(0) if a == model.axis else Broadcast() for a in mesh.axes)
+    sbp = tuple(Split(0) if a == model.axis else Replicate() for a in mesh.axes)
     out: list[Piece] = []
     managed: set[int] = set()
     for g in model.groups:

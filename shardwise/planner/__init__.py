@@ -1,18 +1,19 @@
 """The planner: what a layout will cost before it runs. Pure — no processes, no communication.
 
 ``Hardware`` (presets and calibrations), ``ModelSpec`` (analytic GPT / Llama, or traced from any module),
-``Plan`` (a layout as plain data), ``predict`` (step time, memory, TF/s, MFU, with a breakdown), ``search``
-(the fastest plans that fit, branch and bound over the whole space).
+``Layout`` (a dp × tp × pp layout as plain data; ``Plan`` is its old name, an alias), ``predict`` (step time,
+memory, TF/s, MFU, with a breakdown), ``search`` (the fastest layouts that fit, branch and bound over the whole
+space).
 """
 
 from .hardware import PRESETS, Hardware
 from .link import Link
-from .plan import Plan
+from .plan import Layout, Plan
 from .predict import Prediction, predict
 from .layers import Gemm, Layer
 from .spec import ModelSpec
 from .enumerate import Space
 from .search import NoFeasiblePlan, SearchResult, search
 
-__all__ = ["Hardware", "Link", "PRESETS", "ModelSpec", "Layer", "Gemm", "Plan", "Prediction", "predict", "search",
-           "SearchResult", "Space", "NoFeasiblePlan"]
+__all__ = ["Hardware", "Link", "PRESETS", "ModelSpec", "Layer", "Gemm", "Layout", "Plan", "Prediction", "predict",
+           "search", "SearchResult", "Space", "NoFeasiblePlan"]

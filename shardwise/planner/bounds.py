@@ -1,10 +1,10 @@
 """Lower bounds of one candidate's step time and memory, without a pipeline simulation.
 
-A candidate is a ``Plan``; its bounds depend on two parts of it: the pipeline option ``Option`` (schedule,
+A candidate is a ``Layout``; its bounds depend on two parts of it: the pipeline option ``Option`` (schedule,
 chunks, stage split, micro-batches per flush) and everything else (dp, tp, pp, ZeRO stage, micro-batch,
-gradient accumulation, recomputation, sequence parallelism, precision), which any ``Plan`` carrying those
+gradient accumulation, recomputation, sequence parallelism, precision), which any ``Layout`` carrying those
 fields supplies — the candidate's own, or one per ZeRO stage of a whole group (``groups.LazyPool`` bounds a
-group's options that way before it makes a ``Plan`` per candidate). Both routes run the same arithmetic, so
+group's options that way before it makes a ``Layout`` per candidate). Both routes run the same arithmetic, so
 a group's least bound is bit for bit its best candidate's. Everything is memoised in the search's ``cache``.
 """
 
@@ -17,7 +17,7 @@ from .hardware import Hardware
 from .memory import local_params, rank_memory, rank_parts
 from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
                             split_stages)
-from .plan import Plan
+from .plan import Layout
 from .predict import _bucket_cap, _dp_comm, _optimizer, fold_transfers, shares_cores, stage_sums
 from .spec import ModelSpec
 
@@ -42,7 +42,7 @@ def split_id(split: tuple[str, ...], cache: dict) -> int:
     return ids.setdefault(split, len(ids))
 
 
-def option_of(plan: Plan, cache: dict) -> Option:
+def option_of(plan: Layout, cache: dict) -> Option:
     return Option(plan.schedule, plan.chunks, plan.pp_split, plan.microbatches if plan.pp > 1 else 1,
                   split_id(plan.pp_split, cache))
 
@@ -63,7 +63,7 @@ def shape_of(spec: ModelSpec, tp: int, pp: int, opt: Option, cache: dict) -> tup
     return cache[key]
 
 
-def time_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_layer: list[Any], runtime: str,
+def time_bound(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, per_layer: list[Any], runtime: str,
                cache: dict) -> float:
     """Flushes × the flush bound + the optimizer + the least exposed data-parallel communication (``plan``
     supplies everything but the pipeline option, see module doc)."""
@@ -71,7 +71,7 @@ def time_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_layer
     return plan.grad_accum * flush_bound(spec, plan, opt, hw, per_layer, runtime, cache) + optimizer + dp
 
 
-def flush_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_layer: list[Any], runtime: str,
+def flush_bound(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, per_layer: list[Any], runtime: str,
                 cache: dict) -> float:
     """One flush's lower bound (``pipeline_cost.flush_lower_bound``; the mean busy time where pipeline ranks
     share a host's cores); it does not depend on the ZeRO stage or the accumulation."""
@@ -98,7 +98,7 @@ def flush_bound(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, per_laye
     return cache[flush_key]
 
 
-def rest_bounds(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, runtime: str,
+def rest_bounds(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, runtime: str,
                 cache: dict) -> tuple[float, float]:
     """``(optimizer seconds, least exposed data-parallel seconds)`` of a step: what the largest pipeline rank's
     parameters cost besides the flushes."""
@@ -116,7 +116,7 @@ def rest_bounds(spec: ModelSpec, plan: Plan, opt: Option, hw: Hardware, runtime:
     return cache[opt_key], cache[dp_key]
 
 
-def memory_bounds(spec: ModelSpec, plans: Sequence[Plan], opt: Option, hw: Hardware,
+def memory_bounds(spec: ModelSpec, plans: Sequence[Layout], opt: Option, hw: Hardware,
                   cache: dict) -> list[tuple[float, float]]:
     """``(memory_lb, memory_floor)`` (see ``enumerate.Candidate``) per plan of ``plans`` (plans that differ
     only in ZeRO stage or accumulation, under one pipeline option): pipeline rank 0's memory with the activation

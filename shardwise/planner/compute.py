@@ -14,18 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .hardware import Hardware
-from .plan import Plan
+from .plan import Layout
 from .layers import Gemm, Layer
 
 __all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes"]
 
 
-def act_bytes(plan: Plan) -> int:
+def act_bytes(plan: Layout) -> int:
     """Bytes of one kept activation element under the plan's compute precision."""
     return 4 if plan.precision == "fp32" else 2
 
 
-def param_bytes(plan: Plan) -> int:
+def param_bytes(plan: Layout) -> int:
     """Bytes of one weight element as the GEMMs read it (bf16 autocast casts fp32 weights to 2 bytes)."""
     return 4 if plan.precision == "fp32" else 2
 
@@ -58,7 +58,7 @@ def _shape(g: Gemm, b: int, t: int) -> tuple[float, float, float, float]:
     return m, n, k, batch
 
 
-def _gemms(layer: Layer, plan: Plan, hw: Hardware, flash: bool) -> tuple[float, float, float, float, float, float]:
+def _gemms(layer: Layer, plan: Layout, hw: Hardware, flash: bool) -> tuple[float, float, float, float, float, float]:
     """Forward, input-gradient and weight-gradient GEMM seconds, the attention core's share of forward,
     and the FLOPs (all, attention)."""
     dtype = "fp32" if plan.precision == "fp32" else "bf16"
@@ -84,7 +84,7 @@ def _gemms(layer: Layer, plan: Plan, hw: Hardware, flash: bool) -> tuple[float, 
     return f, bw, ww, attn, flops, attn_flops
 
 
-def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_node: int) -> LayerTime:
+def layer_time(layer: Layer, plan: Layout, hw: Hardware, *, flash: bool, tp_per_node: int) -> LayerTime:
     """Times of ``layer`` for one micro-batch of ``plan.micro_batch`` sequences (see module doc)."""
     if hw.host_launch_s > 0:
         # a GPU fed by an eager host: each phase lasts the longer of the device's work and the host's launches
@@ -100,7 +100,7 @@ def layer_time(layer: Layer, plan: Plan, hw: Hardware, *, flash: bool, tp_per_no
     return _layer_time(layer, plan, hw, flash, tp_per_node)
 
 
-def _layer_time(layer: Layer, plan: Plan, hw: Hardware, flash: bool, tp_per_node: int) -> LayerTime:
+def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_node: int) -> LayerTime:
     if layer.replicated and plan.tp > 1:
         # every tp rank runs the whole layer; its FLOPs count once for the model (per device: 1/tp of them)
         whole = layer_time(layer, replace(plan, tp=1, sequence_parallel=False), hw, flash=flash, tp_per_node=1)

@@ -1,6 +1,6 @@
 """The search space as plain data (``Space``), pins, and the candidates with their lower bounds.
 
-A candidate is a ``Plan`` plus two bounds that need no pipeline simulation: ``memory_lb`` (the first
+A candidate is a ``Layout`` plus two bounds that need no pipeline simulation: ``memory_lb`` (the first
 pipeline rank with the activation sets its schedule holds there at the peak, ``first_rank_in_flight``: for an
 interleaved schedule many more than ``p``, which prunes those plans before they are simulated) and ``time_lb``
 (``pipeline_cost.flush_lower_bound`` × flushes + the optimizer), both computed in ``bounds``. Both come from
@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 from .bounds import memory_bounds, option_of, time_bound
 from .hardware import Hardware
 from .pipeline_cost import balance_minmax
-from .plan import CHECKPOINTING, SCHEDULES, Plan
+from .plan import CHECKPOINTING, SCHEDULES, Layout
 from .predict import _hardware_for, layer_costs
 from .spec import ModelSpec
 
@@ -26,7 +26,7 @@ __all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates
 
 _ALIASES = {"pp_schedule": "schedule", "pp_chunks": "chunks", "pp_microbatches": "microbatches",
             "precision": "precision"}
-_PLAN_FIELDS = {f.name for f in fields(Plan)}
+_PLAN_FIELDS = {f.name for f in fields(Layout)}
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Space:
     precision: str = "fp32"
     """The precision when not pinned (a numerical choice the user makes, not the search)."""
     time_balanced_split: bool = True
-    """Cut pipelines into stages of equal predicted time (``Plan.pp_split``), not equal parameters."""
+    """Cut pipelines into stages of equal predicted time (``Layout.pp_split``), not equal parameters."""
 
     @staticmethod
     def runnable() -> "Space":
@@ -77,7 +77,7 @@ def _note(regions: dict[str, Region], reason: str, count: int, example: str | Ca
 
 @dataclass(frozen=True)
 class Candidate:
-    plan: Plan
+    plan: Layout
     time_lb: float
     memory_lb: float
     """Pipeline rank 0's memory with the activation sets its schedule holds there at the peak."""
@@ -280,7 +280,7 @@ def note_mb_stop(regions: dict, *, tp: int, pp: int, dp: int, ckpt: str, mb: int
                         f"{least / 1e9:.2f} GB", need=least)
 
 
-def note_over_memory(regions: dict, tp: int, pp: int, plan: Callable[[], Plan], need: float, count: int = 1) -> None:
+def note_over_memory(regions: dict, tp: int, pp: int, plan: Callable[[], Layout], need: float, count: int = 1) -> None:
     """Count ``count`` candidates whose memory bound is over the budget, the least of them ``need``; ``plan``
     makes that one (called only when it becomes the region's example)."""
     _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", count,
@@ -297,14 +297,14 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
                budget: float, runtime: str, cache: dict, note: bool = True) -> float:
     """The candidates of one micro-batch size; returns the least memory floor among them. ``note``: count the
     ones over the budget in ``regions`` (``groups.LazyPool`` counted them when it bounded the group)."""
-    base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+    base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
                 precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     least = float("inf")
     for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
         split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
         for zero in zeros:
-            plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+            plan = Layout(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
                         microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
                         activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
             cand = _bounds(spec, plan, hw, per_layer, runtime, cache, budget)
@@ -334,7 +334,7 @@ def _split(spec: ModelSpec, per_layer: list[Any], n_stages: int, space: Space, p
     return cache[ck]
 
 
-def _bounds(spec: ModelSpec, plan: Plan, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict,
+def _bounds(spec: ModelSpec, plan: Layout, hw: Hardware, per_layer: list[Any], runtime: str, cache: dict,
             budget: float = math.inf) -> Candidate:
     """The candidate's bounds; a plan whose memory bound is over ``budget`` gets ``time_lb`` 0 (never predicted,
     so its time is not worth bounding)."""

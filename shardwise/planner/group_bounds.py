@@ -28,7 +28,7 @@ from .bounds import Option, memory_bounds, split_id, time_bound
 from .enumerate import Space, _schedule_options, _split, note_over_memory
 from .hardware import Hardware
 from .memory import local_params
-from .plan import Plan
+from .plan import Layout
 from .predict import _dp_comm, _optimizer, layer_costs, shares_cores
 from .spec import ModelSpec
 
@@ -56,7 +56,7 @@ class Group:
 def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per: int, mb: int, ckpt: str, sp: bool,
                 zeros: list[int], accum: int, precision: str, runtime: str, cache: dict) -> float:
     """The least ``time_lb`` any plan of the group can have (module doc)."""
-    base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+    base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
                 precision=precision)
     key = ("work", tp, mb, ckpt, sp, precision)
     if key not in cache:
@@ -89,7 +89,7 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
              cache: dict) -> Iterator[tuple[Option, int, list[Any]]]:
     """The group's pipeline options: ``(option, accumulation, layer costs)``."""
     precision = pins.get("precision", space.precision)
-    base = Plan(dp=g.dp, tp=g.tp, pp=g.pp, micro_batch=g.mb, activation_checkpointing=g.ckpt,
+    base = Layout(dp=g.dp, tp=g.tp, pp=g.pp, micro_batch=g.mb, activation_checkpointing=g.ckpt,
                 sequence_parallel=g.sp, precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers)):
@@ -101,11 +101,11 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
         yield Option(schedule, chunks, split, g.per // g.mb // accum if g.pp > 1 else 1, sid), accum, per_layer
 
 
-def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Plan]]) -> list[Plan]:
-    """One ``Plan`` per ZeRO stage of the group with ``accum`` flushes: the fields the bounds read besides the
+def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Layout]]) -> list[Layout]:
+    """One ``Layout`` per ZeRO stage of the group with ``accum`` flushes: the fields the bounds read besides the
     pipeline option (``bounds`` module doc); memoised in ``made`` per accumulation."""
     if accum not in made:
-        made[accum] = [Plan(dp=g.dp, tp=g.tp, pp=g.pp, zero_stage=zero, micro_batch=g.mb, grad_accum=accum,
+        made[accum] = [Layout(dp=g.dp, tp=g.tp, pp=g.pp, zero_stage=zero, micro_batch=g.mb, grad_accum=accum,
                             activation_checkpointing=g.ckpt, sequence_parallel=g.sp, precision=precision)
                        for zero in g.zeros]
     return made[accum]
@@ -119,7 +119,7 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     best = least = math.inf
     fit = 0
     precision = pins.get("precision", space.precision)
-    made: dict[int, list[Plan]] = {}
+    made: dict[int, list[Layout]] = {}
     carriers = _plans(g, 1, precision, made)  # memory does not read the accumulation
     over, need, example = 0, math.inf, None  # the ones over the budget, noted once (the least need first)
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
@@ -140,7 +140,7 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     return best, least, fit
 
 
-def _candidate(plan: Plan, opt: Option) -> Plan:
-    """The candidate ``Plan`` of a group's per-stage ``plan`` and a pipeline option (for region examples)."""
+def _candidate(plan: Layout, opt: Option) -> Layout:
+    """The candidate ``Layout`` of a group's per-stage ``plan`` and a pipeline option (for region examples)."""
     return replace(plan, schedule=opt.schedule, chunks=opt.chunks, pp_split=opt.split,
                    microbatches=opt.m if plan.pp > 1 else 0)

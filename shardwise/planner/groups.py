@@ -3,7 +3,7 @@
 A group (``group_bounds.Group``: every plan of one ``(tp, pp, dp, recomputation, sequence parallelism,
 micro-batch)``) has two bounds (``group_bounds``): ``group_bound``, which needs neither the stage split nor
 memory, for every group when the pool is built, and ``group_least``, the exact least bound of its candidates
-whose memory bound fits. Groups are *reached* in the order of the first: the second is computed (one ``Plan``
+whose memory bound fits. Groups are *reached* in the order of the first: the second is computed (one ``Layout``
 per ZeRO stage, no candidate made) and the group waits in a second heap on it; when it comes up there, the
 group is *expanded*: its candidates are made and predicted in the order of their own bounds. A group whose
 bound is no better than the K-th best prediction holds no plan of the top K and goes no further (at 1,024

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .compute import act_bytes
-from .plan import Plan
+from .plan import Layout
 from .layers import Layer
 
 __all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
@@ -76,7 +76,7 @@ def construction_bytes(kept_params: float, *, in_flight: float, precision: str) 
     return kept_params + in_flight * _PER_ELEMENT[precision][0]
 
 
-def layer_activation_bytes(layer: Layer, plan: Plan) -> tuple[float, float]:
+def layer_activation_bytes(layer: Layer, plan: Layout) -> tuple[float, float]:
     """``(kept, transient)`` bytes of one micro-batch through ``layer`` on one rank: what backward needs under
     the plan's recomputation, and the full set that exists again while this layer is recomputed."""
     if layer.replicated and plan.tp > 1:
@@ -140,7 +140,7 @@ class MemoryBreakdown:
                 "capacity_bytes": self.capacity, "largest": self.largest, "pipeline_rank": self.rank}
 
 
-def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Plan,
+def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Layout,
                 capacity: float, *, bucket_cap: float, rank: int = 0,
                 parts: "RankParts | None" = None) -> MemoryBreakdown:
     """Memory of one pipeline rank holding ``layers`` (its chunks' layers in ``chunk_layers``), with
@@ -172,7 +172,7 @@ largest layer's local parameters, loss bytes, largest full tensor of any layer, 
 tensor parallelism splits (0 at tp = 1))`` of one pipeline rank."""
 
 
-def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], plan: Plan) -> RankParts:
+def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], plan: Layout) -> RankParts:
     """What ``rank_memory`` needs from the layers (tp, micro-batch, recomputation, sp and precision of ``plan``)."""
     names = {layer.name for layer in layers}
     n = sum(local_params(layer, plan.tp) - (layer.shared / (1 if layer.replicated else plan.tp)

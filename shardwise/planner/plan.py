@@ -1,5 +1,5 @@
-"""A parallel layout as plain data: ``Plan`` (round-trips through JSON; field names are the training config's
-``parallel`` section where both have them).
+"""A parallel layout as plain data: ``Layout`` (round-trips through JSON; field names are the training config's
+``parallel`` section where both have them). ``sw.planner.Plan`` is an alias of it, the name it had first.
 
 Batch arithmetic (Megatron's convention): one *micro-batch* is ``micro_batch`` sequences through one forward
 and backward; a data-parallel replica runs ``microbatches`` of them per pipeline flush (pp > 1) and
@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["Plan", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
+__all__ = ["Layout", "Plan", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 CHECKPOINTING = ("none", "full", "selective")
@@ -21,7 +21,7 @@ PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Layout:
     """How one training step is laid out over ``dp × tp × pp`` devices."""
 
     dp: int = 1
@@ -51,39 +51,39 @@ class Plan:
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_split, str):
-            raise ValueError(f"Plan.pp_split must be a list of layer names, got the string {self.pp_split!r}; "
+            raise ValueError(f"Layout.pp_split must be a list of layer names, got the string {self.pp_split!r}; "
                              f"use [{self.pp_split!r}]")
         object.__setattr__(self, "pp_split", tuple(self.pp_split))
         if self.pp_split and len(self.pp_split) != self.pp * self.chunks - 1:
-            raise ValueError(f"Plan.pp_split names {len(self.pp_split)} stage starts but pp × chunks = {self.pp} × "
+            raise ValueError(f"Layout.pp_split names {len(self.pp_split)} stage starts but pp × chunks = {self.pp} × "
                              f"{self.chunks} stages need {self.pp * self.chunks - 1}; give that many or none")
         for name in ("dp", "tp", "pp", "micro_batch", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Plan.{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"Layout.{name} must be an int >= 1, got {value!r}")
         for name in ("grad_accum", "microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Plan.{name} must be an int >= 0 (0 = inferred), got {value!r}")
+                raise ValueError(f"Layout.{name} must be an int >= 0 (0 = inferred), got {value!r}")
         if self.activation_checkpointing is True or self.activation_checkpointing is False:
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         for name, allowed in (("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
                               ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"Plan.{name} = {getattr(self, name)!r} is not one of {list(allowed)}")
+                raise ValueError(f"Layout.{name} = {getattr(self, name)!r} is not one of {list(allowed)}")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"Plan.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+            raise ValueError(f"Layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.schedule == "interleaved" and self.pp > 1 and self.chunks < 2:
-            raise ValueError(f"Plan.schedule 'interleaved' needs chunks >= 2, got {self.chunks}; use '1f1b' for one "
+            raise ValueError(f"Layout.schedule 'interleaved' needs chunks >= 2, got {self.chunks}; use '1f1b' for one "
                              f"chunk per rank")
         if self.chunks > 1 and self.schedule != "interleaved":
-            raise ValueError(f"Plan.chunks = {self.chunks} needs schedule 'interleaved', got {self.schedule!r}")
+            raise ValueError(f"Layout.chunks = {self.chunks} needs schedule 'interleaved', got {self.schedule!r}")
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def resolved(self, global_batch: int) -> "Plan":
+    def resolved(self, global_batch: int) -> "Layout":
         """This plan with ``grad_accum`` (and ``microbatches`` for pp > 1) inferred from ``global_batch``;
         ``ValueError`` naming the fix when the batch does not divide."""
         per_replica, rest = divmod(global_batch, self.dp * self.micro_batch)
@@ -133,12 +133,16 @@ class Plan:
         return json.dumps(self.to_json(), sort_keys=True)
 
     @staticmethod
-    def from_json(data: Mapping[str, Any] | str) -> "Plan":
+    def from_json(data: Mapping[str, Any] | str) -> "Layout":
         """Parse ``to_json``'s dictionary (or its JSON text); ``ValueError`` naming unknown fields."""
         if isinstance(data, str):
             data = json.loads(data)
-        known = {f.name for f in fields(Plan)}
+        known = {f.name for f in fields(Layout)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"Plan has no field(s) {unknown}; known fields: {sorted(known)}")
-        return Plan(**dict(data))
+            raise ValueError(f"Layout has no field(s) {unknown}; known fields: {sorted(known)}")
+        return Layout(**dict(data))
+
+
+Plan = Layout
+"""The first name of ``Layout`` (``sw.planner.Plan``): the same class."""

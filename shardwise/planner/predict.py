@@ -20,7 +20,7 @@ from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
 from .overhead import autocast_factor, with_launch_cost
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
-from .plan import Plan
+from .plan import Layout
 from .spec import ModelSpec
 
 __all__ = ["Prediction", "predict"]
@@ -30,7 +30,7 @@ __all__ = ["Prediction", "predict"]
 class Prediction:
     """What ``predict`` says about one plan."""
 
-    plan: Plan
+    plan: Layout
     step_time_s: float
     tokens_per_s: float
     tflops_per_device: float
@@ -59,7 +59,7 @@ class Prediction:
                 "plan": self.plan.to_json(), "stages": self.stages, "hardware": self.hardware, "model": self.model}
 
 
-def _check(spec: ModelSpec, plan: Plan, hw: Hardware) -> None:
+def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
     if plan.tp > 1:
         if not spec.tp_divisors:
             raise ValueError(f"tp = {plan.tp}: model {spec.name!r} has no tensor-parallel plan the planner knows "
@@ -75,7 +75,7 @@ def _check(spec: ModelSpec, plan: Plan, hw: Hardware) -> None:
         raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
 
 
-def layer_costs(spec: ModelSpec, plan: Plan, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
+def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
     """Every layer's ``LayerTime`` for one micro-batch under ``plan`` (memoised in ``cache`` by what it depends
     on: tp, micro-batch, recomputation, sequence parallelism, precision)."""
     key = ("layers", id(hw), plan.tp, plan.micro_batch, plan.activation_checkpointing, plan.sequence_parallel,
@@ -114,13 +114,13 @@ def _layer_classes(spec: ModelSpec) -> tuple[list[int], list[int]]:
     return firsts, index
 
 
-def stages_of(spec: ModelSpec, plan: Plan) -> list[list[Any]]:
+def stages_of(spec: ModelSpec, plan: Layout) -> list[list[Any]]:
     """The plan's pipeline stages: cut at ``plan.pp_split``, else balanced by parameters."""
     n = plan.pp * plan.chunks
     return split_at(spec.layers, plan.pp_split) if plan.pp_split else split_stages(spec.layers, n)
 
 
-def flush_inputs(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware,
+def flush_inputs(plan: Layout, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware,
                  blocking: bool) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per-stage F, B, W seconds of one micro-batch and per-boundary transfer seconds, as the simulator takes
     them (blocking transfers folded into the compute)."""
@@ -133,7 +133,7 @@ def stage_sums(costs: list[list[LayerTime]]) -> tuple[list[float], list[float], 
             [sum(c.W for c in st) for st in costs])
 
 
-def fold_transfers(plan: Plan, F: list[float], B: list[float], W: list[float], stages: list[list[Any]],
+def fold_transfers(plan: Layout, F: list[float], B: list[float], W: list[float], stages: list[list[Any]],
                    hw: Hardware, blocking: bool) -> tuple[list[float], list[float], list[float], list[float]]:
     """The boundary transfers of ``stages`` (and, when ``blocking``, F and B with them folded in)."""
     F, B = list(F), list(B)
@@ -157,12 +157,12 @@ def fold_transfers(plan: Plan, F: list[float], B: list[float], W: list[float], s
     return F, B, W, comm
 
 
-def shares_cores(plan: Plan, hw: Hardware) -> bool:
+def shares_cores(plan: Layout, hw: Hardware) -> bool:
     """Pipeline ranks share a host's cores (a CPU calibration with more ranks than cores)."""
     return bool(hw.host_cores) and plan.devices > hw.host_cores and plan.pp > 1
 
 
-def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool,
+def _flush(plan: Layout, costs: list[list[LayerTime]], stages: list[list[Any]], hw: Hardware, blocking: bool,
            cache: dict | None = None) -> Flush:
     F, B, W, comm = flush_inputs(plan, costs, stages, hw, blocking)
     m = plan.microbatches if plan.pp > 1 else 1
@@ -185,7 +185,7 @@ def _flush(plan: Plan, costs: list[list[LayerTime]], stages: list[list[Any]], hw
     return flush
 
 
-def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
+def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
              units: int = 1) -> float:
     """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers)."""
     if plan.dp == 1:
@@ -235,7 +235,7 @@ def _dp_comm(plan: Plan, hw: Hardware, n_local: float, backward: float, forward:
     return max(reduce - backward, reduce / 8) + gather
 
 
-def _step_syncs(plan: Plan, hw: Hardware) -> tuple[float, float]:
+def _step_syncs(plan: Layout, hw: Hardware) -> tuple[float, float]:
     """What ``shardwise train`` adds to every step besides the layout's own traffic: the non-finite check's
     one-number ``max`` all-reduce over each mesh axis before the optimizer step, and the loss's mean over dp
     after it (a pipeline's loss is already the mean). Latency-bound: a gloo all-reduce of 4 bytes is ~0.6 ms
@@ -247,7 +247,7 @@ def _step_syncs(plan: Plan, hw: Hardware) -> tuple[float, float]:
     return flag, loss
 
 
-def _optimizer(plan: Plan, hw: Hardware, n_local: float, tensors: int, fused: bool) -> float:
+def _optimizer(plan: Layout, hw: Hardware, n_local: float, tensors: int, fused: bool) -> float:
     shard = n_local / (plan.dp if plan.zero_stage >= 1 else 1)
     # A fused AdamW (Megatron's) reads param, grad, m, v and writes param, m, v once: 28 bytes per element.
     # torch.optim.AdamW (what shardwise train builds) runs it as about ten elementwise passes (decay, two
@@ -286,7 +286,7 @@ def block_factors(hw: Hardware) -> Hardware:
         hw = replace(hw, op_overhead_s=launch.op_overhead_s, host_launch_s=launch.host_launch_s,
                      autocast_launch_factor=autocast_factor(probe["tiny_s"], probe.get("tiny_ac_s")))
     probe_hw = as_probed(hw)
-    t = layer_time(block, Plan(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
+    t = layer_time(block, Layout(micro_batch=b), probe_hw, flash=True, tp_per_node=1)
     recompute = hw.recompute_factor
     if "ckpt_s" in probe:
         # checkpointing's extra over plain forward + backward, in measured forwards (never below nothing)
@@ -295,7 +295,7 @@ def block_factors(hw: Hardware) -> Hardware:
                    recompute_factor=recompute)
 
 
-def predict(spec: ModelSpec, plan: Plan, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,
+def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,
             runtime: str = "shardwise", cache: dict | None = None) -> Prediction:
     """Predict one training step of ``spec`` laid out by ``plan`` on ``hardware`` (see module doc).
 
@@ -347,7 +347,7 @@ def _hardware_for(hw: Hardware, devices: int, cache: dict | None) -> Hardware:
     return out
 
 
-def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]], costs: list[list[LayerTime]],
+def _assemble(spec: ModelSpec, plan: Layout, hw: Hardware, stages: list[list[Any]], costs: list[list[LayerTime]],
               flush: Flush, ranks: list[list[int]], rank_layers: list[list[Any]], step: float, dp: float,
               opt: float, global_batch: int) -> Prediction:
     m = plan.microbatches if plan.pp > 1 else 1
@@ -380,7 +380,7 @@ def _assemble(spec: ModelSpec, plan: Plan, hw: Hardware, stages: list[list[Any]]
                       stages=stage_rows, hardware=hw.name, model=spec.name)
 
 
-def _bucket_cap(plan: Plan) -> float:
+def _bucket_cap(plan: Layout) -> float:
     """Gradient buckets in flight when data parallelism reduces: two of 25 MB (fewer bytes when the rank's
     gradients are smaller: ``rank_memory`` caps it)."""
     return 2 * 25e6 if plan.dp > 1 and plan.zero_stage < 3 else 0.0

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 from .enumerate import Region, Space, _note, normalize_pins
 from .groups import LazyPool
 from .hardware import Hardware
-from .plan import Plan
+from .plan import Layout
 from .predict import Prediction, predict
 from .spec import ModelSpec
 
@@ -80,7 +80,7 @@ def search(spec: ModelSpec, hardware: Hardware, *, devices: int, global_batch: i
     """The ``top`` fastest plans of ``spec`` on ``devices`` devices of ``hardware`` that fit in
     ``(1 - memory_margin) × hardware.memory_bytes``, fastest first (see module doc).
 
-    ``pins``: fixed fields, by ``Plan`` name (``{"tp": 8, "schedule": "1f1b"}``; the training config's names
+    ``pins``: fixed fields, by ``Layout`` name (``{"tp": 8, "schedule": "1f1b"}``; the training config's names
     ``pp_schedule``, ``pp_chunks``, ``pp_microbatches`` are accepted too), and ``{"modules": {"wte":
     "replicate"}}`` to keep a module whole on every tensor-parallel rank (data-parallel only). ``space``:
     what may vary (default: what ``runtime`` runs — ``Space.runnable()`` for ``shardwise``, ``Space()`` for
@@ -163,7 +163,7 @@ def _branch_and_bound(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batc
     return best, evaluated
 
 
-def simplicity(plan: Plan) -> float:
+def simplicity(plan: Layout) -> float:
     """How much machinery a plan uses (pipeline, ZeRO stage, recomputation, zero-bubble or interleaved
     schedules, tensor parallelism): among plans predicted within the tie tolerance, the simpler one ranks first."""
     schedule = {"1f1b": 0.0, "gpipe": 0.0, "zb-h1": 0.5, "zb-h2": 1.0, "interleaved": 1.0}[plan.schedule]
@@ -198,7 +198,7 @@ def _raise_infeasible(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batc
         f"{_remedies(closest.plan)}", closest)
 
 
-def _remedies(plan: Plan) -> str:
+def _remedies(plan: Layout) -> str:
     """What could make the closest plan fit, leaving out what it already does."""
     out = ["add devices"]
     if plan.precision == "fp32":

@@ -7,7 +7,7 @@ sums, reduces and scales them.
 Every gradient element of the model is counted exactly once over all ranks (the rule of
 ``parallel/common/grad_norm.counted``, which reads a parameter's placement from its SBP spec):
 
-* tp: a parameter ``Split`` over tp counts its shard on every tp rank; one replicated over tp (``Broadcast`` or
+* tp: a parameter ``Split`` over tp counts its shard on every tp rank; one replicated over tp (``Replicate`` or
   no spec: layer norms, a row-parallel bias, ``parallel.replicate``'d modules) only on tp coordinate 0;
 * dp without ZeRO: every replica holds the same averaged gradient, bitwise (every all-reduce algorithm leaves the
   same bytes on each rank — the replicas' weights stay equal only because of it), so each replica counts all of it

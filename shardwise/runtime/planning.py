@@ -1,7 +1,7 @@
 """From a training config to the planner's search and back: ``shardwise plan`` and ``shardwise train
 --parallel.auto true``.
 
-``config_from_plan`` turns a ``Plan`` into the ``parallel`` fields ``shardwise train`` runs (the config reads a
+``config_from_plan`` turns a ``Layout`` into the ``parallel`` fields ``shardwise train`` runs (the config reads a
 pipeline's ``micro_batch`` as one *pass* of a dp replica, cut into ``pp_microbatches``; the planner's
 ``micro_batch`` is one pipeline micro-batch, so a pass is ``micro_batch × microbatches``). ``plan_config``
 searches for a config and returns the ranked plans with the config each one runs as.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from ..planner import Hardware, Plan
+from ..planner import Hardware, Layout
 from ..planner.search import SearchResult, search
 from .config import REPLICABLE, Config, replicable, validate
 from .model_build import model_spec, planner_split_names, train_split_names
@@ -24,7 +24,7 @@ PIN_FIELDS = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "pp_s
 """``parallel.*`` fields that pin the search (``--pin parallel.tp=8``, or given flags with ``--parallel.auto``)."""
 
 
-def config_from_plan(plan: Plan) -> dict[str, Any]:
+def config_from_plan(plan: Layout) -> dict[str, Any]:
     """The ``parallel`` section (field → value) that makes ``shardwise train`` run ``plan``; ``ValueError``
     naming what train cannot run (selective recomputation, sequence parallelism, bf16-mixed)."""
     if plan.activation_checkpointing == "selective":
@@ -42,7 +42,7 @@ def config_from_plan(plan: Plan) -> dict[str, Any]:
     else:
         m = plan.microbatches
         if m < 1:
-            raise ValueError(f"plan {plan.describe()} is not resolved (microbatches = 0); use Plan.resolved()")
+            raise ValueError(f"plan {plan.describe()} is not resolved (microbatches = 0); use Layout.resolved()")
         out.update(micro_batch=plan.micro_batch * m, pp_microbatches=m, grad_accum=plan.grad_accum,
                    pp_schedule=plan.schedule, pp_chunks=plan.chunks, pp_split=tuple(plan.pp_split))
     return out
@@ -97,7 +97,7 @@ _INFERRED_BY_ZERO = ("dp", "grad_accum", "pp_microbatches")
 
 def _check_pin_values(pairs: Mapping[str, Any]) -> None:
     """Pinned values the config itself would refuse, named as the user gave them (``parallel.zero_stage``, not
-    the planner's ``Plan.zero_stage``). ``ValueError``. Pure."""
+    the planner's ``Layout.zero_stage``). ``ValueError``. Pure."""
     from ..planner.plan import SCHEDULES
 
     if "zero_stage" in pairs and pairs["zero_stage"] not in (0, 1, 2, 3):

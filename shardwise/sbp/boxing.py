@@ -1,4 +1,4 @@
-"""Boxing planner: the cheapest sequence of per-axis conversions between two SBP signatures. Pure data.
+"""Boxing search (the router): the cheapest sequence of per-axis conversions between two SBP signatures. Pure data.
 
 One mesh axis changes per step. Direct conversions on one axis of size n (bytes sent per rank, ring model,
 for a local tensor of ``M`` bytes before the step):
@@ -17,9 +17,10 @@ for a local tensor of ``M`` bytes before the step):
 Other pairs (P(sum) ↔ P(max), P(max) → S, S → P(max)) go through B. On n-d meshes the order of the per-axis steps changes the
 bytes (a gather after a reduce-scatter moves less than before it) and must respect nesting: a split of
 dim ``d`` on axis ``a`` can only be created or removed while no *inner* axis also splits ``d`` (otherwise the
-pieces would not be contiguous). The planner runs a shortest-path search over signatures whose placements
+pieces would not be contiguous). The router runs a shortest-path search over signatures whose placements
 come from {source, target, B, S(any dim)} per axis, costing each step with ``cost_fn`` (bytes by default; a calibrated
-alpha–beta model can be passed), ties broken by fewer steps. Plans are cached.
+alpha–beta model can be passed), ties broken by fewer steps. Routes are cached. (``plan_boxing`` and
+``BoxingPlan`` are the old names of ``route_boxing`` and ``BoxingRoute``: aliases. "The planner" is ``sw.planner``.)
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from .placement import Broadcast, Partial, Placement, Split, format_sbp
+from .placement import Replicate, Partial, Placement, Split, format_sbp
 from .spec import local_shape
 
-__all__ = ["BoxingStep", "BoxingPlan", "plan_boxing", "direct_collective", "CostFn", "calibrated_cost"]
+__all__ = ["BoxingStep", "BoxingRoute", "route_boxing", "BoxingPlan", "plan_boxing", "direct_collective", "CostFn", "calibrated_cost"]
 
 CostFn = Callable[[str, int, int], float]
 """``cost_fn(collective, axis_size, local_bytes_before) -> cost``; lower is better."""
@@ -55,7 +56,9 @@ class BoxingStep:
 
 
 @dataclass(frozen=True)
-class BoxingPlan:
+class BoxingRoute:
+    """The per-axis steps that convert one SBP signature into another (``route_boxing``'s answer)."""
+
     src: tuple[Placement, ...]
     dst: tuple[Placement, ...]
     steps: tuple[BoxingStep, ...]
@@ -74,13 +77,13 @@ def direct_collective(src: Placement, dst: Placement) -> str | None:
     if src == dst:
         return None
     if isinstance(src, Split):
-        return {Broadcast: "all_gather", Split: "all_to_all"}.get(type(dst)) or (
+        return {Replicate: "all_gather", Split: "all_to_all"}.get(type(dst)) or (
             "zero_pad" if dst == Partial("sum") else None)
-    if isinstance(src, Broadcast):
+    if isinstance(src, Replicate):
         if isinstance(dst, Split):
             return "slice"
         return "keep_one" if dst == Partial("sum") else "identity"
-    if isinstance(dst, Broadcast):
+    if isinstance(dst, Replicate):
         return "all_reduce"
     # A max-partial is reduce-scattered via B: its backward needs the full maximum for the argmax mask.
     return "reduce_scatter" if isinstance(dst, Split) and src == Partial("sum") else None
@@ -100,7 +103,7 @@ def calibrated_cost(calibration, algorithm: str = "native") -> CostFn:  # type: 
     so the local size before the step is scaled accordingly; all-to-all, which the benchmark does not measure,
     is costed like a reduce-scatter of the same buffer (both move (n−1)/n of it). Local steps cost 0. The
     calibration was measured on one group size; other axis sizes reuse its α and scale β's bytes by the ring
-    factor, which is the planner's assumption, not a measurement."""
+    factor, which is the router's assumption, not a measurement."""
     def cost(collective: str, n: int, local_bytes: int) -> float:
         if collective in ("slice", "keep_one", "identity", "zero_pad"):
             return 0.0
@@ -119,26 +122,32 @@ def _nesting_ok(state: Sequence[Placement], axis: int, src: Placement, dst: Plac
     return True
 
 
-def plan_boxing(shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
-                mesh_shape: Sequence[int], axes: Sequence[str], cost_fn: CostFn | None = None) -> BoxingPlan:
-    """Cheapest valid plan from ``src`` to ``dst``. Never communicates. Raises ``ValueError`` if none exists."""
+def route_boxing(shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
+                 mesh_shape: Sequence[int], axes: Sequence[str], cost_fn: CostFn | None = None) -> BoxingRoute:
+    """Cheapest valid route from ``src`` to ``dst``. Never communicates. Raises ``ValueError`` if none exists."""
     key_cost = cost_fn if cost_fn is not None else bytes_model
     if cost_fn is None:
-        return _plan_cached(tuple(shape), itemsize, tuple(src), tuple(dst), tuple(mesh_shape), tuple(axes))
+        return _route_cached(tuple(shape), itemsize, tuple(src), tuple(dst), tuple(mesh_shape), tuple(axes))
     return _search(tuple(shape), itemsize, tuple(src), tuple(dst), tuple(mesh_shape), tuple(axes), key_cost)
 
 
+plan_boxing = route_boxing
+"""The old name of ``route_boxing``."""
+BoxingPlan = BoxingRoute
+"""The old name of ``BoxingRoute``."""
+
+
 @lru_cache(maxsize=4096)
-def _plan_cached(shape, itemsize, src, dst, mesh_shape, axes) -> BoxingPlan:
+def _route_cached(shape, itemsize, src, dst, mesh_shape, axes) -> BoxingRoute:
     return _search(shape, itemsize, src, dst, mesh_shape, axes, bytes_model)
 
 
 def _search(shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-            mesh_shape: tuple[int, ...], axes: tuple[str, ...], cost_fn: CostFn) -> BoxingPlan:
+            mesh_shape: tuple[int, ...], axes: tuple[str, ...], cost_fn: CostFn) -> BoxingRoute:
     # Intermediate placements per axis: source, target, B, and a split of any dim (a reduce-scatter before a
     # reduction on another axis shrinks what that reduction moves).
     splits = {Split(d) for d in range(len(shape))}
-    options = [sorted({s, d, Broadcast()} | splits, key=str) for s, d in zip(src, dst)]
+    options = [sorted({s, d, Replicate()} | splits, key=str) for s, d in zip(src, dst)]
     zero = (0,) * len(mesh_shape)  # coords of the first rank: it holds the largest uneven pieces
     best: dict[tuple[Placement, ...], tuple[float, int]] = {src: (0.0, 0)}
     heap: list[tuple[float, int, int, tuple[Placement, ...], tuple[BoxingStep, ...]]] = [(0.0, 0, 0, src, ())]
@@ -146,7 +155,7 @@ def _search(shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], d
     while heap:
         cost, nsteps, _, state, steps = heapq.heappop(heap)
         if state == dst:
-            return BoxingPlan(src, dst, steps)
+            return BoxingRoute(src, dst, steps)
         if best.get(state, (math.inf, 0)) < (cost, nsteps):
             continue
         local_bytes = math.prod(local_shape(shape, state, mesh_shape, zero)) * itemsize
@@ -163,4 +172,4 @@ def _search(shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], d
                     step = BoxingStep(axes[a], a, state[a], p, coll, int(bytes_model(coll, mesh_shape[a], local_bytes)))
                     tie += 1
                     heapq.heappush(heap, (key[0], key[1], tie, nxt, steps + (step,)))
-    raise ValueError(f"no boxing plan from [{format_sbp(src)}] to [{format_sbp(dst)}] on mesh {mesh_shape}")
+    raise ValueError(f"no boxing route from [{format_sbp(src)}] to [{format_sbp(dst)}] on mesh {mesh_shape}")

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.autograd import identity_allreduce
-from .boxing import plan_boxing
+from .boxing import route_boxing
 from .lru import LRU
-from .placement import Broadcast, Partial, Placement, Split, format_sbp
+from .placement import Replicate, Partial, Placement, Split, format_sbp
 from .rules import Candidate, rule_for
 from .spec import TensorSpec
 
@@ -107,7 +107,7 @@ def _convert_cost(p: Placement, q: Placement, spec: TensorSpec, axis: int, items
     if p == q:
         return 0.0
     local = list(spec.local_shape((0,) * len(spec.mesh_shape)))
-    plan = plan_boxing(tuple(local), itemsize, (p,), (q,), (spec.mesh_shape[axis],), ("x",))
+    plan = route_boxing(tuple(local), itemsize, (p,), (q,), (spec.mesh_shape[axis],), ("x",))
     return plan.bytes_sent + 1.0 * len(plan.steps)
 
 
@@ -138,7 +138,7 @@ def _decide(name: str, func: Callable[..., Any], specs: list[TensorSpec], params
             divisor = math.prod(specs[0].shape) // max(1, math.prod(meta.shape)) if name == "mean" else \
                 (math.prod(specs[1].shape) if params.get("reduction", "mean") == "mean" else 1)
     grad_axes = tuple(tuple(specs[0].axes[a] for a in range(n_axes)
-                            if isinstance(inp[a], Broadcast) and not isinstance(out_sbp[a], Broadcast))
+                            if isinstance(inp[a], Replicate) and not isinstance(out_sbp[a], Replicate))
                       for inp in inputs)
     return _Decision(inputs, out, out.local_shape(coords), post, divisor, grad_axes)
 
@@ -243,7 +243,7 @@ def _slow_decide(func: Callable[..., Any], args: tuple, kwargs: dict, gt: type) 
 
 def _replicated(x: torch.Tensor, mesh: Any, gt: type) -> Any:
     """A plain tensor operand as a B global tensor (every rank holds it whole), as ``to_global(x, mesh, B...)``."""
-    sbp = tuple(Broadcast() for _ in mesh.axes)
+    sbp = tuple(Replicate() for _ in mesh.axes)
     return gt(x, TensorSpec(tuple(x.shape), x.dtype, sbp, mesh.axes, mesh.shape), mesh)
 
 

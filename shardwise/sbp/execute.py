@@ -1,4 +1,4 @@
-"""Boxing executor: run a ``BoxingPlan`` on a local tensor, differentiably.
+"""Boxing executor: run a ``BoxingRoute`` on a local tensor, differentiably.
 
 Gradient convention (Megatron's): the local gradient of a tensor placed ``S`` is the matching slice of the
 logical gradient, of a tensor placed ``B`` the whole logical gradient on every rank, and of a tensor placed
@@ -16,7 +16,7 @@ from ..comm import autograd as cag
 from ..comm.collectives import all_reduce, all_to_all
 from ..comm.ops import shard_sizes
 from ..mesh import Mesh
-from .boxing import BoxingPlan, BoxingStep
+from .boxing import BoxingRoute, BoxingStep
 from .placement import Placement, Split
 from .spec import axis_piece_sizes
 
@@ -109,7 +109,7 @@ def _run_step(x: torch.Tensor, step: BoxingStep, state: Sequence[Placement], sha
     raise AssertionError(f"unknown boxing collective {coll}")
 
 
-def run_plan(x: torch.Tensor, plan: BoxingPlan, shape: Sequence[int], mesh: Mesh) -> torch.Tensor:
+def run_plan(x: torch.Tensor, plan: BoxingRoute, shape: Sequence[int], mesh: Mesh) -> torch.Tensor:
     """Apply every step of ``plan`` to the local tensor ``x`` (collective over the axes the steps name)."""
     state = list(plan.src)
     for step in plan.steps:

@@ -13,10 +13,10 @@ from typing import Sequence
 import torch
 
 from ..mesh import Mesh
-from .boxing import BoxingPlan, CostFn, plan_boxing
+from .boxing import BoxingRoute, CostFn, route_boxing
 from .dispatch import dispatch
 from .execute import run_plan
-from .placement import Broadcast, Partial, Placement, Split, format_sbp, normalize_sbp
+from .placement import Replicate, Partial, Placement, Split, format_sbp, normalize_sbp
 from .spec import TensorSpec
 
 __all__ = ["GlobalTensor", "distribute", "to_global"]
@@ -68,10 +68,10 @@ class GlobalTensor:
         """This rank's piece (differentiable; no communication)."""
         return self._local
 
-    def plan_to(self, sbp: Sequence[Placement] | str, cost_fn: CostFn | None = None) -> BoxingPlan:
-        """The boxing plan ``to_sbp`` would run (pure: no communication)."""
+    def plan_to(self, sbp: Sequence[Placement] | str, cost_fn: CostFn | None = None) -> BoxingRoute:
+        """The boxing route ``to_sbp`` would run (pure: no communication)."""
         dst = normalize_sbp(sbp, self.dim(), len(self.mesh.axes))
-        return plan_boxing(self.spec.shape, self._local.element_size(), self.spec.sbp, dst, self.mesh.shape,
+        return route_boxing(self.spec.shape, self._local.element_size(), self.spec.sbp, dst, self.mesh.shape,
                            self.mesh.axes, cost_fn)
 
     def to_sbp(self, sbp: Sequence[Placement] | str, *, cost_fn: CostFn | None = None) -> "GlobalTensor":
@@ -87,7 +87,7 @@ class GlobalTensor:
 
     def full(self) -> torch.Tensor:
         """The whole logical tensor on every rank (differentiable). Collective."""
-        return self.to_sbp([Broadcast()] * len(self.mesh.axes)).to_local()
+        return self.to_sbp([Replicate()] * len(self.mesh.axes)).to_local()
 
     # -- ops (rules in rules.py, dispatch in dispatch.py) ------------------------------------------------
     @classmethod
@@ -125,7 +125,7 @@ class GlobalTensor:
 
     def backward(self, gradient: torch.Tensor | None = None) -> None:
         """Back-propagate from a B (replicated) scalar loss: every rank seeds gradient 1 (see execute.py)."""
-        if any(not isinstance(p, Broadcast) for p in self.sbp):
+        if any(not isinstance(p, Replicate) for p in self.sbp):
             raise ValueError(f"backward needs a replicated (all-B) tensor, this one is [{format_sbp(self.sbp)}]; "
                              f"call .to_sbp('B'...) first (a P loss reduced with to_sbp is the usual case)")
         self._local.backward(gradient)
@@ -143,7 +143,7 @@ class GlobalTensor:
         g = self._local.grad
         if g is None:
             return None
-        sbp = tuple(Broadcast() if isinstance(p, Partial) else p for p in self.spec.sbp)
+        sbp = tuple(Replicate() if isinstance(p, Partial) else p for p in self.spec.sbp)
         return GlobalTensor(g, self.spec.with_sbp(sbp), self.mesh)
 
 
@@ -176,5 +176,5 @@ def distribute(full: torch.Tensor, mesh: Mesh, sbp: Sequence[Placement] | str) -
     of each P axis keeps it, the others hold zeros; P(max): every rank keeps it). Differentiable; no
     communication in forward."""
     dst = normalize_sbp(sbp, full.dim(), len(mesh.axes))
-    replicated = to_global(full, mesh, [Broadcast()] * len(mesh.axes))
+    replicated = to_global(full, mesh, [Replicate()] * len(mesh.axes))
     return replicated.to_sbp(dst)

@@ -3,8 +3,11 @@
 | placement      | short | meaning                                                                     |
 |----------------|-------|-----------------------------------------------------------------------------|
 | ``Split(d)``   | S(d)  | cut along tensor dim ``d``, one piece per rank of the axis (``shard_sizes``) |
-| ``Broadcast()``| B     | every rank of the axis holds the whole tensor                               |
+| ``Replicate()``| B     | every rank of the axis holds the whole tensor                               |
 | ``Partial(op)``| P     | the logical value is ``op`` (sum or max) over the ranks' tensors            |
+
+``Replicate`` is written ``B`` ("broadcast", OneFlow's SBP notation); ``parse_sbp`` also reads ``R``, and
+``Broadcast`` is an alias of ``Replicate`` (the same class).
 
 A tensor on an n-axis mesh has one placement per axis ("SBP signature"). When several axes split the same
 dim, the split is nested in axis order: the outer axis cuts first and each inner axis cuts the outer piece.
@@ -16,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Sequence, Union
 
-__all__ = ["Split", "Broadcast", "Partial", "Placement", "parse_sbp", "format_sbp", "normalize_sbp"]
+__all__ = ["Split", "Replicate", "Broadcast", "Partial", "Placement", "parse_sbp", "format_sbp", "normalize_sbp"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,8 @@ class Split:
 
 
 @dataclass(frozen=True)
-class Broadcast:
-    """B: every rank of the axis holds the whole tensor."""
+class Replicate:
+    """B (or R): every rank of the axis holds the whole tensor. ``Broadcast`` is an alias."""
 
     def __str__(self) -> str:
         return "B"
@@ -55,23 +58,27 @@ class Partial:
         return "P" if self.op == "sum" else "P(max)"
 
 
-Placement = Union[Split, Broadcast, Partial]
-_TOKEN = re.compile(r"\s*(S\(\s*(-?\d+)\s*\)|B|P\(\s*max\s*\)|P\(\s*sum\s*\)|P)\s*")
+Broadcast = Replicate
+"""The SBP name of ``Replicate`` (its short form ``B``): the same class."""
+
+Placement = Union[Split, Replicate, Partial]
+_TOKEN = re.compile(r"\s*(S\(\s*(-?\d+)\s*\)|B|R|P\(\s*max\s*\)|P\(\s*sum\s*\)|P)\s*")
 
 
 def parse_sbp(text: str) -> tuple[Placement, ...]:
-    """Parse the short form: ``"S(0),B"`` → ``(Split(dim=0), Broadcast())``; ``"P(max)"`` is a max-partial."""
+    """Parse the short form: ``"S(0),B"`` → ``(Split(dim=0), Replicate())`` (``R`` reads as ``B``);
+    ``"P(max)"`` is a max-partial."""
     out: list[Placement] = []
     for part in text.split(","):
         m = _TOKEN.fullmatch(part)
         if m is None:
-            raise ValueError(f"cannot parse SBP {part.strip()!r} in {text!r}; use S(dim), B, P or P(max), "
+            raise ValueError(f"cannot parse SBP {part.strip()!r} in {text!r}; use S(dim), B (or R), P or P(max), "
                              f"comma-separated, one per mesh axis (e.g. 'S(0),B')")
         token = m.group(1).replace(" ", "")
         if token.startswith("S"):
             out.append(Split(int(m.group(2))))
-        elif token == "B":
-            out.append(Broadcast())
+        elif token in ("B", "R"):
+            out.append(Replicate())
         else:
             out.append(Partial("max" if "max" in token else "sum"))
     return tuple(out)
@@ -86,7 +93,7 @@ def normalize_sbp(sbp: Sequence[Placement] | str | Placement, ndim: int, n_axes:
     dims are made positive. Raises ``ValueError`` naming the constraint, the values and the fix."""
     if isinstance(sbp, str):
         sbp = parse_sbp(sbp)
-    elif isinstance(sbp, (Split, Broadcast, Partial)):
+    elif isinstance(sbp, (Split, Replicate, Partial)):
         sbp = (sbp,)
     sbp = tuple(sbp)
     if len(sbp) != n_axes:
@@ -94,8 +101,8 @@ def normalize_sbp(sbp: Sequence[Placement] | str | Placement, ndim: int, n_axes:
                          f"give one placement per mesh axis")
     out: list[Placement] = []
     for p in sbp:
-        if not isinstance(p, (Split, Broadcast, Partial)):
-            raise TypeError(f"placements are sw.Split(dim), sw.Broadcast() or sw.Partial(op), got {p!r}")
+        if not isinstance(p, (Split, Replicate, Partial)):
+            raise TypeError(f"placements are sw.Split(dim), sw.Replicate() or sw.Partial(op), got {p!r}")
         if isinstance(p, Split):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"Split dim {p.dim} is out of range for a {ndim}-d tensor; use a dim in "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from .placement import Broadcast as _B
+from .placement import Replicate as _B
 from .placement import Partial, Placement, Split
 
 __all__ = ["Candidate", "RULES", "rule_for"]

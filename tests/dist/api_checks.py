@@ -25,10 +25,10 @@ def contract_calls() -> dict:
     out["ring"] = sw.comm.all_reduce(t, mesh, "dp", op="sum", algorithm="ring").tolist()
     out["gather"] = sw.comm.all_gather(torch.ones(2), mesh, "dp").shape[0]
     out["scatter"] = sw.comm.reduce_scatter(torch.ones(4), mesh, "dp", op="sum").tolist()
-    out["placements"] = [str(sw.Split(0)), str(sw.Broadcast()), str(sw.Partial("sum"))]
+    out["placements"] = [str(sw.Split(0)), str(sw.Replicate()), str(sw.Partial("sum"))]
     full = torch.arange(24.0).reshape(4, 6)
-    x = sw.distribute(full, mesh, [sw.Split(0), sw.Broadcast()])
-    y = x.to_sbp([sw.Broadcast(), sw.Broadcast()])
+    x = sw.distribute(full, mesh, [sw.Split(0), sw.Replicate()])
+    y = x.to_sbp([sw.Replicate(), sw.Replicate()])
     out["boxing"] = bool(torch.equal(y.to_local(), full) and torch.equal(x.full(), full))
     out["local_rows"] = x.to_local().shape[0]
 

@@ -15,7 +15,7 @@ from tests.dist import auto_models as am
 from tests.dist.meshes import mesh
 
 
-def _plan(model: nn.Module, m: sw.Mesh, inputs: tuple) -> tuple[sw.Plan, int]:
+def _plan(model: nn.Module, m: sw.Mesh, inputs: tuple) -> tuple[sw.ParallelizePlan, int]:
     with CommCounter() as c:
         plan = sw.auto(model, m, inputs)
     return plan, len(c.records)
@@ -26,7 +26,7 @@ def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _loss(logits: torch.Tensor, y: torch.Tensor, plan: sw.Plan, m: sw.Mesh) -> torch.Tensor:
+def _loss(logits: torch.Tensor, y: torch.Tensor, plan: sw.ParallelizePlan, m: sw.Mesh) -> torch.Tensor:
     if plan.vocab_parallel_loss:
         return vocab_parallel_cross_entropy(logits, y, mesh=m, axis=plan.tp_axis)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))

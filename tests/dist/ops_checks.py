@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.sbp import Broadcast
+from shardwise.sbp import Replicate
 from tests.dist.meshes import mesh
 
 B, T, H, V = 4, 5, 8, 11  # batch, sequence, hidden, vocabulary
@@ -40,7 +40,7 @@ def check_program(axes: dict, layout: dict) -> list[str]:
     ref_loss.backward()
     leaves = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in _leaves(0).items()}
     glob = {k: sw.distribute(v, m, layout.get(k, ",".join(["B"] * len(m.axes)))) for k, v in leaves.items()}
-    loss = _forward(glob, False).to_sbp([Broadcast()] * len(m.axes))
+    loss = _forward(glob, False).to_sbp([Replicate()] * len(m.axes))
     loss.backward()
     failures = []
     if not torch.allclose(loss.to_local(), ref_loss.detach(), rtol=1e-5, atol=1e-6):

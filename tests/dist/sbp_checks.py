@@ -9,12 +9,12 @@ import torch
 
 import shardwise as sw
 from shardwise.comm import CommCounter
-from shardwise.sbp import Broadcast, Partial, Split, format_sbp
+from shardwise.sbp import Replicate, Partial, Split, format_sbp
 from shardwise.sbp.spec import local_extent
 from tests.dist.meshes import mesh
 
 SHAPE = (9, 5)  # 4k+1 rows and a column count indivisible by 2, 3, 4: uneven everywhere
-PLACEMENTS = [Split(0), Split(1), Broadcast(), Partial("sum"), Partial("max")]
+PLACEMENTS = [Split(0), Split(1), Replicate(), Partial("sum"), Partial("max")]
 
 
 def _ints(seed: int, shape) -> torch.Tensor:
@@ -64,7 +64,7 @@ def check_all_pairs(axes: dict, with_max: bool) -> list[str]:
         if any(p == Partial("max") for p in src):
             continue  # the gradient of a max-partial goes to its argmax; values were checked
         (got * weight).sum().backward()
-        want = make_local(weight, m, [p if isinstance(p, Split) else Broadcast() for p in src])
+        want = make_local(weight, m, [p if isinstance(p, Split) else Replicate() for p in src])
         if not torch.equal(leaf.grad, want):
             failures.append(f"{name}: gradient differs")
     return failures
@@ -83,7 +83,7 @@ def bad_input(case: str) -> str:
     m = mesh(dp=-1)
     calls = {
         "dim": lambda: sw.distribute(torch.ones(2, 2), m, [Split(2)]),
-        "length": lambda: sw.distribute(torch.ones(2, 2), m, [Split(0), Broadcast()]),
+        "length": lambda: sw.distribute(torch.ones(2, 2), m, [Split(0), Replicate()]),
         "local_shape": lambda: sw.to_global(torch.ones(3, 2), m, "S(0)", shape=(3 * m.size("dp") + 5, 2)),
         "parse": lambda: sw.parse_sbp("S(0),X"),
     }

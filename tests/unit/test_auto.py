@@ -1,5 +1,5 @@
 """``sw.auto`` planning without processes (a ``MeshLayout`` stands in for the mesh): the three expected
-behaviours, the printed prices, Plan round trips, pins, memory budget, determinism, tracing."""
+behaviours, the printed prices, ParallelizePlan round trips, pins, memory budget, determinism, tracing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise.mesh import MeshLayout
-from shardwise.parallel.auto.plan import Plan
+from shardwise.parallel.auto.plan import ParallelizePlan
 from shardwise.parallel.auto.trace import trace_graph
 from tests.dist.auto_models import MEGATRON, Classifier, SmallMLP, TinyLlama, hf_llama
 
@@ -22,7 +22,7 @@ def _ids(b: int = 2, t: int = 16) -> tuple[torch.Tensor]:
     return (torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(0)),)
 
 
-def _assert_megatron(plan: Plan, model: nn.Module) -> None:
+def _assert_megatron(plan: ParallelizePlan, model: nn.Module) -> None:
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     kinds = {}
     for name in names:
@@ -36,7 +36,7 @@ def _assert_megatron(plan: Plan, model: nn.Module) -> None:
             assert kind == "RowParallel", (name, kind)
 
 
-def _assert_chosen_beats_alternatives(plan: Plan) -> None:
+def _assert_chosen_beats_alternatives(plan: ParallelizePlan) -> None:
     for row in plan.rows:
         for kind, t, _ in row.alternatives:
             if t is not None:
@@ -82,15 +82,15 @@ def test_small_model_stays_data_parallel():
 def test_plan_round_trips_and_edits():
     torch.manual_seed(0)
     plan = sw.auto(TinyLlama(), TP2, _ids())
-    back = Plan.from_text(str(plan))
+    back = ParallelizePlan.from_text(str(plan))
     assert dict(back) == dict(plan) and (back.tp_axis, back.dp_axes) == (plan.tp_axis, plan.dp_axes)
-    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    again = ParallelizePlan.from_json(json.loads(json.dumps(plan.to_json())))
     assert dict(again) == dict(plan) and again.time_s == plan.time_s
     edited = plan.edit({"lm_head": sw.VocabParallel(), "layers.*.mlp.down_proj": "B"})
     assert edited["lm_head"] == sw.VocabParallel() and "layers.*.mlp.down_proj" not in edited
     assert edited.time_s is None  # the prices belonged to the planner's choice
     by_hand = str(plan).replace("  layers.*.mlp.down_proj -> RowParallel()\n", "")  # edited as text
-    assert dict(Plan.from_text(by_hand)) == {k: v for k, v in plan.items() if k != "layers.*.mlp.down_proj"}
+    assert dict(ParallelizePlan.from_text(by_hand)) == {k: v for k, v in plan.items() if k != "layers.*.mlp.down_proj"}
 
 
 def test_pins_fix_a_choice_and_the_rest_adapts():

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.planner.search import CASES, DEVICES, slices, train_flags
 from benchmarks.planner.search_report import model_lines, summary_lines, verdict
-from shardwise.planner import Hardware, ModelSpec, Plan
+from shardwise.planner import Hardware, ModelSpec, Layout
 from shardwise.planner.search import search
 from shardwise.runtime.config import load_config, parse_overrides, validate
 from shardwise.runtime.planning import config_from_plan
@@ -102,7 +102,7 @@ def test_train_flags_spelling() -> None:
 def test_slices_cover_the_required_dimensions() -> None:
     case, spec, hw = _gpt_case()
     hw = dataclasses.replace(hw, memory_bytes=10e9)
-    first = Plan(dp=4, micro_batch=1)
+    first = Layout(dp=4, micro_batch=1)
     found = [p.plan for sl in slices(first) for p in search(spec, hw, devices=DEVICES, global_batch=case.global_batch,
                                                             pins=sl.pins, space=sl.space, top=10**6)]
     assert {p.micro_batch for p in found} == {1}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.planner import Hardware, Plan
+from shardwise.planner import Hardware, Layout
 from shardwise.planner.builders import gpt_layers
 from shardwise.planner.compute import layer_time
 from shardwise.planner.overhead import GPU_KERNEL_GAP_S, TINY_BLOCK, host_launch, with_launch_cost
@@ -27,7 +27,7 @@ def _block(h: int = 768, s: int = 1024) -> object:
 
 
 def _total(hw: Hardware, layer: object, mb: int) -> float:
-    t = layer_time(layer, Plan(micro_batch=mb, precision="bf16"), hw, flash=True, tp_per_node=1)
+    t = layer_time(layer, Layout(micro_batch=mb, precision="bf16"), hw, flash=True, tp_per_node=1)
     return t.F + t.B + t.W
 
 
@@ -61,7 +61,7 @@ def test_the_tiny_block_round_trips_through_the_host_launch_cost():
     measured = 1.5e-3  # a host-bound fwd + bwd: far above the tiny block's device work on an H100
     hw = with_launch_cost(H100, measured, gpu=True)
     assert hw.op_overhead_s == GPU_KERNEL_GAP_S and hw.host_launch_s == pytest.approx(host_launch(H100, measured))
-    got = layer_time(tiny, Plan(micro_batch=t["batch"]), hw, flash=True, tp_per_node=1)
+    got = layer_time(tiny, Layout(micro_batch=t["batch"]), hw, flash=True, tp_per_node=1)
     assert got.F + got.B + got.W == pytest.approx(measured, rel=1e-6)
     # on CPU ranks the same measurement becomes an additive op overhead instead
     cpu = with_launch_cost(replace(H100, kind="cpu"), measured, gpu=False)
@@ -69,7 +69,7 @@ def test_the_tiny_block_round_trips_through_the_host_launch_cost():
 
 
 def test_foreach_adamw_launches_per_chunk_on_a_gpu_and_per_tensor_on_a_cpu():
-    plan = Plan(precision="bf16")
+    plan = Layout(precision="bf16")
     host = replace(H100, host_launch_s=40e-6)
     gpu = _optimizer(plan, host, 124e6, 150, fused=False)
     cpu = _optimizer(plan, replace(host, kind="cpu", host_launch_s=0.0, op_overhead_s=40e-6), 124e6, 150, fused=False)
@@ -190,7 +190,7 @@ def test_autocast_scales_the_host_launches_of_bf16_plans_only():
     slower = replace(host_bound, autocast_launch_factor=1.4)
     # micro-batch 1 is host-bound: every launch costs 1.4 x under autocast
     assert _total(slower, layer, 1) == pytest.approx(1.4 * _total(host_bound, layer, 1), rel=1e-9)
-    fp32 = Plan(micro_batch=1, precision="fp32")
+    fp32 = Layout(micro_batch=1, precision="fp32")
     t = lambda hw: layer_time(layer, fp32, hw, flash=True, tp_per_node=1)  # noqa: E731
     assert t(slower) == t(host_bound)  # no autocast in fp32
     # device-bound work hides the host either way

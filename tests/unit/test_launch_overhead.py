@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.planner import Hardware, Plan
+from shardwise.planner import Hardware, Layout
 from shardwise.planner.builders import gpt_layers
 from shardwise.planner.compute import layer_time
 from shardwise.planner.overhead import launch_overhead
@@ -31,7 +31,7 @@ def _with_tiny(tmp_path: Path, tiny_s: float | None) -> Hardware:
 def _per_sample(hw: Hardware, micro_batch: int) -> float:
     block = gpt_layers(n_layer=1, h=256, a=4, v=8, s=256, positions=256, tie=True, bias=True, dropout=False,
                        attention="flash")[1]
-    t = layer_time(block, Plan(micro_batch=micro_batch), hw, flash=True, tp_per_node=1)
+    t = layer_time(block, Layout(micro_batch=micro_batch), hw, flash=True, tp_per_node=1)
     return (t.F + t.B + t.W) / micro_batch
 
 

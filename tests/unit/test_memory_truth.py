@@ -12,7 +12,7 @@ import pytest
 import torch.nn as nn
 
 from shardwise import cli
-from shardwise.planner import Hardware, ModelSpec, Plan, predict
+from shardwise.planner import Hardware, ModelSpec, Layout, predict
 from shardwise.planner.layers import Gemm, Layer
 from shardwise.planner.memory import construction_bytes, largest_tensor, model_state_bytes
 from shardwise.runtime.config import load_config, validate
@@ -27,7 +27,7 @@ BIG_FIELDS = [f.removeprefix("--") for f in BIG_MODEL]
 
 
 def _pred(spec: ModelSpec, **plan: object):
-    p = Plan(**{"micro_batch": 1, "precision": "fp32", **plan})  # type: ignore[arg-type]
+    p = Layout(**{"micro_batch": 1, "precision": "fp32", **plan})  # type: ignore[arg-type]
     return predict(spec, p, A100, global_batch=p.dp * p.micro_batch)
 
 
@@ -87,7 +87,7 @@ def test_the_predicted_peak_is_the_larger_of_construction_and_training():
     plain = _pred(BIG_VOCAB, dp=1).memory  # states 16 B per parameter against 4 B built: training is the peak
     assert plain.total == plain.training > plain.construction and plain.largest != "construction"
     tight = dataclasses.replace(A100, memory_bytes=(mem.training + mem.total) / 2)
-    pred = predict(BIG_VOCAB, Plan(tp=8, micro_batch=1, precision="fp32"), tight, global_batch=1)
+    pred = predict(BIG_VOCAB, Layout(tp=8, micro_batch=1, precision="fp32"), tight, global_batch=1)
     assert not pred.fits  # fits training, not construction
 
 

@@ -1,4 +1,4 @@
-"""``shardwise plan`` in this process (no ranks), the Plan ↔ train-config mapping, and pins from flags."""
+"""``shardwise plan`` in this process (no ranks), the Layout ↔ train-config mapping, and pins from flags."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.planner import Plan
+from shardwise.planner import Layout
 from shardwise.runtime.config import load_config, validate
 from shardwise.runtime.planning import config_from_plan, parse_pin, parse_pins, pins_from_flags
 from shardwise.runtime.prediction import plan_from_config
@@ -24,13 +24,13 @@ def no_local_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize("plan", [
-    Plan(dp=4, micro_batch=2, grad_accum=2),
-    Plan(dp=2, tp=2, zero_stage=1, micro_batch=4, grad_accum=1, activation_checkpointing="full"),
-    Plan(dp=1, pp=4, micro_batch=2, grad_accum=1, microbatches=8, schedule="zb-h1", pp_split=("blocks.1", "blocks.3",
+    Layout(dp=4, micro_batch=2, grad_accum=2),
+    Layout(dp=2, tp=2, zero_stage=1, micro_batch=4, grad_accum=1, activation_checkpointing="full"),
+    Layout(dp=1, pp=4, micro_batch=2, grad_accum=1, microbatches=8, schedule="zb-h1", pp_split=("blocks.1", "blocks.3",
                                                                                               "blocks.5")),
-    Plan(dp=1, pp=2, micro_batch=1, grad_accum=2, microbatches=4, schedule="interleaved", chunks=2),
+    Layout(dp=1, pp=2, micro_batch=1, grad_accum=2, microbatches=4, schedule="interleaved", chunks=2),
 ])
-def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Plan):
+def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Layout):
     """config_from_plan → validate (train's checks) → plan_from_config(train's reading) is the plan again."""
     fields = config_from_plan(plan)
     batch = plan.dp * plan.grad_accum * plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1)
@@ -38,13 +38,13 @@ def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Plan):
     overrides.update({"parallel.nproc": plan.devices, "data.global_batch": batch, "model.n_layer": 6})
     cfg = validate(load_config(preset="gpt-tiny", overrides=overrides))
     back = plan_from_config(cfg, train_passes=True)
-    assert back.resolved(batch) == Plan.from_json({**plan.to_json(), "precision": "fp32"}).resolved(batch)
+    assert back.resolved(batch) == Layout.from_json({**plan.to_json(), "precision": "fp32"}).resolved(batch)
 
 
 def test_config_from_plan_refuses_what_train_cannot_run():
-    for plan, word in ((Plan(tp=2, sequence_parallel=True), "sequence parallelism"),
-                       (Plan(activation_checkpointing="selective"), "selective"),
-                       (Plan(precision="bf16-mixed"), "bf16-mixed")):
+    for plan, word in ((Layout(tp=2, sequence_parallel=True), "sequence parallelism"),
+                       (Layout(activation_checkpointing="selective"), "selective"),
+                       (Layout(precision="bf16-mixed"), "bf16-mixed")):
         with pytest.raises(ValueError, match=word):
             config_from_plan(plan)
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.pipeline.schedules import get_schedule
 from shardwise.parallel.pipeline.simulate import Costs, simulate
-from shardwise.planner import Hardware, ModelSpec, Plan, predict
+from shardwise.planner import Hardware, ModelSpec, Layout, predict
 from shardwise.planner.memory import layer_activation_bytes, local_params, model_state_bytes
 from shardwise.planner.pipeline_cost import simulate_flush
 from benchmarks.planner.published import MEGATRON_TABLE1, ZERO_TABLE1, gpt3_days, megatron_prediction
@@ -62,7 +62,7 @@ def test_korthikanti_activation_formulas():
              ("selective", True, t): s * b * h * 34 / t,
              ("full", False, t): 2 * s * b * h}
     for (ckpt, sp, tp), want in cases.items():
-        plan = Plan(tp=tp, micro_batch=b, activation_checkpointing=ckpt, sequence_parallel=sp, precision="bf16")
+        plan = Layout(tp=tp, micro_batch=b, activation_checkpointing=ckpt, sequence_parallel=sp, precision="bf16")
         kept, _ = layer_activation_bytes(block, plan)
         assert kept == pytest.approx(want, rel=1e-9), (ckpt, sp, tp)
 
@@ -100,10 +100,10 @@ def test_trace_of_a_plain_module_and_its_units():
     assert [layer.name for layer in spec.layers] == ["0", "1", "2"]
     assert spec.params == sum(p.numel() for p in mlp.parameters())
     assert spec.flops_per_sequence() == 2 * (64 * 256 + 256 * 10)  # per sample
-    pred = predict(spec, Plan(dp=2, pp=1, micro_batch=8), A100, global_batch=32)
+    pred = predict(spec, Layout(dp=2, pp=1, micro_batch=8), A100, global_batch=32)
     assert pred.step_time_s > 0
     with pytest.raises(ValueError, match="tensor-parallel plan"):
-        predict(spec, Plan(tp=2, micro_batch=8), A100, global_batch=32)
+        predict(spec, Layout(tp=2, micro_batch=8), A100, global_batch=32)
 
 
 def test_flush_extension_matches_full_simulation():
@@ -116,7 +116,7 @@ def test_flush_extension_matches_full_simulation():
 
 def test_one_f_one_b_bubble_is_the_closed_form():
     spec = ModelSpec.gpt(n_layer=8, n_embd=1024, n_head=16, vocab_size=1024, seq_len=512)
-    pred = predict(spec, Plan(pp=4, micro_batch=1), A100, global_batch=16)
+    pred = predict(spec, Layout(pp=4, micro_batch=1), A100, global_batch=16)
     busy = pred.breakdown["compute"] + pred.breakdown["tp_comm"]
     # (p - 1) / m of the ideal time, within the imbalance of the embedding/head stages
     assert pred.breakdown["pipeline_bubble"] / busy == pytest.approx(3 / 16, rel=0.35)
@@ -124,30 +124,30 @@ def test_one_f_one_b_bubble_is_the_closed_form():
 
 def test_memory_grows_with_micro_batch_and_shrinks_with_zero():
     spec = ModelSpec.gpt(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, seq_len=2048)
-    small = predict(spec, Plan(dp=8, micro_batch=1), A100, global_batch=64).memory
-    big = predict(spec, Plan(dp=8, micro_batch=4), A100, global_batch=64).memory
+    small = predict(spec, Layout(dp=8, micro_batch=1), A100, global_batch=64).memory
+    big = predict(spec, Layout(dp=8, micro_batch=4), A100, global_batch=64).memory
     assert big.activations == pytest.approx(4 * small.activations, rel=0.05)
-    zero3 = predict(spec, Plan(dp=8, micro_batch=1, zero_stage=3), A100, global_batch=64).memory
+    zero3 = predict(spec, Layout(dp=8, micro_batch=1, zero_stage=3), A100, global_batch=64).memory
     assert zero3.params == pytest.approx(small.params / 8) and zero3.optimizer == pytest.approx(small.optimizer / 8)
 
 
 def test_a_plan_that_does_not_fit_is_not_an_error():
     spec = ModelSpec.gpt(n_layer=96, n_embd=12288, n_head=96, vocab_size=51200, seq_len=2048)
-    pred = predict(spec, Plan(dp=8, micro_batch=1, precision="bf16"), A100, global_batch=8)
+    pred = predict(spec, Layout(dp=8, micro_batch=1, precision="bf16"), A100, global_batch=8)
     assert not pred.fits and pred.memory.largest == "optimizer"
     assert json.loads(json.dumps(pred.to_json()))["fits"] is False
 
 
 def test_plan_round_trips_and_bad_plans_say_the_fix():
-    plan = Plan(dp=2, tp=4, pp=2, zero_stage=1, micro_batch=2, schedule="interleaved", chunks=2,
+    plan = Layout(dp=2, tp=4, pp=2, zero_stage=1, micro_batch=2, schedule="interleaved", chunks=2,
                 activation_checkpointing="selective", sequence_parallel=True, precision="bf16")
-    assert Plan.from_json(plan.dumps()) == plan
+    assert Layout.from_json(plan.dumps()) == plan
     with pytest.raises(ValueError, match="multiple of dp × micro_batch"):
-        Plan(dp=3, micro_batch=2).resolved(16)
+        Layout(dp=3, micro_batch=2).resolved(16)
     with pytest.raises(ValueError, match="no field"):
-        Plan.from_json({"dp": 1, "tensor": 2})
+        Layout.from_json({"dp": 1, "tensor": 2})
     with pytest.raises(ValueError, match="must divide"):
-        predict(ModelSpec.gpt(GPTConfig()), Plan(tp=3), A100, global_batch=3)
+        predict(ModelSpec.gpt(GPTConfig()), Layout(tp=3), A100, global_batch=3)
 
 
 def test_hardware_presets_and_bad_calibrations(tmp_path):
@@ -259,7 +259,7 @@ def test_a_calibration_file_brings_its_probes():
     p = hw.block_probe
     block = gpt_layers(n_layer=1, h=int(p["n_embd"]), a=int(p["n_head"]), v=8, s=int(p["seq"]), positions=int(p["seq"]),
                        tie=True, bias=True, dropout=False, attention="flash")[1]
-    t = layer_time(block, Plan(micro_batch=int(p["batch"])), fitted, flash=True, tp_per_node=1)
+    t = layer_time(block, Layout(micro_batch=int(p["batch"])), fitted, flash=True, tp_per_node=1)
     assert t.F == pytest.approx(p["fwd_s"], rel=1e-6) and t.B + t.W == pytest.approx(p["bwd_s"], rel=1e-6)
 
 
@@ -282,7 +282,7 @@ def test_the_checkpointed_probe_sets_what_recomputation_adds():
     p = plain.block_probe
     block = gpt_layers(n_layer=1, h=int(p["n_embd"]), a=int(p["n_head"]), v=8, s=int(p["seq"]), positions=int(p["seq"]),
                        tie=True, bias=True, dropout=False, attention="flash")[1]
-    full = Plan(micro_batch=int(p["batch"]), activation_checkpointing="full")
+    full = Layout(micro_batch=int(p["batch"]), activation_checkpointing="full")
     # an older file (no checkpointed probe): recomputation costs one measured forward
     old = layer_time(block, full, block_factors(plain), flash=True, tp_per_node=1)
     assert old.recompute == pytest.approx(p["fwd_s"], rel=1e-6)
@@ -303,7 +303,7 @@ def test_probe_factors_scale_compute_not_tensor_parallel_communication():
     from shardwise.planner.compute import layer_time
 
     spec = ModelSpec.gpt(n_layer=2, n_embd=256, n_head=4, vocab_size=256, seq_len=256)
-    block, plan = spec.layers[1], Plan(tp=2, micro_batch=2)
+    block, plan = spec.layers[1], Layout(tp=2, micro_batch=2)
     one = layer_time(block, plan, A100, flash=True, tp_per_node=2)
     slow = layer_time(block, plan, replace(A100, fwd_factor=3.0), flash=True, tp_per_node=2)
     assert one.tp_fwd > 0 and slow.tp_fwd == one.tp_fwd
@@ -359,7 +359,7 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble_within_grahams_bound():
     spec = ModelSpec.gpt(n_layer=8, n_embd=256, n_head=4, vocab_size=256, seq_len=256)
     own = replace(A100, devices_per_node=4)
     shared = replace(own, host_cores=2, calibrated_ranks=4)
-    plan = Plan(pp=4, micro_batch=1)
+    plan = Layout(pp=4, micro_batch=1)
     alone, sharing = predict(spec, plan, own, global_batch=8), predict(spec, plan, shared, global_batch=8)
     # same per-rank speed at 4 ranks (the calibration's), but idle ranks lend their cores: faster, yet never
     # faster than the critical path run at full-core speed (the unshared flush × C/n)
@@ -369,7 +369,7 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble_within_grahams_bound():
 
 def test_gradient_buckets_never_exceed_the_gradients():
     def buckets(cfg: GPTConfig) -> tuple[float, float]:  # (what dp=2 adds to the buffers, the gradients)
-        one, two = (predict(ModelSpec.gpt(cfg), Plan(dp=dp, micro_batch=1), A100, global_batch=2).memory
+        one, two = (predict(ModelSpec.gpt(cfg), Layout(dp=dp, micro_batch=1), A100, global_batch=2).memory
                     for dp in (1, 2))
         return two.buffers - one.buffers, two.grads
 
@@ -383,12 +383,12 @@ def test_zero_stages_reduce_during_backward_and_cpu_zero_runs_the_ring():
     # every ZeRO stage now reduce-scatters its buckets during backward: on a GPU preset stages 1 and 2 expose
     # the same data-parallel communication (before, stage 1 reduced after backward: nothing hidden)
     spec = ModelSpec.gpt(GPTConfig.preset("gpt-small"))
-    one, two = (predict(spec, Plan(dp=8, zero_stage=z, micro_batch=4), A100, global_batch=32, seq_len=128)
+    one, two = (predict(spec, Layout(dp=8, zero_stage=z, micro_batch=4), A100, global_batch=32, seq_len=128)
                 for z in (1, 2))
     assert one.breakdown["dp_comm"] == pytest.approx(two.breakdown["dp_comm"])
     # on a CPU calibration sw.zero runs our ring (not gloo's reduce-scatter): priced with the ring's fit
     loaded = Hardware.load("benchmarks/hardware_cpu_4ranks.json")
-    pred = predict(spec, Plan(dp=4, zero_stage=1, micro_batch=2), loaded, global_batch=8, seq_len=128)
+    pred = predict(spec, Layout(dp=4, zero_stage=1, micro_batch=2), loaded, global_batch=8, seq_len=128)
     cpu = loaded.for_devices(4)
     local = sum(local_params(layer, 1) for layer in spec.layers) * 4  # fp32, the whole model on each replica
     ring = (cpu.collective_time("reduce_scatter", local, 4, per_node=4, algorithm="ring")
@@ -413,11 +413,11 @@ def test_shardwise_train_pays_its_two_one_number_all_reduces_per_step(monkeypatc
     hw = cpu.for_devices(4)
     one = lambda n, k: hw.collective_time("all_reduce", 4, n, per_node=k, algorithm="native")  # noqa: E731
     assert one(2, 2) > 1e-4  # gloo on this VM: a tenth of a millisecond at least
-    assert P._step_syncs(Plan(dp=2, tp=2, micro_batch=2), hw) == pytest.approx((2 * one(2, 2), one(2, 2)))
+    assert P._step_syncs(Layout(dp=2, tp=2, micro_batch=2), hw) == pytest.approx((2 * one(2, 2), one(2, 2)))
     # a pipeline's loss is already the mean: only the check, over dp and pp
-    assert P._step_syncs(Plan(dp=2, pp=2, micro_batch=1), hw) == pytest.approx((one(2, 2) + one(2, 1), 0.0))
-    assert P._step_syncs(Plan(micro_batch=1), hw) == (0.0, 0.0)
-    plan = Plan(dp=2, tp=2, micro_batch=2)
+    assert P._step_syncs(Layout(dp=2, pp=2, micro_batch=1), hw) == pytest.approx((one(2, 2) + one(2, 1), 0.0))
+    assert P._step_syncs(Layout(micro_batch=1), hw) == (0.0, 0.0)
+    plan = Layout(dp=2, tp=2, micro_batch=2)
     ours = predict(spec, plan, cpu, global_batch=8, seq_len=128)
     theirs = predict(spec, plan, cpu, global_batch=8, seq_len=128, runtime="megatron")
     monkeypatch.setattr(P, "_step_syncs", lambda plan, hw: (0.0, 0.0))
@@ -434,7 +434,7 @@ def test_zero_follows_the_calibration_the_run_has_and_else_runs_the_ring():
 
     spec = ModelSpec.gpt(GPTConfig.preset("gpt-small"))
     cal = Hardware.load("benchmarks/hardware_cpu_2ranks.json")
-    plan = Plan(dp=2, zero_stage=2, micro_batch=2)
+    plan = Layout(dp=2, zero_stage=2, micro_batch=2)
     local = sum(local_params(layer, 1) for layer in spec.layers) * 4
     hw = cal.for_devices(2)
     # the run has this calibration for dp's group: sw.zero picks per message, as the prediction does (this

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from shardwise.planner import Hardware, ModelSpec, Plan, predict
+from shardwise.planner import Hardware, ModelSpec, Layout, predict
 from shardwise.planner.enumerate import Space, candidates, normalize_pins
 from shardwise.planner.pipeline_cost import balance_minmax, flush_lower_bound, simulate_flush
 from shardwise.planner.search import NoFeasiblePlan, _rank_key, search
@@ -186,7 +186,7 @@ def test_search_times_are_recorded_and_results_serialise():
     result = search(small_gpt(), A100, devices=64, global_batch=128, top=2)
     data = result.to_json()
     assert data["search_s"] > 0 and len(data["plans"]) == 2
-    assert Plan.from_json(data["plans"][0]["plan"]) == result[0].plan
+    assert Layout.from_json(data["plans"][0]["plan"]) == result[0].plan
     assert {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "fits", "memory", "breakdown"} <= set(
         data["plans"][0]["prediction"])
 
@@ -220,10 +220,10 @@ def test_on_a_cpu_host_communication_does_not_hide_under_compute():
     spec = small_gpt()
     gpu = dataclasses.replace(A100, sync_skew_s=1e-3)
     cpu = dataclasses.replace(gpu, host_cores=64)  # more cores than ranks: only the overlap rule differs
-    plain = Plan(dp=8, micro_batch=1)
+    plain = Layout(dp=8, micro_batch=1)
     assert (predict(spec, plain, cpu, global_batch=32).breakdown["dp_comm"]
             > predict(spec, plain, gpu, global_batch=32).breakdown["dp_comm"])
-    z3 = Plan(dp=8, zero_stage=3, micro_batch=1)
+    z3 = Layout(dp=8, zero_stage=3, micro_batch=1)
     got = predict(spec, z3, cpu, global_batch=32)
     units = len(spec.layers)
     assert got.plan.grad_accum == 4
@@ -240,9 +240,9 @@ def test_search_on_a_megatron_row_is_at_least_as_fast_as_the_papers_layout():
     for space in ("free", "megatron-2021"):
         assert row[space]["at_least_as_fast"]
         assert row[space]["predicted_tflops"] >= row["paper_predicted_tflops"]
-        plan = Plan.from_json(row[space]["plan"])
+        plan = Layout.from_json(row[space]["plan"])
         assert plan.devices == 32 and plan.precision == "bf16-mixed"
-    assert Plan.from_json(row["megatron-2021"]["plan"]).zero_stage == 0
+    assert Layout.from_json(row["megatron-2021"]["plan"]).zero_stage == 0
     lines = published_search_lines([row], [{"devices": 32, "search_s": 0.1, "cpu_s": 0.1, "candidates": 10,
                                             "evaluated": 2, "best": "x", "best_tflops": 1.0}])
     assert any(row["paper_layout"] in line for line in lines)

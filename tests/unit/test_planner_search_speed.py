@@ -11,7 +11,7 @@ import random
 import pytest
 
 from shardwise.parallel.pipeline.schedules import get_schedule
-from shardwise.planner import Hardware, ModelSpec, Plan, predict
+from shardwise.planner import Hardware, ModelSpec, Layout, predict
 from shardwise.planner.enumerate import Space, _schedule_options, _split, layouts, normalize_pins, variants
 from shardwise.planner.pipeline_cost import first_rank_in_flight, simulate_flush
 from shardwise.planner.predict import _hardware_for, layer_costs
@@ -68,7 +68,7 @@ def small_gpt(n_layer: int = 8) -> ModelSpec:
     return ModelSpec.gpt(n_layer=n_layer, n_embd=512, n_head=8, vocab_size=4096, seq_len=256, block_size=256)
 
 
-def _every_plan(spec: ModelSpec, hw: Hardware, devices: int, gb: int, space: Space, pins: dict) -> list[Plan]:
+def _every_plan(spec: ModelSpec, hw: Hardware, devices: int, gb: int, space: Space, pins: dict) -> list[Layout]:
     """Every plan of the space, from its definition alone (layouts × variants × micro-batches × schedule options
     × ZeRO stages, each pipeline cut by the time-balanced split): no bound, no group, no early stop."""
     cache: dict = {}
@@ -79,7 +79,7 @@ def _every_plan(spec: ModelSpec, hw: Hardware, devices: int, gb: int, space: Spa
         per = gb // dp
         for ckpt, sp, mbs, zeros in variants(spec, tp=tp, pp=pp, dp=dp, per=per, pins=pins, space=space):
             for mb in mbs:
-                base = Plan(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+                base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
                             precision=precision)
                 per_layer = layer_costs(spec, base, hw_d, cache)
                 for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.planner import Hardware, Plan, predict
+from shardwise.planner import Hardware, Layout, predict
 from benchmarks.planner.published import megatron_spec
 
 
 def _zero3(gpus: int, micro_batch: int):
     spec = megatron_spec(96, 12288, 96)  # GPT-3 175B, Narayanan et al. 2021 Table 2's ZeRO-3 model
-    plan = Plan(dp=gpus, micro_batch=micro_batch, zero_stage=3, activation_checkpointing="full",
+    plan = Layout(dp=gpus, micro_batch=micro_batch, zero_stage=3, activation_checkpointing="full",
                 precision="bf16-mixed")
     # megatron runtime: nothing overlapped, so the breakdown is the whole communication
     return predict(spec, plan, Hardware.preset("a100-80g-sxm"), global_batch=1536, runtime="megatron")

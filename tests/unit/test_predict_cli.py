@@ -190,7 +190,7 @@ def test_the_quick_probe_takes_its_launch_overhead_from_the_tiny_block(monkeypat
 def test_launch_overhead_recovers_the_overhead_that_explains_the_block():
     from dataclasses import replace
 
-    from shardwise.planner import Hardware, Plan
+    from shardwise.planner import Hardware, Layout
     from shardwise.planner.compute import layer_time
     from shardwise.planner.spec import gpt_layers
     from shardwise.planner.overhead import TINY_BLOCK, launch_overhead
@@ -200,7 +200,7 @@ def test_launch_overhead_recovers_the_overhead_that_explains_the_block():
     layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
                        bias=True, dropout=False, attention="flash")[1]
     for o in (2e-6, 15e-6):  # a block that really costs this per launch is read back as this
-        lt = layer_time(layer, Plan(micro_batch=t["batch"]), replace(hw, op_overhead_s=o), flash=True, tp_per_node=1)
+        lt = layer_time(layer, Layout(micro_batch=t["batch"]), replace(hw, op_overhead_s=o), flash=True, tp_per_node=1)
         assert launch_overhead(hw, lt.F + lt.B + lt.W) == pytest.approx(o, rel=1e-6)
     assert launch_overhead(hw, 0.0) == 0.0  # faster than its arithmetic: no overhead, never negative
 

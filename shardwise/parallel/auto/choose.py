@@ -7,7 +7,7 @@
 Steps: trace the model once on ``example_inputs`` (``trace.py``: forward hooks plus a ``TorchFunctionMode``;
 no ``torch.fx``) into a graph of units and joins; for each choice of tensor-parallel axis — none (pure data
 parallelism over every axis) or one mesh axis of size > 1, the others carrying data — price every node's
-layouts (``options.py``: compute, the conversions ``sw.parallelize`` performs priced by the boxing planner,
+layouts (``options.py``: compute, the conversions ``sw.parallelize`` performs priced by the boxing router,
 gradient all-reduce over the data axes, memory) and solve the graph exactly (``solve.py``); keep the cheapest.
 Weights are split over at most one axis (``sw.parallelize`` shards over one); the 1-axis hybrid where the
 same axis carries data for some layers and a weight split for others is not searched (no executor for it).
@@ -33,7 +33,7 @@ from ..common.materialize import has_meta
 from .cost import CostModel, NominalHardware
 from .options import applicable
 from .pins import Pin, parse_pins
-from .plan import Plan, Row
+from .plan import ParallelizePlan, Row
 from .search import PinError, Search, search
 from .solve import NoFit
 from .trace import Graph, trace_graph
@@ -173,8 +173,8 @@ def _rows(graph: Graph, parents: dict[str, nn.Module], found: dict[str | None, S
 
 
 def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_budget: float | None = None,
-         pins: Mapping[str, Any] | None = None, *, hardware: Any = None) -> Plan:
-    """The cheapest layout of ``model`` on ``mesh`` as a ``Plan`` (see module docstring and ``plan.py``).
+         pins: Mapping[str, Any] | None = None, *, hardware: Any = None) -> ParallelizePlan:
+    """The cheapest layout of ``model`` on ``mesh`` as a ``ParallelizePlan`` (see module docstring and ``plan.py``).
 
     ``example_inputs``: a tuple of positional args, a dict of keyword args, or one tensor — one global batch.
     ``memory_budget``: bytes per rank; layouts over it are rejected (``ValueError`` naming the smallest
@@ -203,5 +203,5 @@ def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_
     vocab_out = any(o.kind == "vocab" and graph.nodes[i].sink and isinstance(graph.nodes[i].module, nn.Linear)
                     for i, o in enumerate(best.chosen))
     dp_axes = tuple(a for a in axes if a != best.cm.tp)
-    return Plan(styles, best.cm.tp, dp_axes, vocab_out, best.solution.time_s, best.solution.memory,
+    return ParallelizePlan(styles, best.cm.tp, dp_axes, vocab_out, best.solution.time_s, best.solution.memory,
                 best.solution.exact, tuple(layouts), _rows(graph, parents, found, best, node_pins, memory_budget))

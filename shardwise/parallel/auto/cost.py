@@ -1,6 +1,6 @@
 """Prices for ``sw.auto``: compute, the boxing conversions the executors perform, gradient all-reduce, memory.
 
-Every conversion is priced by the project's boxing planner (``sbp.boxing.plan_boxing``) on the real mesh
+Every conversion is priced by the project's boxing router (``sbp.boxing.route_boxing``) on the real mesh
 shape, with a ``cost_fn`` in seconds from the hardware's alpha–beta collective model. ``hardware`` is anything
 with ``collective_time(op, nbytes, size, algorithm=)``, ``gemm_time(m, n, k, dtype=, elem_bytes=)`` and
 ``memory_time(nbytes, ops)`` — ``sw.planner.Hardware.preset(...)`` or ``Hardware.load("calibration.json")``
@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
-from ...sbp.boxing import plan_boxing
-from ...sbp.placement import Broadcast, Partial, Placement, Split
+from ...sbp.boxing import route_boxing
+from ...sbp.placement import Replicate, Partial, Placement, Split
 from ...sbp.spec import local_shape
 
 __all__ = ["HardwareLike", "NominalHardware", "CostModel", "STATE_COPIES", "BUCKET_BYTES"]
@@ -100,23 +100,23 @@ class CostModel:
         return self.hardware.collective_time(op, _FULL[collective](local_bytes, n), n, algorithm="native")
 
     def boxing(self, shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement]) -> float:
-        """Seconds of the cheapest conversion ``src -> dst`` of a logical tensor of ``shape`` (boxing planner)."""
-        plan = plan_boxing(tuple(shape), self.itemsize, tuple(src), tuple(dst), self.shape, self.axes,
+        """Seconds of the cheapest conversion ``src -> dst`` of a logical tensor of ``shape`` (boxing router)."""
+        plan = route_boxing(tuple(shape), self.itemsize, tuple(src), tuple(dst), self.shape, self.axes,
                            cost_fn=self._cost_fn)
         return sum(self._cost_fn(s.collective, self.shape[s.axis_index], _local(s, shape, plan, self))
                    for s in plan.steps)
 
     def sbp(self, tp_placement: Placement, batch_dim: int | None = 0) -> tuple[Placement, ...]:
         """An activation's signature: split on ``batch_dim`` over the data axes, ``tp_placement`` on tp."""
-        data = Split(batch_dim) if batch_dim is not None else Broadcast()
-        return tuple(tp_placement if a == self.tp else (data if s > 1 else Broadcast())
+        data = Split(batch_dim) if batch_dim is not None else Replicate()
+        return tuple(tp_placement if a == self.tp else (data if s > 1 else Replicate())
                      for a, s in zip(self.axes, self.shape))
 
     def reduce_over_tp(self, shape: Sequence[int]) -> float:
         """A partial activation made whole on the tp axis (P -> B), batch split over the data axes."""
         if self.t == 1:
             return 0.0
-        return self.boxing(shape, self.sbp(Partial()), self.sbp(Broadcast()))
+        return self.boxing(shape, self.sbp(Partial()), self.sbp(Replicate()))
 
     def grad_allreduce(self, nbytes: float) -> float:
         """Gradients of ``nbytes`` (this rank's piece) made whole over the data axes, in full buckets."""
@@ -124,8 +124,8 @@ class CostModel:
             return 0.0
         numel = BUCKET_BYTES // self.itemsize
         tp_part = {self.tp} if self.tp else set()
-        src = tuple(Broadcast() if a in tp_part or s == 1 else Partial() for a, s in zip(self.axes, self.shape))
-        per_bucket = self.boxing((numel,), src, (Broadcast(),) * len(self.axes))
+        src = tuple(Replicate() if a in tp_part or s == 1 else Partial() for a, s in zip(self.axes, self.shape))
+        per_bucket = self.boxing((numel,), src, (Replicate(),) * len(self.axes))
         return per_bucket * nbytes / BUCKET_BYTES
 
     def gemm(self, m: float, n: float, k: float) -> float:
@@ -140,7 +140,7 @@ class CostModel:
 
 
 def _local(step: Any, shape: Sequence[int], plan: Any, model: CostModel) -> int:
-    """Local bytes before ``step`` of ``plan`` (the planner's rank-0 pieces)."""
+    """Local bytes before ``step`` of the boxing route ``plan`` (the router's rank-0 pieces)."""
     state = list(plan.src)
     for s in plan.steps:
         if s is step:

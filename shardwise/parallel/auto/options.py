@@ -6,7 +6,7 @@ what it delivers (``gives``); a plan is feasible when every node's inputs are de
 exactly the transitions ``sw.parallelize`` performs (a row layer's partial output is all-reduced inside it,
 a column layer's replicated input gets its gradient all-reduced in backward):
 
-| kind     | module                    | weight on tp | need | gives | communication priced (boxing planner)          |
+| kind     | module                    | weight on tp | need | gives | communication priced (boxing router)           |
 |----------|---------------------------|--------------|------|-------|------------------------------------------------|
 | ``B``    | any unit                  | B            | B    | B     | none on tp (compute not divided)               |
 | column   | ``nn.Linear``             | S(0)         | B    | Sf    | backward: input gradient P -> B                |

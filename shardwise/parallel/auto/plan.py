@@ -1,5 +1,6 @@
-"""``Plan``: what ``sw.auto`` chose, as plain data — the ``pattern -> style`` mapping ``sw.parallelize`` takes,
-which mesh axes carry data parallelism and which carries tensor parallelism, and the prices behind the choice.
+"""``ParallelizePlan``: what ``sw.auto`` chose, as plain data — the ``pattern -> style`` mapping
+``sw.parallelize`` takes, which mesh axes carry data parallelism and which carries tensor parallelism, and the
+prices behind the choice. (``sw.Plan`` is an alias of it, the name it had first.)
 
     plan = sw.auto(model, mesh, example_inputs=(ids,))
     print(plan)                                    # layouts, styles, and per module group the rejected prices
@@ -8,8 +9,8 @@ which mesh axes carry data parallelism and which carries tensor parallelism, and
         model = sw.parallelize(model, mesh, plan)  # axis taken from plan.tp_axis
     model = sw.DataParallel(model, mesh, axis=plan.dp_axes[0])   # (the data axis of size > 1)
 
-``Plan.from_text(str(plan))`` and ``Plan.from_json(plan.to_json())`` give back an equal plan (its styles and
-axes; the text keeps the prices for reading only).
+``ParallelizePlan.from_text(str(plan))`` and ``ParallelizePlan.from_json(plan.to_json())`` give back an equal
+plan (its styles and axes; the text keeps the prices for reading only).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Iterator, Mapping
 
 from ..tensor.styles import STYLES, Style
 
-__all__ = ["Plan", "Row", "parse_style", "format_style", "why_replicated"]
+__all__ = ["ParallelizePlan", "Plan", "Row", "parse_style", "format_style", "why_replicated"]
 
 _BY_NAME = {cls.__name__: cls for cls in STYLES}
 
@@ -60,7 +61,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Plan(Mapping[str, Style]):
+class ParallelizePlan(Mapping[str, Style]):
     """A mapping ``module-name pattern -> style`` plus the axes and the prices (see module docstring)."""
 
     styles: Mapping[str, Style]
@@ -89,7 +90,7 @@ class Plan(Mapping[str, Style]):
     def __len__(self) -> int:
         return len(self.styles)
 
-    def edit(self, changes: Mapping[str, Style | str]) -> "Plan":
+    def edit(self, changes: Mapping[str, Style | str]) -> "ParallelizePlan":
         """A copy with ``changes`` applied (``"B"`` removes a pattern: replicated); prices dropped."""
         styles = dict(self.styles)
         for pattern, style in changes.items():
@@ -99,7 +100,7 @@ class Plan(Mapping[str, Style]):
                 styles[pattern] = style
             else:
                 raise ValueError(f"edit({pattern!r}: {style!r}): give a style object or 'B' (replicated)")
-        return Plan(styles, self.tp_axis, self.dp_axes, self.vocab_parallel_loss, exact=self.exact)
+        return ParallelizePlan(styles, self.tp_axis, self.dp_axes, self.vocab_parallel_loss, exact=self.exact)
 
     def to_json(self) -> dict[str, Any]:
         return {"styles": {k: format_style(v) for k, v in self.styles.items()}, "tp_axis": self.tp_axis,
@@ -107,13 +108,13 @@ class Plan(Mapping[str, Style]):
                 "time_s": self.time_s, "memory": self.memory}
 
     @staticmethod
-    def from_json(data: Mapping[str, Any]) -> "Plan":
-        return Plan({k: parse_style(v) for k, v in data["styles"].items()}, data["tp_axis"],
+    def from_json(data: Mapping[str, Any]) -> "ParallelizePlan":
+        return ParallelizePlan({k: parse_style(v) for k, v in data["styles"].items()}, data["tp_axis"],
                     tuple(data["dp_axes"]), bool(data.get("vocab_parallel_loss", False)), data.get("time_s"),
                     data.get("memory"))
 
     @staticmethod
-    def from_text(text: str) -> "Plan":
+    def from_text(text: str) -> "ParallelizePlan":
         """Read back the axes and styles of ``str(plan)`` (possibly edited by hand)."""
         head = re.search(r"tp axis: (\S+); data axes: \[(.*?)\]; vocab-parallel loss: (\w+)", text)
         if head is None:
@@ -126,7 +127,7 @@ class Plan(Mapping[str, Style]):
             if "->" in line:
                 pattern, _, style = line.partition("->")
                 styles[pattern.strip()] = parse_style(style.strip())
-        return Plan(styles, tp, dp, head.group(3) == "yes")
+        return ParallelizePlan(styles, tp, dp, head.group(3) == "yes")
 
     def __str__(self) -> str:
         return "\n".join(_lines(self))
@@ -136,7 +137,11 @@ def _ms(t: float | None) -> str:
     return "-" if t is None else f"{t * 1e3:.3f} ms"
 
 
-def _lines(plan: Plan) -> list[str]:
+Plan = ParallelizePlan
+"""The first name of ``ParallelizePlan`` (``sw.Plan``): the same class."""
+
+
+def _lines(plan: ParallelizePlan) -> list[str]:
     tp = repr(plan.tp_axis) if plan.tp_axis else "none"
     out = [f"sw.auto plan -- tp axis: {tp}; data axes: [{', '.join(repr(a) for a in plan.dp_axes)}]; "
            f"vocab-parallel loss: {'yes' if plan.vocab_parallel_loss else 'no'}"]

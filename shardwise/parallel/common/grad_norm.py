@@ -6,7 +6,7 @@ Each gradient element must be counted exactly once in the global sum of ``|g|^p`
 
 * a parameter tied across two pipeline ranks is counted by the lower pipeline coordinate only (``skip_ids``);
 * a parameter split over an axis (tensor parallelism) contributes its shard on every coordinate of it; one
-  replicated over an axis (``Broadcast``, or not annotated: layer norms, a row-parallel layer's bias) only on
+  replicated over an axis (``Replicate``, or not annotated: layer norms, a row-parallel layer's bias) only on
   coordinate 0 of that axis;
 * over an axis the caller owns (``own_axes``: the pipeline axis, and the dp axis of ZeRO) every coordinate
   holds different elements: a ZeRO rank's averaged shard of each flat group (``shard_pieces``), a pipeline
@@ -37,7 +37,7 @@ __all__ = ["counted", "shard_pieces", "clip_counted"]
 
 def counted(q: nn.Parameter, mesh: Mesh, own_axes: set[str], skip_ids: frozenset[int] | set[int]) -> bool:
     """Whether this rank counts ``q``'s gradient: not a tied copy the peer counts, and not a replica on an axis
-    outside ``own_axes`` (pipeline, dp) where this rank's coordinate is not 0 (Broadcast or unannotated)."""
+    outside ``own_axes`` (pipeline, dp) where this rank's coordinate is not 0 (Replicate or unannotated)."""
     if id(q) in skip_ids:
         return False
     split = split_axes(q)  # layout only: a freed ZeRO stage-3 parameter has no data

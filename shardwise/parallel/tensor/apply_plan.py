@@ -30,7 +30,7 @@ from ...mesh import Mesh
 from ..common.materialize import ensure_sources
 from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
-from ...sbp.placement import Broadcast, Split
+from ...sbp.placement import Replicate, Split
 from .grad_regions import build_regions
 from .model_loss import install_model_loss
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
@@ -258,7 +258,7 @@ def _heads_view(heads: tuple) -> tuple[Mesh, tuple[int, ...], list]:
     """``(mesh, view shape, sbp)`` of a head-split parameter (``_shardwise_heads``): its view — (fused, nh·hd, ...),
     or (i·fused, nh·hd) for a transposed weight — split S(1) over the tp axis (whole heads), B elsewhere."""
     mesh, axis, _fused, _full_shape, view = heads[:5]
-    sbp = [Split(1) if a == axis else Broadcast() for a in mesh.axes]
+    sbp = [Split(1) if a == axis else Replicate() for a in mesh.axes]
     return mesh, tuple(view), sbp
 
 

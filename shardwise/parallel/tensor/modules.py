@@ -20,7 +20,7 @@ from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
 from ..common.materialize import deferred_piece, mark_drawn, read_full
 from ...sbp.params import annotate
-from ...sbp.placement import Broadcast, Split
+from ...sbp.placement import Replicate, Split
 from .rng import RNGStreams
 
 __all__ = ["TPContext", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SEQ_DIM"]
@@ -48,7 +48,7 @@ class TPContext:
 
     def sbp(self, dim: int | None) -> list:
         """One placement per mesh axis: ``Split(dim)`` on the tp axis (B when ``dim`` is None), B elsewhere."""
-        return [Split(dim) if a == self.axis and dim is not None else Broadcast() for a in self.mesh.axes]
+        return [Split(dim) if a == self.axis and dim is not None else Replicate() for a in self.mesh.axes]
 
     def split_sequence(self, t: int) -> tuple[int, int]:
         """Record the pieces of a length-``t`` sequence; return this rank's (start, length)."""
