@@ -1,5 +1,8 @@
 """``Hardware`` fields from a calibration file of the user's own machine (written by ``shardwise calibrate``).
 
+The file's schema, its checker and its default path are ``comm/hardware.py`` (the lowest layer that reads it:
+the trainer attaches its collective models to the mesh); this module is the planner's reading of it.
+
 The file holds what ran *with every rank busy at once* (ranks share the host's cores and memory bus, as they do
 in training): GEMM throughput per rank for a sweep of shapes, elementwise bandwidth, the cost of one tiny op,
 and fitted alpha–beta models of the collectives for each group size measured. From them:
@@ -17,11 +20,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..comm.calibration import Calibration
+from ..comm.hardware import HARDWARE_FORMAT
 from .link import Link
 
 __all__ = ["hardware_fields"]
 
-_FORMAT = "shardwise-hardware/1"
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -95,8 +98,8 @@ def hardware_fields(data: Any, where: str = "calibration") -> dict[str, Any]:
         raise ValueError(f"{where} holds a {type(data).__name__}, expected an object; regenerate it with "
                          f"`shardwise calibrate --out FILE`")
     fmt = data.get("format")
-    if fmt != _FORMAT:
-        raise ValueError(f"{where} has format {fmt!r}, expected {_FORMAT!r}; regenerate it with "
+    if fmt != HARDWARE_FORMAT:
+        raise ValueError(f"{where} has format {fmt!r}, expected {HARDWARE_FORMAT!r}; regenerate it with "
                          f"`shardwise calibrate --out FILE`")
     probe = _need(data, "probe", dict, where)
     gemm = _need(probe, "gemm", dict, f"{where} probe")
