@@ -16,7 +16,7 @@ from typing import Callable
 from .builders import gpt_layers
 from .compute import layer_time
 from .hardware import Hardware
-from .plan import Plan
+from .plan import Layout
 
 __all__ = ["TINY_BLOCK", "GPU_KERNEL_GAP_S", "launch_overhead", "with_launch_cost", "autocast_factor"]
 
@@ -34,7 +34,7 @@ def _tiny_block_time(hw: Hardware) -> Callable[[float], float]:
     t = TINY_BLOCK
     layer = gpt_layers(n_layer=1, h=t["n_embd"], a=t["n_head"], v=8, s=t["seq"], positions=t["seq"], tie=True,
                        bias=True, dropout=False, attention="flash")[1]
-    plan = Plan(micro_batch=t["batch"])
+    plan = Layout(micro_batch=t["batch"])
     bare = replace(hw, fwd_factor=1.0, bwd_factor=1.0, host_launch_s=0.0)
 
     def total(o: float) -> float:

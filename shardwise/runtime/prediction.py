@@ -1,4 +1,4 @@
-"""What the planner says about a training config: its ``Plan``, the hardware it runs on, and the records the
+"""What the planner says about a training config: its ``Layout``, the hardware it runs on, and the records the
 launcher writes (``shardwise predict`` and the prediction ``shardwise train`` prints before it starts).
 
 ``plan_from_config`` is pure. ``resolve_hardware`` reads a preset or a calibration file. ``quick_probe_hardware``
@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ..planner import PRESETS, Hardware, Link, ModelSpec, Plan, Prediction, predict
+from ..planner import PRESETS, Hardware, Link, ModelSpec, Layout, Prediction, predict
 from ..planner.overhead import TINY_BLOCK, autocast_factor, with_launch_cost
 from .config import Config
 from .model_build import planner_split_names
@@ -23,24 +23,24 @@ __all__ = ["plan_from_config", "gpt_spec", "local_calibration", "resolve_hardwar
            "prediction_line"]
 
 _PRECISION = {"fp32": "fp32", "bf16": "bf16"}
-"""``train.precision`` → ``Plan.precision``: ``bf16`` is autocast over fp32 weights in both."""
+"""``train.precision`` → ``Layout.precision``: ``bf16`` is autocast over fp32 weights in both."""
 
-# Plan field → the config key it comes from, so that a Plan error names what the user typed.
-_KEYS = (("Plan.schedule", "parallel.pp_schedule"), ("Plan.chunks", "parallel.pp_chunks"),
-         ("Plan.microbatches", "parallel.pp_microbatches"), ("Plan.micro_batch", "parallel.micro_batch"),
-         ("Plan.grad_accum", "parallel.grad_accum"), ("Plan.zero_stage", "parallel.zero_stage"),
-         ("Plan.precision", "train.precision"), ("Plan.", "parallel."))
+# Layout field → the config key it comes from, so that a Layout error names what the user typed.
+_KEYS = (("Layout.schedule", "parallel.pp_schedule"), ("Layout.chunks", "parallel.pp_chunks"),
+         ("Layout.microbatches", "parallel.pp_microbatches"), ("Layout.micro_batch", "parallel.micro_batch"),
+         ("Layout.grad_accum", "parallel.grad_accum"), ("Layout.zero_stage", "parallel.zero_stage"),
+         ("Layout.precision", "train.precision"), ("Layout.", "parallel."))
 
 
-def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Plan:
-    """The ``Plan`` of a validated config (``validate``: ``nproc`` and ``dp`` resolved).
+def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
+    """The ``Layout`` of a validated config (``validate``: ``nproc`` and ``dp`` resolved).
 
     Field by field: ``dp``, ``tp``, ``pp``, ``zero_stage`` as they are; ``activation_checkpointing`` true →
     ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
     (bf16 autocast over fp32 weights); no sequence parallelism (train has none).
 
     The batch with pp = 1: ``micro_batch`` sequences per pass, ``grad_accum`` passes (0: inferred by
-    ``Plan.resolved`` from the global batch).
+    ``Layout.resolved`` from the global batch).
 
     The batch with pp > 1 has two readings:
 
@@ -74,7 +74,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Plan:
     else:
         fields.update(micro_batch=p.micro_batch, microbatches=p.pp_microbatches)
     try:
-        return Plan(**fields)
+        return Layout(**fields)
     except ValueError as exc:
         text = str(exc)
         for ours, theirs in _KEYS:
