@@ -27,6 +27,7 @@ DOCS = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").gl
 EXAMPLES = sorted((ROOT / "examples").rglob("*.py"))
 PUBLIC = ("shardwise", "shardwise.models", "shardwise.comm", "shardwise.planner", "shardwise.schedules")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+IMPORT_LINE = re.compile(r"^\s*(from shardwise[\w.]* import [\w, ]+|import shardwise[\w.]*( as \w+)?(, *\w+)*)\s*$")
 
 ALIASES = [  # (old name, new name): the old one keeps working as the same object
     ("shardwise.Plan", "shardwise.ParallelizePlan"),
@@ -86,12 +87,17 @@ def violations(source: str, where: str, first_line: int = 1) -> list[str]:
 
 
 def blocks() -> list[tuple[str, int, str]]:
-    """(file, first line, code) of every ```python block of the docs and every example file."""
+    """(file, first line, code) of every ```python block of the docs, every import line elsewhere in them (the
+    ``python -c "..."`` of a shell block) and every example file."""
     out = []
     for doc in DOCS:
         text = doc.read_text()
         for m in FENCE.finditer(text):
             out.append((str(doc.relative_to(ROOT)), text.count("\n", 0, m.start(1)) + 1, textwrap.dedent(m.group(1))))
+        rest = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # same line numbers, python blocks out
+        for n, line in enumerate(rest.splitlines(), 1):
+            if IMPORT_LINE.match(line):
+                out.append((str(doc.relative_to(ROOT)), n, line.strip()))
     out += [(str(p.relative_to(ROOT)), 1, p.read_text()) for p in EXAMPLES]
     return out
 
@@ -122,6 +128,12 @@ def test_the_check_catches_internal_names(snippet, expected):
     bad = violations(snippet, "snippet.md", 10)
     assert bad and expected in bad[0], bad
     assert bad[0].startswith(f"snippet.md:{10 + snippet.count(chr(10))}:"), bad  # names file and line
+
+
+def test_import_lines_of_shell_blocks_are_checked_too():
+    line = "from shardwise.parallel.common.activation_checkpointing import checkpoint_report"
+    assert IMPORT_LINE.match(line) and violations(line, "x.md")
+    assert not IMPORT_LINE.match("shardwise train --parallel.tp 2") and not IMPORT_LINE.match("import torch")
 
 
 def test_the_check_passes_public_names():

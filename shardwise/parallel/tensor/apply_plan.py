@@ -1,12 +1,12 @@
 """``sw.parallelize``: tensor (model) parallelism from a declarative plan (module-name pattern → style).
 
-    plan = sw.parallel.tensor.gpt_plan(config, sequence_parallel=True)
+    plan = sw.gpt_plan(config, sequence_parallel=True)   # a dict pattern -> style; sw.auto gives a ParallelizePlan
     model = sw.parallelize(GPT(config), mesh, plan, axis="tp", sequence_parallel=True)
     logits = model(idx)                              # (b, t, V/tp): vocab-sharded, never gathered
-    loss = vocab_parallel_cross_entropy(logits, targets, mesh=mesh, axis="tp")
+    loss = sw.vocab_parallel_cross_entropy(logits, targets, mesh=mesh, axis="tp")
     loss.backward(); opt.step()                      # optimizer built *after* parallelize
 
-Planned modules are replaced by the modules of ``tensor_modules.py``, which hold this rank's shard as an
+Planned modules are replaced by the modules of ``modules.py``, which hold this rank's shard as an
 ordinary ``nn.Parameter`` under the original name (state_dict keys unchanged). Each sharded parameter carries
 its global description (``sbp.params.annotate``: ``as_global(p)`` is its ``GlobalTensor`` view), and
 ``sw.full_state_dict(model)`` returns the full tensors under the single-device keys. Tied parameters (the LM
