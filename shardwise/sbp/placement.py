@@ -72,7 +72,7 @@ def parse_sbp(text: str) -> tuple[Placement, ...]:
     for part in text.split(","):
         m = _TOKEN.fullmatch(part)
         if m is None:
-            raise ValueError(f"cannot parse SBP {part.strip()!r} in {text!r}; use S(dim), B (or R), P or P(max), "
+            raise ValueError(f"cannot parse SBP {part.strip()!r} in {text!r}; use S(dim), B, P or P(max), "
                              f"comma-separated, one per mesh axis (e.g. 'S(0),B')")
         token = m.group(1).replace(" ", "")
         if token.startswith("S"):
