@@ -76,12 +76,12 @@ def flush_bound(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, per_la
     """One flush's lower bound (``pipeline_cost.flush_lower_bound``; the mean busy time where pipeline ranks
     share a host's cores); it does not depend on the ZeRO stage or the accumulation."""
     sums_key = ("sums", id(per_layer), plan.pp, opt.chunks, opt.sid)
-    flush_key = ("flush_lb", sums_key, plan.dp, opt.schedule, opt.m)
+    flush_key = ("flush_lb", sums_key, plan.dp * plan.cp, opt.schedule, opt.m)
     if flush_key not in cache:
         stages, starts, *_ = shape_of(spec, plan.tp, plan.pp, opt, cache)
         if sums_key not in cache:
             cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
-        fold_key = ("fold", sums_key, plan.dp)
+        fold_key = ("fold", sums_key, plan.dp * plan.cp)
         if fold_key not in cache:
             F, B, W, comm = fold_transfers(plan, *cache[sums_key], stages, hw, blocking=runtime == "megatron")
             # the flush bound's terms serve every schedule and micro-batch count on this split (one pass)
@@ -104,12 +104,12 @@ def rest_bounds(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, runtim
     parameters cost besides the flushes."""
     _, _, _, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache)
     fused = runtime == "megatron"
-    opt_key = ("optimizer", n_local, tensors, plan.dp, plan.zero_stage, fused)
+    opt_key = ("optimizer", n_local, tensors, plan.zero_group, plan.zero_stage, fused)
     if opt_key not in cache:
         cache[opt_key] = _optimizer(plan, hw, n_local, tensors, fused=fused)
     # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
     # (``_dp_comm`` only decreases as forward and backward grow)
-    dp_key = ("dp_lb", n_local, plan.dp, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
+    dp_key = ("dp_lb", n_local, plan.zero_group, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
     if dp_key not in cache:
         units = max(len(rl) for rl in rank_layers)
         cache[dp_key] = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units)
@@ -137,7 +137,7 @@ def memory_bounds(spec: ModelSpec, plans: Sequence[Layout], opt: Option, hw: Har
     for plan in plans:
         pair = []
         for sets in (held, fewest):
-            key = (plan.zero_stage, plan.dp, sets)
+            key = (plan.zero_stage, plan.zero_group, sets)
             total = totals.get(key)
             if total is None:
                 total = totals[key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan,

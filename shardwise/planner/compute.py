@@ -17,7 +17,7 @@ from .hardware import Hardware
 from .plan import Layout
 from .layers import Gemm, Layer
 
-__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes"]
+__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes", "attention_time"]
 
 
 def act_bytes(plan: Layout) -> int:
@@ -44,6 +44,10 @@ class LayerTime:
     """Forward GEMM FLOPs of the micro-batch on this device (attention counted in full, Megatron's way)."""
     flops_attn: float
     """Of which the attention core (what selective recomputation repeats)."""
+    cp_fwd: float = 0.0
+    """Exposed ring-attention communication inside F (context parallelism; ``context.ring_times``)."""
+    cp_bwd: float = 0.0
+    """... inside B (the recomputed forward's ring included)."""
 
 
 def _shape(g: Gemm, b: int, t: int) -> tuple[float, float, float, float]:
@@ -82,6 +86,16 @@ def _gemms(layer: Layer, plan: Layout, hw: Hardware, flash: bool) -> tuple[float
         bw += hw.gemm_time(m, k, n, dtype=dtype, batch=batch, elem_bytes=eb)
         ww += hw.gemm_time(k, n, m, dtype=dtype, batch=batch, elem_bytes=eb)
     return f, bw, ww, attn, flops, attn_flops
+
+
+def attention_time(layer: Layer, plan: Layout, hw: Hardware, *, flash: bool) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of ``layer``'s attention core for one micro-batch on one rank (what a
+    ring-attention hop hides under, ``cp`` blocks of it together)."""
+    core = replace(layer, gemms=tuple(g for g in layer.gemms if not g.weight))
+    if not core.gemms:
+        return 0.0, 0.0
+    f, b, _, _, _, _ = _gemms(core, plan, hw, flash)
+    return f * hw.fwd_factor, b * hw.bwd_factor
 
 
 def layer_time(layer: Layer, plan: Layout, hw: Hardware, *, flash: bool, tp_per_node: int) -> LayerTime:

@@ -11,7 +11,9 @@ bf16           4           4      8 — autocast keeps fp32 weights; GEMMs read 
 bf16-mixed     2           2      12 (fp32 master, m, v) — the ZeRO paper's 2Ψ + 2Ψ + KΨ, K = 12
 =============  ==========  =====  ==================================================
 
-ZeRO over ``dp`` divides the optimizer state (stage ≥ 1), the gradients (≥ 2) and the parameters (3).
+ZeRO over ``dp`` (× ``cp``: context-parallel ranks hold the same parameters) divides the optimizer state
+(stage ≥ 1), the gradients (≥ 2) and the parameters (3). Context parallelism's activations are those of the
+rank's ``S/cp`` tokens (``predict`` hands ``rank_memory`` the cp rank's layers, ``ModelSpec.for_cp``).
 
 Construction (``construction_bytes``): a rank builds its model from the meta device and keeps its pieces, so while
 the model is built (and loaded) it holds its kept parameters (with ZeRO also the gradient buffers it allocates
@@ -148,11 +150,12 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     ``bucket_cap`` bytes at most. ``parts``: ``rank_parts(layers, chunk_layers, plan)`` when the caller has it
     (they do not depend on dp, ZeRO or what is in flight: the search reuses them)."""
     n, per_chunk, transient, biggest, loss, whole, split = parts or rank_parts(layers, chunk_layers, plan)
-    states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.dp)
+    # ZeRO shards over every rank that holds the same parameters: dp × cp (``Layout.zero_group``)
+    states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group)
     # ZeRO-3 reads its flat ranges straight from the sources (no full tensor in flight); tensor parallelism reads
     # a row-split matrix whole before slicing it. ZeRO allocates its gradient buffers while it is built (stage 1:
     # full buffers; 2-3: the shards), so they count too.
-    sliced = 0.0 if plan.zero_stage >= 3 and plan.dp > 1 else split
+    sliced = 0.0 if plan.zero_stage >= 3 and plan.zero_group > 1 else split
     kept = states.params + (states.grads if plan.zero_stage >= 1 else 0.0)
     construction = construction_bytes(kept, in_flight=sliced, precision=plan.precision)
     activations = in_flight * per_chunk + transient

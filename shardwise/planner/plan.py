@@ -22,11 +22,15 @@ PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """How one training step is laid out over ``dp × tp × pp`` devices."""
+    """How one training step is laid out over ``dp × cp × tp × pp`` devices."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context-parallel ranks: each sequence split over a ``cp`` mesh axis (ring attention, 2 of ``2·cp``
+    chunks per rank for causal balance); parameters are replicated over cp and gradients averaged (ZeRO sharded)
+    over dp × cp. The sequence length must be divisible by ``2·cp``."""
     zero_stage: int = 0
     """ZeRO stage over dp: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     micro_batch: int = 1
@@ -57,7 +61,7 @@ class Layout:
         if self.pp_split and len(self.pp_split) != self.pp * self.chunks - 1:
             raise ValueError(f"Layout.pp_split names {len(self.pp_split)} stage starts but pp × chunks = {self.pp} × "
                              f"{self.chunks} stages need {self.pp * self.chunks - 1}; give that many or none")
-        for name in ("dp", "tp", "pp", "micro_batch", "chunks"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be an int >= 1, got {value!r}")
@@ -81,7 +85,19 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks that average the gradients and over which ZeRO shards: dp × cp (cp ranks hold the same
+        parameters and see different tokens of the same sequences)."""
+        return self.dp * self.cp
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """``ValueError`` when context parallelism cannot split a sequence of ``seq_len`` tokens."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise ValueError(f"Layout.cp = {self.cp} needs the sequence length divisible by 2·cp = {2 * self.cp} "
+                             f"(2 chunks per cp rank), got {seq_len}; use a cp whose 2·cp divides {seq_len}")
 
     def resolved(self, global_batch: int) -> "Layout":
         """This plan with ``grad_accum`` (and ``microbatches`` for pp > 1) inferred from ``global_batch``;
@@ -110,8 +126,9 @@ class Layout:
         return replace(self, grad_accum=accum, microbatches=m)
 
     def describe(self) -> str:
-        """One line, e.g. ``dp=8 tp=8 pp=16 zero=1 mb=1 interleaved×2 ckpt=full sp bf16``."""
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        """One line, e.g. ``dp=8 tp=8 pp=16 zero=1 mb=1 interleaved×2 ckpt=full sp bf16`` (``cp=N`` after dp
+        when cp > 1)."""
+        parts = [f"dp={self.dp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"tp={self.tp}", f"pp={self.pp}"]
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
         parts.append(f"mb={self.micro_batch}")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .builders import gpt_layers
-from .compute import LayerTime, act_bytes, layer_time
+from .compute import LayerTime, act_bytes, attention_time, layer_time
+from .context import kv_width, ring_times
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
 from .overhead import autocast_factor, with_launch_cost
@@ -73,13 +74,31 @@ def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
                          f"layers; use fewer stages")
     if plan.sequence_parallel and plan.tp == 1:
         raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
+    plan.check_seq_len(spec.seq_len)
+    if plan.cp > 1 and not any(not g.weight for layer in spec.layers for g in layer.gemms):
+        raise ValueError(f"cp = {plan.cp}: model {spec.name!r} has no attention core the planner can split over "
+                         f"a ring; use cp = 1")
+
+
+def local_spec(spec: ModelSpec, plan: Layout, cache: dict | None = None) -> ModelSpec:
+    """``spec`` as one of the plan's ``cp`` ranks runs it (``ModelSpec.for_cp``; itself at cp = 1), memoised in
+    ``cache`` (which keeps it alive, so that memo keys by ``id`` stay unique)."""
+    if plan.cp == 1:
+        return spec
+    key = ("cp spec", id(spec), plan.cp)
+    if cache is not None and key in cache:
+        return cache[key][1]
+    out = spec.for_cp(plan.cp)
+    if cache is not None:
+        cache[key] = (spec, out)
+    return out
 
 
 def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
     """Every layer's ``LayerTime`` for one micro-batch under ``plan`` (memoised in ``cache`` by what it depends
     on: tp, micro-batch, recomputation, sequence parallelism, precision)."""
     key = ("layers", id(hw), plan.tp, plan.micro_batch, plan.activation_checkpointing, plan.sequence_parallel,
-           plan.precision)
+           plan.precision) + ((plan.cp,) if plan.cp > 1 else ())
     if cache is not None and key in cache:
         return cache[key]
     tp_per_node = min(plan.tp, hw.devices_per_node)
@@ -93,10 +112,30 @@ def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None 
             cache[classes_key] = classes
     firsts, index = classes
     costed = [layer_time(spec.layers[i], plan, hw, flash=flash, tp_per_node=tp_per_node) for i in firsts]
+    if plan.cp > 1:
+        if spec.meta.get("cp", 1) != plan.cp:
+            raise ValueError(f"layer_costs at cp = {plan.cp} needs the cp rank's view of the model: pass "
+                             f"spec.for_cp({plan.cp})")
+        costed = [_with_ring(spec, spec.layers[i], t, plan, hw, flash) for i, t in zip(firsts, costed)]
     out = [costed[c] for c in index]
     if cache is not None:
         cache[key] = out
     return out
+
+
+def _with_ring(spec: ModelSpec, layer: Any, t: LayerTime, plan: Layout, hw: Hardware, flash: bool) -> LayerTime:
+    """``t`` with the exposed ring-attention communication of context parallelism added to F and B
+    (``context.ring_times``); a recomputed forward (full or selective) runs its ring again in backward."""
+    width = kv_width(layer, spec.kv_heads, spec.hidden, spec.heads)
+    if not width:
+        return t
+    rows = next(g.rows for g in layer.gemms if not g.weight)  # the rank's S/cp query tokens
+    attn_f, attn_b = attention_time(layer, plan, hw, flash=flash)
+    fwd, bwd = ring_times(kv_elements=plan.micro_batch * rows * 2.0 * width, elem_bytes=act_bytes(plan),
+                          cp=plan.cp, tp=plan.tp, attn_fwd_s=attn_f, attn_bwd_s=attn_b, hw=hw)
+    if layer.kind == "block" and plan.activation_checkpointing in ("full", "selective"):
+        bwd += fwd
+    return replace(t, F=t.F + fwd, B=t.B + bwd, cp_fwd=fwd, cp_bwd=bwd)
 
 
 def _layer_classes(spec: ModelSpec) -> tuple[list[int], list[int]]:
@@ -139,7 +178,7 @@ def fold_transfers(plan: Layout, F: list[float], B: list[float], W: list[float],
     F, B = list(F), list(B)
     # One boundary carries the micro-batch's hidden state; Megatron's scatter/gather sends 1/t of it per rank
     # across and all-gathers it inside the receiving tensor-parallel group.
-    crosses = plan.tp * plan.dp >= hw.devices_per_node and plan.devices > hw.devices_per_node
+    crosses = plan.tp * plan.dp * plan.cp >= hw.devices_per_node and plan.devices > hw.devices_per_node
     comm = []
     for st in stages[:-1]:
         nbytes = st[-1].hidden * plan.micro_batch * act_bytes(plan)
@@ -187,10 +226,12 @@ def _flush(plan: Layout, costs: list[list[LayerTime]], stages: list[list[Any]], 
 
 def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
              units: int = 1) -> float:
-    """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers)."""
-    if plan.dp == 1:
+    """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers) over the dp × cp
+    group (``Layout.zero_group``: context-parallel ranks hold the same parameters)."""
+    group = plan.zero_group
+    if group == 1:
         return 0.0
-    per_node = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
+    per_node = min(group, max(1, hw.devices_per_node // plan.tp))
     grad_b = 2 if plan.precision == "bf16-mixed" else 4
     param_b = 2 if plan.precision == "bf16-mixed" else 4
     # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest), a
@@ -199,11 +240,11 @@ def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forwar
     # a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the backend's collectives on GPUs
     if plan.zero_stage == 0:
         algorithm = "native" if plan.pp > 1 else "auto"
-    elif plan.pp == 1 and plan.dp in hw.collectives:
+    elif plan.pp == 1 and group in hw.collectives:
         algorithm = "auto"  # sw.zero follows parallel.algorithm = auto where the run has this calibration
     else:
         algorithm = "ring" if hw.host_cores else "native"
-    coll = lambda op, nbytes: hw.collective_time(op, nbytes, plan.dp, per_node=per_node,  # noqa: E731
+    coll = lambda op, nbytes: hw.collective_time(op, nbytes, group, per_node=per_node,  # noqa: E731
                                                  algorithm=algorithm)
     # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
     # keeps the averaged shard it updates) and stages 1-2 all-gather the updated parameters after the step
@@ -242,13 +283,17 @@ def _step_syncs(plan: Layout, hw: Hardware) -> tuple[float, float]:
     between CPU ranks, microseconds with NCCL."""
     per_dp = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
     sizes = [(plan.dp, per_dp), (plan.tp, min(plan.tp, hw.devices_per_node)), (plan.pp, 1)]
+    if plan.cp > 1:
+        sizes.append((plan.cp, min(plan.cp, max(1, hw.devices_per_node // plan.tp))))
     flag = sum(hw.collective_time("all_reduce", 4, n, per_node=k, algorithm="native") for n, k in sizes if n > 1)
-    loss = hw.collective_time("all_reduce", 4, plan.dp, per_node=per_dp, algorithm="native") if plan.pp == 1 else 0.0
+    group = plan.zero_group  # the loss is averaged over every rank that saw some of the batch's tokens
+    per_group = min(group, max(1, hw.devices_per_node // plan.tp))
+    loss = hw.collective_time("all_reduce", 4, group, per_node=per_group, algorithm="native") if plan.pp == 1 else 0.0
     return flag, loss
 
 
 def _optimizer(plan: Layout, hw: Hardware, n_local: float, tensors: int, fused: bool) -> float:
-    shard = n_local / (plan.dp if plan.zero_stage >= 1 else 1)
+    shard = n_local / (plan.zero_group if plan.zero_stage >= 1 else 1)
     # A fused AdamW (Megatron's) reads param, grad, m, v and writes param, m, v once: 28 bytes per element.
     # torch.optim.AdamW (what shardwise train builds) runs it as about ten elementwise passes (decay, two
     # moment updates, sqrt, divide, add): about 80 bytes. Both plus the 4-byte gradient-norm read.
@@ -310,6 +355,7 @@ def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: 
         spec = spec.with_seq_len(seq_len)
     plan = plan.resolved(global_batch)
     _check(spec, plan, hardware)
+    spec = local_spec(spec, plan, cache)
     if runtime not in ("shardwise", "megatron"):
         raise ValueError(f"runtime must be 'shardwise' or 'megatron', got {runtime!r}")
     hardware = _hardware_for(hardware, plan.devices, cache)
@@ -356,11 +402,16 @@ def _assemble(spec: ModelSpec, plan: Layout, hw: Hardware, stages: list[list[Any
     busy = min(plan.grad_accum * flush.busy[r], plan.grad_accum * flush.time)  # a shared host fills bubbles
     breakdown = {"compute": busy - tp, "tp_comm": tp, "pipeline_bubble": plan.grad_accum * flush.time - busy,
                  "dp_comm": dp, "optimizer": opt}
-    # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward)
-    fwd = sum(c.flops_fwd for st in costs for c in st) * plan.tp  # the whole model, one micro-batch
-    attn = sum(c.flops_attn for st in costs for c in st) * plan.tp
+    if plan.cp > 1:  # the ring's exposed hops, named apart from compute
+        cp = plan.grad_accum * m * sum(c.cp_fwd + c.cp_bwd for s in ranks[r] for c in costs[s])
+        breakdown = {"compute": busy - tp - cp, "tp_comm": tp, "cp_comm": cp, **{k: v for k, v in breakdown.items()
+                                                                                if k not in ("compute", "tp_comm")}}
+    # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward); a cp
+    # rank's costs are its share of the sequence (attention counted in full, Megatron's way: S²/cp per rank)
+    fwd = sum(c.flops_fwd for st in costs for c in st) * plan.tp * plan.cp  # the whole model, one micro-batch
+    attn = sum(c.flops_attn for st in costs for c in st) * plan.tp * plan.cp
     blocks_fwd = sum(c.flops_fwd for st, lst in zip(costs, stages) for c, layer in zip(st, lst)
-                     if layer.kind == "block") * plan.tp
+                     if layer.kind == "block") * plan.tp * plan.cp
     recompute = {"none": 0.0, "full": blocks_fwd, "selective": attn}[plan.activation_checkpointing]
     micro_batches = global_batch / plan.micro_batch
     model_flops = 3 * fwd * micro_batches

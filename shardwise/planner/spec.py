@@ -60,6 +60,9 @@ class ModelSpec:
         builder = self.meta.get("builder")
         if seq_len == self.seq_len:
             return self
+        if self.meta.get("cp", 1) != 1:
+            whole = replace(self, meta={k: v for k, v in self.meta.items() if k != "cp"})
+            return whole.with_seq_len(seq_len).for_cp(self.meta["cp"])
         if builder == "gpt":
             return ModelSpec.gpt(**{**self.meta["args"], "seq_len": seq_len})
         if builder == "llama":
@@ -125,6 +128,23 @@ class ModelSpec:
         """Any ``nn.Module`` traced on the meta device with ``example_inputs`` (see ``shardwise.planner.trace``)."""
         fields_ = trace_fields(module, example_inputs, loss_fn=loss_fn)
         return ModelSpec(name=name or type(module).__name__, attention="flash", meta={"builder": "trace"}, **fields_)
+
+    def for_cp(self, cp: int) -> "ModelSpec":
+        """The model as one of ``cp`` context-parallel ranks runs it (``context.cp_local``: per-token work and
+        activations / cp, attention rows / cp against all keys); ``seq_len`` stays the whole sequence. Itself
+        for cp = 1 or when it already is that rank's view; ``ValueError`` when 2·cp does not divide the sequence."""
+        done = self.meta.get("cp", 1)
+        if cp == done:
+            return self
+        if done != 1:
+            raise ValueError(f"model spec {self.name!r} is already the view of one of cp = {done} ranks; take "
+                             f"for_cp({cp}) of the whole model")
+        if self.seq_len % (2 * cp):
+            raise ValueError(f"cp = {cp} needs the sequence length divisible by 2·cp = {2 * cp} (2 chunks per cp "
+                             f"rank), got {self.seq_len}; use a cp whose 2·cp divides {self.seq_len}")
+        from .context import cp_local
+
+        return replace(self, layers=cp_local(self.layers, cp), meta={**self.meta, "cp": cp})
 
     def rename(self, name: str) -> "ModelSpec":
         return replace(self, name=name)

@@ -1,0 +1,84 @@
+"""Context parallelism (ring attention) as the planner costs it: what one of ``cp`` ranks computes, keeps and
+sends.
+
+Each sequence of ``S`` tokens is cut into ``2·cp`` chunks and cp rank ``i`` holds chunks ``i`` and
+``2·cp − 1 − i`` (causal load balance: every rank does the same attention work). Everything outside the
+attention core — embeddings, the weight GEMMs, norms, elementwise kernels, the head and the loss — runs on
+``S/cp`` tokens; the attention core's queries are the rank's ``S/cp`` tokens against all ``S`` keys, of which
+the causal half counts: ``S²/(2·cp)`` score entries per head per rank, the total ``S²/2`` split evenly
+(``cp_local``: the same ``Layer`` rows with every per-token quantity divided by cp and the attention GEMMs'
+rows divided by cp, their key length kept).
+
+The ring (``ring_times``): in forward a rank passes its K/V block — ``b · S/cp · 2 · hkv·hd / tp`` elements of
+the key/value heads (grouped-query attention sends ``hkv`` heads) — to its neighbour ``cp − 1`` times, each hop
+overlapped with the attention of the block it already holds (``1/cp`` of the rank's attention core); backward
+passes K/V again (``cp − 1`` hops) and the dK/dV accumulators (``cp`` hops), overlapped with the block's
+attention backward. Exposed per hop: ``max(0, hop − block compute)``, plus one hop latency that nothing
+hides. Recomputation (full or selective) runs the forward ring again in backward.
+
+The cp group is ``cp`` ranks ``tp`` apart (the mesh ``(pp, dp, cp, tp)``, row-major): inside a node when
+``tp · cp ≤ devices_per_node``, else each hop crosses nodes on the device's NIC share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .hardware import Hardware
+from .layers import Gemm, Layer
+
+__all__ = ["cp_local", "cp_layer", "kv_width", "ring_times", "cp_crosses_nodes"]
+
+
+def cp_layer(layer: Layer, cp: int) -> Layer:
+    """``layer`` as one of ``cp`` ranks runs it (module doc): per-token work, activations and traffic / cp; the
+    attention core's query rows / cp against all keys; parameters unchanged."""
+    if cp == 1:
+        return layer
+    gemms = tuple(replace(g, rows=g.rows // cp) for g in layer.gemms)
+    return replace(layer, gemms=gemms, ew_rep=layer.ew_rep / cp, ew_tp=layer.ew_tp / cp, act_rep=layer.act_rep / cp,
+                   act_tp=layer.act_tp / cp, act_attn=layer.act_attn / cp, act_fp32=layer.act_fp32 / cp,
+                   hidden=layer.hidden // cp)
+
+
+def cp_local(layers: tuple[Layer, ...], cp: int) -> tuple[Layer, ...]:
+    """Every layer of a model as one of ``cp`` context-parallel ranks runs it."""
+    return layers if cp == 1 else tuple(cp_layer(layer, cp) for layer in layers)
+
+
+def kv_width(layer: Layer, kv_heads: int, hidden: int, heads: int) -> int:
+    """Elements per token of one of K or V (``hkv · hd``): the model's kv heads where the spec names them,
+    else the attention core's query heads (multi-head attention); 0 for a layer without attention."""
+    core = next((g for g in layer.gemms if not g.weight), None)
+    if core is None:
+        return 0
+    hd = core.k if core.name != "context" else core.n
+    if kv_heads and heads and hidden:
+        return kv_heads * (hidden // heads)
+    return core.batch * hd
+
+
+def cp_crosses_nodes(tp: int, cp: int, devices_per_node: int) -> bool:
+    """Whether the cp group's neighbours sit on different nodes (cp placed outside tp, inside dp)."""
+    return tp * cp > devices_per_node
+
+
+def ring_times(*, kv_elements: float, elem_bytes: int, cp: int, tp: int, attn_fwd_s: float, attn_bwd_s: float,
+               hw: Hardware) -> tuple[float, float]:
+    """``(exposed forward seconds, exposed backward seconds)`` of one layer's ring for one micro-batch.
+
+    ``kv_elements``: K and V of the rank's ``S/cp`` tokens and ``b`` sequences, all kv heads (``b · S/cp · 2 ·
+    hkv·hd``); a tensor-parallel rank sends its ``1/tp`` of them. ``attn_fwd_s`` / ``attn_bwd_s``: the rank's
+    whole attention core forward / backward (the ``cp`` blocks together)."""
+    if cp <= 1 or kv_elements <= 0:
+        return 0.0, 0.0
+    nbytes = kv_elements / tp * elem_bytes
+    cross = cp_crosses_nodes(tp, cp, hw.devices_per_node)
+    hop = hw.p2p_time(nbytes, cross_node=cross)
+    block_f, block_b = attn_fwd_s / cp, attn_bwd_s / cp
+    first = hw.p2p_alpha_s  # the first hop's latency: no block is under way to hide it
+    fwd = first + (cp - 1) * max(0.0, hop - block_f)
+    # backward: cp − 1 steps send K/V (for the next block) and dK/dV together, the last step dK/dV alone
+    both = hw.p2p_time(2 * nbytes, cross_node=cross)
+    bwd = first + (cp - 1) * max(0.0, both - block_b) + max(0.0, hop - block_b)
+    return fwd, bwd
