@@ -188,7 +188,13 @@ class GPT(nn.Module):
     identity; the projections that write into the residual stream (``attn.proj``, ``mlp.proj``) use std
     0.02 / sqrt(2 · n_layer) so the residual's variance does not grow with depth (GPT-2 paper, section 2.3).
     Built under ``torch.device("meta")`` nothing is allocated; the strategies materialise it in shards.
+
+    ``sequence_layout`` (None: the tokens of ``forward`` are at positions ``0 .. t-1``): when set, an object whose
+    ``positions(t, device)`` gives the (t,) global positions of the local tokens, which ``wpe`` embeds (context
+    parallelism, where a rank holds chunks of the sequence). ``decode`` ignores it.
     """
+
+    sequence_layout = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -233,12 +239,21 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {t} exceeds block_size {self.config.block_size}; "
                 f"crop the input to at most {self.config.block_size} tokens or build the model with a larger block_size")
-        pos = torch.arange(t, device=idx.device)
         # (b, t, h) + (t, h) broadcast over the batch
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.drop(self.wte(idx) + self.wpe(self._positions(t, idx.device)))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def _positions(self, t: int, device: torch.device) -> Tensor:
+        """(t,) positions of the local tokens: ``0 .. t-1``, or ``sequence_layout``'s when set."""
+        layout = self.sequence_layout
+        if layout is None:
+            return torch.arange(t, device=device)
+        pos = layout.positions(t, device)
+        if pos.shape != (t,):
+            raise ValueError(f"GPT.sequence_layout.positions({t}, ...) must have shape ({t},), got {tuple(pos.shape)}")
+        return pos
 
     def decode(self, idx: Tensor, cache: KVCache) -> Tensor:
         """``forward`` of the tokens ``idx`` (b, t) that follow the ``cache.length`` positions already in ``cache``
@@ -266,21 +281,20 @@ class GPT(nn.Module):
         return self.config.tensor_parallel_plan(sequence_parallel)
 
     def pipeline_units(self) -> list[Unit]:
-        """Where ``sw.pipeline`` may cut this model: ``wte`` runs ``drop(wte(idx) + wpe(arange(t)))`` (modules
+        """Where ``sw.pipeline`` may cut this model: ``wte`` runs ``drop(wte(idx) + wpe(positions))`` (modules
         ``wte``, ``wpe``, ``drop``), then one unit per block ``blocks.0`` ... ``blocks.{n-1}``, then ``ln_f`` runs
         ``lm_head(ln_f(x))`` (modules ``ln_f``, ``lm_head``): exactly ``forward`` cut at block boundaries.
 
         Modules are read when called, so a model whose layers were replaced (``sw.parallelize``) is cut with
         its replacements."""
         wte, wpe, drop, ln_f, head = self.wte, self.wpe, self.drop, self.ln_f, self.lm_head
-        block_size = self.config.block_size
+        block_size, positions = self.config.block_size, self._positions
 
         def embed(idx: Tensor) -> Tensor:
             if idx.dim() != 2 or idx.size(1) > block_size:
                 raise ValueError(f"GPT input must be (batch, seq) token ids with seq <= block_size {block_size}, "
                                  f"got shape {tuple(idx.shape)}")
-            pos = torch.arange(idx.size(1), device=idx.device)
-            return drop(wte(idx) + wpe(pos))  # (b, t, h) + (t, h)
+            return drop(wte(idx) + wpe(positions(idx.size(1), idx.device)))  # (b, t, h) + (t, h)
 
         units = [Unit("wte", embed, (("wte", wte), ("wpe", wpe), ("drop", drop)))]
         units += [Unit(f"blocks.{i}", blk, ((f"blocks.{i}", blk),)) for i, blk in enumerate(self.blocks)]

@@ -52,13 +52,20 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(t: int, c: HFDecoderConfig, device: torch.device, dtype: torch.dtype,
-                  start: int = 0) -> tuple[Tensor, Tensor]:
+                  start: int = 0, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(cos, sin)`` of positions ``start .. start+t-1``, each (t, hd): computed in fp32 outside autocast, cast to
     ``dtype``. Recomputed per call (a few thousand elements) so that no buffer enters the state dict or a pipeline
-    stage. ``start``: the first position (decoding with a cache continues from the cache's length)."""
+    stage. ``start``: the first position (decoding with a cache continues from the cache's length).
+    ``positions``: (t,) integer positions to use instead (a sequence layout's tokens: context parallelism holds
+    chunks of the sequence, not ``0 .. t-1``); ``start`` is then ignored."""
     with torch.autocast(device_type=device.type, enabled=False):
         inv_freq = inverse_frequencies(c, device)
-        pos = torch.arange(start, start + t, device=device, dtype=torch.float)
+        if positions is None:
+            pos = torch.arange(start, start + t, device=device, dtype=torch.float)
+        else:
+            if positions.shape != (t,):
+                raise ValueError(f"rotary_tables: positions must have shape ({t},), got {tuple(positions.shape)}")
+            pos = positions.to(device=device, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]  # (t, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (t, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -90,43 +97,64 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query causal attention: ``nh`` query heads share ``nkv`` key/value heads (``nh / nkv`` each)."""
+    """Grouped-query causal attention: ``nh`` query heads share ``nkv`` key/value heads (``nh / nkv`` each).
+
+    The rotary tables are built here, from the queries' sequence length after the projections: under sequence
+    parallelism the input holds ``t / tp`` positions and the column-parallel projections gather the whole
+    sequence, so the positions are always those of the sequence attention sees. ``sequence_layout`` (None: the
+    positions are ``0 .. t-1``): when set, an object whose ``positions(t, device)`` gives the (t,) global
+    positions of the local tokens (context parallelism, where a rank holds chunks of the sequence)."""
+
+    sequence_layout = None
 
     def __init__(self, c: HFDecoderConfig) -> None:
         super().__init__()
+        self._hf = c  # plain attribute: not a module, not in the state dict
         self.head_dim, self.dropout = c.head_dim, c.attention_dropout
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
-    def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        b, t, hd = x.size(0), x.size(1), self.head_dim
+    def rotary(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` (t, hd) of the ``t`` tokens attention sees: positions ``0 .. t-1``, or the
+        ``sequence_layout``'s when set."""
+        layout = self.sequence_layout
+        positions = None if layout is None else layout.positions(t, device)
+        return rotary_tables(t, self._hf, device, dtype, positions=positions)
+
+    def _heads(self, x: Tensor, tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        hd = self.head_dim
         # Head counts come from the projections' outputs, so a tensor-parallel layer (whole heads per rank: nh/tp
         # query and nkv/tp key/value heads) runs this code unchanged; the groups stay aligned because both are
-        # split into the same number of contiguous blocks.
-        q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)  # (b, nh, t, hd)
-        k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)  # (b, nkv, t, hd)
-        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
+        # split into the same number of contiguous blocks. Batch and length too: under sequence parallelism the
+        # projections gather the sequence that ``x`` holds a slice of.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.size(0), q.size(1)
+        q = q.view(b, t, -1, hd).transpose(1, 2)  # (b, nh, t, hd)
+        k = k.view(b, t, -1, hd).transpose(1, 2)  # (b, nkv, t, hd)
+        v = v.view(b, t, -1, hd).transpose(1, 2)
+        # the tables in the dtype of the attention's input, as HF's (the residual stream's, under autocast too)
+        cos, sin = tables if tables is not None else self.rotary(t, x.device, x.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t = x.size(0), x.size(1)
-        q, k, v = self._heads(x, cos, sin)
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self._heads(x)
         k, v = _expand_groups(k, v, q.size(1))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (b, t, nh*hd) @ (nh*hd, h)
+        # (b, nh, t, hd) -> (b, t, nh*hd) @ (nh*hd, h); sizes from y (the gathered sequence under SP)
+        return self.o_proj(y.transpose(1, 2).reshape(y.size(0), y.size(2), -1))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int) -> Tensor:
         """``forward`` of ``x`` (b, t, h) at positions ``cache.length ..`` (``cos``/``sin`` of those positions):
         the rotated keys and the values are cached as ``layer``'s with their ``nkv`` heads (a GQA cache is
         ``nh / nkv`` times smaller) and the queries attend to every cached position. No dropout (inference)."""
-        q, k, v = self._heads(x, cos, sin)
+        q, k, v = self._heads(x, (cos, sin))
         past = cache.length
         k, v = cache.append(layer, k, v)  # (b, nkv, past + t, hd)
         k, v = _expand_groups(k, v, q.size(1))
         y = cached_attention(q, k, v, past)
-        return self.o_proj(y.transpose(1, 2).reshape(x.size(0), x.size(1), -1))
+        return self.o_proj(y.transpose(1, 2).reshape(y.size(0), y.size(2), -1))
 
 
 def _expand_groups(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
@@ -151,20 +179,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-RMSNorm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. ``forward(x)`` builds its own rotary
-    tables from ``x``'s length, so a layer is a ``Tensor -> Tensor`` unit (pipeline stages, checkpointing)."""
+    """Pre-RMSNorm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. The attention builds its own rotary
+    tables, so a layer is a ``Tensor -> Tensor`` unit (pipeline stages, checkpointing)."""
 
     def __init__(self, c: HFDecoderConfig) -> None:
         super().__init__()
-        self._hf = c  # plain attribute: not a module, not in the state dict
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
     def forward(self, x: Tensor) -> Tensor:
-        cos, sin = rotary_tables(x.size(1), self._hf, x.device, x.dtype)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int) -> Tensor:
