@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import re
 import shutil
 import subprocess
 import sys
@@ -115,8 +114,9 @@ def test_cli_page_has_every_command(site):
 
 
 @needs_mkdocs
-def test_strict_build_fails_on_a_broken_anchor(tmp_path):
-    """The check can fail: the same site with one link to a heading that does not exist does not build."""
+def test_strict_build_fails_on_broken_links(tmp_path):
+    """The check can fail: the same site with a link to a heading that does not exist, or to a repository file
+    outside ``docs/`` that does not exist, does not build (an existing one, ``../README.md``, is fine)."""
     work = tmp_path / "repo"
     work.mkdir()
     shutil.copy(ROOT / "mkdocs.yml", work / "mkdocs.yml")
@@ -124,7 +124,11 @@ def test_strict_build_fails_on_a_broken_anchor(tmp_path):
     for outside in ("shardwise", "README.md", "benchmarks"):  # the code, and files pages link to outside docs/
         (work / outside).symlink_to(ROOT / outside)
     index = work / "docs" / "index.md"
-    index.write_text(index.read_text() + "\nSee [training](training.md#no-such-heading-anywhere).\n")
+    index.write_text(index.read_text() + "\nSee [training](training.md#no-such-heading-anywhere), "
+                     "[the README](../README.md) and [nothing](../NO_SUCH_FILE.md).\n")
     proc = _build(work / "mkdocs.yml", tmp_path / "site")
+    warnings = _warnings(proc)
     assert proc.returncode != 0
-    assert re.search(r"does not contain an anchor '#no-such-heading-anywhere'", _warnings(proc)), _warnings(proc)
+    assert "does not contain an anchor '#no-such-heading-anywhere'" in warnings, warnings
+    assert "contains a link '../NO_SUCH_FILE.md'" in warnings, warnings
+    assert "'../README.md'" not in warnings, warnings
