@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 from .placement import Replicate, Partial, Placement, Split, format_sbp
 from .spec import local_shape
 
-__all__ = ["BoxingStep", "BoxingRoute", "route_boxing", "BoxingPlan", "plan_boxing", "direct_collective", "CostFn", "calibrated_cost"]
+__all__ = ["BoxingStep", "BoxingRoute", "route_boxing", "BoxingPlan", "plan_boxing", "direct_collective", "CostFn",
+           "calibrated_cost"]
 
 CostFn = Callable[[str, int, int], float]
 """``cost_fn(collective, axis_size, local_bytes_before) -> cost``; lower is better."""
