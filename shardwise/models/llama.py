@@ -29,7 +29,7 @@ from torch import Tensor
 from ..parallel.common.init_rules import Constant, InitRule, Normal
 from ..parallel.common.materialize import draw_seed, init_from_rules
 from ..parallel.pipeline.stage import Unit
-from ..parallel.tensor.styles import ColumnParallel, RowParallel, Style, VocabParallel
+from ..parallel.tensor.styles import ColumnParallel, RowParallel, SequenceParallel, Style, VocabParallel
 from .hf_config import HFDecoderConfig
 from .kv_cache import KVCache, cached_attention
 
@@ -285,19 +285,23 @@ class Llama(nn.Module):
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, Style]:
         """Megatron's pairing for this decoder: q/k/v column-parallel in whole heads (query and key/value heads
         split alike, so every rank keeps whole GQA groups), ``o_proj`` row-parallel; gate/up column, down row;
-        vocabulary-parallel embedding and head. Sequence parallelism is refused: the rotary tables index
-        positions of the whole sequence, which a sequence shard does not know."""
-        if sequence_parallel:
-            raise ValueError("sequence parallelism is not supported for Hugging Face decoders (model.hf_config): "
-                             "rotary positions need the whole sequence; use tensor parallelism without it")
+        vocabulary-parallel embedding and head. With sequence parallelism also the RMSNorms (their weights'
+        gradients summed over tp once per layer): the q/k/v projections gather the sequence before the
+        attention builds its rotary tables, so the positions are those of the whole sequence."""
         c = self.config
-        return {"model.embed_tokens": VocabParallel(), "lm_head": VocabParallel(),
-                "model.layers.*.self_attn.q_proj": ColumnParallel(heads=c.num_attention_heads),
-                "model.layers.*.self_attn.k_proj": ColumnParallel(heads=c.num_key_value_heads),
-                "model.layers.*.self_attn.v_proj": ColumnParallel(heads=c.num_key_value_heads),
-                "model.layers.*.self_attn.o_proj": RowParallel(),
-                "model.layers.*.mlp.gate_proj": ColumnParallel(), "model.layers.*.mlp.up_proj": ColumnParallel(),
-                "model.layers.*.mlp.down_proj": RowParallel()}
+        plan: dict[str, Style] = {
+            "model.embed_tokens": VocabParallel(), "lm_head": VocabParallel(),
+            "model.layers.*.self_attn.q_proj": ColumnParallel(heads=c.num_attention_heads),
+            "model.layers.*.self_attn.k_proj": ColumnParallel(heads=c.num_key_value_heads),
+            "model.layers.*.self_attn.v_proj": ColumnParallel(heads=c.num_key_value_heads),
+            "model.layers.*.self_attn.o_proj": RowParallel(),
+            "model.layers.*.mlp.gate_proj": ColumnParallel(), "model.layers.*.mlp.up_proj": ColumnParallel(),
+            "model.layers.*.mlp.down_proj": RowParallel()}
+        if sequence_parallel:
+            plan.update({"model.layers.*.input_layernorm": SequenceParallel(),
+                         "model.layers.*.post_attention_layernorm": SequenceParallel(),
+                         "model.norm": SequenceParallel()})
+        return plan
 
     def pipeline_units(self) -> list[Unit]:
         """Cut points for ``sw.pipeline``: ``model.embed_tokens`` (token ids → hidden), one unit per layer

@@ -107,8 +107,11 @@ def test_tensor_parallel_plan_matches_every_projection_in_whole_heads():
     with pytest.raises(ValueError, match="heads do not divide over tp=4"):  # 2 key/value heads
         check_style("model.layers.0.self_attn.k_proj", modules["model.layers.0.self_attn.k_proj"], None,
                     matched["model.layers.0.self_attn.k_proj"], tp=4, sequence_parallel=False)
-    with pytest.raises(ValueError, match="sequence parallelism is not supported for Hugging Face decoders"):
-        model.tensor_parallel_plan(sequence_parallel=True)
+    # with sequence parallelism the RMSNorms join (their weights' gradients summed over tp); nothing else
+    sp = match_plan(names, model.tensor_parallel_plan(sequence_parallel=True))
+    norms = {n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm"}
+    assert set(sp) == set(matched) | norms
+    assert all(type(sp[n]).__name__ == "SequenceParallel" for n in norms)
 
 
 @pytest.mark.parametrize("example", ["tiny-llama.json", "tiny-qwen2.json"])
