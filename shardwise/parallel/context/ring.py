@@ -1,0 +1,243 @@
+"""Ring attention: exact softmax attention over a sequence split along one mesh axis (``cp``).
+
+Layout (causal load balancing, ``layout.py``): the global sequence is cut into ``2·cp`` chunks and cp rank ``i``
+holds chunks ``i`` and ``2·cp−1−i``, so under a causal mask every rank does the same work. Forward: ``cp``
+steps; at step ``j`` this rank holds the K/V block of rank ``(r − j) mod cp`` and has already posted the
+transfer of that block to rank ``r+1`` (and the receive of the next one from ``r−1``) before computing on it,
+so communication overlaps compute. Per (query chunk ``a``, key chunk ``c``): ``c < a`` full attention,
+``c == a`` the causal diagonal, ``c > a`` skipped (without a mask every pair is full). Blocks merge with an
+online softmax over a running log-sum-exp. Backward: the K/V blocks travel the ring again with their dK/dV
+accumulators (``cp−1`` K/V hops, ``cp`` dK/dV hops, so each accumulator ends at its owner); each block's
+probabilities are recomputed from the final log-sum-exp. Grouped-query attention: the ``hkv``-headed K/V
+travel, are expanded locally, and dK/dV are summed back over each group before they travel.
+
+Numerics: scores, the log-sum-exp, the output and every gradient accumulate in fp32 (fp64 for fp64 inputs;
+the plain-math block below); the result is cast to the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...comm.collectives import irecv, isend
+from ...comm.handles import Handle
+from ...mesh import Mesh
+
+__all__ = ["ring_attention"]
+
+_KV_TAG = 7301
+_GRAD_TAG = 7302
+
+Pair = tuple[slice, slice, bool]
+"""(query rows, key rows, diagonal) of one block, in local coordinates."""
+
+
+@dataclass(frozen=True)
+class _Ring:
+    mesh: Mesh
+    axis: str
+    cp: int
+    rank: int
+
+    def source(self, step: int) -> int:
+        """The cp coordinate whose K/V block this rank holds at ``step``."""
+        return (self.rank - step) % self.cp
+
+    def shift(self, send: Tensor, recv: Tensor, tag: int) -> list[Handle]:
+        """Post ``send`` to the next rank and the receive of ``recv`` from the previous one (not waited)."""
+        if self.cp == 1:
+            recv.copy_(send)
+            return []
+        nxt, prv = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        return [isend(send, self.mesh, self.axis, dst=nxt, tag=tag),
+                irecv(recv, self.mesh, self.axis, src=prv, tag=tag)]
+
+
+def _wait(handles: list[Handle]) -> None:
+    for h in handles:
+        h.wait()
+
+
+def block_pairs(rank: int, src: int, cp: int, local_len: int, causal: bool) -> list[Pair]:
+    """The blocks rank ``rank`` computes against the K/V of rank ``src``: local chunk 0 is global chunk
+    ``rank`` (keys: ``src``), local chunk 1 is ``2·cp−1−rank`` (keys: ``2·cp−1−src``)."""
+    if not causal:
+        return [(slice(0, local_len), slice(0, local_len), False)]
+    c = local_len // 2
+    q_chunks, k_chunks = (rank, 2 * cp - 1 - rank), (src, 2 * cp - 1 - src)
+    pairs = []
+    for i, a in enumerate(q_chunks):
+        for j, b in enumerate(k_chunks):
+            if b <= a:
+                pairs.append((slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), b == a))
+    return pairs
+
+
+def _pack(a: Tensor, b: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return torch.cat([a.reshape(-1), b.reshape(-1)]).to(dtype or a.dtype)
+
+
+def _unpack(buf: Tensor, a_shape: torch.Size, b_shape: torch.Size) -> tuple[Tensor, Tensor]:
+    n = math.prod(a_shape)
+    return buf[:n].view(a_shape), buf[n:].view(b_shape)
+
+
+def _expand(t: Tensor, groups: int) -> Tensor:
+    """(b, hkv, n, d) -> (b, hkv·groups, n, d): query head ``i`` reads K/V head ``i // groups`` (as SDPA's
+    ``enable_gqa``)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _reduce_groups(t: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h // groups, groups, n, d).sum(2)
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """The accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, diag: bool) -> Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if diag:
+        n = s.shape[-1]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    return s
+
+
+def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor, rows: slice) -> None:
+    """Online softmax: fold one block's (output, log-sum-exp) into the running ones of ``rows``, in place."""
+    o, l = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(l, blk_lse)
+    o.mul_(torch.exp(l - new).unsqueeze(-1)).add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))
+    l.copy_(new)
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,
+                  causal: bool) -> tuple[Tensor, Tensor]:
+    b, h, sq, _ = q.shape
+    groups = h // k.shape[1]
+    acc = _acc(q)
+    qf = q.to(acc)
+    out = torch.zeros((b, h, sq, v.shape[-1]), dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+    buf = _pack(k, v)
+    for step in range(ring.cp):
+        nxt, pending = None, []
+        if step < ring.cp - 1:
+            nxt = torch.empty_like(buf)
+            pending = ring.shift(buf, nxt, _KV_TAG)  # posted before the compute it overlaps
+        kc, vc = _unpack(buf, k.shape, v.shape)
+        kf, vf = _expand(kc.to(acc), groups), _expand(vc.to(acc), groups)
+        for rows, cols, diag in block_pairs(ring.rank, ring.source(step), ring.cp, sq, causal):
+            s = _scores(qf[:, :, rows], kf[:, :, cols], scale, diag)
+            blk_lse = torch.logsumexp(s, dim=-1)
+            blk_out = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vf[:, :, cols])
+            _merge(out, lse, blk_out, blk_lse, rows)
+        _wait(pending)
+        if nxt is not None:
+            buf = nxt
+    return out, lse
+
+
+def _block_grads(qf: Tensor, dof: Tensor, delta: Tensor, lse: Tensor, kc: Tensor, vc: Tensor,
+                 pairs: list[Pair], scale: float, dq: Tensor) -> tuple[Tensor, Tensor]:
+    """Accumulate this K/V block's share of dQ into ``dq``; return its (dK, dV) contributions (hkv heads)."""
+    groups = qf.shape[1] // kc.shape[1]
+    kf, vf = _expand(kc.to(qf.dtype), groups), _expand(vc.to(qf.dtype), groups)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    for rows, cols, diag in pairs:
+        q, do, k, v = qf[:, :, rows], dof[:, :, rows], kf[:, :, cols], vf[:, :, cols]
+        p = torch.exp(_scores(q, k, scale, diag) - lse[:, :, rows].unsqueeze(-1))
+        dv[:, :, cols] += torch.matmul(p.transpose(-2, -1), do)
+        ds = p * (torch.matmul(do, v.transpose(-2, -1)) - delta[:, :, rows].unsqueeze(-1))
+        dq[:, :, rows] += torch.matmul(ds, k).mul_(scale)
+        dk[:, :, cols] += torch.matmul(ds.transpose(-2, -1), q).mul_(scale)
+    return _reduce_groups(dk, groups), _reduce_groups(dv, groups)
+
+
+def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, ring: _Ring,
+                   scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    acc = _acc(q)
+    qf, dof = q.to(acc), dout.to(acc)
+    delta = (dof * out.to(acc)).sum(-1)
+    dq = torch.zeros_like(qf)
+    buf = _pack(k, v)
+    grads_in: Tensor | None = None
+    grads_pending: list[Handle] = []
+    for step in range(ring.cp):
+        nxt, pending = None, []
+        if step < ring.cp - 1:
+            nxt = torch.empty_like(buf)
+            pending = ring.shift(buf, nxt, _KV_TAG)
+        kc, vc = _unpack(buf, k.shape, v.shape)
+        pairs = block_pairs(ring.rank, ring.source(step), ring.cp, q.shape[2], causal)
+        local = _pack(*_block_grads(qf, dof, delta, lse, kc, vc, pairs, scale, dq), dtype=acc)
+        _wait(grads_pending)  # the accumulator of this block, from the ranks it visited before
+        if grads_in is not None:
+            local += grads_in
+        grads_in = torch.empty_like(local)
+        grads_pending = ring.shift(local, grads_in, _GRAD_TAG)  # on to the next rank; the last hop: home
+        _wait(pending)
+        if nxt is not None:
+            buf = nxt
+    _wait(grads_pending)
+    assert grads_in is not None
+    dk, dv = _unpack(grads_in, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,  # type: ignore[override]
+                causal: bool) -> Tensor:
+        out, lse = _ring_forward(q, k, v, ring, scale, causal)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, dropout_p: float) -> None:
+    if dropout_p:
+        raise ValueError(f"ring attention got dropout_p={dropout_p}; set dropout 0 with context parallelism")
+    if axis not in mesh.axes:
+        raise ValueError(f"ring attention: axis {axis!r} is not an axis of the mesh {mesh.axes}; pass axis= one of them")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"ring attention takes (batch, heads, seq, dim) tensors, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, h, sq, d = q.shape
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] != d or k.shape[1] < 1 or h % k.shape[1]:
+        raise ValueError(f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                         f"match; k and v need q's batch and head dim, and heads dividing q's {h}")
+    if k.shape[2] != sq or sq % 2:
+        raise ValueError(f"ring attention needs equal query and key lengths holding two equal chunks, got "
+                         f"{sq} and {k.shape[2]}; shard the sequence with shard_sequence (self-attention)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"ring attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them alike")
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str = "cp", *, causal: bool = True,
+                   scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+    """Attention of the local queries ``q`` (b, h, s, d) over the whole sequence, whose K/V ``k``, ``v``
+    (b, hkv, s, d), ``h % hkv == 0``, are split over ``axis`` in the balanced layout of ``shard_sequence``.
+    Returns the local output (b, h, s, dv), equal to ``F.scaled_dot_product_attention`` on the full sequence
+    (``is_causal=causal``, ``enable_gqa=True``) at this rank's positions. Collective over ``axis``; every
+    rank calls it with the same shapes. ``dropout_p`` must be 0."""
+    _check(q, k, v, mesh, axis, dropout_p)
+    ring = _Ring(mesh, axis, mesh.size(axis), mesh.coord(axis))
+    return _RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5 if scale is None else float(scale), causal)

@@ -1,0 +1,176 @@
+"""Rank-side checks of context parallelism (run inside LocalWorld ranks by tests/dist/test_ring_attention.py).
+
+Every rank builds the same full inputs from one seed, computes the one-device reference with
+``F.scaled_dot_product_attention`` on the whole sequence, and compares its local share of the output and of
+every gradient. Reported: relative errors (max |a − b| / max |b|) and the point-to-point messages and bytes
+this rank sent during the forward and during the backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.parallel.context import context_parallel, ring_attention, shard_sequence, unshard_sequence
+from tests.dist.meshes import mesh as cached_mesh
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
+
+
+def _counted(fn: Any) -> tuple[Any, dict[str, int]]:
+    with sw.comm.CommCounter() as c:
+        result = fn()
+    return result, {"messages": c.messages_sent, "bytes": c.bytes_sent, "received": c.messages_received,
+                    "sends": c.count("send"), "other": len([r for r in c.records if r.op not in ("send", "recv")])}
+
+
+def _inputs(case: dict) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    b, h, hkv, s, d, dv = case["b"], case["h"], case["hkv"], case["S"], case["d"], case.get("dv", case["d"])
+    q, k, v = (torch.randn(b, n, s, e, generator=g) for n, e in ((h, d), (hkv, d), (hkv, dv)))
+    return q, k, v, torch.randn(b, h, s, dv, generator=g)
+
+
+def _one_ring_case(case: dict) -> dict:
+    mesh = cached_mesh(**case["axes"])
+    q, k, v, grad = _inputs(case)
+    causal = case["causal"]
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+    ref.backward(grad)
+    local = [shard_sequence(t, mesh, "cp", dim=2).requires_grad_() for t in (q, k, v)]
+    out, fwd = _counted(lambda: ring_attention(*local, mesh, "cp", causal=causal))
+    _, bwd = _counted(lambda: out.backward(shard_sequence(grad, mesh, "cp", dim=2)))
+    res = {"out": rel(out, shard_sequence(ref, mesh, "cp", dim=2)), "fwd": fwd, "bwd": bwd,
+           "unshard": rel(unshard_sequence(out, mesh, "cp", dim=2), ref), "cp": mesh.size("cp")}
+    for name, t, f in zip("qkv", local, full):
+        res["d" + name] = rel(t.grad, shard_sequence(f.grad, mesh, "cp", dim=2))
+    # the same ring on a plain contiguous split (the wrong layout) must not match: the test can fail
+    cp, r, s = mesh.size("cp"), mesh.coord("cp"), case["S"] // mesh.size("cp")
+    plain = [t[:, :, r * s:(r + 1) * s] for t in (q, k, v)]
+    res["wrong_layout"] = rel(ring_attention(*plain, mesh, "cp", causal=causal), ref[:, :, r * s:(r + 1) * s])
+    return res
+
+
+def check_ring(cases: list[dict]) -> list[dict]:
+    """Ring attention forward and backward against the full-sequence SDPA, per case."""
+    return [_one_ring_case(case) for case in cases]
+
+
+def check_errors(axes: dict) -> dict:
+    """Bad inputs raise one-line ValueErrors on every rank before anything is sent."""
+    mesh = cached_mesh(**axes)
+    q = torch.randn(1, 2, 8, 4)
+    out = {}
+    with sw.comm.CommCounter() as c:
+        for name, fn in {
+            "dropout": lambda: ring_attention(q, q, q, mesh, "cp", dropout_p=0.1),
+            "odd": lambda: ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], mesh, "cp"),
+            "heads": lambda: ring_attention(q, q[:, :1].expand(1, 3, 8, 4), q[:, :1].expand(1, 3, 8, 4), mesh, "cp"),
+            "axis": lambda: ring_attention(q, q, q, mesh, "sp"),
+            "shard": lambda: shard_sequence(torch.zeros(1, 6), mesh, "cp"),
+        }.items():
+            try:
+                fn()
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+    out["messages"] = c.messages_sent + len(c.records)
+    return out
+
+
+# -- models --------------------------------------------------------------------------------------------------
+
+def _tiny_llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _model_case(kind: str, ckpt: bool) -> tuple[torch.nn.Module, Any, int, int]:
+    """(model, forward(model, ids) -> logits, vocab, layers)."""
+    if kind == "hf-llama":
+        model = _tiny_llama(1)
+        if ckpt:
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+            sw.checkpoint_layers(model, policy=lambda name, m: isinstance(m, LlamaDecoderLayer))
+        return model, lambda m, ids: m(input_ids=ids).logits, 64, 2
+    if kind == "gpt":
+        cfg = sw.models.GPTConfig.preset("gpt-tiny")
+        cfg = type(cfg)(**{**cfg.__dict__, "dropout": 0.0})
+        torch.manual_seed(1)
+        model = sw.models.GPT(cfg)
+    else:
+        from shardwise.models.llama import Llama, LlamaConfig
+        torch.manual_seed(1)
+        model = Llama(LlamaConfig.preset("llama-tiny") if hasattr(LlamaConfig, "preset") else LlamaConfig())
+    if ckpt:
+        sw.checkpoint_layers(model)
+    return model, lambda m, ids: m(ids), model.config.vocab_size, model.config.n_layer
+
+
+def check_model(axes: dict, kind: str, ckpt: bool = False, b: int = 2, S: int = 16) -> dict:
+    """Logits of the local tokens and every parameter gradient (summed over cp) against one device; the
+    forward's messages; the mode is gone after the forward."""
+    mesh = cached_mesh(**axes)
+    model, fwd, vocab, layers = _model_case(kind, ckpt)
+    cp_model = context_parallel(copy.deepcopy(model), mesh, "cp")
+    g = torch.Generator().manual_seed(7)
+    ids, targets = torch.randint(0, vocab, (b, S), generator=g), torch.randint(0, vocab, (b, S), generator=g)
+    logits = fwd(model, ids)
+    F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), reduction="sum").div(b * S).backward()
+    local_ids, local_t = shard_sequence(ids, mesh, "cp"), shard_sequence(targets, mesh, "cp")
+    modes_before = len(torch.overrides._get_current_function_mode_stack())
+    local_logits, counts = _counted(lambda: fwd(cp_model, local_ids))
+    modes_after = len(torch.overrides._get_current_function_mode_stack())
+    loss = F.cross_entropy(local_logits.reshape(-1, vocab), local_t.reshape(-1), reduction="sum").div(b * S)
+    loss.backward()
+    grads = {n: p.grad for n, p in cp_model.named_parameters()}
+    worst, missing = 0.0, []
+    for name, p in model.named_parameters():
+        if grads.get(name) is None:
+            missing.append(name)
+            continue
+        total = sw.comm.all_reduce(grads[name].clone(), mesh, "cp")
+        worst = max(worst, rel(total, p.grad))
+    return {"logits": rel(local_logits, shard_sequence(logits, mesh, "cp")), "grads": worst, "missing": missing,
+            "fwd": counts, "layers": layers, "cp": mesh.size("cp"), "modes": (modes_before, modes_after)}
+
+
+def check_model_errors(axes: dict) -> dict:
+    """A model passing an explicit mask or dropout in training is refused with the fix, before any message."""
+    mesh = cached_mesh(**axes)
+
+    class Masked(torch.nn.Module):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__()
+            self.kw = kw
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(x, x, x, **self.kw)
+
+    x = torch.randn(1, 2, 8, 4)
+    out = {}
+    with sw.comm.CommCounter() as c:
+        for name, kw in {"mask": {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "dropout": {"dropout_p": 0.1}}.items():
+            try:
+                context_parallel(Masked(**kw), mesh, "cp")(x)
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+    out["messages"] = c.messages_sent + len(c.records)
+    out["modes"] = len(torch.overrides._get_current_function_mode_stack())
+    with sw.comm.CommCounter() as c:  # outside the model: the ordinary attention, no ring
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    out["outside_messages"] = c.messages_sent
+    return out
