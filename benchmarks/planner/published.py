@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.planner.hardware import Hardware
-from shardwise.planner.plan import Plan
+from shardwise.planner.plan import Layout
 from shardwise.planner.predict import Prediction, predict
 from shardwise.planner.spec import ModelSpec
 
@@ -60,11 +60,11 @@ def megatron_spec(layers: int, hidden: int, heads: int) -> ModelSpec:
                          block_size=2048, attention="unfused", dropout=True, name=f"gpt-{hidden}x{layers}")
 
 
-def megatron_plan(layers: int, tp: int, pp: int, gpus: int) -> Plan:
+def megatron_plan(layers: int, tp: int, pp: int, gpus: int) -> Layout:
     """The row's layout. Not in the table, assumed: micro-batch 1, two model chunks per pipeline rank (three
     when the layers per rank do not split in two), bf16-mixed precision (2 + 2 + 12 bytes per parameter)."""
     chunks = 1 if pp == 1 else (2 if layers % (2 * pp) == 0 else 3)
-    return Plan(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, schedule="interleaved" if pp > 1 else "1f1b",
+    return Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, schedule="interleaved" if pp > 1 else "1f1b",
                 chunks=chunks, activation_checkpointing="full", precision="bf16-mixed")
 
 
@@ -82,10 +82,10 @@ global batch 1536, fp16, activation checkpointing, no virtual pipeline stages �
 §5.1 of the paper does not state the layout behind its 140 TF/s; this script is the published one."""
 
 
-def gpt3_plan() -> Plan:
+def gpt3_plan() -> Layout:
     """GPT-3 175B on 1024 GPUs in ``GPT3_175B_LAYOUT`` (data parallel 8)."""
     lay = GPT3_175B_LAYOUT
-    return Plan(dp=1024 // (lay["tp"] * lay["pp"]), tp=lay["tp"], pp=lay["pp"], micro_batch=lay["micro_batch"],
+    return Layout(dp=1024 // (lay["tp"] * lay["pp"]), tp=lay["tp"], pp=lay["pp"], micro_batch=lay["micro_batch"],
                 schedule=lay["schedule"], activation_checkpointing="full", precision="bf16-mixed")
 
 
@@ -158,13 +158,13 @@ def korthikanti_published_s(row: KorthikantiRow, method: str) -> float:
     return row.present_s * row.mfu / row.full_mfu
 
 
-def korthikanti_plan(row: KorthikantiRow, method: str) -> Plan:
+def korthikanti_plan(row: KorthikantiRow, method: str) -> Layout:
     """The row's layout under ``method``: ``full`` recomputes every block without sequence parallelism,
     ``present`` recomputes only the attention core with sequence parallelism (the paper's Table 5 columns)."""
     if method not in KORTHIKANTI_METHODS:
         raise ValueError(f"method must be one of {list(KORTHIKANTI_METHODS)}, got {method!r}")
     present = method == "present"
-    return Plan(dp=row.gpus // (row.tp * row.pp), tp=row.tp, pp=row.pp, micro_batch=row.micro_batch,
+    return Layout(dp=row.gpus // (row.tp * row.pp), tp=row.tp, pp=row.pp, micro_batch=row.micro_batch,
                 schedule="interleaved" if row.chunks > 1 else "1f1b", chunks=row.chunks,
                 activation_checkpointing="selective" if present else "full", sequence_parallel=present,
                 precision="bf16-mixed")
@@ -226,7 +226,7 @@ so model-parallel 96 = 8 × pp 12 and 280 = 8 × pp 35 (Table 1's 530B layout)."
 NARAYANAN_TABLE2_TOKENS = 300e9
 
 
-def narayanan_table2_plan(row: NarayananTable2Row, schedule: str = "interleaved") -> Plan:
+def narayanan_table2_plan(row: NarayananTable2Row, schedule: str = "interleaved") -> Layout:
     """The row's layout. PTD-P: tp 8 (assumed) × pp, data parallel over the rest, micro-batch 1 (the table's),
     full recomputation. ``interleaved`` (default) is ``megatron_plan``'s assumption for Table 1 — §5.1 states the
     interleaved schedule for the end-to-end runs, §5.2 names none — with 2 chunks for 175B (8 layers per rank)
@@ -234,14 +234,14 @@ def narayanan_table2_plan(row: NarayananTable2Row, schedule: str = "interleaved"
     every GPU at the table's micro-batch, full recomputation (assumed: Table 2's TF/s are Eq. 3's, which counts
     a recomputed forward), bf16-mixed (2 + 2 + 12 bytes per parameter)."""
     if row.scheme == "ZeRO-3":
-        return Plan(dp=row.gpus, micro_batch=row.micro_batch, zero_stage=3, activation_checkpointing="full",
+        return Layout(dp=row.gpus, micro_batch=row.micro_batch, zero_stage=3, activation_checkpointing="full",
                     precision="bf16-mixed")
     if schedule not in ("interleaved", "1f1b"):
         raise ValueError(f"schedule must be 'interleaved' or '1f1b', got {schedule!r}")
     layers, pp = NARAYANAN_TABLE2_MODELS[row.params_b][0], row.model_parallel // NARAYANAN_TABLE2_TP
     if schedule == "interleaved":
         return megatron_plan(layers, NARAYANAN_TABLE2_TP, pp, row.gpus)
-    return Plan(dp=row.gpus // row.model_parallel, tp=NARAYANAN_TABLE2_TP, pp=pp, micro_batch=1, schedule="1f1b",
+    return Layout(dp=row.gpus // row.model_parallel, tp=NARAYANAN_TABLE2_TP, pp=pp, micro_batch=1, schedule="1f1b",
                 activation_checkpointing="full", precision="bf16-mixed")
 
 

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from shardwise.planner import Hardware, ModelSpec, Plan, Prediction, predict
+from shardwise.planner import Hardware, ModelSpec, Layout, Prediction, predict
 from shardwise.planner.search import Space, search
 from .search_report import model_lines, summary_lines, verdict
 from .search_worker import MLPConfig, mlp_spec
@@ -74,7 +74,7 @@ class Slice:
     space: Space
 
 
-def slices(first: Plan) -> tuple[Slice, ...]:
+def slices(first: Layout) -> tuple[Slice, ...]:
     """The fixed slices around the first choice that are measured besides the top 3 (module doc, step 2)."""
     mb = first.micro_batch
     layouts = Space(schedules=("1f1b", "zb-h1"), chunks=(2,), checkpointing=("none",), sequence_parallel=(False,))
@@ -108,7 +108,7 @@ def _gpt_config(case: Case) -> Any:
     return load_config(preset="gpt-small", overrides={**case.model, "data.global_batch": case.global_batch})
 
 
-def _refusal(case: Case, cfg: Any, plan: Plan) -> str | None:
+def _refusal(case: Case, cfg: Any, plan: Layout) -> str | None:
     """Why ``shardwise train`` would not run ``plan`` (its own validation), or None."""
     if case.kind != "gpt":
         return None
@@ -133,7 +133,7 @@ def plan_set(case: Case, spec: ModelSpec, hw: Hardware, cfg: Any) -> dict[str, A
             order.append(pred)
         else:
             refused.append({"describe": pred.plan.describe(), "rank": i + 1, "reason": reason})
-    chosen: dict[Plan, list[str]] = {p.plan: ["top 3"] for p in order[:3]}
+    chosen: dict[Layout, list[str]] = {p.plan: ["top 3"] for p in order[:3]}
     labels = []
     for sl in slices(order[0].plan):
         labels.append(sl.label)
@@ -148,7 +148,7 @@ def plan_set(case: Case, spec: ModelSpec, hw: Hardware, cfg: Any) -> dict[str, A
     rows = [_row(by_plan[plan], rank.get(plan), where) for plan, where in chosen.items()]
     rows = [r for r in rows if r["rank"] is not None]  # refused by train: listed with the refusals, not measured
     in_set = {p.describe() for p in chosen}
-    plain = predict(spec, Plan(dp=DEVICES, micro_batch=1, precision="fp32").resolved(gb), hw, global_batch=gb)
+    plain = predict(spec, Layout(dp=DEVICES, micro_batch=1, precision="fp32").resolved(gb), hw, global_batch=gb)
     return {"full": full, "rows": rows, "refused": [r for r in refused if r["describe"] in in_set],
             "refused_total": len(refused),
             "space": "top 3 ∪ " + " ∪ ".join(labels), "plain_dp_bytes": plain.memory.total}
@@ -165,7 +165,7 @@ RunLayout = Callable[[str, list[str], int, Path], dict[str, Any]]
 ran."""
 
 
-def _measure_gpt(case: Case, plan: Plan, steps: int, root: Path, name: str, run_layout: RunLayout) -> dict[str, Any]:
+def _measure_gpt(case: Case, plan: Layout, steps: int, root: Path, name: str, run_layout: RunLayout) -> dict[str, Any]:
     from shardwise.runtime.config import config_from_dict
     from shardwise.runtime.planning import config_from_plan
     from shardwise.runtime.prediction import plan_from_config
@@ -180,7 +180,7 @@ def _measure_gpt(case: Case, plan: Plan, steps: int, root: Path, name: str, run_
     return got
 
 
-def _measure_mlp(case: Case, plan: Plan, steps: int, root: Path, name: str, run_layout: RunLayout) -> dict[str, Any]:
+def _measure_mlp(case: Case, plan: Layout, steps: int, root: Path, name: str, run_layout: RunLayout) -> dict[str, Any]:
     out = root / name
     argv = [sys.executable, "-m", "shardwise.cli", "run", "-n", str(DEVICES), "-m", "benchmarks.planner.search_worker",
             "--model", json.dumps(case.model), "--plan", plan.dumps(), "--global-batch", str(case.global_batch),
@@ -204,7 +204,7 @@ def _measure_all(case: Case, rows: list[dict[str, Any]], args: argparse.Namespac
     random.Random(f"{case.name}").shuffle(order)
     for round_ in range(args.repeats):
         for i in order:
-            row, plan = rows[i], Plan.from_json(rows[i]["plan"])
+            row, plan = rows[i], Layout.from_json(rows[i]["plan"])
             try:
                 got = measure(case, plan, args.steps, root, f"{case.name}-{i}-r{round_}", run_layout)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -1,6 +1,6 @@
 """The verdict and tables of ``benchmarks/planner_search_measured.py`` (pure: numbers in, numbers and text out).
 
-A *row* is one measured plan: ``describe`` (``Plan.describe()``), ``rank`` (its place in the planner's order
+A *row* is one measured plan: ``describe`` (``Layout.describe()``), ``rank`` (its place in the planner's order
 over the whole runnable space, among the plans ``shardwise train`` accepts; 1 = the first choice),
 ``predicted_s``, ``measured_s`` (None when the run failed), ``predicted_mem``, ``measured_mem`` and
 ``slices`` (which part of the measured set it came from). The two criteria of the issue:

@@ -1,5 +1,5 @@
 """One rank of ``benchmarks/planner_search_measured.py`` for the non-transformer model: a deep residual MLP
-laid out as one planner ``Plan`` (dp × pp × ZeRO × micro-batch × schedule × checkpointing) with the public
+laid out as one planner ``Layout`` (dp × pp × ZeRO × micro-batch × schedule × checkpointing) with the public
 strategies — ``DataParallel``, ``sw.zero``, ``sw.pipeline``, ``sw.checkpoint_layers`` — and timed like
 ``shardwise train`` times its steps (median after the first two, AdamW, one tiny loss all-reduce per step).
 
@@ -147,11 +147,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from shardwise.mesh import Mesh
     from shardwise.parallel.common.saved_memory import SavedTensorPeak
-    from shardwise.planner import Plan
+    from shardwise.planner import Layout
     from shardwise.world import init
 
     world = init()
-    cfg, plan = MLPConfig(**json.loads(args.model)), Plan.from_json(args.plan).resolved(args.global_batch)
+    cfg, plan = MLPConfig(**json.loads(args.model)), Layout.from_json(args.plan).resolved(args.global_batch)
     from shardwise.comm.hardware import hardware_collectives, load_hardware_calibration
 
     cals = hardware_collectives(load_hardware_calibration(args.calibration)) if args.calibration else []
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks.planner.search_worker")
     parser.add_argument("--model", default=json.dumps(asdict(MLPConfig())), help="MLPConfig as JSON")
-    parser.add_argument("--plan", required=True, help="planner Plan as JSON")
+    parser.add_argument("--plan", required=True, help="planner Layout as JSON")
     parser.add_argument("--global-batch", type=int, required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", required=True, help="directory for rankN.json")
