@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,9 @@ def test_every_public_name_is_on_its_page(site, module):
     assert not missing, (
         f"reference/{PAGES[module]}.md does not show {missing} of {module}.__all__: a name without a docstring "
         "is not rendered (give it one), a public submodule needs its own ':::' directive")
+    shown = set(re.findall(rf'id="{re.escape(module)}\.([^".]+)"', html))
+    extra = shown - set(mod.__all__)
+    assert not extra, f"reference/{PAGES[module]}.md shows {sorted(extra)}, which {module}.__all__ does not list"
 
 
 @needs_mkdocs
