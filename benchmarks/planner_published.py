@@ -3,8 +3,9 @@
     python benchmarks/planner_published.py [--search] [--markdown FILE] [--json FILE]
 
 Megatron-LM Table 1 (TF/s per GPU), the GPT-3 175B training time, ZeRO Table 1 (model states), Korthikanti et
-al. 2022 Table 5 and Narayanan et al. 2021 Table 2, all on the ``a100-80g-sxm`` preset
-(``benchmarks/planner/published_report.py``). ``--search``: also the layout search on Megatron-LM Table 1 against
+al. 2022 Table 5 and Narayanan et al. 2021 Table 2, all on the ``a100-80g-sxm`` preset, and Llama 3 405B
+(Dubey et al. 2024 Table 4, context parallelism included) on ``h100-80g-sxm``
+(``benchmarks/planner/published_report.py``, ``benchmarks/planner/published_llama3.py``). ``--search``: also the layout search on Megatron-LM Table 1 against
 the paper's layouts, and the search time (``benchmarks/planner/search_published.py``); ``--search-only``: that
 alone. Writes the tables of ``benchmarks/RESULTS.md``.
 """

@@ -2,7 +2,8 @@
 
 Megatron-LM Table 1 (TF/s per GPU), the GPT-3 175B training time, ZeRO Table 1 (model states), Korthikanti et
 al. 2022 Table 5 (iteration time and MFU, full vs selective recomputation), Narayanan et al. 2021 Table 2 (PTD-P
-vs ZeRO-3 without model parallelism: TF/s and training days), all on the ``a100-80g-sxm`` preset. Run by
+vs ZeRO-3 without model parallelism: TF/s and training days), all on the ``a100-80g-sxm`` preset, and Llama 3
+405B (Dubey et al. 2024, Table 4, with and without context parallelism) on ``h100-80g-sxm``. Run by
 ``python benchmarks/planner_published.py``.
 """
 
@@ -44,8 +45,12 @@ def published_tables() -> tuple[list[str], dict[str, Any]]:
     lines.insert(0, f"Megatron-LM Table 1: max |error| {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
     more, korthikanti = korthikanti_table()
     table2, narayanan = narayanan_table2()
-    return lines + [""] + more + [""] + table2, {"megatron": rows, "gpt3_days": days, "korthikanti": korthikanti,
-                                                 "narayanan_table2": narayanan}
+    from .published_llama3 import llama3_table
+
+    llama3, llama3_rows = llama3_table()
+    return lines + [""] + more + [""] + table2 + [""] + llama3, {
+        "megatron": rows, "gpt3_days": days, "korthikanti": korthikanti, "narayanan_table2": narayanan,
+        "llama3": llama3_rows}
 
 
 def korthikanti_table() -> tuple[list[str], list[dict[str, Any]]]:

@@ -6,8 +6,9 @@ Each sequence of ``S`` tokens is cut into ``2·cp`` chunks and cp rank ``i`` hol
 attention core — embeddings, the weight GEMMs, norms, elementwise kernels, the head and the loss — runs on
 ``S/cp`` tokens; the attention core's queries are the rank's ``S/cp`` tokens against all ``S`` keys, of which
 the causal half counts: ``S²/(2·cp)`` score entries per head per rank, the total ``S²/2`` split evenly
-(``cp_local``: the same ``Layer`` rows with every per-token quantity divided by cp and the attention GEMMs'
-rows divided by cp, their key length kept).
+(``cp_local``: the same ``Layer`` rows with every per-token quantity divided by cp, and each attention GEMM
+as the ``cp`` blocks of ``S/cp × S/cp`` the ring computes one per step — a batch of cp, so that small blocks
+pay their lower GEMM efficiency).
 
 The ring (``ring_times``): in forward a rank passes its K/V block — ``b · S/cp · 2 · hkv·hd / tp`` elements of
 the key/value heads (grouped-query attention sends ``hkv`` heads) — to its neighbour ``cp − 1`` times, each hop
@@ -23,11 +24,17 @@ The cp group is ``cp`` ranks ``tp`` apart (the mesh ``(pp, dp, cp, tp)``, row-ma
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
+from .compute import LayerTime, act_bytes, attention_time
 from .hardware import Hardware
 from .layers import Gemm, Layer
+from .plan import Layout
 
-__all__ = ["cp_local", "cp_layer", "kv_width", "ring_times", "cp_crosses_nodes"]
+if TYPE_CHECKING:
+    from .spec import ModelSpec
+
+__all__ = ["cp_local", "cp_layer", "kv_width", "ring_times", "cp_crosses_nodes", "local_spec", "with_ring"]
 
 
 def cp_layer(layer: Layer, cp: int) -> Layer:
@@ -35,10 +42,20 @@ def cp_layer(layer: Layer, cp: int) -> Layer:
     attention core's query rows / cp against all keys; parameters unchanged."""
     if cp == 1:
         return layer
-    gemms = tuple(replace(g, rows=g.rows // cp) for g in layer.gemms)
+    gemms = tuple(replace(g, rows=g.rows // cp) if g.weight else _ring_blocks(g, cp) for g in layer.gemms)
     return replace(layer, gemms=gemms, ew_rep=layer.ew_rep / cp, ew_tp=layer.ew_tp / cp, act_rep=layer.act_rep / cp,
                    act_tp=layer.act_tp / cp, act_attn=layer.act_attn / cp, act_fp32=layer.act_fp32 / cp,
                    hidden=layer.hidden // cp)
+
+
+def _ring_blocks(g: Gemm, cp: int) -> Gemm:
+    """An attention-core GEMM of ``S`` queries against ``S`` keys as one cp rank runs it: ``cp`` blocks of its
+    ``S/cp`` queries against ``S/cp`` keys (one per ring step, each a kernel of that size), as a batch."""
+    if g.n == g.rows:  # scores: (S × hd) @ (hd × S)
+        return replace(g, rows=g.rows // cp, n=g.n // cp, batch=g.batch * cp)
+    if g.k == g.rows:  # context: (S × S) @ (S × hd)
+        return replace(g, rows=g.rows // cp, k=g.k // cp, batch=g.batch * cp)
+    return replace(g, rows=g.rows // cp)
 
 
 def cp_local(layers: tuple[Layer, ...], cp: int) -> tuple[Layer, ...]:
@@ -82,3 +99,38 @@ def ring_times(*, kv_elements: float, elem_bytes: int, cp: int, tp: int, attn_fw
     both = hw.p2p_time(2 * nbytes, cross_node=cross)
     bwd = first + (cp - 1) * max(0.0, both - block_b) + max(0.0, hop - block_b)
     return fwd, bwd
+
+
+def local_spec(spec: "ModelSpec", plan: Layout, cache: dict | None = None) -> "ModelSpec":
+    """``spec`` as one of the plan's ``cp`` ranks runs it (``ModelSpec.for_cp``; itself at cp = 1), memoised in
+    ``cache`` (which keeps it alive, so that memo keys by ``id`` stay unique)."""
+    if plan.cp == 1:
+        return spec
+    if not any(not g.weight for layer in spec.layers for g in layer.gemms):
+        raise ValueError(f"cp = {plan.cp}: model {spec.name!r} has no attention core the planner can split over "
+                         f"a ring; use cp = 1")
+    key = ("cp spec", id(spec), plan.cp)
+    if cache is not None and key in cache:
+        return cache[key][1]
+    out = spec.for_cp(plan.cp)
+    if cache is not None:
+        cache[key] = (spec, out)
+    return out
+
+
+def with_ring(spec: "ModelSpec", layer: Any, t: LayerTime, plan: Layout, hw: Hardware, flash: bool) -> LayerTime:
+    """``t`` with the exposed ring-attention communication of context parallelism added to F and B
+    (``context.ring_times``); a recomputed forward (full or selective) runs its ring again in backward."""
+    if spec.meta.get("cp", 1) != plan.cp:
+        raise ValueError(f"layer costs at cp = {plan.cp} need the cp rank's view of the model: "
+                         f"spec.for_cp({plan.cp})")
+    width = kv_width(layer, spec.kv_heads, spec.hidden, spec.heads)
+    if not width:
+        return t
+    rows = next(g.rows for g in layer.gemms if not g.weight)  # the rank's S/cp query tokens
+    attn_f, attn_b = attention_time(layer, plan, hw, flash=flash)
+    fwd, bwd = ring_times(kv_elements=plan.micro_batch * rows * 2.0 * width, elem_bytes=act_bytes(plan),
+                          cp=plan.cp, tp=plan.tp, attn_fwd_s=attn_f, attn_bwd_s=attn_b, hw=hw)
+    if layer.kind == "block" and plan.activation_checkpointing in ("full", "selective"):
+        bwd += fwd
+    return replace(t, F=t.F + fwd, B=t.B + bwd, cp_fwd=fwd, cp_bwd=bwd)

@@ -44,6 +44,9 @@ class Space:
     max_micro_batch: int = 16
     precision: str = "fp32"
     """The precision when not pinned (a numerical choice the user makes, not the search)."""
+    context_parallel: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Context-parallel degrees (``Layout.cp``) the search may use, where the device count is a multiple of cp
+    and ``2·cp`` divides the sequence length (``search`` runs one branch and bound per cp, cp = 1 first)."""
     time_balanced_split: bool = True
     """Cut pipelines into stages of equal predicted time (``Layout.pp_split``), not equal parameters."""
 
@@ -139,7 +142,7 @@ def pipeline_pins(fixed: Mapping[str, Any]) -> list[str]:
 
 
 def _check_pins(fixed: dict[str, Any], devices: int) -> None:
-    axes = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
+    axes = {k: fixed[k] for k in ("dp", "cp", "tp", "pp") if k in fixed}
     for k, v in axes.items():
         if not isinstance(v, int) or v < 1 or devices % v:
             raise ValueError(f"pin {k} = {v!r} must be a positive divisor of the {devices} devices; use one of "
@@ -147,9 +150,10 @@ def _check_pins(fixed: dict[str, Any], devices: int) -> None:
     product = 1
     for v in axes.values():
         product *= v
-    if devices % product or (len(axes) == 3 and product != devices):
+    if devices % product or (len(axes) == 4 and product != devices):
         raise ValueError(f"pins {' × '.join(f'{k} {v}' for k, v in axes.items())} = {product} do not divide into the "
-                         f"{devices} devices (dp × tp × pp must equal the device count); change a pin or the devices")
+                         f"{devices} devices (dp × cp × tp × pp must equal the device count); change a pin or the "
+                         f"devices")
     if fixed.get("schedule") == "interleaved" and fixed.get("chunks", 2) < 2:
         raise ValueError(f"pins schedule 'interleaved' and chunks {fixed['chunks']} contradict: interleaving needs "
                          f"chunks >= 2")
@@ -226,6 +230,7 @@ def layouts(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, p
     """The valid ``(tp, pp, dp)`` of ``devices`` under the pins; the invalid ones noted in ``regions``."""
     _check_pins(pins, devices)
     n_layers = len(spec.layers)
+    cp = pins.get("cp", 1)
     out = []
     for tp in _options("tp", divisors(devices), pins):
         if tp > 1 and not spec.tp_divisors:
@@ -241,7 +246,9 @@ def layouts(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, p
         for pp in divisors(devices // tp):
             if "pp" in pins and pp != pins["pp"]:
                 continue
-            dp = devices // (tp * pp)
+            if (devices // (tp * pp)) % cp:
+                continue  # no dp × cp × tp × pp of the devices at this cp
+            dp = devices // (tp * pp * cp)
             if "dp" in pins and dp != pins["dp"]:
                 continue
             if pp > n_layers:
@@ -297,14 +304,15 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
                budget: float, runtime: str, cache: dict, note: bool = True) -> float:
     """The candidates of one micro-batch size; returns the least memory floor among them. ``note``: count the
     ones over the budget in ``regions`` (``groups.LazyPool`` counted them when it bounded the group)."""
-    base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
-                precision=precision)
+    cp = pins.get("cp", 1)
+    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+                  precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     least = float("inf")
     for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
         split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
         for zero in zeros:
-            plan = Layout(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+            plan = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
                         microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
                         activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
             cand = _bounds(spec, plan, hw, per_layer, runtime, cache, budget)

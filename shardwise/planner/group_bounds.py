@@ -54,10 +54,10 @@ class Group:
 
 
 def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per: int, mb: int, ckpt: str, sp: bool,
-                zeros: list[int], accum: int, precision: str, runtime: str, cache: dict) -> float:
+                zeros: list[int], accum: int, precision: str, runtime: str, cache: dict, cp: int = 1) -> float:
     """The least ``time_lb`` any plan of the group can have (module doc)."""
-    base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
-                precision=precision)
+    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+                  precision=precision)
     key = ("work", tp, mb, ckpt, sp, precision)
     if key not in cache:
         costs = layer_costs(spec, base, hw, cache)
@@ -89,8 +89,8 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
              cache: dict) -> Iterator[tuple[Option, int, list[Any]]]:
     """The group's pipeline options: ``(option, accumulation, layer costs)``."""
     precision = pins.get("precision", space.precision)
-    base = Layout(dp=g.dp, tp=g.tp, pp=g.pp, micro_batch=g.mb, activation_checkpointing=g.ckpt,
-                sequence_parallel=g.sp, precision=precision)
+    base = Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=pins.get("cp", 1), micro_batch=g.mb,
+                  activation_checkpointing=g.ckpt, sequence_parallel=g.sp, precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers)):
         key = ("split and id", g.tp, g.mb, g.ckpt, g.sp, g.pp * chunks)
@@ -101,11 +101,11 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
         yield Option(schedule, chunks, split, g.per // g.mb // accum if g.pp > 1 else 1, sid), accum, per_layer
 
 
-def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Layout]]) -> list[Layout]:
+def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Layout]], cp: int = 1) -> list[Layout]:
     """One ``Layout`` per ZeRO stage of the group with ``accum`` flushes: the fields the bounds read besides the
     pipeline option (``bounds`` module doc); memoised in ``made`` per accumulation."""
     if accum not in made:
-        made[accum] = [Layout(dp=g.dp, tp=g.tp, pp=g.pp, zero_stage=zero, micro_batch=g.mb, grad_accum=accum,
+        made[accum] = [Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=cp, zero_stage=zero, micro_batch=g.mb, grad_accum=accum,
                             activation_checkpointing=g.ckpt, sequence_parallel=g.sp, precision=precision)
                        for zero in g.zeros]
     return made[accum]
@@ -120,7 +120,8 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     fit = 0
     precision = pins.get("precision", space.precision)
     made: dict[int, list[Layout]] = {}
-    carriers = _plans(g, 1, precision, made)  # memory does not read the accumulation
+    cp = pins.get("cp", 1)
+    carriers = _plans(g, 1, precision, made, cp)  # memory does not read the accumulation
     over, need, example = 0, math.inf, None  # the ones over the budget, noted once (the least need first)
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
         for i, (memory_lb, floor) in enumerate(memory_bounds(spec, carriers, opt, hw, cache)):
@@ -131,11 +132,11 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
                     need, example = min(need, memory_lb), (accum, i, opt, memory_lb)
                 continue
             fit += 1
-            plan = _plans(g, accum, precision, made)[i]
+            plan = _plans(g, accum, precision, made, cp)[i]
             best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
     if example is not None:
         accum, i, opt, memory_lb = example
-        note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made)[i], opt),
+        note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made, cp)[i], opt),
                          memory_lb, count=over)
     return best, least, fit
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .builders import gpt_layers
-from .compute import LayerTime, act_bytes, attention_time, layer_time
-from .context import kv_width, ring_times
+from .compute import LayerTime, act_bytes, layer_time
+from .context import local_spec, with_ring
 from .hardware import Hardware
 from .memory import MemoryBreakdown, local_params, rank_memory
 from .overhead import autocast_factor, with_launch_cost
@@ -75,23 +75,6 @@ def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
     if plan.sequence_parallel and plan.tp == 1:
         raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
     plan.check_seq_len(spec.seq_len)
-    if plan.cp > 1 and not any(not g.weight for layer in spec.layers for g in layer.gemms):
-        raise ValueError(f"cp = {plan.cp}: model {spec.name!r} has no attention core the planner can split over "
-                         f"a ring; use cp = 1")
-
-
-def local_spec(spec: ModelSpec, plan: Layout, cache: dict | None = None) -> ModelSpec:
-    """``spec`` as one of the plan's ``cp`` ranks runs it (``ModelSpec.for_cp``; itself at cp = 1), memoised in
-    ``cache`` (which keeps it alive, so that memo keys by ``id`` stay unique)."""
-    if plan.cp == 1:
-        return spec
-    key = ("cp spec", id(spec), plan.cp)
-    if cache is not None and key in cache:
-        return cache[key][1]
-    out = spec.for_cp(plan.cp)
-    if cache is not None:
-        cache[key] = (spec, out)
-    return out
 
 
 def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
@@ -113,29 +96,11 @@ def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None 
     firsts, index = classes
     costed = [layer_time(spec.layers[i], plan, hw, flash=flash, tp_per_node=tp_per_node) for i in firsts]
     if plan.cp > 1:
-        if spec.meta.get("cp", 1) != plan.cp:
-            raise ValueError(f"layer_costs at cp = {plan.cp} needs the cp rank's view of the model: pass "
-                             f"spec.for_cp({plan.cp})")
-        costed = [_with_ring(spec, spec.layers[i], t, plan, hw, flash) for i, t in zip(firsts, costed)]
+        costed = [with_ring(spec, spec.layers[i], t, plan, hw, flash) for i, t in zip(firsts, costed)]
     out = [costed[c] for c in index]
     if cache is not None:
         cache[key] = out
     return out
-
-
-def _with_ring(spec: ModelSpec, layer: Any, t: LayerTime, plan: Layout, hw: Hardware, flash: bool) -> LayerTime:
-    """``t`` with the exposed ring-attention communication of context parallelism added to F and B
-    (``context.ring_times``); a recomputed forward (full or selective) runs its ring again in backward."""
-    width = kv_width(layer, spec.kv_heads, spec.hidden, spec.heads)
-    if not width:
-        return t
-    rows = next(g.rows for g in layer.gemms if not g.weight)  # the rank's S/cp query tokens
-    attn_f, attn_b = attention_time(layer, plan, hw, flash=flash)
-    fwd, bwd = ring_times(kv_elements=plan.micro_batch * rows * 2.0 * width, elem_bytes=act_bytes(plan),
-                          cp=plan.cp, tp=plan.tp, attn_fwd_s=attn_f, attn_bwd_s=attn_b, hw=hw)
-    if layer.kind == "block" and plan.activation_checkpointing in ("full", "selective"):
-        bwd += fwd
-    return replace(t, F=t.F + fwd, B=t.B + bwd, cp_fwd=fwd, cp_bwd=bwd)
 
 
 def _layer_classes(spec: ModelSpec) -> tuple[list[int], list[int]]:
@@ -282,13 +247,11 @@ def _step_syncs(plan: Layout, hw: Hardware) -> tuple[float, float]:
     after it (a pipeline's loss is already the mean). Latency-bound: a gloo all-reduce of 4 bytes is ~0.6 ms
     between CPU ranks, microseconds with NCCL."""
     per_dp = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
-    sizes = [(plan.dp, per_dp), (plan.tp, min(plan.tp, hw.devices_per_node)), (plan.pp, 1)]
-    if plan.cp > 1:
-        sizes.append((plan.cp, min(plan.cp, max(1, hw.devices_per_node // plan.tp))))
+    per_cp = min(plan.zero_group, max(1, hw.devices_per_node // plan.tp))  # dp × cp: who saw the batch's tokens
+    sizes = [(plan.dp, per_dp), (plan.tp, min(plan.tp, hw.devices_per_node)), (plan.pp, 1), (plan.cp, min(plan.cp, per_cp))]
     flag = sum(hw.collective_time("all_reduce", 4, n, per_node=k, algorithm="native") for n, k in sizes if n > 1)
-    group = plan.zero_group  # the loss is averaged over every rank that saw some of the batch's tokens
-    per_group = min(group, max(1, hw.devices_per_node // plan.tp))
-    loss = hw.collective_time("all_reduce", 4, group, per_node=per_group, algorithm="native") if plan.pp == 1 else 0.0
+    loss = (hw.collective_time("all_reduce", 4, plan.zero_group, per_node=per_cp, algorithm="native")
+            if plan.pp == 1 else 0.0)
     return flag, loss
 
 
@@ -406,8 +369,7 @@ def _assemble(spec: ModelSpec, plan: Layout, hw: Hardware, stages: list[list[Any
         cp = plan.grad_accum * m * sum(c.cp_fwd + c.cp_bwd for s in ranks[r] for c in costs[s])
         breakdown = {"compute": busy - tp - cp, "tp_comm": tp, "cp_comm": cp, **{k: v for k, v in breakdown.items()
                                                                                 if k not in ("compute", "tp_comm")}}
-    # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward); a cp
-    # rank's costs are its share of the sequence (attention counted in full, Megatron's way: S²/cp per rank)
+    # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward), × cp ranks
     fwd = sum(c.flops_fwd for st in costs for c in st) * plan.tp * plan.cp  # the whole model, one micro-batch
     attn = sum(c.flops_attn for st in costs for c in st) * plan.tp * plan.cp
     blocks_fwd = sum(c.flops_fwd for st, lst in zip(costs, stages) for c, layer in zip(st, lst)

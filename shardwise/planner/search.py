@@ -103,15 +103,28 @@ def search(spec: ModelSpec, hardware: Hardware, *, devices: int, global_batch: i
         spec = spec.replicate(sorted(modules))
     space = space or (Space.runnable() if runtime == "shardwise" else Space())
     budget = hardware.memory_bytes * (1 - memory_margin)
-    cache: dict = {}
+    best: list[Prediction] = []
+    evaluated = total = 0
+    pools = []
+    regions: dict[str, Region] = {}
     with _collection_paused():
-        lazy = LazyPool.build(spec, hardware, devices=devices, global_batch=global_batch, pins=fixed, space=space,
-                              budget=budget, runtime=runtime, cache=cache)
-        best, evaluated = _branch_and_bound(spec, hardware, lazy, global_batch, budget, top, runtime, cache)
+        # one branch and bound per context-parallel degree (cp = 1 first), each on the cp rank's view of the
+        # model and seeded with the best plans so far: a cp whose every bound is slower stops at once
+        for cp in cp_options(spec, devices, fixed, space):
+            local = spec.for_cp(cp)
+            pins_cp = {**fixed, "cp": cp} if cp > 1 or "cp" in fixed else fixed
+            cache: dict = {}
+            lazy = LazyPool.build(local, hardware, devices=devices, global_batch=global_batch, pins=pins_cp,
+                                  space=space, budget=budget, runtime=runtime, cache=cache)
+            best, n = _branch_and_bound(local, hardware, lazy, global_batch, budget, top, runtime, cache, best)
+            evaluated += n
+            pools.append((local, lazy, cache))
+            for r in lazy.regions.values():
+                _note(regions, r.reason, r.count, r.example, r.need_bytes)
+            total += lazy.total
     if not best:
-        _raise_infeasible(spec, hardware, lazy, global_batch, budget, runtime, cache, devices)
-    regions = lazy.regions
-    total = lazy.total + sum(r.count for r in regions.values() if r.reason.startswith("invalid"))
+        _raise_infeasible(hardware, pools, global_batch, budget, runtime, devices)
+    total += sum(r.count for r in regions.values() if r.reason.startswith("invalid"))
     return SearchResult(predictions=best, search_s=time.perf_counter() - start, candidates=total,
                         evaluated=evaluated, pruned=sorted(regions.values(), key=lambda r: -r.count),
                         budget_bytes=budget)
@@ -132,10 +145,36 @@ def _collection_paused() -> Iterator[None]:
             gc.enable()
 
 
+def cp_options(spec: ModelSpec, devices: int, fixed: Mapping[str, Any], space: Space) -> list[int]:
+    """The context-parallel degrees to search: the pinned one, else ``space.context_parallel`` where ``2·cp``
+    divides the sequence, cp divides the devices and the model has an attention core to split over a ring;
+    ``ValueError`` for a pin that cannot be."""
+    attention = any(not g.weight for layer in spec.layers for g in layer.gemms)
+    if "cp" in fixed:
+        cp = fixed["cp"]
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or devices % cp:
+            raise ValueError(f"pin cp = {cp!r} must be a positive divisor of the {devices} devices")
+        if cp > 1 and spec.seq_len % (2 * cp):
+            raise ValueError(f"pin cp = {cp} needs the sequence length divisible by 2·cp = {2 * cp}, got "
+                             f"{spec.seq_len}; pin a cp whose 2·cp divides it")
+        if cp > 1 and not attention:
+            raise ValueError(f"pin cp = {cp}: model {spec.name!r} has no attention core to split over a ring; pin cp 1")
+        return [cp]
+    pinned = 1
+    for axis in ("dp", "tp", "pp"):
+        pinned *= fixed.get(axis, 1)
+    full = all(axis in fixed for axis in ("dp", "tp", "pp"))
+    return [cp for cp in sorted(set(space.context_parallel) | {1})
+            if cp == 1 or (attention and devices % (cp * pinned) == 0 and spec.seq_len % (2 * cp) == 0
+                           and (not full or cp * pinned == devices))]
+
+
 def _branch_and_bound(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batch: int, budget: float, top: int,
-                      runtime: str, cache: dict) -> tuple[list[Prediction], int]:
-    """Predict candidates in bound order until the ``top``-th best beats every bound left."""
-    best: list[Prediction] = []
+                      runtime: str, cache: dict,
+                      seed: list[Prediction] | None = None) -> tuple[list[Prediction], int]:
+    """Predict candidates in bound order until the ``top``-th best (``seed``: the best of earlier pools) beats
+    every bound left."""
+    best: list[Prediction] = list(seed or [])
     evaluated = 0
     regions = lazy.regions
     while True:
@@ -179,26 +218,33 @@ def _rank_key(pred: Prediction) -> float:
     return pred.step_time_s * (1 + TIE * simplicity(pred.plan))
 
 
-def _raise_infeasible(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batch: int, budget: float, runtime: str,
-                      cache: dict, devices: int) -> None:
-    everything = lazy.everything()
-    regions = lazy.regions
-    if not everything:
+def _raise_infeasible(hw: Hardware, pools: list[tuple[ModelSpec, LazyPool, dict]], global_batch: int, budget: float,
+                      runtime: str, devices: int) -> None:
+    spec = pools[0][0]
+    # the closest plan: smallest predicted peak among the candidates with the smallest memory bounds (of any cp)
+    preds = []
+    for local, lazy, cache in pools:
+        everything = lazy.everything()
+        preds += [predict(local, c.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
+                  for c in sorted(everything, key=lambda c: c.memory_floor)[:16]]
+    if not preds:
+        regions: dict[str, Region] = {}
+        for _, lazy, _ in pools:
+            for r in lazy.regions.values():
+                _note(regions, r.reason, r.count, r.example, r.need_bytes)
         reasons = "; ".join(f"{r.reason} ({r.count}, e.g. {r.example})" for r in regions.values())
         raise ValueError(f"no layout of model {spec.name!r} on {devices} devices is valid: {reasons}; change the "
                          f"pins, the device count or the global batch")
-    # the closest plan: smallest predicted peak among the candidates with the smallest memory bounds
-    closest = min((predict(spec, c.plan, hw, global_batch=global_batch, runtime=runtime, cache=cache)
-                   for c in sorted(everything, key=lambda c: c.memory_floor)[:16]), key=lambda p: p.memory.total)
+    closest = min(preds, key=lambda p: p.memory.total)
     mem = closest.memory
     raise NoFeasiblePlan(
         f"model {spec.name!r} fits no layout on {devices} devices of {hw.memory_bytes / 1e9:.1f} GB (budget "
         f"{budget / 1e9:.1f} GB after the margin): the closest, {closest.plan.describe()}, needs "
         f"{mem.total / 1e9:.2f} GB per device (largest: {mem.largest}, {getattr(mem, mem.largest) / 1e9:.2f} GB); "
-        f"{_remedies(closest.plan)}", closest)
+        f"{_remedies(closest.plan, mem.largest)}", closest)
 
 
-def _remedies(plan: Layout) -> str:
+def _remedies(plan: Layout, largest: str = "") -> str:
     """What could make the closest plan fit, leaving out what it already does."""
     out = ["add devices"]
     if plan.precision == "fp32":
@@ -208,5 +254,7 @@ def _remedies(plan: Layout) -> str:
                    "allow data parallelism so that ZeRO can shard the states (fewer tp/pp)")
     if plan.activation_checkpointing != "full":
         out.append("allow full activation checkpointing")
+    if largest == "activations":
+        out.append("allow (a larger) context parallelism cp, which splits each sequence's activations")
     out.append("or use a device with more memory")
     return ", ".join(out)
