@@ -8,13 +8,20 @@
   documentation files"; when the file exists in the repository that report is lowered to INFO, so
   ``mkdocs build --strict`` passes. A link to a repository file that does not exist, and every broken link or
   anchor between pages of ``docs/``, stays a warning (an error under ``--strict``).
+- A reference page's ``::: module`` renders the names of the module's ``__all__``, except a function or class
+  imported under the name of the submodule that defines it (``from .predict import predict``): griffe sees the
+  submodule there (mkdocstrings/griffe#124) and does not render it. Such names get a ``:::`` directive of their
+  own, on the path that defines them, added at the end of the page.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
+import sys
+import types
 
 CLI_PAGE = "reference/cli.md"  # its text in the repository is a stub; the site gets the generated page
 _NOT_FOUND = re.compile(r"^Doc file '(?P<page>[^']+)' contains a link '(?P<link>\.\./[^'#?]*)[^']*', "
@@ -48,9 +55,35 @@ def on_config(config):
     return config
 
 
+_DIRECTIVE = re.compile(r"^::: (?P<path>[\w.]+)[ \t]*$", re.M)
+
+
+def shadowed(module_name: str) -> list[str]:
+    """The defining paths of the functions and classes in ``module_name.__all__`` that griffe takes for a
+    submodule: those whose defining module's package exports them under that module's own name."""
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError:  # a ::: directive on a class or function, not a module
+        return []
+    out = []
+    for name in getattr(mod, "__all__", ()):
+        obj = getattr(mod, name, None)
+        qualname, defining = getattr(obj, "__qualname__", None), getattr(obj, "__module__", None)
+        if isinstance(obj, types.ModuleType) or not isinstance(qualname, str) or not isinstance(defining, str):
+            continue
+        package, _, last = defining.rpartition(".")
+        if last == qualname and getattr(sys.modules.get(package), last, None) is obj:
+            out.append(f"{defining}.{qualname}")
+    return out
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if page.file.src_uri == CLI_PAGE:
         from shardwise.cli.reference import markdown as cli_markdown
 
         return cli_markdown()
+    if page.file.src_uri.startswith("reference/"):
+        for m in list(_DIRECTIVE.finditer(markdown)):
+            for path in shadowed(m["path"]):
+                markdown += f"\n\n::: {path}\n    options:\n      show_root_full_path: false\n"
     return markdown

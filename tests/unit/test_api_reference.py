@@ -60,8 +60,8 @@ def _page(site: Path, module: str) -> str:
 
 def _ids(obj: object, module: str, name: str) -> list[str]:
     """The heading ids the name may have on its page: ``module.name``, or, for a function or class griffe sees
-    under another path (an import that a submodule of the same name shadows, e.g. ``planner.predict``, rendered
-    by its own ``:::`` directive), its defining path."""
+    under another path (an import that a submodule of the same name shadows, e.g. ``planner.predict``, which
+    ``docs/hooks.py`` renders from where it is defined), its defining path."""
     ids = [f"{module}.{name}"]
     qualname = getattr(obj, "__qualname__", None)
     if isinstance(qualname, str) and getattr(obj, "__module__", None):
