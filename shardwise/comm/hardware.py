@@ -20,7 +20,7 @@ from ..world import env_flag
 from .calibration import Calibration
 
 __all__ = ["HARDWARE_FORMAT", "default_calibration_path", "load_hardware_calibration", "check_hardware_calibration",
-           "hardware_collectives", "local_collective_calibrations"]
+           "hardware_collectives"]
 
 HARDWARE_FORMAT = "shardwise-hardware/1"
 _FIX = "regenerate it with `shardwise calibrate --out FILE`"
@@ -115,11 +115,3 @@ def hardware_collectives(data: Mapping[str, Any]) -> list[Calibration]:
     """The collective calibrations of a checked hardware file, one per group size (for ``Mesh(calibration=)``)."""
     return [Calibration.from_json(entry) for _, entry in sorted(data["collectives"].items(), key=lambda kv: int(kv[0]))]
 
-
-def local_collective_calibrations(device: str, nproc: int) -> list[Calibration]:
-    """The collective calibrations of ``default_calibration_path(device, nproc)``; ``[]`` when there is no
-    such file. A file that exists but is broken raises ``ValueError``."""
-    path = default_calibration_path(device, nproc)
-    if not path.is_file():
-        return []
-    return hardware_collectives(load_hardware_calibration(path))
