@@ -66,6 +66,10 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+_CP_REFUSAL = ("parallel.cp > 1 is not wired into shardwise train yet; use shardwise predict/plan, or "
+               "sw.context_parallel in your own script")
+
+
 def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     """(validated config, run directory, checkpoint to resume or None); writes the launch config.
     Raises ``ValueError`` for every user mistake, before anything is written or started (a resume's config is
@@ -80,10 +84,14 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
         run_dir = cfg.run_dir()
     if nodes.count > 1 and cfg.parallel.nproc == 0:  # the default is per node: one per GPU, or 2 CPU ranks
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc=default_nproc() * nodes.count))
+    if cfg.parallel.cp > 1:
+        raise ValueError(_CP_REFUSAL)
     if cfg.parallel.auto:
         from ..runtime.planning import auto_layout
 
-        cfg, lines = auto_layout(cfg, overrides, device="cuda" if _cuda() else "cpu",
+        # train does not run context parallelism yet: the search keeps cp = 1 (a pin, as a given flag is)
+        given = {**overrides, "parallel.cp": 1}
+        cfg, lines = auto_layout(cfg, given, device="cuda" if _cuda() else "cpu",
                                  nproc=cfg.parallel.nproc or default_nproc())
         print("\n".join(lines), flush=True)
     cfg = validate(cfg)

@@ -24,15 +24,12 @@ The cp group is ``cp`` ranks ``tp`` apart (the mesh ``(pp, dp, cp, tp)``, row-ma
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .compute import LayerTime, act_bytes, attention_time
 from .hardware import Hardware
 from .layers import Gemm, Layer
 from .plan import Layout
-
-if TYPE_CHECKING:
-    from .spec import ModelSpec
 
 __all__ = ["cp_local", "cp_layer", "kv_width", "ring_times", "cp_crosses_nodes", "local_spec", "with_ring"]
 
@@ -63,16 +60,17 @@ def cp_local(layers: tuple[Layer, ...], cp: int) -> tuple[Layer, ...]:
     return layers if cp == 1 else tuple(cp_layer(layer, cp) for layer in layers)
 
 
-def kv_width(layer: Layer, kv_heads: int, hidden: int, heads: int) -> int:
+def kv_width(layer: Layer, kv_heads: int, hidden: int, heads: int, cp: int = 1) -> int:
     """Elements per token of one of K or V (``hkv · hd``): the model's kv heads where the spec names them,
-    else the attention core's query heads (multi-head attention); 0 for a layer without attention."""
+    else the attention core's query heads (multi-head attention; a cp rank's ``layer`` batches its cp blocks);
+    0 for a layer without attention."""
     core = next((g for g in layer.gemms if not g.weight), None)
     if core is None:
         return 0
     hd = core.k if core.name != "context" else core.n
     if kv_heads and heads and hidden:
         return kv_heads * (hidden // heads)
-    return core.batch * hd
+    return core.batch // cp * hd
 
 
 def cp_crosses_nodes(tp: int, cp: int, devices_per_node: int) -> bool:
@@ -101,7 +99,7 @@ def ring_times(*, kv_elements: float, elem_bytes: int, cp: int, tp: int, attn_fw
     return fwd, bwd
 
 
-def local_spec(spec: "ModelSpec", plan: Layout, cache: dict | None = None) -> "ModelSpec":
+def local_spec(spec: Any, plan: Layout, cache: dict | None = None) -> Any:
     """``spec`` as one of the plan's ``cp`` ranks runs it (``ModelSpec.for_cp``; itself at cp = 1), memoised in
     ``cache`` (which keeps it alive, so that memo keys by ``id`` stay unique)."""
     if plan.cp == 1:
@@ -118,13 +116,13 @@ def local_spec(spec: "ModelSpec", plan: Layout, cache: dict | None = None) -> "M
     return out
 
 
-def with_ring(spec: "ModelSpec", layer: Any, t: LayerTime, plan: Layout, hw: Hardware, flash: bool) -> LayerTime:
+def with_ring(spec: Any, layer: Any, t: LayerTime, plan: Layout, hw: Hardware, flash: bool) -> LayerTime:
     """``t`` with the exposed ring-attention communication of context parallelism added to F and B
     (``context.ring_times``); a recomputed forward (full or selective) runs its ring again in backward."""
     if spec.meta.get("cp", 1) != plan.cp:
         raise ValueError(f"layer costs at cp = {plan.cp} need the cp rank's view of the model: "
                          f"spec.for_cp({plan.cp})")
-    width = kv_width(layer, spec.kv_heads, spec.hidden, spec.heads)
+    width = kv_width(layer, spec.kv_heads, spec.hidden, spec.heads, plan.cp)
     if not width:
         return t
     rows = next(g.rows for g in layer.gemms if not g.weight)  # the rank's S/cp query tokens

@@ -227,7 +227,8 @@ def validate(config: Config, *, launch: bool = True) -> Config:
 
     # config.model (a GPTConfig) checked its own shape when it was built
     m, p, t, o = config.model, config.parallel, config.train, config.optimizer
-    _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.micro_batch", p.micro_batch),
+    _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
+              ("parallel.micro_batch", p.micro_batch),
               ("data.global_batch", config.data.global_batch), ("train.steps", t.steps),
               ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints),
               ("train.max_skipped", t.max_skipped), ("train.eval_batches", t.eval_batches))
@@ -241,18 +242,20 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     _check_strategies(config)
     if launch:
         _check_devices(config)
-    nproc = p.nproc or (default_nproc() if launch else p.dp * p.tp * p.pp)
+    nproc = p.nproc or (default_nproc() if launch else p.dp * p.cp * p.tp * p.pp)
     if not nproc:
         raise ValueError("parallel.nproc = 0 (infer it) needs local devices, but nothing is launched here; give the "
                          "device count, e.g. --parallel.nproc 8")
     if not -1 <= config.debug.nonfinite_rank < nproc:
         raise ValueError(f"debug.nonfinite_rank = {config.debug.nonfinite_rank} must be -1 (every rank) or a rank in "
                          f"[0, {nproc}); e.g. --debug.nonfinite_rank 0")
-    dp = p.dp or nproc // (p.tp * p.pp)
-    if dp * p.tp * p.pp != nproc:
-        raise ValueError(f"parallel.dp × parallel.tp × parallel.pp = {dp} × {p.tp} × {p.pp} = {dp * p.tp * p.pp} "
-                         f"must equal the number of processes parallel.nproc = {nproc}; set --parallel.nproc "
-                         f"{max(dp, 1) * p.tp * p.pp} or pick dp/tp/pp whose product is {nproc}")
+    dp = p.dp or nproc // (p.tp * p.pp * p.cp)
+    axes = {"dp": dp, **({"cp": p.cp} if p.cp > 1 else {}), "tp": p.tp, "pp": p.pp}  # cp named where it is used
+    if dp * p.cp * p.tp * p.pp != nproc:
+        raise ValueError(f"{' × '.join('parallel.' + k for k in axes)} = {' × '.join(map(str, axes.values()))} = "
+                         f"{dp * p.cp * p.tp * p.pp} must equal the number of processes parallel.nproc = {nproc}; set "
+                         f"--parallel.nproc {max(dp, 1) * p.cp * p.tp * p.pp} or pick {'/'.join(axes)} whose product "
+                         f"is {nproc}")
     accum = p.grad_accum
     if launch or p.pp == 1:
         gb = config.data.global_batch

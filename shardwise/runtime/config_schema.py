@@ -91,7 +91,11 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel ranks (Megatron GPT plan); must divide ``model.n_head``."""
     pp: int = 1
-    """Pipeline-parallel ranks (``sw.pipeline`` over the mesh axis ``pp``); dp × tp × pp = nproc."""
+    """Pipeline-parallel ranks (``sw.pipeline`` over the mesh axis ``pp``); dp × cp × tp × pp = nproc."""
+    cp: int = 1
+    """Context-parallel ranks: the sequence split over a ``cp`` mesh axis (ring attention; each rank holds 2 of
+    2·cp chunks, so ``model.block_size`` must be divisible by 2·cp), parameters replicated over cp and gradients
+    averaged over dp × cp. ``shardwise predict`` / ``plan`` cost it; ``shardwise train`` does not run cp > 1 yet."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule (``shardwise schedule`` shows each): gpipe, 1f1b, interleaved (pp_chunks ≥ 2), zb-h1, …"""
     pp_microbatches: int = 0

@@ -19,7 +19,7 @@ from .model_build import model_spec, planner_split_names, train_split_names
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
 
-PIN_FIELDS = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
+PIN_FIELDS = ("dp", "tp", "pp", "cp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
               "pp_microbatches", "pp_split", "activation_checkpointing", "replicate")
 """``parallel.*`` fields that pin the search (``--pin parallel.tp=8``, or given flags with ``--parallel.auto``)."""
 
@@ -34,7 +34,7 @@ def config_from_plan(plan: Layout) -> dict[str, Any]:
         raise ValueError(f"plan {plan.describe()}: shardwise train has no sequence parallelism")
     if plan.precision == "bf16-mixed":
         raise ValueError(f"plan {plan.describe()}: shardwise train runs fp32 or bf16 autocast, not bf16-mixed")
-    out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
+    out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "zero_stage": plan.zero_stage,
                            "activation_checkpointing": plan.activation_checkpointing == "full"}
     if plan.pp == 1:
         out.update(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, pp_schedule="1f1b", pp_chunks=1,
@@ -104,7 +104,7 @@ def _check_pin_values(pairs: Mapping[str, Any]) -> None:
         raise ValueError(f"pin parallel.zero_stage = {pairs['zero_stage']} must be 0, 1, 2 or 3")
     if "pp_schedule" in pairs and pairs["pp_schedule"] not in SCHEDULES:
         raise ValueError(f"pin parallel.pp_schedule = {pairs['pp_schedule']!r} is not one of {list(SCHEDULES)}")
-    for key in ("dp", "tp", "pp", "grad_accum", "pp_chunks", "pp_microbatches", "micro_batch"):
+    for key in ("dp", "tp", "pp", "cp", "grad_accum", "pp_chunks", "pp_microbatches", "micro_batch"):
         value = pairs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"pin parallel.{key} = {value!r} must be a whole number >= 1")
@@ -127,7 +127,7 @@ def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
             modules[REPLICABLE.get(name, name)] = value  # train's module name → the planner's layer
         elif key == "replicate":
             modules.update({REPLICABLE.get(name, name): "replicate" for name in value})
-        elif key in ("dp", "tp", "pp", "zero_stage", "grad_accum", "precision"):
+        elif key in ("dp", "tp", "pp", "cp", "zero_stage", "grad_accum", "precision"):
             pins[key] = value
         elif key == "pp_schedule":
             pins["schedule"] = value

@@ -35,7 +35,7 @@ _KEYS = (("Layout.schedule", "parallel.pp_schedule"), ("Layout.chunks", "paralle
 def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     """The ``Layout`` of a validated config (``validate``: ``nproc`` and ``dp`` resolved).
 
-    Field by field: ``dp``, ``tp``, ``pp``, ``zero_stage`` as they are; ``activation_checkpointing`` true →
+    Field by field: ``dp``, ``cp``, ``tp``, ``pp``, ``zero_stage`` as they are; ``activation_checkpointing`` true →
     ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
     (bf16 autocast over fp32 weights); no sequence parallelism (train has none).
 
@@ -56,9 +56,9 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     ``ValueError`` naming the config key when the layout is not one the planner knows.
     """
     p = cfg.parallel
-    dp = p.dp or p.nproc // (p.tp * p.pp)
+    dp = p.dp or p.nproc // (p.tp * p.pp * p.cp)
     fields: dict[str, Any] = dict(
-        dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, grad_accum=p.grad_accum,
+        dp=dp, cp=p.cp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, grad_accum=p.grad_accum,
         activation_checkpointing="full" if p.activation_checkpointing else "none",
         precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
         schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1,

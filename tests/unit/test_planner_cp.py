@@ -224,3 +224,51 @@ def test_llama3_cp16_row_within_30_percent_and_below_the_cp1_rows():
     assert [_llama3(r) for r in LLAMA3_TABLE4] == sorted((_llama3(r) for r in LLAMA3_TABLE4), reverse=True)
     pred = llama3_prediction(cp_row)
     assert pred.plan.cp == 16 and pred.breakdown["cp_comm"] < 0.02 * pred.step_time_s  # the ring hides
+
+
+# -- the config and the command line ------------------------------------------------------------------------------
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from shardwise import cli
+
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+SMALL = ["--preset", "gpt-small", "--hardware", "h100-80g-sxm"]
+
+
+def test_parallel_cp_maps_into_the_layout():
+    from shardwise.runtime.config import load_config, validate
+    from shardwise.runtime.prediction import plan_from_config
+
+    cfg = validate(load_config(preset="gpt-small", overrides={"parallel.nproc": 8, "parallel.cp": 2,
+                                                              "parallel.tp": 2}))
+    assert (cfg.parallel.dp, cfg.parallel.cp) == (2, 2)
+    plan = plan_from_config(cfg)
+    assert (plan.dp, plan.cp, plan.tp, plan.devices) == (2, 2, 2, 8)
+    with pytest.raises(ValueError, match=r"parallel.dp × parallel.cp × parallel.tp × parallel.pp = 3 × 2 × 1 × 1"):
+        validate(load_config(preset="gpt-small", overrides={"parallel.nproc": 8, "parallel.cp": 2, "parallel.dp": 3}))
+    with pytest.raises(ValueError, match="parallel.cp"):
+        validate(load_config(preset="gpt-small", overrides={"parallel.nproc": 8, "parallel.cp": 0}))
+
+
+def test_predict_and_plan_take_parallel_cp(capsys):
+    rc, out, err = _cli(["predict", *SMALL, "--parallel.nproc", "8", "--parallel.cp", "2", "--json"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["plan"]["cp"] == 2 and "cp_comm" in data["breakdown"]
+    rc, out, err = _cli(["plan", *SMALL, "--parallel.nproc", "8", "--pin", "parallel.cp=2"], capsys)
+    assert rc == 0, err
+    assert "cp=2" in out
+
+
+def test_train_refuses_cp_for_now(capsys, tmp_path):
+    rc, out, err = _cli(["train", "--preset", "gpt-tiny", "--parallel.nproc", "2", "--parallel.cp", "2",
+                         "--train.out_dir", str(tmp_path / "run")], capsys)
+    assert rc == 2 and out == ""
+    assert err.strip() == ("shardwise train: error: parallel.cp > 1 is not wired into shardwise train yet; use "
+                           "shardwise predict/plan, or sw.context_parallel in your own script")
