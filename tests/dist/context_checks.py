@@ -9,6 +9,8 @@ this rank sent during the forward and during the backward.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.parallel.context import context_parallel, ring_attention, shard_sequence, unshard_sequence
 from tests.dist.meshes import mesh as cached_mesh
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hf"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,17 +110,18 @@ def _model_case(kind: str, ckpt: bool) -> tuple[torch.nn.Module, Any, int, int]:
             sw.checkpoint_layers(model, policy=lambda name, m: isinstance(m, LlamaDecoderLayer))
         return model, lambda m, ids: m(input_ids=ids).logits, 64, 2
     if kind == "gpt":
-        cfg = sw.models.GPTConfig.preset("gpt-tiny")
-        cfg = type(cfg)(**{**cfg.__dict__, "dropout": 0.0})
         torch.manual_seed(1)
-        model = sw.models.GPT(cfg)
+        model = sw.models.GPT(dataclasses.replace(sw.models.GPTConfig.preset("gpt-tiny"), dropout=0.0))
+        vocab, layers, blocks = model.config.vocab_size, model.config.n_layer, "blocks."
     else:
-        from shardwise.models.llama import Llama, LlamaConfig
+        from shardwise.models.hf_config import load_hf_config
+        from shardwise.models.llama import Llama
         torch.manual_seed(1)
-        model = Llama(LlamaConfig.preset("llama-tiny") if hasattr(LlamaConfig, "preset") else LlamaConfig())
-    if ckpt:
-        sw.checkpoint_layers(model)
-    return model, lambda m, ids: m(ids), model.config.vocab_size, model.config.n_layer
+        model = Llama(load_hf_config(EXAMPLES / "tiny-llama.json"), block_size=32)
+        vocab, layers, blocks = model.config.vocab_size, model.config.num_hidden_layers, "model.layers."
+    if ckpt:  # every block: its forward recomputed during backward, through the ring again
+        sw.checkpoint_layers(model, policy=lambda name, _m: name.startswith(blocks) and name.count(".") == blocks.count("."))
+    return model, lambda m, ids: m(ids), vocab, layers
 
 
 def check_model(axes: dict, kind: str, ckpt: bool = False, b: int = 2, S: int = 16) -> dict:
@@ -144,7 +149,8 @@ def check_model(axes: dict, kind: str, ckpt: bool = False, b: int = 2, S: int = 
         total = sw.comm.all_reduce(grads[name].clone(), mesh, "cp")
         worst = max(worst, rel(total, p.grad))
     return {"logits": rel(local_logits, shard_sequence(logits, mesh, "cp")), "grads": worst, "missing": missing,
-            "fwd": counts, "layers": layers, "cp": mesh.size("cp"), "modes": (modes_before, modes_after)}
+            "fwd": counts, "layers": layers,
+            "layouts": sum(1 for m in cp_model.modules() if getattr(m, "sequence_layout", None) is not None), "cp": mesh.size("cp"), "modes": (modes_before, modes_after)}
 
 
 def check_model_errors(axes: dict) -> dict:

@@ -71,7 +71,9 @@ def test_bad_inputs_raise_before_communicating(worlds):
         assert "dropout_p=0.1" in res["dropout"] and "set dropout 0" in res["dropout"], res
 
 
-MODELS = [("hf-llama", False, dict(cp=4)), ("hf-llama", True, dict(dp=2, cp=2)), ("hf-llama", False, dict(cp=2, tp=2))]
+MODELS = [("hf-llama", False, dict(cp=4)), ("hf-llama", True, dict(dp=2, cp=2)), ("hf-llama", False, dict(cp=2, tp=2)),
+          ("gpt", False, dict(cp=4)), ("gpt", True, dict(cp=2, tp=2)),
+          ("llama", False, dict(dp=2, cp=2)), ("llama", True, dict(cp=4))]
 
 
 @pytest.mark.parametrize("kind,ckpt,axes", MODELS, ids=lambda x: str(x))
@@ -80,3 +82,4 @@ def test_model_matches_one_device(worlds, kind, ckpt, axes):
         assert res["logits"] < TOL and res["grads"] < TOL and not res["missing"], res
         assert res["fwd"]["messages"] == res["layers"] * (res["cp"] - 1), res
         assert res["modes"] == (0, 0), res
+        assert res["layouts"] == {"hf-llama": 0, "gpt": 1, "llama": res["layers"]}[kind], res
