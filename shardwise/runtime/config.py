@@ -299,6 +299,14 @@ def _check_strategies(config: Config) -> None:
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
         check_tp(m, p.tp)
+    if p.sequence_parallel:
+        if p.tp < 2:
+            raise ValueError(f"parallel.sequence_parallel = true splits the sequence over tensor-parallel ranks, but "
+                             f"parallel.tp = {p.tp}; use --parallel.tp 2 (or more), or --parallel.sequence_parallel "
+                             f"false")
+        if p.replicate:
+            raise ValueError(f"parallel.sequence_parallel = true with parallel.replicate = {list(p.replicate)} is not "
+                             f"supported: a whole embedding or head works on the whole sequence; drop one of them")
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:

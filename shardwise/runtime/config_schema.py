@@ -116,6 +116,9 @@ class ParallelConfig:
     """Forward/backward passes per step (pp > 1: pipeline steps); 0 = global_batch / (micro_batch × dp)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside tensor parallelism (Megatron): outside the column→row pairs the activations
+    (norms, residuals, dropout) hold 1/tp of the sequence; needs tp > 1."""
     algorithm: Literal["native", "ring", "tree", "shm", "auto"] = "auto"
     """Collective algorithm of the gradient all-reduce, and of ZeRO's reduce-scatters and all-gathers. ``shm``:
     through shared memory (CPU ranks on one host). ``auto``: per message size the one with the lowest fitted

@@ -26,16 +26,15 @@ PIN_FIELDS = ("dp", "tp", "pp", "cp", "zero_stage", "micro_batch", "grad_accum",
 
 def config_from_plan(plan: Layout) -> dict[str, Any]:
     """The ``parallel`` section (field → value) that makes ``shardwise train`` run ``plan``; ``ValueError``
-    naming what train cannot run (selective recomputation, sequence parallelism, bf16-mixed)."""
+    naming what train cannot run (selective recomputation, bf16-mixed)."""
     if plan.activation_checkpointing == "selective":
         raise ValueError(f"plan {plan.describe()}: shardwise train has no selective recomputation; search with "
                          f"Space.runnable()")
-    if plan.sequence_parallel:
-        raise ValueError(f"plan {plan.describe()}: shardwise train has no sequence parallelism")
     if plan.precision == "bf16-mixed":
         raise ValueError(f"plan {plan.describe()}: shardwise train runs fp32 or bf16 autocast, not bf16-mixed")
     out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "zero_stage": plan.zero_stage,
-                           "activation_checkpointing": plan.activation_checkpointing == "full"}
+                           "activation_checkpointing": plan.activation_checkpointing == "full",
+                           "sequence_parallel": plan.sequence_parallel}
     if plan.pp == 1:
         out.update(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, pp_schedule="1f1b", pp_chunks=1,
                    pp_microbatches=0, pp_split=())
@@ -193,6 +192,9 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
     from ..planner.search import NoFeasiblePlan
     from .prediction import launch_hardware
 
+    if cfg.parallel.sequence_parallel:
+        raise ValueError("parallel.auto does not search sequence parallelism; give the layout by hand "
+                         "(--parallel.tp N --parallel.sequence_parallel true) without --parallel.auto")
     hw, where = launch_hardware(cfg, device=device, nproc=nproc)
     # the values as the config parsed them (the flags arrive as text)
     pairs = {k.removeprefix("parallel."): getattr(cfg.parallel, k.removeprefix("parallel.")) for k in given

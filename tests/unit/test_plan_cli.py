@@ -42,11 +42,21 @@ def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Layout):
 
 
 def test_config_from_plan_refuses_what_train_cannot_run():
-    for plan, word in ((Layout(tp=2, sequence_parallel=True), "sequence parallelism"),
-                       (Layout(activation_checkpointing="selective"), "selective"),
+    assert config_from_plan(Layout(tp=2, sequence_parallel=True))["sequence_parallel"] is True
+    assert config_from_plan(Layout(tp=2))["sequence_parallel"] is False
+    for plan, word in ((Layout(activation_checkpointing="selective"), "selective"),
                        (Layout(precision="bf16-mixed"), "bf16-mixed")):
         with pytest.raises(ValueError, match=word):
             config_from_plan(plan)
+
+
+def test_sequence_parallel_round_trips_and_auto_refuses_it():
+    cfg = validate(load_config(preset="gpt-tiny", overrides={"parallel.nproc": 2, "parallel.tp": 2,
+                                                            "parallel.sequence_parallel": True}))
+    assert plan_from_config(cfg).sequence_parallel is True
+    from shardwise.runtime.planning import auto_layout
+    with pytest.raises(ValueError, match="parallel.auto does not search sequence parallelism"):
+        auto_layout(cfg, {"parallel.sequence_parallel": "true"}, device="cpu", nproc=2)
 
 
 def test_pins_parse_and_translate():

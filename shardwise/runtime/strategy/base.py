@@ -116,8 +116,8 @@ def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch
 
 
 def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Module, LossFn]:
-    """``(model, loss)``: with ``parallel.tp > 1`` the model (GPT or HF decoder: its own ``tensor_parallel_plan``)
-    ``sw.parallelize``-d over ``tp`` (in place) and the
+    """``(model, loss)``: with ``parallel.tp > 1`` the model (GPT or HF decoder: its own ``tensor_parallel_plan``,
+    with ``parallel.sequence_parallel`` its sequence-parallel one) ``sw.parallelize``-d over ``tp`` (in place) and the
     vocab-parallel cross-entropy (the logits stay vocab-sharded); else ``plain`` and ``lm_loss``. The one
     tensor-parallel setup of the trainer: the plain path and a pipeline's stages both use it. Collective only
     as ``sw.parallelize`` is."""
@@ -126,8 +126,10 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Modul
     from ...parallel.tensor.apply_plan import parallelize, vocab_parallel_cross_entropy
 
     whole = replicated_modules(cfg)  # parallel.replicate: kept whole (the tied embedding and head)
-    plan = {pattern: style for pattern, style in plain.tensor_parallel_plan().items() if pattern not in whole}
-    model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed)
+    sp = cfg.parallel.sequence_parallel  # the model's plan then covers its norms (and GPT's wpe) too
+    plan = {pattern: style for pattern, style in plain.tensor_parallel_plan(sequence_parallel=sp).items()
+            if pattern not in whole}
+    model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed, sequence_parallel=sp)
     if "lm_head" in whole:
         return model, lm_loss  # every tp rank holds the whole logits: the plain cross-entropy
     vocab_ce = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
