@@ -31,6 +31,7 @@ from .parallel.tensor.apply_plan import (ColumnParallel, QKVParallel, RowParalle
 from .parallel.zero.wrap import zero
 from .parallel.pipeline.build import Pipeline, pipeline
 from .parallel.auto import ParallelizePlan, Plan, auto
+from .parallel.context import context_parallel, shard_sequence, unshard_sequence
 # models larger than one device: built on meta, materialised in shards
 from .parallel.common.materialize import materialize_model as materialize
 from .parallel.common.init_rules import Constant, Normal, Uniform
@@ -59,6 +60,8 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     # ZeRO and pipelines
     "zero", "pipeline", "Pipeline",
+    # context parallelism: ring attention over a sequence split along one mesh axis
+    "context_parallel", "shard_sequence", "unshard_sequence",
     # automatic layouts (Plan: the old name of ParallelizePlan, same class)
     "auto", "ParallelizePlan", "Plan",
     # models larger than one device: built on meta, materialised in shards
