@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.parallel.context import context_parallel, ring_attention, shard_sequence, unshard_sequence
+from shardwise.parallel.context.blocks import select
 from tests.dist.meshes import mesh as cached_mesh
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hf"
@@ -49,16 +50,18 @@ def _one_ring_case(case: dict) -> dict:
     ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
     ref.backward(grad)
     local = [shard_sequence(t, mesh, "cp", dim=2).requires_grad_() for t in (q, k, v)]
-    out, fwd = _counted(lambda: ring_attention(*local, mesh, "cp", causal=causal))
+    impl = case.get("impl", "auto")
+    out, fwd = _counted(lambda: ring_attention(*local, mesh, "cp", causal=causal, impl=impl))
     _, bwd = _counted(lambda: out.backward(shard_sequence(grad, mesh, "cp", dim=2)))
     res = {"out": rel(out, shard_sequence(ref, mesh, "cp", dim=2)), "fwd": fwd, "bwd": bwd,
-           "unshard": rel(unshard_sequence(out, mesh, "cp", dim=2), ref), "cp": mesh.size("cp")}
+           "unshard": rel(unshard_sequence(out, mesh, "cp", dim=2), ref), "cp": mesh.size("cp"),
+           "blocks": select(impl, q, v).name}
     for name, t, f in zip("qkv", local, full):
         res["d" + name] = rel(t.grad, shard_sequence(f.grad, mesh, "cp", dim=2))
     # the same ring on a plain contiguous split (the wrong layout) must not match: the test can fail
     cp, r, s = mesh.size("cp"), mesh.coord("cp"), case["S"] // mesh.size("cp")
     plain = [t[:, :, r * s:(r + 1) * s] for t in (q, k, v)]
-    res["wrong_layout"] = rel(ring_attention(*plain, mesh, "cp", causal=causal), ref[:, :, r * s:(r + 1) * s])
+    res["wrong_layout"] = rel(ring_attention(*plain, mesh, "cp", causal=causal, impl=impl), ref[:, :, r * s:(r + 1) * s])
     return res
 
 

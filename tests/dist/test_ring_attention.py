@@ -39,6 +39,8 @@ def _assert_ring(per_rank: list[list[dict]], cases: list[dict]) -> None:
             r = res[k]
             assert max(r["out"], r["dq"], r["dk"], r["dv"], r["unshard"]) < TOL, (case, r)
             assert r["wrong_layout"] > 1e-2 or not case["causal"], (case, r)
+            flash = case.get("impl", "auto") == "auto" and case.get("dv", case["d"]) == case["d"]
+            assert r["blocks"] == ("flash" if flash else "math"), (case, r)
             cp, b, s = r["cp"], case["b"], case["S"] // r["cp"]
             kv_bytes = 4 * b * case["hkv"] * s * (case["d"] + case.get("dv", case["d"]))
             assert r["fwd"]["messages"] == r["fwd"]["sends"] == cp - 1, (case, r)
@@ -54,7 +56,7 @@ def test_ring_attention_matches_one_device(worlds, axes):
 
 
 def test_ring_attention_on_three_ranks(worlds):
-    cases = _ring_cases(dict(cp=3))[:3]
+    cases = _ring_cases(dict(cp=3))[:3] + _ring_cases(dict(cp=3))[-1:]
     _assert_ring(worlds.get(3).run(cc.check_ring, cases, timeout=240), cases)
 
 

@@ -83,19 +83,43 @@ def test_layout_errors_are_one_line_with_the_fix():
         SeqLayout(2, 2)
 
 
+@pytest.mark.parametrize("impl", ["math", "flash"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hkv,dv", [(4, 6), (2, 6), (1, 5)])
-def test_one_rank_ring_equals_sdpa(causal, hkv, dv):
+def test_one_rank_ring_equals_sdpa(impl, causal, hkv, dv):
+    if impl == "flash" and dv != 6:
+        with pytest.raises(ValueError, match="impl='flash' needs CPU tensors with equal query and value head dims"):
+            ring_attention(*(torch.randn(1, 2, 4, d) for d in (6, 6, dv)), FakeMesh(1, 0), impl=impl)
+        return
     g = torch.Generator().manual_seed(hkv)
     q = torch.randn(2, 4, 8, 6, dtype=torch.float64, generator=g).requires_grad_()
     k = torch.randn(2, hkv, 8, 6, dtype=torch.float64, generator=g).requires_grad_()
     v = torch.randn(2, hkv, 8, dv, dtype=torch.float64, generator=g).requires_grad_()
     grad = torch.randn(2, 4, 8, dv, dtype=torch.float64, generator=g)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, scale=0.3)
-    out = ring_attention(q, k, v, FakeMesh(1, 0), causal=causal, scale=0.3)
+    out = ring_attention(q, k, v, FakeMesh(1, 0), causal=causal, scale=0.3, impl=impl)
     assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("diag", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_blocks_equal_math_blocks(diag, dtype):
+    """The block's share of the gradients, given the whole row's output and log-sum-exp (not the block's own)."""
+    from shardwise.parallel.context.blocks import FlashBlocks, MathBlocks
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 3, 6, 8, generator=g).to(dtype) for _ in range(4))
+    out, lse = MathBlocks.forward(q, k, v, 0.4, diag)
+    fout, flse = FlashBlocks.forward(q, k, v, 0.4, diag)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.allclose(fout, out, **tol) and torch.allclose(flse, lse, **tol)
+    out, lse = out.to(dtype), lse + 0.5  # rows whose other blocks hold more mass: a shifted log-sum-exp
+    delta = (do.float() * out.float()).sum(-1)
+    for a, b in zip(FlashBlocks.backward(do, q, k, v, out, lse, delta, 0.4, diag),
+                    MathBlocks.backward(do, q, k, v, out, lse, delta, 0.4, diag)):
+        assert torch.allclose(a.float(), b, **tol)
 
 
 class Attn(nn.Module):

@@ -11,8 +11,8 @@ accumulators (``cp−1`` K/V hops, ``cp`` dK/dV hops, so each accumulator ends a
 probabilities are recomputed from the final log-sum-exp. Grouped-query attention: the ``hkv``-headed K/V
 travel, are expanded locally, and dK/dV are summed back over each group before they travel.
 
-Numerics: scores, the log-sum-exp, the output and every gradient accumulate in fp32 (fp64 for fp64 inputs;
-the plain-math block below); the result is cast to the inputs' dtype.
+Numerics: the log-sum-exp, the output and every gradient accumulate in fp32 (fp64 for fp64 inputs); the result
+is cast to the inputs' dtype. Each block is computed by ``blocks.py``: plain math, or the fused CPU kernel.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from torch import Tensor
 from ...comm.collectives import irecv, isend
 from ...comm.handles import Handle
 from ...mesh import Mesh
+from .blocks import FlashBlocks, MathBlocks, acc_dtype, select
 
 __all__ = ["ring_attention"]
 
 _KV_TAG = 7301
 _GRAD_TAG = 7302
 
+Blocks = type[MathBlocks] | type[FlashBlocks]
 Pair = tuple[slice, slice, bool]
 """(query rows, key rows, diagonal) of one block, in local coordinates."""
 
@@ -99,19 +101,6 @@ def _reduce_groups(t: Tensor, groups: int) -> Tensor:
     return t.view(b, h // groups, groups, n, d).sum(2)
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    """The accumulation dtype: fp32, or fp64 for fp64 inputs."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def _scores(q: Tensor, k: Tensor, scale: float, diag: bool) -> Tensor:
-    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
-    if diag:
-        n = s.shape[-1]
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
-    return s
-
-
 def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor, rows: slice) -> None:
     """Online softmax: fold one block's (output, log-sum-exp) into the running ones of ``rows``, in place."""
     o, l = out[:, :, rows], lse[:, :, rows]
@@ -120,12 +109,11 @@ def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor, rows: sli
     l.copy_(new)
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,
-                  causal: bool) -> tuple[Tensor, Tensor]:
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float, causal: bool,
+                  blocks: Blocks) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
     groups = h // k.shape[1]
-    acc = _acc(q)
-    qf = q.to(acc)
+    acc = acc_dtype(q)
     out = torch.zeros((b, h, sq, v.shape[-1]), dtype=acc, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
     buf = _pack(k, v)
@@ -135,11 +123,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,
             nxt = torch.empty_like(buf)
             pending = ring.shift(buf, nxt, _KV_TAG)  # posted before the compute it overlaps
         kc, vc = _unpack(buf, k.shape, v.shape)
-        kf, vf = _expand(kc.to(acc), groups), _expand(vc.to(acc), groups)
+        kf, vf = _expand(kc, groups), _expand(vc, groups)
         for rows, cols, diag in block_pairs(ring.rank, ring.source(step), ring.cp, sq, causal):
-            s = _scores(qf[:, :, rows], kf[:, :, cols], scale, diag)
-            blk_lse = torch.logsumexp(s, dim=-1)
-            blk_out = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vf[:, :, cols])
+            blk_out, blk_lse = blocks.forward(q[:, :, rows], kf[:, :, cols], vf[:, :, cols], scale, diag)
             _merge(out, lse, blk_out, blk_lse, rows)
         _wait(pending)
         if nxt is not None:
@@ -147,28 +133,30 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,
     return out, lse
 
 
-def _block_grads(qf: Tensor, dof: Tensor, delta: Tensor, lse: Tensor, kc: Tensor, vc: Tensor,
-                 pairs: list[Pair], scale: float, dq: Tensor) -> tuple[Tensor, Tensor]:
-    """Accumulate this K/V block's share of dQ into ``dq``; return its (dK, dV) contributions (hkv heads)."""
-    groups = qf.shape[1] // kc.shape[1]
-    kf, vf = _expand(kc.to(qf.dtype), groups), _expand(vc.to(qf.dtype), groups)
-    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+def _block_grads(blocks: Blocks, saved: tuple[Tensor, ...], kc: Tensor, vc: Tensor, pairs: list[Pair], scale: float,
+                 dq: Tensor) -> tuple[Tensor, Tensor]:
+    """Accumulate this K/V block's share of dQ into ``dq``; return its (dK, dV) contributions (hkv heads).
+    ``saved``: the local (q, dO, final output, final log-sum-exp, rowsum(dO ∘ O))."""
+    q, do, out, lse, delta = saved
+    groups = q.shape[1] // kc.shape[1]
+    kf, vf = _expand(kc, groups), _expand(vc, groups)
+    dk = torch.zeros(kf.shape, dtype=dq.dtype, device=dq.device)
+    dv = torch.zeros(vf.shape, dtype=dq.dtype, device=dq.device)
     for rows, cols, diag in pairs:
-        q, do, k, v = qf[:, :, rows], dof[:, :, rows], kf[:, :, cols], vf[:, :, cols]
-        p = torch.exp(_scores(q, k, scale, diag) - lse[:, :, rows].unsqueeze(-1))
-        dv[:, :, cols] += torch.matmul(p.transpose(-2, -1), do)
-        ds = p * (torch.matmul(do, v.transpose(-2, -1)) - delta[:, :, rows].unsqueeze(-1))
-        dq[:, :, rows] += torch.matmul(ds, k).mul_(scale)
-        dk[:, :, cols] += torch.matmul(ds.transpose(-2, -1), q).mul_(scale)
+        gq, gk, gv = blocks.backward(do[:, :, rows], q[:, :, rows], kf[:, :, cols], vf[:, :, cols], out[:, :, rows],
+                                     lse[:, :, rows], delta[:, :, rows], scale, diag)
+        dq[:, :, rows] += gq
+        dk[:, :, cols] += gk
+        dv[:, :, cols] += gv
     return _reduce_groups(dk, groups), _reduce_groups(dv, groups)
 
 
 def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, ring: _Ring,
-                   scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    acc = _acc(q)
-    qf, dof = q.to(acc), dout.to(acc)
-    delta = (dof * out.to(acc)).sum(-1)
-    dq = torch.zeros_like(qf)
+                   scale: float, causal: bool, blocks: Blocks) -> tuple[Tensor, Tensor, Tensor]:
+    acc = acc_dtype(q)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    saved = (q, dout, out, lse, delta)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     buf = _pack(k, v)
     grads_in: Tensor | None = None
     grads_pending: list[Handle] = []
@@ -179,7 +167,7 @@ def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
             pending = ring.shift(buf, nxt, _KV_TAG)
         kc, vc = _unpack(buf, k.shape, v.shape)
         pairs = block_pairs(ring.rank, ring.source(step), ring.cp, q.shape[2], causal)
-        local = _pack(*_block_grads(qf, dof, delta, lse, kc, vc, pairs, scale, dq), dtype=acc)
+        local = _pack(*_block_grads(blocks, saved, kc, vc, pairs, scale, dq), dtype=acc)
         _wait(grads_pending)  # the accumulator of this block, from the ranks it visited before
         if grads_in is not None:
             local += grads_in
@@ -197,19 +185,19 @@ def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,  # type: ignore[override]
-                causal: bool) -> Tensor:
-        out, lse = _ring_forward(q, k, v, ring, scale, causal)
+                causal: bool, blocks: Blocks) -> Tensor:
+        out, lse = _ring_forward(q, k, v, ring, scale, causal, blocks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
+        ctx.ring, ctx.scale, ctx.causal, ctx.blocks = ring, scale, causal, blocks
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal, ctx.blocks)
+        return dq, dk, dv, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, dropout_p: float) -> None:
@@ -232,12 +220,15 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, dropout_p: fl
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str = "cp", *, causal: bool = True,
-                   scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+                   scale: float | None = None, dropout_p: float = 0.0, impl: str = "auto") -> Tensor:
     """Attention of the local queries ``q`` (b, h, s, d) over the whole sequence, whose K/V ``k``, ``v``
     (b, hkv, s, d), ``h % hkv == 0``, are split over ``axis`` in the balanced layout of ``shard_sequence``.
     Returns the local output (b, h, s, dv), equal to ``F.scaled_dot_product_attention`` on the full sequence
     (``is_causal=causal``, ``enable_gqa=True``) at this rank's positions. Collective over ``axis``; every
-    rank calls it with the same shapes. ``dropout_p`` must be 0."""
+    rank calls it with the same shapes. ``dropout_p`` must be 0. ``impl``: how each block is computed, ``"math"``,
+    ``"flash"`` (the fused CPU kernel) or ``"auto"`` (flash where it applies; ``blocks.py``)."""
     _check(q, k, v, mesh, axis, dropout_p)
+    blocks = select(impl, q, v)
     ring = _Ring(mesh, axis, mesh.size(axis), mesh.coord(axis))
-    return _RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5 if scale is None else float(scale), causal)
+    return _RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5 if scale is None else float(scale), causal,
+                                blocks)
