@@ -20,12 +20,13 @@ from shardwise.planner.search import search
 __all__ = ["search_row", "search_published", "search_speed", "published_search_lines"]
 
 SPACES = {"free": Space(precision="bf16-mixed"),
-          "megatron-2021": Space(precision="bf16-mixed", zero_stages=(0,), pipeline_zero_stages=(0,))}
+          "megatron-2021": Space(precision="bf16-mixed", zero_stages=(0,), pipeline_zero_stages=(0,),
+                                 context_parallel=(1,))}
 
 
 def _why(paper: Any, ours: Any) -> str:
     """The step-time terms that moved most between the paper's layout and ours (seconds per step)."""
-    diffs = {k: ours.breakdown[k] - paper.breakdown[k] for k in ours.breakdown}
+    diffs = {k: ours.breakdown[k] - paper.breakdown.get(k, 0.0) for k in ours.breakdown}
     moved = sorted(diffs, key=lambda k: diffs[k])[:2]
     parts = [f"{k} {diffs[k]:+.2f} s" for k in moved if diffs[k] < 0]
     return ", ".join(parts) or "same costs"

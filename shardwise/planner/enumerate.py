@@ -47,13 +47,19 @@ class Space:
     context_parallel: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     """Context-parallel degrees (``Layout.cp``) the search may use, where the device count is a multiple of cp
     and ``2·cp`` divides the sequence length (``search`` runs one branch and bound per cp, cp = 1 first)."""
+    cp_attention_share: float = 0.1
+    """cp > 1 is searched where the attention core is at least this share of the model's forward FLOPs (a
+    sequence long for the model's width), or where no cp = 1 layout fits; 0: always. Elsewhere a cp rank runs
+    the same tokens per device as data parallelism in smaller attention blocks, and searching it would triple
+    the search time."""
     time_balanced_split: bool = True
     """Cut pipelines into stages of equal predicted time (``Layout.pp_split``), not equal parameters."""
 
     @staticmethod
     def runnable() -> "Space":
-        """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism."""
-        return Space(checkpointing=("none", "full"), sequence_parallel=(False,))
+        """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism, no context
+        parallelism (train refuses cp > 1 until it is wired in; a ``cp`` pin still searches it)."""
+        return Space(checkpointing=("none", "full"), sequence_parallel=(False,), context_parallel=(1,))
 
 
 @dataclass

@@ -111,6 +111,8 @@ def search(spec: ModelSpec, hardware: Hardware, *, devices: int, global_batch: i
         # one branch and bound per context-parallel degree (cp = 1 first), each on the cp rank's view of the
         # model and seeded with the best plans so far: a cp whose every bound is slower stops at once
         for cp in cp_options(spec, devices, fixed, space):
+            if cp > 1 and "cp" not in fixed and best and _attention_share(spec) < space.cp_attention_share:
+                continue  # a short sequence for the model, and cp = 1 fits: not searched (Space.cp_attention_share)
             local = spec.for_cp(cp)
             pins_cp = {**fixed, "cp": cp} if cp > 1 or "cp" in fixed else fixed
             cache: dict = {}
@@ -143,6 +145,13 @@ def _collection_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _attention_share(spec: ModelSpec) -> float:
+    """The attention cores' share of the model's forward FLOPs (counted in full)."""
+    total = sum(layer.flops for layer in spec.layers)
+    attn = sum(g.flops for layer in spec.layers for g in layer.gemms if not g.weight)
+    return attn / total if total else 0.0
 
 
 def cp_options(spec: ModelSpec, devices: int, fixed: Mapping[str, Any], space: Space) -> list[int]:

@@ -166,20 +166,38 @@ def test_cp_group_across_nodes_uses_the_nic():
 def test_search_uses_cp_where_nothing_else_fits():
     spec = llama(131072, layers=2)
     small = dataclasses.replace(H100, memory_bytes=8e9)
-    with pytest.raises(NoFeasiblePlan):
-        search(spec, small, devices=8, global_batch=1, pins={"cp": 1, "precision": "bf16-mixed"})
-    result = search(spec, small, devices=8, global_batch=1, pins={"precision": "bf16-mixed"})
+    with pytest.raises(NoFeasiblePlan, match="allow .a larger. context parallelism"):
+        search(spec, small, devices=8, global_batch=1, pins={"cp": 1, "precision": "bf16-mixed"}, space=Space())
+    result = search(spec, small, devices=8, global_batch=1, pins={"precision": "bf16-mixed"}, space=Space())
     assert result.best.plan.cp > 1 and result.best.fits
     assert result.best.plan.devices == 8
+    # what shardwise train runs (Space.runnable(), the default) has no cp yet
+    with pytest.raises(NoFeasiblePlan):
+        search(spec, small, devices=8, global_batch=1, pins={"precision": "bf16-mixed"})
 
 
 @pytest.mark.parametrize("seq, devices, batch", [(1024, 8, 32), (2048, 16, 64), (4096, 8, 16)])
 def test_search_never_uses_cp_for_short_sequences(seq, devices, batch):
     for spec in (llama(seq), ModelSpec.gpt(n_layer=4, n_embd=768, n_head=12, vocab_size=50304, seq_len=seq)):
-        result = search(spec, H100, devices=devices, global_batch=batch, pins={"precision": "bf16-mixed"})
+        result = search(spec, H100, devices=devices, global_batch=batch, pins={"precision": "bf16-mixed"},
+                        space=Space(cp_attention_share=0.0))  # cp searched, whatever the sequence
         assert result.best.plan.cp == 1, [p.plan.describe() for p in result]
         # cp > 1 runs the same tokens per device in smaller attention blocks plus the ring: never faster here
         assert all(p.step_time_s > result.best.step_time_s for p in result if p.plan.cp > 1)
+
+
+def test_cp_is_searched_only_for_long_sequences_unless_nothing_fits():
+    from shardwise.planner.search import _attention_share
+
+    wide = ModelSpec.gpt(n_layer=4, n_embd=4096, n_head=32, vocab_size=50304, seq_len=2048)
+    assert _attention_share(wide) < Space().cp_attention_share < _attention_share(llama(32768))
+    free = search(wide, H100, devices=16, global_batch=32, pins={"precision": "bf16-mixed"}, space=Space(), top=3)
+    forced = search(wide, H100, devices=16, global_batch=32, pins={"precision": "bf16-mixed"},
+                    space=Space(cp_attention_share=0.0), top=3)
+    assert free.candidates < forced.candidates and all(p.plan.cp == 1 for p in free)
+    long = search(llama(32768), H100, devices=8, global_batch=8, pins={"precision": "bf16-mixed"}, space=Space())
+    assert any(p.plan.cp > 1 for p in long) or long.candidates > search(
+        llama(32768), H100, devices=8, global_batch=8, pins={"precision": "bf16-mixed", "cp": 1}).candidates
 
 
 def test_search_honours_a_cp_pin():
