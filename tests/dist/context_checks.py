@@ -183,3 +183,26 @@ def check_model_errors(axes: dict) -> dict:
         F.scaled_dot_product_attention(x, x, x, is_causal=True)
     out["outside_messages"] = c.messages_sent
     return out
+
+
+def check_hf_own_loss(axes: dict, b: int = 2, S: int = 16) -> dict:
+    """A ``transformers`` model's own loss: ``labels=`` alone is refused (the model would shift inside the local
+    chunks); with ``shift_labels=`` (shifted over the whole sequence, then sharded) and the global
+    ``num_items_in_batch`` every parameter gradient summed over cp equals one device's ``labels=`` loss."""
+    mesh = cached_mesh(**axes)
+    model = _tiny_llama(2)
+    cp_model = context_parallel(copy.deepcopy(model), mesh, "cp")
+    ids = torch.randint(0, 64, (b, S), generator=torch.Generator().manual_seed(9))
+    model(input_ids=ids, labels=ids).loss.backward()
+    local_ids = shard_sequence(ids, mesh, "cp")
+    try:
+        cp_model(input_ids=local_ids, labels=local_ids)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    shifted = shard_sequence(F.pad(ids, (0, 1), value=-100)[:, 1:], mesh, "cp")
+    out = cp_model(input_ids=local_ids, labels=shifted, shift_labels=shifted, num_items_in_batch=torch.tensor(b * (S - 1)))
+    out.loss.backward()
+    grads = dict(cp_model.named_parameters())
+    worst = max(rel(sw.comm.all_reduce(grads[n].grad.clone(), mesh, "cp"), p.grad) for n, p in model.named_parameters())
+    return {"refused": refused, "grads": worst}

@@ -85,3 +85,9 @@ def test_model_matches_one_device(worlds, kind, ckpt, axes):
         assert res["fwd"]["messages"] == res["layers"] * (res["cp"] - 1), res
         assert res["modes"] == (0, 0), res
         assert res["layouts"] == {"hf-llama": 0, "gpt": 1, "llama": res["layers"]}[kind], res
+
+
+def test_hf_own_loss_needs_shift_labels_and_then_matches(worlds):
+    for res in worlds.get(4).run(cc.check_hf_own_loss, dict(dp=2, cp=2), timeout=120):
+        assert "shift_labels=" in res["refused"] and "\n" not in res["refused"], res
+        assert res["grads"] < TOL, res

@@ -9,7 +9,8 @@ modules enter it once. Nothing in torch is patched; other code keeps the ordinar
 Positions: a module whose class declares ``sequence_layout`` gets this rank's ``SeqLayout`` (the model reads
 its tokens' global positions from it); a model whose forward takes ``position_ids`` (Hugging Face) gets the
 local tokens' positions, and an all-ones ``attention_mask``, when the caller passes neither (without the mask
-``transformers`` would read the jump between the two chunks' positions as two packed sequences).
+``transformers`` would read the jump between the two chunks' positions as two packed sequences); its own loss
+needs ``shift_labels=`` (labels already shifted over the whole sequence, then sharded) besides ``labels=``.
 """
 
 from __future__ import annotations
@@ -90,12 +91,23 @@ def _local_tokens(args: tuple, kwargs: dict) -> Tensor | None:
     return args[0] if args and isinstance(args[0], Tensor) else None
 
 
-def _position_hook(layout: SeqLayout, params: list[str]) -> Callable:
-    """A forward pre-hook (with kwargs) adding ``position_ids`` (and an all-ones ``attention_mask``)."""
+def _labels_given(args: tuple, kwargs: dict, params: list[str]) -> bool:
+    if kwargs.get("labels") is not None:
+        return True
+    return "labels" in params and len(args) > params.index("labels") and args[params.index("labels")] is not None
+
+
+def _hf_hook(layout: SeqLayout, params: list[str]) -> Callable:
+    """A forward pre-hook (with kwargs) adding ``position_ids`` (and an all-ones ``attention_mask``), and refusing
+    ``labels=`` without ``shift_labels=`` (the model would shift them inside this rank's two chunks)."""
     pos_index = params.index("position_ids")
     mask_index = params.index("attention_mask") if "attention_mask" in params else None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if _labels_given(args, kwargs, params) and kwargs.get("shift_labels") is None:
+            raise ValueError("context parallelism: the model would shift labels= inside this rank's tokens, across "
+                             "its two chunks; also pass shift_labels=sw.shard_sequence(the labels shifted by one "
+                             "over the whole sequence)")
         if kwargs.get("position_ids") is not None or len(args) > pos_index:
             return None
         tokens = _local_tokens(args, kwargs)
@@ -140,7 +152,7 @@ def context_parallel(model: nn.Module, mesh: Mesh, axis: str = "cp") -> nn.Modul
         handles.append(module.register_forward_hook(router.leave, always_call=True))
     params = _forward_params(model)
     if "position_ids" in params:
-        handles.append(model.register_forward_pre_hook(_position_hook(layout, params), with_kwargs=True,
+        handles.append(model.register_forward_pre_hook(_hf_hook(layout, params), with_kwargs=True,
                                                        prepend=True))
     model._shardwise_context_parallel = (layout, handles)
     return model
