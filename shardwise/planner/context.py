@@ -36,7 +36,7 @@ __all__ = ["cp_local", "cp_layer", "kv_width", "ring_times", "cp_crosses_nodes",
 
 def cp_layer(layer: Layer, cp: int) -> Layer:
     """``layer`` as one of ``cp`` ranks runs it (module doc): per-token work, activations and traffic / cp; the
-    attention core's query rows / cp against all keys; parameters unchanged."""
+    attention core as ``cp`` blocks of ``S/cp`` queries against ``S/cp`` keys; parameters unchanged."""
     if cp == 1:
         return layer
     gemms = tuple(replace(g, rows=g.rows // cp) if g.weight else _ring_blocks(g, cp) for g in layer.gemms)
@@ -48,10 +48,10 @@ def cp_layer(layer: Layer, cp: int) -> Layer:
 def _ring_blocks(g: Gemm, cp: int) -> Gemm:
     """An attention-core GEMM of ``S`` queries against ``S`` keys as one cp rank runs it: ``cp`` blocks of its
     ``S/cp`` queries against ``S/cp`` keys (one per ring step, each a kernel of that size), as a batch."""
+    if g.name == "context" or (g.name != "scores" and g.k == g.rows != g.n):  # (S × S) @ (S × hd)
+        return replace(g, rows=g.rows // cp, k=g.k // cp, batch=g.batch * cp)
     if g.n == g.rows:  # scores: (S × hd) @ (hd × S)
         return replace(g, rows=g.rows // cp, n=g.n // cp, batch=g.batch * cp)
-    if g.k == g.rows:  # context: (S × S) @ (S × hd)
-        return replace(g, rows=g.rows // cp, k=g.k // cp, batch=g.batch * cp)
     return replace(g, rows=g.rows // cp)
 
 
