@@ -307,6 +307,11 @@ def _check_strategies(config: Config) -> None:
         if p.replicate:
             raise ValueError(f"parallel.sequence_parallel = true with parallel.replicate = {list(p.replicate)} is not "
                              f"supported: a whole embedding or head works on the whole sequence; drop one of them")
+        if p.pp > 1 and m.block_size % p.tp:
+            even = m.block_size - m.block_size % p.tp
+            raise ValueError(f"parallel.sequence_parallel = true with parallel.pp = {p.pp} needs model.block_size = "
+                             f"{m.block_size} divisible by parallel.tp = {p.tp} (a later pipeline stage splits the "
+                             f"sequence evenly); use --model.block_size {even}, or --parallel.pp 1")
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:
