@@ -38,17 +38,18 @@ def _counted(fn: Any) -> tuple[Any, dict[str, int]]:
 def _inputs(case: dict) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(case.get("seed", 0))
     b, h, hkv, s, d, dv = case["b"], case["h"], case["hkv"], case["S"], case["d"], case.get("dv", case["d"])
-    q, k, v = (torch.randn(b, n, s, e, generator=g) for n, e in ((h, d), (hkv, d), (hkv, dv)))
-    return q, k, v, torch.randn(b, h, s, dv, generator=g)
+    dtype = getattr(torch, case.get("dtype", "float32"))  # bf16: inputs rounded to bf16, the reference in fp32
+    q, k, v = (torch.randn(b, n, s, e, generator=g).to(dtype) for n, e in ((h, d), (hkv, d), (hkv, dv)))
+    return q, k, v, torch.randn(b, h, s, dv, generator=g).to(dtype)
 
 
 def _one_ring_case(case: dict) -> dict:
     mesh = cached_mesh(**case["axes"])
     q, k, v, grad = _inputs(case)
     causal = case["causal"]
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    full = [t.to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
-    ref.backward(grad)
+    ref.backward(grad.float())
     local = [shard_sequence(t, mesh, "cp", dim=2).requires_grad_() for t in (q, k, v)]
     impl = case.get("impl", "auto")
     out, fwd = _counted(lambda: ring_attention(*local, mesh, "cp", causal=causal, impl=impl))
