@@ -15,7 +15,9 @@ the key/value heads (grouped-query attention sends ``hkv`` heads) — to its nei
 overlapped with the attention of the block it already holds (``1/cp`` of the rank's attention core); backward
 passes K/V again (``cp − 1`` hops) and the dK/dV accumulators (``cp`` hops), overlapped with the block's
 attention backward. Exposed per hop: ``max(0, hop − block compute)``, plus one hop latency that nothing
-hides. Recomputation (full or selective) runs the forward ring again in backward.
+hides. Recomputation (full or selective) runs the forward ring again in backward. Each step after the first
+also merges its partial attention output into the running one (memory-bound: three passes over the rank's
+``S/cp × h`` output, one more launch for the step's kernel and one for the merge).
 
 The cp group is ``cp`` ranks ``tp`` apart (the mesh ``(pp, dp, cp, tp)``, row-major): inside a node when
 ``tp · cp ≤ devices_per_node``, else each hop crosses nodes on the device's NIC share.
@@ -40,7 +42,13 @@ def cp_layer(layer: Layer, cp: int) -> Layer:
     if cp == 1:
         return layer
     gemms = tuple(replace(g, rows=g.rows // cp) if g.weight else _ring_blocks(g, cp) for g in layer.gemms)
-    return replace(layer, gemms=gemms, ew_rep=layer.ew_rep / cp, ew_tp=layer.ew_tp / cp, act_rep=layer.act_rep / cp,
+    # each ring step after the first merges its partial output into the running one (rescaled by the log-sum-exp
+    # statistics): read two outputs, write one, of the rank's S/cp queries × all query heads, one launch more for
+    # the step's attention kernel and one for the merge (backward: twice, as every elementwise pass)
+    scores = next((g for g in layer.gemms if not g.weight and g.name != "context"), None)
+    merge = 3.0 * (cp - 1) * (scores.rows // cp) * scores.batch * scores.k if scores else 0.0
+    return replace(layer, gemms=gemms, ew_rep=layer.ew_rep / cp, ew_tp=layer.ew_tp / cp + merge,
+                   ops=layer.ops + (2 * (cp - 1) if scores else 0), act_rep=layer.act_rep / cp,
                    act_tp=layer.act_tp / cp, act_attn=layer.act_attn / cp, act_fp32=layer.act_fp32 / cp,
                    hidden=layer.hidden // cp)
 
