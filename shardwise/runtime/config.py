@@ -23,7 +23,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "validate", "default_nproc", "describe_fields"]
 
 
-from .config_ranges import check_numbers
+from .config_ranges import check_numbers, check_sequence_parallel
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
 from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
@@ -299,19 +299,7 @@ def _check_strategies(config: Config) -> None:
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
         check_tp(m, p.tp)
-    if p.sequence_parallel:
-        if p.tp < 2:
-            raise ValueError(f"parallel.sequence_parallel = true splits the sequence over tensor-parallel ranks, but "
-                             f"parallel.tp = {p.tp}; use --parallel.tp 2 (or more), or --parallel.sequence_parallel "
-                             f"false")
-        if p.replicate:
-            raise ValueError(f"parallel.sequence_parallel = true with parallel.replicate = {list(p.replicate)} is not "
-                             f"supported: a whole embedding or head works on the whole sequence; drop one of them")
-        if p.pp > 1 and m.block_size % p.tp:
-            even = m.block_size - m.block_size % p.tp
-            raise ValueError(f"parallel.sequence_parallel = true with parallel.pp = {p.pp} needs model.block_size = "
-                             f"{m.block_size} divisible by parallel.tp = {p.tp} (a later pipeline stage splits the "
-                             f"sequence evenly); use --model.block_size {even}, or --parallel.pp 1")
+    check_sequence_parallel(config)
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:

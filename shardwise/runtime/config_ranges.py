@@ -1,5 +1,5 @@
-"""Range checks of the configuration's real-valued fields (``config.validate`` calls them): each error names the
-field, the value and a flag that fixes it. Pure."""
+"""Range checks of the configuration's real-valued fields, and what sequence parallelism combines with
+(``config.validate`` calls them): each error names the field, the value and a flag that fixes it. Pure."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 from .config_schema import Config
 
-__all__ = ["check_numbers"]
+__all__ = ["check_numbers", "check_sequence_parallel"]
 
 
 def check_numbers(config: Config) -> None:
@@ -27,3 +27,21 @@ def check_numbers(config: Config) -> None:
         raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
                          f"--optimizer.min_lr {o.lr / 10:g}")
 
+
+
+def check_sequence_parallel(config: Config) -> None:
+    """``parallel.sequence_parallel`` needs tp > 1, no whole (replicated) embedding or head, and with pp > 1 a
+    ``model.block_size`` that tp divides (a later pipeline stage gathers equal sequence pieces)."""
+    p, block = config.parallel, config.model.block_size
+    if not p.sequence_parallel:
+        return
+    if p.tp < 2:
+        raise ValueError(f"parallel.sequence_parallel = true splits the sequence over tensor-parallel ranks, but "
+                         f"parallel.tp = {p.tp}; use --parallel.tp 2 (or more), or --parallel.sequence_parallel false")
+    if p.replicate:
+        raise ValueError(f"parallel.sequence_parallel = true with parallel.replicate = {list(p.replicate)} is not "
+                         f"supported: a whole embedding or head works on the whole sequence; drop one of them")
+    if p.pp > 1 and block % p.tp:
+        raise ValueError(f"parallel.sequence_parallel = true with parallel.pp = {p.pp} needs model.block_size = "
+                         f"{block} divisible by parallel.tp = {p.tp} (a later pipeline stage splits the sequence "
+                         f"evenly); use --model.block_size {block - block % p.tp}, or --parallel.pp 1")
