@@ -103,6 +103,19 @@ def test_one_rank_ring_equals_sdpa(impl, causal, hkv, dv):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("impl", ["math", "flash"])
+def test_under_autocast_the_ring_takes_the_autocast_dtype_like_sdpa(impl):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 8, 6, generator=g).requires_grad_() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = ring_attention(q, k, v, FakeMesh(1, 0), impl=impl)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("diag", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_blocks_equal_math_blocks(diag, dtype):

@@ -17,6 +17,7 @@ is cast to the inputs' dtype. Each block is computed by ``blocks.py``: plain mat
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -226,9 +227,16 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str = "cp"
     Returns the local output (b, h, s, dv), equal to ``F.scaled_dot_product_attention`` on the full sequence
     (``is_causal=causal``, ``enable_gqa=True``) at this rank's positions. Collective over ``axis``; every
     rank calls it with the same shapes. ``dropout_p`` must be 0. ``impl``: how each block is computed, ``"math"``,
-    ``"flash"`` (the fused CPU kernel) or ``"auto"`` (flash where it applies; ``blocks.py``)."""
+    ``"flash"`` (the fused CPU kernel) or ``"auto"`` (flash where it applies; ``blocks.py``). Under autocast the
+    inputs are cast to the autocast dtype first, as SDPA's are."""
     _check(q, k, v, mesh, axis, dropout_p)
+    device = q.device.type
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:  # as SDPA under autocast: inputs in the autocast dtype; inside, the ring's own fp32 accumulators
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     blocks = select(impl, q, v)
     ring = _Ring(mesh, axis, mesh.size(axis), mesh.coord(axis))
-    return _RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5 if scale is None else float(scale), causal,
-                                blocks)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        return _RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5 if scale is None else float(scale), causal,
+                                    blocks)
