@@ -13,7 +13,7 @@ pay their lower GEMM efficiency).
 The ring (``ring_times``): in forward a rank passes its K/V block — ``b · S/cp · 2 · hkv·hd / tp`` elements of
 the key/value heads (grouped-query attention sends ``hkv`` heads) — to its neighbour ``cp − 1`` times, each hop
 overlapped with the attention of the block it already holds (``1/cp`` of the rank's attention core); backward
-passes K/V again (``cp − 1`` hops) and the dK/dV accumulators (``cp`` hops), overlapped with the block's
+passes K/V again (``cp − 1`` hops) and the dK/dV accumulators (``cp`` hops, in fp32), overlapped with the block's
 attention backward. Exposed per hop: ``max(0, hop − block compute)``, plus one hop latency that nothing
 hides. Recomputation (full or selective) runs the forward ring again in backward. Each step after the first
 also merges its partial attention output into the running one (memory-bound: three passes over the rank's
@@ -87,12 +87,13 @@ def cp_crosses_nodes(tp: int, cp: int, devices_per_node: int) -> bool:
 
 
 def ring_times(*, kv_elements: float, elem_bytes: int, cp: int, tp: int, attn_fwd_s: float, attn_bwd_s: float,
-               hw: Hardware) -> tuple[float, float]:
+               hw: Hardware, grad_bytes: int = 4) -> tuple[float, float]:
     """``(exposed forward seconds, exposed backward seconds)`` of one layer's ring for one micro-batch.
 
     ``kv_elements``: K and V of the rank's ``S/cp`` tokens and ``b`` sequences, all kv heads (``b · S/cp · 2 ·
     hkv·hd``); a tensor-parallel rank sends its ``1/tp`` of them. ``attn_fwd_s`` / ``attn_bwd_s``: the rank's
-    whole attention core forward / backward (the ``cp`` blocks together)."""
+    whole attention core forward / backward (the ``cp`` blocks together). K/V travel in the compute precision
+    (``elem_bytes``), the dK/dV accumulators in fp32 (``grad_bytes``), as ``sw.context_parallel`` sends them."""
     if cp <= 1 or kv_elements <= 0:
         return 0.0, 0.0
     nbytes = kv_elements / tp * elem_bytes
@@ -102,8 +103,10 @@ def ring_times(*, kv_elements: float, elem_bytes: int, cp: int, tp: int, attn_fw
     first = hw.p2p_alpha_s  # the first hop's latency: no block is under way to hide it
     fwd = first + (cp - 1) * max(0.0, hop - block_f)
     # backward: cp − 1 steps send K/V (for the next block) and dK/dV together, the last step dK/dV alone
-    both = hw.p2p_time(2 * nbytes, cross_node=cross)
-    bwd = first + (cp - 1) * max(0.0, both - block_b) + max(0.0, hop - block_b)
+    grads = kv_elements / tp * grad_bytes
+    both = hw.p2p_time(nbytes + grads, cross_node=cross)
+    last = hw.p2p_time(grads, cross_node=cross)
+    bwd = first + (cp - 1) * max(0.0, both - block_b) + max(0.0, last - block_b)
     return fwd, bwd
 
 

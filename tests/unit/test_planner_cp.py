@@ -139,7 +139,7 @@ def test_ring_is_exposed_on_a_slow_link():
     assert hop > attn_f / cp and hop > attn_b / cp  # the case is what it claims
     fwd = slow.p2p_alpha_s + (cp - 1) * (hop - attn_f / cp)
     bwd = (slow.p2p_alpha_s + (cp - 1) * (slow.p2p_time(2 * nbytes, cross_node=False) - attn_b / cp)
-           + hop - attn_b / cp)
+           + hop - attn_b / cp)  # an fp32 plan: dK/dV are as many bytes as K/V
     assert pred.breakdown["cp_comm"] == pytest.approx(spec.blocks * (fwd + bwd), rel=1e-9)
     assert pred.breakdown["cp_comm"] > 100 * predict(spec, plan, H100, global_batch=1).breakdown["cp_comm"]
 
@@ -147,8 +147,12 @@ def test_ring_is_exposed_on_a_slow_link():
 def test_ring_times_overlap_rule():
     hw = H100
     hop = hw.p2p_time(1e6, cross_node=False)
-    fwd, bwd = ring_times(kv_elements=1e6, elem_bytes=1, cp=4, tp=1, attn_fwd_s=4 * hop * 2, attn_bwd_s=4 * hop * 4, hw=hw)
-    assert (fwd, bwd) == (hw.p2p_alpha_s, hw.p2p_alpha_s)  # every hop hidden
+    fwd, bwd = ring_times(kv_elements=1e6, elem_bytes=1, cp=4, tp=1, attn_fwd_s=4 * hop * 2, attn_bwd_s=4 * hop * 8,
+                          hw=hw)
+    assert (fwd, bwd) == (hw.p2p_alpha_s, hw.p2p_alpha_s)  # every hop hidden (dK/dV travel in fp32: 4× K/V here)
+    _, bwd = ring_times(kv_elements=1e6, elem_bytes=1, cp=4, tp=1, attn_fwd_s=0.0, attn_bwd_s=0.0, hw=hw)
+    both, last = hw.p2p_time(5e6, cross_node=False), hw.p2p_time(4e6, cross_node=False)
+    assert bwd == pytest.approx(hw.p2p_alpha_s + 3 * both + last)
     fwd, _ = ring_times(kv_elements=1e6, elem_bytes=1, cp=4, tp=1, attn_fwd_s=0.0, attn_bwd_s=0.0, hw=hw)
     assert fwd == pytest.approx(hw.p2p_alpha_s + 3 * hop)  # nothing to hide under
     assert ring_times(kv_elements=1e6, elem_bytes=1, cp=1, tp=1, attn_fwd_s=0, attn_bwd_s=0, hw=hw) == (0.0, 0.0)
