@@ -110,7 +110,8 @@ def llama3_table() -> tuple[list[str], list[dict[str, Any]]]:
                "bubble": share["pipeline_bubble"], "cp_comm": share.get("cp_comm", 0.0),
                "memory_gib": p.memory.total / 2**30, "fits": p.fits}
         rows.append(row)
-        lines.append(f"| {r.gpus:,} | {r.tp} | {r.cp} | {r.pp} | {r.dp} | {r.seq:,} | {r.batch_per_dp} | {r.tflops:g} | "
+        lines.append(f"| {r.gpus:,} | {r.tp} | {r.cp} | {r.pp} | {r.dp} | {r.seq:,} | {r.batch_per_dp} | "
+                     f"{r.tflops:g} | "
                      f"{got:.0f} | {row['error']:+.1%} | {r.mfu}% | {row['predicted_mfu']:.1f}% | "
                      f"{row['bubble']:.1%} | {row['cp_comm']:.1%} | {row['memory_gib']:.1f} | "
                      f"{'yes' if p.fits else 'no'} |")

@@ -272,7 +272,7 @@ def test_parallel_cp_maps_into_the_layout():
     assert (cfg.parallel.dp, cfg.parallel.cp) == (2, 2)
     plan = plan_from_config(cfg)
     assert (plan.dp, plan.cp, plan.tp, plan.devices) == (2, 2, 2, 8)
-    with pytest.raises(ValueError, match=r"parallel.dp × parallel.cp × parallel.tp × parallel.pp = 3 × 2 × 1 × 1"):
+    with pytest.raises(ValueError, match=r"parallel.dp × parallel.cp × parallel.tp × parallel.pp = 3 × 2 × 1 "):
         validate(load_config(preset="gpt-small", overrides={"parallel.nproc": 8, "parallel.cp": 2, "parallel.dp": 3}))
     with pytest.raises(ValueError, match="parallel.cp"):
         validate(load_config(preset="gpt-small", overrides={"parallel.nproc": 8, "parallel.cp": 0}))
