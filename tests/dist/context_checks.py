@@ -207,3 +207,36 @@ def check_hf_own_loss(axes: dict, b: int = 2, S: int = 16) -> dict:
     grads = dict(cp_model.named_parameters())
     worst = max(rel(sw.comm.all_reduce(grads[n].grad.clone(), mesh, "cp"), p.grad) for n, p in model.named_parameters())
     return {"refused": refused, "grads": worst}
+
+
+def check_with_data_parallel(axes: dict, b: int = 4, S: int = 16) -> dict:
+    """The documented recipes with ``sw.DataParallel``: over cp alone (each rank's mean loss over its tokens;
+    the replicas' average is one device's gradient), and over dp of a dp×cp mesh (each replica's loss over its
+    rows; gradients summed over cp by hand, averaged over dp by the wrapper). The reference GPT, one SGD step
+    of the full batch's mean loss on one device."""
+    mesh = cached_mesh(**axes)
+    torch.manual_seed(3)
+    model = sw.models.GPT(dataclasses.replace(sw.models.GPTConfig.preset("gpt-tiny"), dropout=0.0))
+    vocab = model.config.vocab_size
+    dp = mesh.size("dp") if "dp" in axes else 1
+    wrapped = sw.DataParallel(context_parallel(copy.deepcopy(model), mesh, "cp"), mesh, axis="dp" if dp > 1 else "cp")
+    g = torch.Generator().manual_seed(11)
+    ids, targets = torch.randint(0, vocab, (b, S), generator=g), torch.randint(0, vocab, (b, S), generator=g)
+    sw.models.lm_loss(model(ids), targets).backward()
+    rows = slice(mesh.coord("dp"), None, dp) if dp > 1 else slice(None)
+    local_ids, local_t = shard_sequence(ids[rows], mesh, "cp"), shard_sequence(targets[rows], mesh, "cp")
+    logits = wrapped(local_ids)
+    if dp > 1:  # this replica's tokens: the sum over this rank's, divided by the replica's count
+        loss = F.cross_entropy(logits.reshape(-1, vocab), local_t.reshape(-1), reduction="sum")
+        loss = loss / (local_t.numel() * mesh.size("cp"))
+    else:
+        loss = sw.models.lm_loss(logits, local_t)
+    loss.backward()
+    worst = 0.0
+    ours = dict(wrapped.module.named_parameters())
+    for name, p in model.named_parameters():
+        grad = ours[name].grad
+        if dp > 1:
+            grad = sw.comm.all_reduce(grad.clone(), mesh, "cp")
+        worst = max(worst, rel(grad, p.grad))
+    return {"grads": worst}

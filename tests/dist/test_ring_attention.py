@@ -94,3 +94,9 @@ def test_hf_own_loss_needs_shift_labels_and_then_matches(worlds):
     for res in worlds.get(4).run(cc.check_hf_own_loss, dict(dp=2, cp=2), timeout=120):
         assert "shift_labels=" in res["refused"] and "\n" not in res["refused"], res
         assert res["grads"] < TOL, res
+
+
+@pytest.mark.parametrize("axes", [dict(cp=4), dict(dp=2, cp=2)], ids=["cp4", "dp2xcp2"])
+def test_with_data_parallel_matches_one_device(worlds, axes):
+    for res in worlds.get(4).run(cc.check_with_data_parallel, axes, timeout=120):
+        assert res["grads"] < TOL, res
