@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.parallel.context import context_parallel, ring_attention, shard_sequence, unshard_sequence
+from shardwise.parallel.context import SeqLayout, context_parallel, ring_attention, shard_sequence, unshard_sequence
 from shardwise.parallel.context.blocks import select
 from tests.dist.meshes import mesh as cached_mesh
 
@@ -206,7 +206,11 @@ def check_hf_own_loss(axes: dict, b: int = 2, S: int = 16) -> dict:
     out.loss.backward()
     grads = dict(cp_model.named_parameters())
     worst = max(rel(sw.comm.all_reduce(grads[n].grad.clone(), mesh, "cp"), p.grad) for n, p in model.named_parameters())
-    return {"refused": refused, "grads": worst}
+    with torch.no_grad():  # the caller's own position_ids (and no mask): the same logits as one device
+        pos = SeqLayout(mesh.size("cp"), mesh.coord("cp")).positions(S // mesh.size("cp")).expand(b, -1)
+        explicit = rel(cp_model(input_ids=local_ids, position_ids=pos).logits,
+                       shard_sequence(model(input_ids=ids).logits, mesh, "cp"))
+    return {"refused": refused, "grads": worst, "explicit_positions": explicit}
 
 
 def check_with_data_parallel(axes: dict, b: int = 4, S: int = 16) -> dict:

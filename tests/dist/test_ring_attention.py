@@ -93,7 +93,7 @@ def test_model_matches_one_device(worlds, kind, ckpt, axes):
 def test_hf_own_loss_needs_shift_labels_and_then_matches(worlds):
     for res in worlds.get(4).run(cc.check_hf_own_loss, dict(dp=2, cp=2), timeout=120):
         assert "shift_labels=" in res["refused"] and "\n" not in res["refused"], res
-        assert res["grads"] < TOL, res
+        assert res["grads"] < TOL and res["explicit_positions"] < TOL, res
 
 
 @pytest.mark.parametrize("axes", [dict(cp=4), dict(dp=2, cp=2)], ids=["cp4", "dp2xcp2"])

@@ -8,7 +8,7 @@ modules enter it once. Nothing in torch is patched; other code keeps the ordinar
 
 Positions: a module whose class declares ``sequence_layout`` gets this rank's ``SeqLayout`` (the model reads
 its tokens' global positions from it); a model whose forward takes ``position_ids`` (Hugging Face) gets the
-local tokens' positions, and an all-ones ``attention_mask``, when the caller passes neither (without the mask
+local tokens' positions when the caller passes none, and an all-ones ``attention_mask`` likewise (without the mask
 ``transformers`` would read the jump between the two chunks' positions as two packed sequences); its own loss
 needs ``shift_labels=`` (labels already shifted over the whole sequence, then sharded) besides ``labels=``.
 """
@@ -108,13 +108,13 @@ def _hf_hook(layout: SeqLayout, params: list[str]) -> Callable:
             raise ValueError("context parallelism: the model would shift labels= inside this rank's tokens, across "
                              "its two chunks; also pass shift_labels=sw.shard_sequence(the labels shifted by one "
                              "over the whole sequence)")
-        if kwargs.get("position_ids") is not None or len(args) > pos_index:
-            return None
         tokens = _local_tokens(args, kwargs)
         if tokens is None:
             return None
         b, n = tokens.shape[0], tokens.shape[1]
-        kwargs = dict(kwargs, position_ids=layout.positions(n, tokens.device).unsqueeze(0).expand(b, n))
+        kwargs = dict(kwargs)
+        if kwargs.get("position_ids") is None and len(args) <= pos_index:
+            kwargs["position_ids"] = layout.positions(n, tokens.device).unsqueeze(0).expand(b, n)
         if mask_index is not None and kwargs.get("attention_mask") is None and len(args) <= mask_index:
             kwargs["attention_mask"] = torch.ones(b, n, dtype=torch.long, device=tokens.device)
         return args, kwargs
