@@ -2,15 +2,17 @@
 
 Ring attention forward and backward (dq, dk, dv) against ``F.scaled_dot_product_attention`` on the full
 sequence (fp32, relative 1e-5): causal and not, grouped-query attention (h=4 with hkv=2 and 1), uneven head dims
-(and a value head dim unlike the key's), batch > 1, bf16 (relative 2e-2 against fp32); over ``Mesh(cp=4)``, ``Mesh(dp=2, cp=2)``,
-``Mesh(cp=2, tp=2)`` (non-contiguous cp groups) and ``Mesh(cp=3)``. Messages and bytes each rank sends are
-counted: forward cp−1 K/V transfers, backward cp−1 K/V transfers and cp dK/dV transfers (fp32), nothing else.
-The same ring on a contiguous split (the wrong layout) misses by far, so a wrong chunk order is caught.
-Models: a ``transformers`` ``LlamaForCausalLM`` (tiny config, sdpa attention), with and without activation
-checkpointing: local logits and every parameter gradient (summed over cp) equal one device's.
+(and a value head dim unlike the key's), batch > 1, bf16 (relative 2e-2 against fp32), the flash and the math
+blocks; over ``Mesh(cp=4)``, ``Mesh(dp=2, cp=2)``, ``Mesh(cp=2, tp=2)`` (non-contiguous cp groups) and
+``Mesh(cp=3)``. Messages and bytes each rank sends are counted: forward cp−1 K/V transfers, backward cp−1 K/V
+transfers and cp dK/dV transfers (fp32), nothing else. The same ring on a contiguous split (the wrong layout)
+misses by far, so a wrong chunk order is caught.
+Models under ``context_parallel``: a ``transformers`` ``LlamaForCausalLM`` (tiny config, sdpa attention; its
+own loss through ``shift_labels=``), the reference GPT and our Llama (``sequence_layout``), with and without
+activation checkpointing: local logits and every parameter gradient (summed over cp) equal one device's; with
+``sw.DataParallel`` over cp, and over dp of dp×cp. Bad inputs raise one line before any message.
 Rank side: tests/dist/context_checks.py.
 """
-
 from __future__ import annotations
 
 import pytest
