@@ -62,7 +62,8 @@ def _one_ring_case(case: dict) -> dict:
     # the same ring on a plain contiguous split (the wrong layout) must not match: the test can fail
     cp, r, s = mesh.size("cp"), mesh.coord("cp"), case["S"] // mesh.size("cp")
     plain = [t[:, :, r * s:(r + 1) * s] for t in (q, k, v)]
-    res["wrong_layout"] = rel(ring_attention(*plain, mesh, "cp", causal=causal, impl=impl), ref[:, :, r * s:(r + 1) * s])
+    wrong = ring_attention(*plain, mesh, "cp", causal=causal, impl=impl)
+    res["wrong_layout"] = rel(wrong, ref[:, :, r * s:(r + 1) * s])
     return res
 
 
@@ -124,7 +125,8 @@ def _model_case(kind: str, ckpt: bool) -> tuple[torch.nn.Module, Any, int, int]:
         model = Llama(load_hf_config(EXAMPLES / "tiny-llama.json"), block_size=32)
         vocab, layers, blocks = model.config.vocab_size, model.config.num_hidden_layers, "model.layers."
     if ckpt:  # every block: its forward recomputed during backward, through the ring again
-        sw.checkpoint_layers(model, policy=lambda name, _m: name.startswith(blocks) and name.count(".") == blocks.count("."))
+        depth = blocks.count(".")
+        sw.checkpoint_layers(model, policy=lambda name, _m: name.startswith(blocks) and name.count(".") == depth)
     return model, lambda m, ids: m(ids), vocab, layers
 
 
@@ -154,7 +156,8 @@ def check_model(axes: dict, kind: str, ckpt: bool = False, b: int = 2, S: int = 
         worst = max(worst, rel(total, p.grad))
     return {"logits": rel(local_logits, shard_sequence(logits, mesh, "cp")), "grads": worst, "missing": missing,
             "fwd": counts, "layers": layers,
-            "layouts": sum(1 for m in cp_model.modules() if getattr(m, "sequence_layout", None) is not None), "cp": mesh.size("cp"), "modes": (modes_before, modes_after)}
+            "layouts": sum(1 for m in cp_model.modules() if getattr(m, "sequence_layout", None) is not None),
+            "cp": mesh.size("cp"), "modes": (modes_before, modes_after)}
 
 
 def check_model_errors(axes: dict) -> dict:
@@ -172,7 +175,8 @@ def check_model_errors(axes: dict) -> dict:
     x = torch.randn(1, 2, 8, 4)
     out = {}
     with sw.comm.CommCounter() as c:
-        for name, kw in {"mask": {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "dropout": {"dropout_p": 0.1}}.items():
+        bad = {"mask": {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "dropout": {"dropout_p": 0.1}}
+        for name, kw in bad.items():
             try:
                 context_parallel(Masked(**kw), mesh, "cp")(x)
                 out[name] = None
@@ -202,7 +206,8 @@ def check_hf_own_loss(axes: dict, b: int = 2, S: int = 16) -> dict:
     except ValueError as e:
         refused = str(e)
     shifted = shard_sequence(F.pad(ids, (0, 1), value=-100)[:, 1:], mesh, "cp")
-    out = cp_model(input_ids=local_ids, labels=shifted, shift_labels=shifted, num_items_in_batch=torch.tensor(b * (S - 1)))
+    out = cp_model(input_ids=local_ids, labels=shifted, shift_labels=shifted,
+                   num_items_in_batch=torch.tensor(b * (S - 1)))
     out.loss.backward()
     grads = dict(cp_model.named_parameters())
     worst = max(rel(sw.comm.all_reduce(grads[n].grad.clone(), mesh, "cp"), p.grad) for n, p in model.named_parameters())

@@ -44,7 +44,8 @@ class SeqLayout:
         """The global positions (local_len,) of this rank's tokens: chunk ``rank``, then chunk ``2·cp−1−rank``."""
         if local_len % 2:
             raise ValueError(f"a context-parallel rank holds two equal chunks, but the local sequence has "
-                             f"{local_len} tokens; shard a sequence divisible by 2·cp={2 * self.cp} with shard_sequence")
+                             f"{local_len} tokens; shard a sequence divisible by 2·cp={2 * self.cp} with "
+                             f"shard_sequence")
         c = local_len // 2
         first, second = self.rank * c, (2 * self.cp - 1 - self.rank) * c
         return torch.cat([torch.arange(first, first + c, device=device),

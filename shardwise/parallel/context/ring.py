@@ -205,7 +205,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, dropout_p: fl
     if dropout_p:
         raise ValueError(f"ring attention got dropout_p={dropout_p}; set dropout 0 with context parallelism")
     if axis not in mesh.axes:
-        raise ValueError(f"ring attention: axis {axis!r} is not an axis of the mesh {mesh.axes}; pass axis= one of them")
+        raise ValueError(f"ring attention: axis {axis!r} is not an axis of the mesh {mesh.axes}; pass axis= one of "
+                         f"them")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"ring attention takes (batch, heads, seq, dim) tensors, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
