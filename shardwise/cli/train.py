@@ -66,10 +66,6 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-_CP_REFUSAL = ("parallel.cp > 1 is not wired into shardwise train yet; use shardwise predict/plan, or "
-               "sw.context_parallel in your own script")
-
-
 def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     """(validated config, run directory, checkpoint to resume or None); writes the launch config.
     Raises ``ValueError`` for every user mistake, before anything is written or started (a resume's config is
@@ -84,8 +80,6 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
         run_dir = cfg.run_dir()
     if nodes.count > 1 and cfg.parallel.nproc == 0:  # the default is per node: one per GPU, or 2 CPU ranks
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc=default_nproc() * nodes.count))
-    if cfg.parallel.cp > 1:
-        raise ValueError(_CP_REFUSAL)
     if cfg.parallel.auto:
         from ..runtime.planning import auto_layout
 
@@ -209,7 +203,7 @@ def _header(cfg: Config, run_dir: Path, resume: Path | None) -> str:
     p = cfg.parallel
     where = "GPU" if _cuda() else "CPU"
     start = f", resuming {resume}" if resume else ""
-    mesh = (f"pp={p.pp} × " if p.pp > 1 else "") + f"dp={p.dp} × tp={p.tp}"
+    mesh = (f"pp={p.pp} × " if p.pp > 1 else "") + f"dp={p.dp} × " + (f"cp={p.cp} × " if p.cp > 1 else "") + f"tp={p.tp}"
     stages = (f"; pipeline {p.pp_schedule}, {p.pp_microbatches} micro-batches of {p.micro_batch // p.pp_microbatches}"
               f"{f', {p.pp_chunks} chunks per rank' if p.pp_chunks > 1 else ''} per pass" if p.pp > 1 else "")
     m = cfg.model

@@ -50,7 +50,7 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.steps, ckpt_every=0))
     layout = validate(cfg)
     # the pipeline fields need pp > 1, sequence parallelism tp > 1
-    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, zero_stage=0, grad_accum=0,
+    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0, grad_accum=0,
                                  sequence_parallel=False, pp_microbatches=0, pp_chunks=1, pp_split=())
     reference = validate(dataclasses.replace(cfg, parallel=single, debug=DebugConfig()))  # same train.precision
     rtol, atol = TOLERANCES[cfg.train.precision]
@@ -71,11 +71,12 @@ def _describe(cfg: Config) -> str:
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
     zero += ", sequence parallel" if p.sequence_parallel else ""
     ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
+    cp = f" × cp={p.cp}" if p.cp > 1 else ""
     ckpt += ", bf16 autocast" if cfg.train.precision == "bf16" else ""
     if p.pp > 1:
-        return (f"pp={p.pp} × dp={p.dp} × tp={p.tp}{zero}{ckpt}, {p.pp_schedule}, micro {p.micro_batch} × accum "
+        return (f"pp={p.pp} × dp={p.dp}{cp} × tp={p.tp}{zero}{ckpt}, {p.pp_schedule}, micro {p.micro_batch} × accum "
                 f"{p.grad_accum} in {p.pp_microbatches} pipeline micro-batches")
-    return f"dp={p.dp} × tp={p.tp}{zero}{ckpt}, micro {p.micro_batch} × accum {p.grad_accum}"
+    return f"dp={p.dp}{cp} × tp={p.tp}{zero}{ckpt}, micro {p.micro_batch} × accum {p.grad_accum}"
 
 
 def main(args: argparse.Namespace) -> int:

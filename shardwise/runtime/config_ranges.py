@@ -1,5 +1,5 @@
-"""Range checks of the configuration's real-valued fields, and what sequence parallelism combines with
-(``config.validate`` calls them): each error names the field, the value and a flag that fixes it. Pure."""
+"""Range checks of the configuration's real-valued fields, and what sequence and context parallelism combine
+with (``config.validate`` calls them): each error names the field, the value and a flag that fixes it. Pure."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 from .config_schema import Config
 
-__all__ = ["check_numbers", "check_sequence_parallel"]
+__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel"]
 
 
 def check_numbers(config: Config) -> None:
@@ -45,3 +45,19 @@ def check_sequence_parallel(config: Config) -> None:
         raise ValueError(f"parallel.sequence_parallel = true with parallel.pp = {p.pp} needs model.block_size = "
                          f"{block} divisible by parallel.tp = {p.tp} (a later pipeline stage splits the sequence "
                          f"evenly); use --model.block_size {block - block % p.tp}, or --parallel.pp 1")
+
+
+def check_context_parallel(config: Config) -> None:
+    """``parallel.cp > 1`` (ring attention over a ``cp`` axis): each rank holds 2 of 2·cp equal chunks of every
+    sequence, so 2·cp must divide ``model.block_size``; the ring computes attention without dropout."""
+    p, m = config.parallel, config.model
+    if p.cp <= 1:
+        return
+    if m.block_size % (2 * p.cp):
+        good = max(2 * p.cp, m.block_size - m.block_size % (2 * p.cp))
+        raise ValueError(f"parallel.cp = {p.cp} splits each sequence into 2·cp = {2 * p.cp} chunks, but "
+                         f"model.block_size = {m.block_size} is not divisible by {2 * p.cp}; use --model.block_size "
+                         f"{good}, or a cp whose 2·cp divides {m.block_size}")
+    if m.dropout:
+        raise ValueError(f"parallel.cp = {p.cp} runs ring attention, which has no dropout, but model.dropout = "
+                         f"{m.dropout}; use --model.dropout 0, or --parallel.cp 1")

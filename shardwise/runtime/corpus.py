@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -85,9 +85,11 @@ class StepBatches:
     """
 
     def __init__(self, dataset: "TokenWindows", sampler: "ShardedSampler", *, micro_batch: int, grad_accum: int,
-                 device: "torch.device") -> None:
+                 device: "torch.device", transform: "Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]] | None" = None) -> None:
         self.dataset, self.sampler, self.device = dataset, sampler, device
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.transform = transform
+        """Applied to each step's pairs (context parallelism: this rank's sequence chunks)."""
         self._order: tuple[int, list[int]] | None = None
 
     def next(self) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
@@ -104,7 +106,8 @@ class StepBatches:
         rows = [self.dataset[i] for i in picked]
         x = torch.stack([r[0] for r in rows]).to(self.device, non_blocking=True)
         y = torch.stack([r[1] for r in rows]).to(self.device, non_blocking=True)
-        return list(zip(x.split(self.micro_batch), y.split(self.micro_batch)))
+        pairs = list(zip(x.split(self.micro_batch), y.split(self.micro_batch)))
+        return self.transform(pairs) if self.transform is not None else pairs
 
     def state_dict(self) -> dict[str, int]:
         """Layout-free position: the epoch and the samples of it consumed by *all* dp ranks together."""

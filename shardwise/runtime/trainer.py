@@ -39,6 +39,7 @@ from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from ..mesh import Mesh
 from .calibration import mesh_calibrations
 from .config import Config, OptimizerConfig, ParallelConfig, load_config
+from .context_split import ContextSplit, cp_mesh_axes
 from .corpus import StepBatches
 from .data import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
@@ -46,6 +47,7 @@ from .train_data import open_data
 from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
+from ..parallel.context import context_parallel
 from .model_build import hf_of, saved_model
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
@@ -74,6 +76,18 @@ def _build_mesh(p: ParallelConfig, timeout_s: float | None = None, calibration: 
     return Mesh(**mesh_axes(p), timeout_s=timeout_s, calibration=list(calibration))
 
 
+def _context_split(cfg: Config, strategy: Strategy) -> ContextSplit | None:
+    """With ``parallel.cp > 1``: the attention mesh ``(pp, dp, cp, tp)``, the model's attention routed to the ring
+    over its ``cp`` axis (``sw.context_parallel`` on the module the strategy runs), and the batch cutter. Collective
+    (the mesh's groups)."""
+    p = cfg.parallel
+    if p.cp <= 1:
+        return None
+    cp_mesh = Mesh(**cp_mesh_axes(p), timeout_s=cfg.train.timeout_s)
+    context_parallel(strategy.plain, cp_mesh, "cp")
+    return ContextSplit(cp_mesh, pipeline=p.pp > 1, dp=p.dp)
+
+
 class Trainer:
     """One rank's training state and loop (see module docstring). The parallel layout is ``self.strategy``
     (``strategy/``), chosen once from the config; nothing below depends on which one it is."""
@@ -88,21 +102,26 @@ class Trainer:
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
         built = time.perf_counter()
         self.strategy: Strategy = build_strategy(cfg, self.mesh)
+        self.split = _context_split(cfg, self.strategy)  # parallel.cp > 1: ring attention, sequence chunks
         self.construction_s = time.perf_counter() - built
         """Seconds building the layout: materialising this rank's pieces (drawn, or read from model.pretrained)."""
         self.construction_peak = peak_memory_bytes(self.mesh.device)
         """The process peak once the layout is built, before the first step (construction and loading)."""
         data = open_data(cfg)  # memory maps of a prepared dataset; small files and the generated corpus in memory
         dp_size, dp_rank = self.strategy.data_shard()  # a pipeline loads all of dp's sequences: not sharded
+        if self.split is not None and dp_size > 1:  # cp peers read the same sequences (dp × cp axis: cp inner)
+            dp_size, dp_rank = dp_size // p.cp, dp_rank // p.cp
         sampler = ShardedSampler(len(data.train), dp_size=dp_size, dp_rank=dp_rank, shuffle=cfg.data.shuffle,
                                  seed=cfg.train.seed)
         self.data = StepBatches(data.train, sampler, micro_batch=p.micro_batch * p.dp // dp_size,
-                                grad_accum=p.grad_accum, device=self.mesh.device)
-        self.token_loss = (TokenNormalized(self.strategy.sum_loss, cfg.data.global_batch) if data.masked else None)
+                                grad_accum=p.grad_accum, device=self.mesh.device, transform=self.split)
+        # a loss call covers r rows of S / cp tokens: cp × the calls of the same rows without cp average a step
+        self.token_loss = (TokenNormalized(self.strategy.sum_loss, cfg.data.global_batch * p.cp)
+                           if data.masked else None)
         """Loss-masked data: every counted token weighs alike in every layout (``token_loss.py``); else None."""
         self.val = (ValBatches(data.val, global_batch=cfg.data.global_batch, eval_batches=cfg.train.eval_batches,
                                dp_size=dp_size, dp_rank=dp_rank, micro_batch=p.micro_batch * p.dp // dp_size,
-                               device=self.mesh.device) if data.val is not None else None)
+                               device=self.mesh.device, transform=self.split) if data.val is not None else None)
         self.evals: list[dict[str, Any]] = []
         self.step = 0
         self.last_ckpt: Path | None = None
@@ -169,7 +188,7 @@ class Trainer:
             loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss)
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
-            self.strategy.scale_param_grads(cfg.parallel.dp)  # injected bug: the sum over dp instead of the mean
+            self.strategy.scale_param_grads(self.mesh.size("dp"))  # injected bug: the sum over dp (× cp), not the mean
         local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
         self.grad_norm = float("nan")  # the step's norm before clipping (logged with clipping on; NaN: skipped)
         if self._finite(local_loss):  # collective: every rank takes the same branch

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -30,8 +30,11 @@ class ValBatches:
     CACHE_BYTES = 64 * 2**20
 
     def __init__(self, windows: TokenWindows, *, global_batch: int, eval_batches: int, dp_size: int, dp_rank: int,
-                 micro_batch: int, device: torch.device) -> None:
+                 micro_batch: int, device: torch.device,
+                 transform: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]]
+                 | None = None) -> None:
         self.windows, self.device, self.micro_batch = windows, device, micro_batch
+        self.transform = transform  # context parallelism: this rank's sequence chunks
         self.count = min(eval_batches, len(windows) // global_batch)
         self.rows = [b * global_batch + k for b in range(self.count) for k in range(dp_rank, global_batch, dp_size)]
         self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -44,6 +47,8 @@ class ValBatches:
         x = torch.stack([r[0] for r in rows]).to(self.device)
         y = torch.stack([r[1] for r in rows]).to(self.device)
         out = list(zip(x.split(self.micro_batch), y.split(self.micro_batch)))
+        if self.transform is not None:
+            out = self.transform(out)
         if 2 * x.numel() * x.element_size() <= self.CACHE_BYTES:
             self._cached = out
         return out

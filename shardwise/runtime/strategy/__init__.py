@@ -19,8 +19,11 @@ __all__ = ["Strategy", "build_strategy", "mesh_axes", "build_optimizer", "tensor
 
 def mesh_axes(p: ParallelConfig) -> dict[str, int]:
     """``(dp, tp)``; with pipeline parallelism ``(pp, dp, tp)``: stages outermost, so a stage's dp/tp peers are
-    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.)"""
-    return dict(pp=p.pp, dp=p.dp, tp=p.tp) if p.pp > 1 else dict(dp=p.dp, tp=p.tp)
+    neighbouring ranks. (pp = 1 keeps the 2-axis mesh, and so the index of every non-pipeline checkpoint.) With
+    context parallelism the ``dp`` axis is ``dp × cp`` wide: the cp ranks are data-parallel replicas of their
+    sequence chunks to every strategy (``runtime/context_split.py``)."""
+    dp = p.dp * p.cp
+    return dict(pp=p.pp, dp=dp, tp=p.tp) if p.pp > 1 else dict(dp=dp, tp=p.tp)
 
 
 def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:

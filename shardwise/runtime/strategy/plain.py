@@ -145,7 +145,7 @@ class PlainStrategy(DataParallelSteps):
         self.sum_loss = summed_loss(cfg, mesh)
         self.plain: nn.Module = checkpointed(cfg, module)
         self.model: nn.Module = self.plain
-        if p.dp > 1:
+        if mesh.size("dp") > 1:  # dp × cp ranks with context parallelism
             from ...parallel.data.data_parallel import DataParallel
 
             self.model = DataParallel(self.plain, mesh, axis="dp", algorithm=p.algorithm,
