@@ -31,7 +31,7 @@ from .parallel.tensor.apply_plan import (ColumnParallel, QKVParallel, RowParalle
 from .parallel.zero.wrap import zero
 from .parallel.pipeline.build import Pipeline, pipeline
 from .parallel.auto import ParallelizePlan, Plan, auto
-from .parallel.context import context_parallel, shard_sequence, unshard_sequence
+from .parallel.context import SeqLayout, context_parallel, ring_attention, shard_sequence, unshard_sequence
 # models larger than one device: built on meta, materialised in shards
 from .parallel.common.materialize import materialize_model as materialize
 from .parallel.common.init_rules import Constant, Normal, Uniform
@@ -61,7 +61,7 @@ __all__ = [
     # ZeRO and pipelines
     "zero", "pipeline", "Pipeline",
     # context parallelism: ring attention over a sequence split along one mesh axis
-    "context_parallel", "shard_sequence", "unshard_sequence",
+    "context_parallel", "shard_sequence", "unshard_sequence", "SeqLayout", "ring_attention",
     # automatic layouts (Plan: the old name of ParallelizePlan, same class)
     "auto", "ParallelizePlan", "Plan",
     # models larger than one device: built on meta, materialised in shards
