@@ -140,8 +140,13 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self._heads(x)
-        k, v = _expand_groups(k, v, q.size(1))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        if _SDPA_GQA:  # the nkv-headed K/V go in as they are (context parallelism's ring then carries nkv heads)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=k.size(1) != q.size(1))
+        else:
+            k, v = _expand_groups(k, v, q.size(1))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         # (b, nh, t, hd) -> (b, t, nh*hd) @ (nh*hd, h); sizes from y (the gathered sequence under SP)
         return self.o_proj(y.transpose(1, 2).reshape(y.size(0), y.size(2), -1))
 
@@ -155,6 +160,10 @@ class Attention(nn.Module):
         k, v = _expand_groups(k, v, q.size(1))
         y = cached_attention(q, k, v, past)
         return self.o_proj(y.transpose(1, 2).reshape(y.size(0), y.size(2), -1))
+
+
+_SDPA_GQA = torch.__version__ >= "2.5"
+"""Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch 2.5 on); before, K/V are expanded here."""
 
 
 def _expand_groups(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
