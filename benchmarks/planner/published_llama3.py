@@ -20,6 +20,12 @@ with two model chunks per pipeline rank (``megatron_plan``'s convention for Mega
 it), sequence parallelism with TP, ZeRO-1 over dp × cp, bf16-mixed, and the ``shardwise`` runtime (data-
 parallel reduction overlapped with backward, asynchronous pipeline transfers). Llama 3's CP all-gathers K/V
 before the attention instead of passing blocks around a ring: the bytes per rank are the same (cp − 1 blocks).
+
+Attention: the spec's ``flash`` core on a GPU preset, priced as an IO-aware fused kernel (FlashAttention, which
+2024 training runs use; ``compute.io_aware_attention``): its FLOPs, causal half skipped, at the GEMM efficiency
+of the per-head products, with ``O(s·h)`` memory traffic (Q, K, V, O, the log-sum-exp) instead of the ``s × s``
+scores. The Megatron-LM 2021 and Korthikanti 2022 rows keep ``attention="unfused"`` (their kernels wrote the
+scores to memory).
 """
 
 from __future__ import annotations
@@ -122,5 +128,7 @@ def llama3_table() -> tuple[list[str], list[dict[str, Any]]]:
     lines.append("\nAssumed for every row (the table does not say): interleaved schedule with 2 chunks per pipeline "
                  "rank, micro-batch 1, no recomputation, sequence parallelism, ZeRO-1 over dp × cp, bf16-mixed, "
                  "overlapped data-parallel reduction (shardwise runtime). TF/s are model FLOPs with causal attention "
-                 "halved, as the table's MFU column implies.")
+                 "halved, as the table's MFU column implies. Attention is a fused IO-aware kernel (FlashAttention, "
+                 "2024): its FLOPs at the per-head GEMM efficiency with O(s·h) memory traffic, never the s × s "
+                 "scores; the 2021–2022 tables above keep unfused attention (scores through memory).")
     return lines, rows

@@ -7,6 +7,11 @@ Narayanan et al. 2021 App.; Qi et al. 2023 Table 1: ``B ≈ W ≈ F`` per GEMM);
 weight and a backward of twice its forward. Memory-bound backward moves twice the forward traffic.
 The exposed tensor-parallel all-reduces (Megatron's ``f``/``g`` pair: two per block in forward, two in backward,
 none overlapped with compute) are returned separately so the breakdown can name them.
+
+The attention core, two ways. Unfused (``ModelSpec.attention = "unfused"``, the kernels of Megatron-LM 2021
+and Korthikanti 2022: the scores go through memory) and a fused kernel on CPU ranks: its two GEMMs at their
+roofline, the ``s × s`` scores among their operands. A fused kernel on a GPU (``flash``; ``io_aware_attention``):
+one IO-aware kernel whose traffic is ``O(s·h)`` (``_fused_core``), so long sequences stay compute-bound.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from .hardware import Hardware
 from .plan import Layout
 from .layers import Gemm, Layer
 
-__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes", "attention_time"]
+__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes", "attention_time", "io_aware_attention"]
 
 
 def act_bytes(plan: Layout) -> int:
@@ -62,17 +67,53 @@ def _shape(g: Gemm, b: int, t: int) -> tuple[float, float, float, float]:
     return m, n, k, batch
 
 
+def io_aware_attention(flash: bool, hw: Hardware) -> bool:
+    """Whether the attention core is priced as an IO-aware fused kernel (module doc): a ``flash`` spec on a
+    GPU (``F.scaled_dot_product_attention``'s flash / memory-efficient kernels on CUDA, FlashAttention in the
+    2024 published runs). CPU ranks keep the per-GEMM roofline their calibrations were compared under."""
+    return flash and hw.kind == "gpu"
+
+
+def _fused_core(cores: list[tuple[Gemm, float, float, float, float]], hw: Hardware, dtype: str, eb: int,
+                ) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of the attention cores ``cores`` (``(gemm, m, n, k, batch)`` at the rank's
+    shape) as IO-aware fused kernels: the tiles' FLOPs at the GEMM efficiency of the per-head products, the
+    causal half skipped; memory traffic ``O(s·h)`` — Q, K (with the scores GEMM), V, O (with the context
+    GEMM) once per block pass and the fp32 log-sum-exp per query row — never the ``s × s`` scores. One launch
+    forward; backward recomputes the scores in tiles (2.5× the forward FLOPs: five tile GEMMs to two), moves
+    twice the forward traffic (Q, K, V, O, dO read; dQ, dK, dV written) in two launches (the dO·O row sums,
+    the main kernel)."""
+    compute = io = 0.0
+    kernels = 0
+    for g, m, n, k, batch in cores:
+        scale = 0.5 if g.causal else 1.0
+        compute += 2.0 * m * n * k * batch * scale / (hw.peak_flops[dtype] * hw.gemm_efficiency(m, n, k, dtype))
+        if g.name == "context":  # (s × keys) @ (keys × hd): V read, O written
+            io += eb * (k * n + m * n) * batch
+        else:  # scores (s × hd) @ (hd × keys): Q, K read, the log-sum-exp written
+            io += eb * (m * k + k * n) * batch + 4.0 * m * batch
+            kernels += 1
+    fwd = hw.kernel_time(compute, io, kernels)
+    return fwd, hw.kernel_time(2.5 * compute, 2.0 * io, 2 * kernels)
+
+
 def _gemms(layer: Layer, plan: Layout, hw: Hardware, flash: bool) -> tuple[float, float, float, float, float, float]:
     """Forward, input-gradient and weight-gradient GEMM seconds, the attention core's share of forward,
     and the FLOPs (all, attention)."""
     dtype = "fp32" if plan.precision == "fp32" else "bf16"
     eb = param_bytes(plan)
     f = bw = ww = attn = flops = attn_flops = 0.0
+    fused = io_aware_attention(flash, hw)
+    cores: list[tuple[Gemm, float, float, float, float]] = []
     for g in layer.gemms:
         m, n, k, batch = _shape(g, plan.micro_batch, plan.tp)
-        fwd = hw.gemm_time(m, n, k, dtype=dtype, batch=batch, elem_bytes=eb)
         full_flops = 2.0 * m * n * k * batch
         flops += full_flops
+        if not g.weight and fused:
+            cores.append((g, m, n, k, batch))
+            attn_flops += full_flops
+            continue
+        fwd = hw.gemm_time(m, n, k, dtype=dtype, batch=batch, elem_bytes=eb)
         if not g.weight:
             # a fused causal kernel skips the masked half (both ways); its backward recomputes the scores
             scale = 0.5 if (g.causal and flash) else 1.0
@@ -85,6 +126,9 @@ def _gemms(layer: Layer, plan: Layout, hw: Hardware, flash: bool) -> tuple[float
         f += fwd
         bw += hw.gemm_time(m, k, n, dtype=dtype, batch=batch, elem_bytes=eb)
         ww += hw.gemm_time(k, n, m, dtype=dtype, batch=batch, elem_bytes=eb)
+    if cores:
+        core_f, core_b = _fused_core(cores, hw, dtype, eb)
+        f, attn, bw = f + core_f, attn + core_f, bw + core_b
     return f, bw, ww, attn, flops, attn_flops
 
 

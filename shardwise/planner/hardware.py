@@ -196,6 +196,11 @@ class Hardware:
         traffic = elem_bytes * (m * k + k * n + m * n) * batch / self.memory_bandwidth_Bps
         return self._launched(max(compute, traffic), 1.0)
 
+    def kernel_time(self, compute_s: float, nbytes: float, launches: float) -> float:
+        """Seconds for ``launches`` fused kernels doing ``compute_s`` of arithmetic while moving ``nbytes``
+        (roofline: the longer of the two)."""
+        return self._launched(max(compute_s, nbytes / self.memory_bandwidth_Bps), launches)
+
     def memory_time(self, nbytes: float, ops: float = 0.0) -> float:
         """Seconds for memory-bound kernels moving ``nbytes`` in ``ops`` launches."""
         return self._launched(nbytes / self.memory_bandwidth_Bps, ops)
