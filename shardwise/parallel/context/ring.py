@@ -11,6 +11,10 @@ accumulators (``cp−1`` K/V hops, ``cp`` dK/dV hops, so each accumulator ends a
 probabilities are recomputed from the final log-sum-exp. Grouped-query attention: the ``hkv``-headed K/V
 travel, are expanded locally, and dK/dV are summed back over each group before they travel.
 
+Timing (``ring_timing``, off by default: one ``None`` check per wait and per pass): the seconds a rank spends in
+the ring's passes, the seconds it is blocked waiting for a block or an accumulator (communication that
+compute did not hide), and the bytes it sends — what ``shardwise bench cp`` reports.
+
 Numerics: the log-sum-exp, the output and every gradient accumulate in fp32 (fp64 for fp64 inputs); the result
 is cast to the inputs' dtype. Each block is computed by ``blocks.py``: plain math, or the fused CPU kernel.
 """
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -29,7 +35,7 @@ from ...comm.handles import Handle
 from ...mesh import Mesh
 from .blocks import FlashBlocks, MathBlocks, acc_dtype, select
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_timing", "RingTiming"]
 
 _KV_TAG = 7301
 _GRAD_TAG = 7302
@@ -37,6 +43,34 @@ _GRAD_TAG = 7302
 Blocks = type[MathBlocks] | type[FlashBlocks]
 Pair = tuple[slice, slice, bool]
 """(query rows, key rows, diagonal) of one block, in local coordinates."""
+
+
+@dataclass
+class RingTiming:
+    """What ``ring_timing`` recorded on this rank: seconds inside the ring's forward and backward passes
+    (compute and communication), seconds blocked in ``wait()`` (the exposed communication), bytes sent by
+    ``kind`` (``kv``: K/V blocks, ``grad``: dK/dV accumulators) and ring passes (forward + backward)."""
+
+    pass_s: float = 0.0
+    wait_s: float = 0.0
+    passes: int = 0
+    sent: dict[str, int] = field(default_factory=lambda: {"kv": 0, "grad": 0})
+    hops: dict[str, int] = field(default_factory=lambda: {"kv": 0, "grad": 0})
+
+
+_TIMING: RingTiming | None = None
+
+
+@contextlib.contextmanager
+def ring_timing(into: RingTiming | None = None) -> Iterator[RingTiming]:
+    """``with ring_timing() as t: ...``: record the ring's pass, wait and byte counts of this process (the
+    thread running forward and backward) into ``t`` (or ``into``, to add to earlier counts)."""
+    global _TIMING
+    prev, _TIMING = _TIMING, into if into is not None else RingTiming()
+    try:
+        yield _TIMING
+    finally:
+        _TIMING = prev
 
 
 @dataclass(frozen=True)
@@ -56,13 +90,35 @@ class _Ring:
             recv.copy_(send)
             return []
         nxt, prv = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        if _TIMING is not None:
+            kind = "kv" if tag == _KV_TAG else "grad"
+            _TIMING.sent[kind] += send.numel() * send.element_size()
+            _TIMING.hops[kind] += 1
         return [isend(send, self.mesh, self.axis, dst=nxt, tag=tag),
                 irecv(recv, self.mesh, self.axis, src=prv, tag=tag)]
 
 
 def _wait(handles: list[Handle]) -> None:
+    if _TIMING is None or not handles:
+        for h in handles:
+            h.wait()
+        return
+    t = time.perf_counter()
     for h in handles:
         h.wait()
+    _TIMING.wait_s += time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def _timed_pass() -> Iterator[None]:
+    timing = _TIMING
+    if timing is None:
+        yield
+        return
+    t = time.perf_counter()
+    yield
+    timing.pass_s += time.perf_counter() - t
+    timing.passes += 1
 
 
 def block_pairs(rank: int, src: int, cp: int, local_len: int, causal: bool) -> list[Pair]:
@@ -115,7 +171,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float, ca
     b, h, sq, _ = q.shape
     groups = h // k.shape[1]
     acc = acc_dtype(q)
-    out = torch.zeros((b, h, sq, v.shape[-1]), dtype=acc, device=q.device)
+    # (b, h, sq, dv) stored token-major, as SDPA's CPU output: the model's ``transpose(1, 2).reshape`` of the
+    # result is then a view, not one more copy of the layer's width kept for backward
+    out = torch.zeros((b, sq, h, v.shape[-1]), dtype=acc, device=q.device).transpose(1, 2)
     lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
     buf = _pack(k, v)
     for step in range(ring.cp):
@@ -187,7 +245,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,  # type: ignore[override]
                 causal: bool, blocks: Blocks) -> Tensor:
-        out, lse = _ring_forward(q, k, v, ring, scale, causal, blocks)
+        with _timed_pass():
+            out, lse = _ring_forward(q, k, v, ring, scale, causal, blocks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.causal, ctx.blocks = ring, scale, causal, blocks
@@ -197,7 +256,8 @@ class _RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal, ctx.blocks)
+        with _timed_pass():
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal, ctx.blocks)
         return dq, dk, dv, None, None, None, None
 
 
