@@ -26,8 +26,8 @@ from .sbp import Broadcast, GlobalTensor, Partial, Replicate, Split, distribute,
 from .parallel.data.data_parallel import DataParallel
 from .parallel.common.activation_checkpointing import checkpoint_layers, checkpoint_report
 from .parallel.common.mixed_precision import MixedPrecision
-from .parallel.tensor.apply_plan import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, VocabParallel,
-                                         gpt_plan, parallelize, vocab_parallel_cross_entropy)
+from .parallel.tensor.apply_plan import (ColumnParallel, ContextParallel, QKVParallel, RowParallel, SequenceParallel,
+                                         VocabParallel, gpt_plan, parallelize, vocab_parallel_cross_entropy)
 from .parallel.zero.wrap import zero
 from .parallel.pipeline.build import Pipeline, pipeline
 from .parallel.auto import ParallelizePlan, Plan, auto
@@ -62,6 +62,7 @@ __all__ = [
     "zero", "pipeline", "Pipeline",
     # context parallelism: ring attention over a sequence split along one mesh axis
     "context_parallel", "shard_sequence", "unshard_sequence", "SeqLayout", "ring_attention",
+    "ContextParallel",
     # automatic layouts (Plan: the old name of ParallelizePlan, same class)
     "auto", "ParallelizePlan", "Plan",
     # models larger than one device: built on meta, materialised in shards

@@ -13,6 +13,9 @@ Weights are split over at most one axis (``sw.parallelize`` shards over one); th
 same axis carries data for some layers and a weight split for others is not searched (no executor for it).
 
 ``example_inputs`` is one step's *global* batch, as for one device: data axes divide its batch dim (dim 0).
+Context parallelism (``context.py``): on a mesh with a ``cp`` axis (``cp_axis=``) of size > 1 whose model's
+attention can run as a ring, the plan gets ``"": ContextParallel(axis)`` and the other axes are searched as
+above; the example inputs hold the *full* sequence (each rank later feeds ``shard_sequence`` of it).
 Pure and deterministic: the same inputs give the same plan on every rank; it never communicates (the
 traced forward runs locally under ``torch.no_grad`` in eval mode; call it on the plain model).
 """
@@ -30,6 +33,8 @@ from torch.utils._pytree import tree_map
 
 from ...mesh import Mesh, MeshLayout
 from ..common.materialize import has_meta
+from ..tensor.styles import ContextParallel
+from .context import decide_context
 from .cost import CostModel, NominalHardware
 from .options import applicable
 from .pins import Pin, parse_pins
@@ -173,15 +178,17 @@ def _rows(graph: Graph, parents: dict[str, nn.Module], found: dict[str | None, S
 
 
 def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_budget: float | None = None,
-         pins: Mapping[str, Any] | None = None, *, hardware: Any = None) -> ParallelizePlan:
+         pins: Mapping[str, Any] | None = None, *, hardware: Any = None, cp_axis: str | None = "cp"
+         ) -> ParallelizePlan:
     """The cheapest layout of ``model`` on ``mesh`` as a ``ParallelizePlan`` (see module docstring and ``plan.py``).
 
     ``example_inputs``: a tuple of positional args, a dict of keyword args, or one tensor — one global batch.
     ``memory_budget``: bytes per rank; layouts over it are rejected (``ValueError`` naming the smallest
     predicted footprint when all are). ``pins``: fixed layouts by module-name pattern (``pins.py``).
     ``hardware``: a ``sw.planner.Hardware`` (preset or ``Hardware.load(calibration)``); default: the mesh's
-    attached collective calibrations plus nominal constants (``cost.NominalHardware``). Local: never
-    communicates; the same on every rank."""
+    attached collective calibrations plus nominal constants (``cost.NominalHardware``). ``cp_axis``: the mesh
+    axis context parallelism may use (``context.py``; default ``"cp"`` where the mesh has it; None: never).
+    Local: never communicates; the same on every rank."""
     _check(model, memory_budget)
     axes, shape, calibrations = _layout(mesh)
     graph = _trace(model, example_inputs)
@@ -192,6 +199,14 @@ def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_
     parents = {u: modules[u.rpartition(".")[0]] for u in units}
     itemsize, dtype = _dtype(model)
     hw = hardware if hardware is not None else NominalHardware(calibrations=calibrations)
+    ctx = decide_context(graph, model, axes, shape, cp_axis)
+    if ctx.axis is not None:  # the cp axis carries the sequence: neither batch nor weights are split over it
+        for pin in by_unit.values():
+            if pin.axis == ctx.axis:
+                raise ValueError(f"pin {pin.pattern!r} splits over {ctx.axis!r}, the context-parallel axis; pin "
+                                 f"another axis, or pass cp_axis=None")
+        keep = [i for i, a in enumerate(axes) if a != ctx.axis]
+        axes, shape = tuple(axes[i] for i in keep), tuple(shape[i] for i in keep)
     cms = [CostModel(hw, axes, shape, tp, itemsize, dtype) for tp in [None, *(a for a, s in zip(axes, shape) if s > 1)]]
     found, layouts = _searches(graph, parents, cms, node_pins, memory_budget)
     # ties: pure data parallelism first (simplest), then the innermost axis (fastest links by convention)
@@ -203,5 +218,8 @@ def auto(model: nn.Module, mesh: Mesh | MeshLayout, example_inputs: Any, memory_
     vocab_out = any(o.kind == "vocab" and graph.nodes[i].sink and isinstance(graph.nodes[i].module, nn.Linear)
                     for i, o in enumerate(best.chosen))
     dp_axes = tuple(a for a in axes if a != best.cm.tp)
+    if ctx.axis is not None:
+        styles[""] = ContextParallel(axis=ctx.axis)  # applied last by sw.parallelize
     return ParallelizePlan(styles, best.cm.tp, dp_axes, vocab_out, best.solution.time_s, best.solution.memory,
-                best.solution.exact, tuple(layouts), _rows(graph, parents, found, best, node_pins, memory_budget))
+                best.solution.exact, tuple(layouts), _rows(graph, parents, found, best, node_pins, memory_budget),
+                context=ctx.note)

@@ -5,8 +5,8 @@ prices behind the choice. (``sw.Plan`` is an alias of it, the name it had first.
     plan = sw.auto(model, mesh, example_inputs=(ids,))
     print(plan)                                    # layouts, styles, and per module group the rejected prices
     plan = plan.edit({"lm_head": "B"})             # plain edits (the prices are dropped: re-run auto with pins)
-    if plan.tp_axis:
-        model = sw.parallelize(model, mesh, plan)  # axis taken from plan.tp_axis
+    if plan.tp_axis or plan.cp_axis:
+        model = sw.parallelize(model, mesh, plan)  # axis taken from plan.tp_axis; ContextParallel applied last
     model = sw.DataParallel(model, mesh, axis=plan.dp_axes[0])   # (the data axis of size > 1)
 
 ``ParallelizePlan.from_text(str(plan))`` and ``ParallelizePlan.from_json(plan.to_json())`` give back an equal
@@ -20,11 +20,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from ..tensor.styles import STYLES, Style
+from ..tensor.styles import STYLES, ContextParallel, Style
 
 __all__ = ["ParallelizePlan", "Plan", "Row", "parse_style", "format_style", "why_replicated"]
 
-_BY_NAME = {cls.__name__: cls for cls in STYLES}
+_BY_NAME = {cls.__name__: cls for cls in (*STYLES, ContextParallel)}
 
 
 def format_style(style: Style) -> str:
@@ -80,6 +80,15 @@ class ParallelizePlan(Mapping[str, Style]):
     layouts: tuple[tuple[str, float | None, str], ...] = ()
     """``(layout, predicted step time or None, note)`` for every axis choice considered."""
     rows: tuple[Row, ...] = ()
+    context: str = ""
+    """What ``sw.auto`` decided about context parallelism, as printed: the ``"": ContextParallel(axis)`` entry's
+    reason, or why the mesh's cp axis was not used ("" when the mesh has none)."""
+
+    @property
+    def cp_axis(self) -> str | None:
+        """The axis of the plan's ``ContextParallel`` entry (None: no context parallelism)."""
+        style = self.styles.get("")
+        return style.axis if isinstance(style, ContextParallel) else None
 
     def __getitem__(self, key: str) -> Style:
         return self.styles[key]
@@ -96,7 +105,7 @@ class ParallelizePlan(Mapping[str, Style]):
         for pattern, style in changes.items():
             if style in ("B", "replicate"):
                 styles.pop(pattern, None)
-            elif isinstance(style, STYLES):
+            elif isinstance(style, (*STYLES, ContextParallel)):
                 styles[pattern] = style
             else:
                 raise ValueError(f"edit({pattern!r}: {style!r}): give a style object or 'B' (replicated)")
@@ -145,6 +154,8 @@ def _lines(plan: ParallelizePlan) -> list[str]:
     tp = repr(plan.tp_axis) if plan.tp_axis else "none"
     out = [f"sw.auto plan -- tp axis: {tp}; data axes: [{', '.join(repr(a) for a in plan.dp_axes)}]; "
            f"vocab-parallel loss: {'yes' if plan.vocab_parallel_loss else 'no'}"]
+    if plan.context:
+        out.append(plan.context)
     if plan.time_s is not None:
         mem = "-" if plan.memory is None else f"{plan.memory / 2**20:.2f} MiB"
         out.append(f"predicted step {_ms(plan.time_s)}, {mem} per rank"
@@ -153,7 +164,7 @@ def _lines(plan: ParallelizePlan) -> list[str]:
         out += ["", "layouts (best plan of each axis choice):"]
         out += [f"  {label:<28} {_ms(t):>14}  {note}" for label, t, note in plan.layouts]
     out += ["", "styles:"] + [f"  {k} -> {format_style(v)}" for k, v in plan.styles.items()]
-    if not plan.styles:
+    if not any(not isinstance(v, ContextParallel) for v in plan.styles.values()):
         out.append("  (none: every module replicated on the tp axis)")
     if plan.rows:
         out += ["", "modules (own price; step time of the best plan with the group forced to each alternative):"]

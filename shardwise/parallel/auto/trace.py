@@ -21,6 +21,9 @@ Structure assumed (and where it fails):
   is not seen, and a plan splitting across it would be wrong: pin one side to ``"B"`` and check the plan
   with ``shardwise verify``.
 * Control flow is whatever this one forward took (data-dependent branches are traced as taken).
+
+Every ``F.scaled_dot_product_attention`` call is recorded too (``Graph.attention``: its query shape, whether
+it got a mask tensor, its dropout and causality), for ``sw.auto``'s context-parallel decision.
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Node", "Graph", "trace_graph", "call_model"]
+__all__ = ["Node", "Graph", "Attention", "trace_graph", "call_model"]
+
+_SDPA = F.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 @dataclass
@@ -58,11 +65,29 @@ class Node:
     chunks differ in width (grouped-query [q | k | v]): no column split keeps them whole."""
 
 
+@dataclass(frozen=True)
+class Attention:
+    """One ``F.scaled_dot_product_attention`` call of the traced forward."""
+
+    query_shape: tuple[int, ...]
+    """``(..., heads, sequence, head dim)``: the sequence is ``query_shape[-2]``."""
+    mask: bool
+    """It got an ``attn_mask`` tensor."""
+    dropout_p: float
+    is_causal: bool
+
+    @property
+    def seq(self) -> int:
+        return self.query_shape[-2] if len(self.query_shape) >= 2 else 0
+
+
 @dataclass
 class Graph:
     nodes: list[Node]
     params: dict[str, list[tuple[str, nn.Parameter]]]
     """Unit name -> its parameters (own and descendants'), for sizes and tied-weight detection."""
+    attention: list[Attention] = field(default_factory=list)
+    """The forward's ``scaled_dot_product_attention`` calls, in order."""
 
     def units(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "module"]
@@ -97,6 +122,7 @@ class _Tracer(TorchFunctionMode):
         self.source: dict[int, int] = {}  # id(tensor) -> node index
         self.alive: list[torch.Tensor] = []  # keeps stamped tensors alive so their ids stay unique
         self.inside = 0  # > 0 while a unit runs: its internals are its own business (no stamps, no joins)
+        self.attention: list[Attention] = []
 
     def stamp(self, tensors: Iterable[torch.Tensor], node: int) -> None:
         for t in tensors:
@@ -127,8 +153,16 @@ class _Tracer(TorchFunctionMode):
             even = len({o.shape for o in out}) == 1
             node.parts = 0 if not even or node.parts == 0 else max(node.parts, len(out))
 
+    def note_attention(self, args: Any, kwargs: dict) -> None:
+        bound = dict(zip(_SDPA_ARGS, args), **kwargs)
+        q, mask = bound.get("query"), bound.get("attn_mask")
+        self.attention.append(Attention(tuple(q.shape) if isinstance(q, torch.Tensor) else (), mask is not None,
+                                        float(bound.get("dropout_p", 0.0) or 0.0), bool(bound.get("is_causal"))))
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _SDPA:
+            self.note_attention(args, kwargs)
         out = func(*args, **kwargs)
         if self.inside:
             return out
@@ -184,4 +218,4 @@ def trace_graph(model: nn.Module, example_inputs: Any) -> Graph:
         for p in node.preds:
             tracer.nodes[p].succs.append(node.index)
     params = {n: list(m.named_parameters(remove_duplicate=False)) for n, m in units.items()}
-    return Graph(tracer.nodes, params)
+    return Graph(tracer.nodes, params, tracer.attention)

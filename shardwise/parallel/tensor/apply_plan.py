@@ -36,12 +36,13 @@ from .model_loss import install_model_loss
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
                              VocabParallelHead, heads_local_shape, shard_heads, shard_param)
 from .rng import RNGStreams
-from .styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style, VocabParallel,
-                            check_style, linear_dims, linear_layout, match_plan)
+from .styles import (ColumnParallel, ContextParallel, QKVParallel, RowParallel, SequenceParallel, Style,
+                     VocabParallel, check_style, linear_dims, linear_layout, match_plan)
 from .vocab_loss import vocab_parallel_cross_entropy
 
 __all__ = ["parallelize", "gpt_plan", "vocab_parallel_cross_entropy", "global_view", "split_axes", "full_tensor",
-           "local_piece", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel"]
+           "local_piece", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel",
+           "ContextParallel"]
 
 _MARK = "_shardwise_tensor_parallel"
 
@@ -70,8 +71,14 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     default ``torch.initial_seed()``). ``algorithm``: the implementation of every tp collective the model
     runs (``native | ring | tree | shm | auto``, see ``sw.comm``; ``shm`` for CPU ranks on one host). Local
     (no communication); raises before changing anything. ``axis`` defaults to the plan's ``tp_axis`` (an
-    ``sw.auto`` plan), else ``"tp"``.
+    ``sw.auto`` plan), else ``"tp"``. A ``ContextParallel(axis=...)`` entry keyed by the root module ``""``
+    (what ``sw.auto`` gives on a mesh with a cp axis) is applied last, as ``context_parallel(model, mesh, axis)``;
+    with no other entry, no tensor-parallel axis is needed.
     """
+    cp = {k: v for k, v in plan.items() if isinstance(v, ContextParallel)} if isinstance(plan, Mapping) else {}
+    if cp:
+        return _with_context(model, mesh, plan, cp, axis=axis, sequence_parallel=sequence_parallel, seed=seed,
+                             algorithm=algorithm)
     axis = axis if axis is not None else (getattr(plan, "tp_axis", None) or "tp")
     _check_call(model, mesh, axis)
     ensure_sources(model)  # a meta-device model: the sharded layers read their pieces, the rest stays meta
@@ -99,6 +106,31 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     setattr(model, _MARK, ctx)
     model.full_state_dict = types.MethodType(_full_state_dict, model)  # type: ignore[method-assign]
     return model
+
+
+def _with_context(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], cp: dict[str, ContextParallel], *,
+                  axis: str | None, **kw: object) -> nn.Module:
+    """``parallelize`` of a plan with a ``ContextParallel`` entry: the tensor-parallel styles (if any), then
+    ``context_parallel`` over the entry's axis. Validates the entry before changing anything."""
+    from ..context.wrap import context_parallel
+
+    if set(cp) != {""} or len(set(cp.values())) != 1:
+        raise ValueError(f"ContextParallel applies to the whole model: key it by the root module '' (plan[''] = "
+                         f"ContextParallel(axis='cp')), got patterns {sorted(cp)}")
+    style = cp[""]
+    if not isinstance(mesh, Mesh) or style.axis not in mesh.axes:
+        raise ValueError(f"ContextParallel(axis={style.axis!r}): not an axis of the mesh "
+                         f"{list(getattr(mesh, 'axes', ()))}; use one of its axes")
+    if getattr(model, "_shardwise_context_parallel", None) is not None:
+        raise ValueError("context_parallel was already applied to this model; parallelize the plain model once")
+    rest = {k: v for k, v in plan.items() if not isinstance(v, ContextParallel)}
+    tp_axis = axis if axis is not None else getattr(plan, "tp_axis", None)
+    if tp_axis == style.axis:
+        raise ValueError(f"the tensor-parallel axis and the context-parallel axis are both {style.axis!r}; "
+                         f"give each its own mesh axis")
+    if rest:
+        parallelize(model, mesh, rest, axis=tp_axis or "tp", **kw)  # type: ignore[arg-type]
+    return context_parallel(model, mesh, style.axis)
 
 
 def _enter(ctx: TPContext) -> None:

@@ -34,7 +34,8 @@ from typing import Mapping, Sequence, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["linear_layout", "linear_dims", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel", "Style",
+__all__ = ["linear_layout", "linear_dims", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel",
+           "ContextParallel", "Style",
            "match_plan", "check_style"]
 
 
@@ -95,6 +96,17 @@ class SequenceParallel:
     ``sequence_parallel=True``."""
 
     slice_output: int | None = None
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Context parallelism for the whole model (key it by the root module, ``""``): ``sw.parallelize`` calls
+    ``context_parallel(model, mesh, axis)`` after applying the tensor-parallel styles, so every
+    ``scaled_dot_product_attention`` in the model runs as ring attention over ``axis`` and each rank feeds its
+    two sequence chunks (``shard_sequence``). Not a tensor-parallel style: it splits no weight. ``sw.auto``
+    puts it in a plan when the mesh has a cp axis and the model's attention can run on the ring."""
+
+    axis: str = "cp"
 
 
 Style = Union[ColumnParallel, QKVParallel, RowParallel, VocabParallel, SequenceParallel]
