@@ -107,3 +107,38 @@ def test_the_tracer_records_every_attention_call():
 def test_a_cp_pin_on_the_cp_axis_is_refused():
     with pytest.raises(ValueError, match="the context-parallel axis"):
         sw.auto(_gpt(), _mesh(cp=2, tp=2), example_inputs=(_ids(),), pins={"lm_head": {"cp": "vocab"}})
+
+
+# -- sw.parallelize of a ContextParallel entry (a one-process world) -------------------------------------------------
+@pytest.fixture(scope="module")
+def one() -> object:
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    sw.init(backend="gloo")
+    yield sw.Mesh(dp=1, cp=1)
+    if created:
+        dist.destroy_process_group()
+
+
+def test_parallelize_applies_context_parallel_last(one):
+    model, ids = _gpt().eval(), _ids()
+    want = model(ids)
+    got = sw.parallelize(model, one, {"": sw.ContextParallel()})
+    assert got is model and getattr(model, "_shardwise_context_parallel", None) is not None
+    torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-6)  # cp = 1: the ring is one block
+
+
+@pytest.mark.parametrize("plan, kw, match", [
+    ({"blocks.0": sw.ContextParallel()}, {}, "key it by the root module ''"),
+    ({"": sw.ContextParallel(axis="seq")}, {}, "not an axis of the mesh"),
+    ({"": sw.ContextParallel()}, {"axis": "cp"}, "both 'cp'"),
+])
+def test_parallelize_refuses_a_bad_context_entry_before_changing_anything(one, plan, kw, match):
+    model = _gpt()
+    with pytest.raises(ValueError, match=match):
+        sw.parallelize(model, one, plan, **kw)
+    assert getattr(model, "_shardwise_context_parallel", None) is None
+    sw.parallelize(model, one, {"": sw.ContextParallel()})
+    with pytest.raises(ValueError, match="already applied"):
+        sw.parallelize(model, one, {"": sw.ContextParallel()})
