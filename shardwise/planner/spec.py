@@ -35,7 +35,8 @@ class ModelSpec:
     kv_heads: int = 0
     vocab: int = 0
     attention: str = "flash"
-    """``flash`` (fused kernel, causal half skipped, O(s) kept) or ``unfused`` (scores materialised)."""
+    """``flash`` (fused kernel, causal half skipped, O(s) kept; on a GPU priced as an IO-aware kernel with O(s·h)
+    traffic, ``compute.io_aware_attention``) or ``unfused`` (scores materialised)."""
     tp_divisors: tuple[int, ...] = ()
     """What tensor parallelism must divide (heads, kv heads, ffn width, vocab); empty: no tp plan."""
     meta: dict[str, Any] = field(default_factory=dict)
