@@ -83,9 +83,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
     if cfg.parallel.auto:
         from ..runtime.planning import auto_layout
 
-        # train does not run context parallelism yet: the search keeps cp = 1 (a pin, as a given flag is)
-        given = {**overrides, "parallel.cp": 1}
-        cfg, lines = auto_layout(cfg, given, device="cuda" if _cuda() else "cpu",
+        cfg, lines = auto_layout(cfg, overrides, device="cuda" if _cuda() else "cpu",
                                  nproc=cfg.parallel.nproc or default_nproc())
         print("\n".join(lines), flush=True)
     cfg = validate(cfg)

@@ -57,9 +57,9 @@ class Space:
 
     @staticmethod
     def runnable() -> "Space":
-        """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism, no context
-        parallelism (train refuses cp > 1 until it is wired in; a ``cp`` pin still searches it)."""
-        return Space(checkpointing=("none", "full"), sequence_parallel=(False,), context_parallel=(1,))
+        """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism; context
+        parallelism where it pays (``cp_attention_share``), as ``Space()`` searches it."""
+        return Space(checkpointing=("none", "full"), sequence_parallel=(False,))
 
 
 @dataclass

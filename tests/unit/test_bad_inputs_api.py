@@ -25,10 +25,10 @@ from shardwise.runtime.data import BatchPlan
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[SimpleNamespace]:
-    """Meshes of a one-process world: ``(dp, tp)``, ``(pp)`` and ``(dp)``."""
+    """Meshes of a one-process world: ``(dp, tp)``, ``(pp)``, ``(dp)`` and ``(cp)``."""
     created = not dist.is_initialized()
     sw.init(backend="gloo")
-    yield SimpleNamespace(m=sw.Mesh(dp=1, tp=1), pm=sw.Mesh(pp=1), d=sw.Mesh(dp=-1))
+    yield SimpleNamespace(m=sw.Mesh(dp=1, tp=1), pm=sw.Mesh(pp=1), d=sw.Mesh(dp=-1), c=sw.Mesh(cp=1))
     if created:
         dist.destroy_process_group()
 
@@ -49,6 +49,20 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 _SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+class _Sdpa(nn.Module):
+    """Self-attention of its input through ``F.scaled_dot_product_attention`` with ``kwargs``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, **self.kwargs)
+
+
+_Q = torch.zeros(1, 2, 8, 4)  # (batch, heads, seq, dim)
 
 Call = Callable[[SimpleNamespace], Any]
 
@@ -136,6 +150,22 @@ CASES: list[tuple[str, Call, type[Exception], tuple[str, ...]]] = [
      ("src 99", "use 0..0")),
     ("comm-axis-missing", lambda e: sw.comm.all_reduce(torch.ones(2), e.d, "tp"), ValueError,
      ("unknown mesh axis 'tp'", "this mesh has axes ['dp']")),
+    # --- context parallelism (a cp axis of 1: the checks run before the ring; on 4 ranks in
+    # tests/dist/test_ring_attention.py::test_bad_inputs_raise_before_communicating) ---
+    ("cp-attn-mask", lambda e: sw.context_parallel(_Sdpa(attn_mask=torch.ones(8, 8, dtype=torch.bool)), e.c)(_Q),
+     ValueError, ("attn_mask of shape (8, 8)", "pass is_causal=True and no mask")),
+    ("cp-dropout", lambda e: sw.context_parallel(_Sdpa(dropout_p=0.1, is_causal=True), e.c)(_Q), ValueError,
+     ("dropout_p=0.1", "set dropout 0 with context parallelism")),
+    ("cp-ring-dropout", lambda e: sw.ring_attention(_Q, _Q, _Q, e.c, "cp", dropout_p=0.1), ValueError,
+     ("dropout_p=0.1", "set dropout 0 with context parallelism")),
+    ("cp-sequence-length", lambda e: sw.shard_sequence(torch.zeros(2, 15), e.c, "cp", dim=1), ValueError,
+     ("S=15 must be divisible by 2·cp=2", "a multiple of 2")),
+    ("cp-unknown-axis", lambda e: sw.context_parallel(_gpt(), e.c, "sp"), ValueError,
+     ("axis 'sp' is not an axis of the mesh ('cp',)", "pass axis= one of them")),
+    ("cp-applied-twice", lambda e: sw.context_parallel(sw.context_parallel(_gpt(), e.c), e.c), ValueError,
+     ("already applied to this model", "apply it once")),
+    ("cp-not-module", lambda e: sw.context_parallel(_loss, e.c), TypeError,
+     ("got function", "takes an nn.Module")),
     # --- process start-up, models, batches ---
     ("init-timeout", lambda e: sw.init(timeout_s=0), ValueError, ("got 0", "timeout_s must be > 0 seconds")),
     ("init-backend", lambda e: sw.init(backend="mpi"), ValueError, ("got 'mpi'", "backend must be 'gloo' or 'nccl'")),

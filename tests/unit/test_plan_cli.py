@@ -29,6 +29,9 @@ def no_local_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     Layout(dp=1, pp=4, micro_batch=2, grad_accum=1, microbatches=8, schedule="zb-h1", pp_split=("blocks.1", "blocks.3",
                                                                                               "blocks.5")),
     Layout(dp=1, pp=2, micro_batch=1, grad_accum=2, microbatches=4, schedule="interleaved", chunks=2),
+    Layout(dp=2, cp=2, micro_batch=2, grad_accum=1),
+    Layout(dp=1, cp=2, tp=2, zero_stage=3, micro_batch=2, grad_accum=2, activation_checkpointing="full"),
+    Layout(dp=1, cp=2, pp=2, micro_batch=1, grad_accum=1, microbatches=4, schedule="1f1b"),
 ])
 def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Layout):
     """config_from_plan → validate (train's checks) → plan_from_config(train's reading) is the plan again."""

@@ -175,9 +175,9 @@ def test_search_uses_cp_where_nothing_else_fits():
     result = search(spec, small, devices=8, global_batch=1, pins={"precision": "bf16-mixed"}, space=Space())
     assert result.best.plan.cp > 1 and result.best.fits
     assert result.best.plan.devices == 8
-    # what shardwise train runs (Space.runnable(), the default) has no cp yet
-    with pytest.raises(NoFeasiblePlan):
-        search(spec, small, devices=8, global_batch=1, pins={"precision": "bf16-mixed"})
+    # what shardwise train runs (Space.runnable(), the default) searches cp too
+    runnable = search(spec, small, devices=8, global_batch=1, pins={"precision": "bf16-mixed"})
+    assert runnable.best.plan.cp > 1 and runnable.best.fits and not runnable.best.plan.sequence_parallel
 
 
 @pytest.mark.parametrize("seq, devices, batch", [(1024, 8, 32), (2048, 16, 64), (4096, 8, 16)])
@@ -287,10 +287,3 @@ def test_predict_and_plan_take_parallel_cp(capsys):
     assert rc == 0, err
     assert "cp=2" in out
 
-
-def test_train_refuses_cp_for_now(capsys, tmp_path):
-    rc, out, err = _cli(["train", "--preset", "gpt-tiny", "--parallel.nproc", "2", "--parallel.cp", "2",
-                         "--train.out_dir", str(tmp_path / "run")], capsys)
-    assert rc == 2 and out == ""
-    assert err.strip() == ("shardwise train: error: parallel.cp > 1 is not wired into shardwise train yet; use "
-                           "shardwise predict/plan, or sw.context_parallel in your own script")
