@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from ..planner import Hardware, Layout
 from ..planner.search import SearchResult, search
 from .config import REPLICABLE, Config, replicable, validate
+from .config_ranges import check_context_parallel
 from .model_build import model_spec, planner_split_names, train_split_names
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
@@ -199,8 +200,13 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
     # the values as the config parsed them (the flags arrive as text)
     pairs = {k.removeprefix("parallel."): getattr(cfg.parallel, k.removeprefix("parallel.")) for k in given
              if k.startswith("parallel.") and k.removeprefix("parallel.") in PIN_FIELDS}
+    pins = pins_from_flags(pairs)
+    if "cp" in pins:  # a given cp the config refuses (block_size, dropout): its one line, not every plan's
+        check_context_parallel(cfg)
+    elif cfg.model.dropout:  # the ring has no dropout: every cp > 1 plan would be refused
+        pins["cp"] = 1
     try:
-        result, fields = plan_config(cfg, hw, devices=nproc, pins=pins_from_flags(pairs), top=8)
+        result, fields = plan_config(cfg, hw, devices=nproc, pins=pins, top=8)
     except NoFeasiblePlan as exc:
         raise ValueError(f"parallel.auto: {exc}") from None
     refused: list[str] = []

@@ -201,3 +201,30 @@ def test_pinned_values_the_config_refuses_are_named_as_given():
             pins_from_flags(pairs)
     # 0 is the config's "infer it" for dp, grad_accum and pp_microbatches: no pin at all
     assert pins_from_flags({"dp": 0, "grad_accum": 0, "pp_microbatches": 0, "tp": 2}) == {"tp": 2}
+
+
+def test_auto_keeps_cp_1_with_dropout_and_refuses_a_cp_pin_in_one_line(monkeypatch: pytest.MonkeyPatch):
+    """The ring has no dropout: with model.dropout > 0 the search keeps cp = 1 (else every cp plan would be
+    refused after the search), and a given cp > 1 is the config's one-line refusal, before any search."""
+    from shardwise.runtime import planning, prediction
+
+    seen: list[dict] = []
+
+    def capture(cfg, hw, *, devices, pins, top):
+        seen.append(dict(pins))
+        raise RuntimeError("searched")
+
+    monkeypatch.setattr(prediction, "launch_hardware", lambda cfg, device, nproc: (None, "test"))
+    monkeypatch.setattr(planning, "plan_config", capture)
+    cfg = load_config(preset="gpt-tiny", overrides={"parallel.nproc": 2, "model.dropout": 0.1})
+    with pytest.raises(RuntimeError, match="searched"):
+        planning.auto_layout(cfg, {}, device="cpu", nproc=2)
+    assert seen[-1]["cp"] == 1
+    no_dropout = load_config(preset="gpt-tiny", overrides={"parallel.nproc": 2, "model.dropout": 0.0})
+    with pytest.raises(RuntimeError, match="searched"):
+        planning.auto_layout(no_dropout, {}, device="cpu", nproc=2)
+    assert "cp" not in seen[-1]  # searched where the planner finds it pays
+    pinned = load_config(preset="gpt-tiny", overrides={"parallel.nproc": 2, "model.dropout": 0.1, "parallel.cp": 2})
+    with pytest.raises(ValueError, match="ring attention, which has no dropout"):
+        planning.auto_layout(pinned, {"parallel.cp": "2"}, device="cpu", nproc=2)
+    assert len(seen) == 2
