@@ -21,17 +21,19 @@ of one rank's step over this cp's step in the same round. Every rank has the sam
 0: ``cores / -n``, at least one), so cp = 1 is one such rank and a speed-up counts what the added ranks bring
 (ranks beyond the cores share them).
 
-Communication (``ring_timing``): ``ring ms`` is the time a rank spends inside the ring's passes per step (forward
-and backward, all layers, compute and communication), ``exposed ms`` the part of it blocked waiting for a K/V
-block or a dK/dV accumulator (the maximum over the ring's ranks; ``min``: the rank that waited least, the
-slowest one, whose wait is the least inflated by waiting for a late neighbour). ``alone ms`` is what the same hops take with nothing to overlap: each transfer's
-size (K/V block; K/V plus the fp32 accumulator; the accumulator alone) timed as a bare send/receive around the
-ring, times the hops a step makes. ``hidden`` = max(0, 1 − min / alone), of the rank that waited least: blocked time
-beyond the bare hops is a neighbour arriving late (ranks whose compute drifts apart, e.g. ranks sharing cores),
-not transfer. ``planner ms`` is the planner's ``cp_comm``
+Communication (``ring_timing``): ``ring ms`` is the time a rank spends inside the ring's passes per step
+(forward and backward, all layers, compute and communication), ``exposed ms`` the part of it blocked waiting
+for a K/V block or a dK/dV accumulator (the maximum over the ring's ranks; ``min``: the rank that waited least,
+the slowest one, whose wait is the least inflated by waiting for a late neighbour). ``alone ms`` is what the
+same hops take with nothing to overlap: each transfer's size (K/V block; K/V plus the fp32 accumulator; the
+accumulator alone) timed as a bare send/receive around the ring, times the hops a step makes. ``hidden`` =
+max(0, 1 − min / alone): blocked time beyond the bare hops is a neighbour arriving late (ranks whose compute
+drifts apart, e.g. ranks sharing cores), not transfer. ``planner ms`` is the planner's ``cp_comm``
 (its exposed ring time) for the same shape on ``--hardware`` (a ``shardwise calibrate`` file of this machine;
 without it the time columns from the planner are left out). ``kv bytes/hop`` is a K/V block as the ring sends
-it (grouped-query attention: ``hkv`` heads). Rank 0 prints the table and writes ``--json``.
+it (grouped-query attention: ``hkv`` heads). The line under the table: one bare K/V hop, and what of it still
+blocks when twice its time of matrix products runs between posting and waiting — whether the transport itself
+progresses under compute. Rank 0 prints the table and writes ``--json``.
 """
 
 from __future__ import annotations
@@ -161,21 +163,28 @@ class _Run:
         return peak, layers
 
 
-def _probe_hop(run: _Run, nbytes: int, repeats: int = 5) -> float:
-    """Median seconds of one bare ring hop of ``nbytes`` (send to the next rank, receive from the previous)."""
+def _probe_hop(run: _Run, nbytes: int, repeats: int = 5, compute_s: float = 0.0) -> float:
+    """Median seconds of one bare ring hop of ``nbytes`` (send to the next rank, receive from the previous);
+    with ``compute_s``, the seconds still blocked in ``wait()`` after ``compute_s`` of matrix products run
+    between posting the hop and waiting for it (0: the transport hid the hop under that compute)."""
     import shardwise as sw
     from ..parallel.context.ring import _Ring
 
     ring = _Ring(run.mesh, "cp", run.cp, run.mesh.coord("cp"))
     send = torch.zeros(nbytes // 4)
     recv = torch.empty_like(send)
+    a = torch.randn(256, 256)
     times = []
     for _ in range(repeats + 1):
         sw.comm.barrier(run.mesh, "cp")
         t = time.perf_counter()
-        for h in ring.shift(send, recv, 7399):
+        handles = ring.shift(send, recv, 7399)
+        while time.perf_counter() - t < compute_s:
+            a @ a
+        w = time.perf_counter()
+        for h in handles:
             h.wait()
-        times.append(time.perf_counter() - t)
+        times.append(time.perf_counter() - (w if compute_s else t))
     return statistics.median(times[1:])
 
 
@@ -228,8 +237,11 @@ def _run_worker(args: argparse.Namespace) -> int:
         if cp == 1:
             continue
         kv = 2 * (args.seq // cp) * args.kv_heads * hd * 4
-        probes[cp] = each(cp, lambda r: {"kv": _probe_hop(r, kv), "both": _probe_hop(r, 2 * kv),
-                                         "grad": _probe_hop(r, kv)}) or {}
+        def probe(r: _Run) -> dict[str, float]:
+            out = {"kv": _probe_hop(r, kv), "both": _probe_hop(r, 2 * kv), "grad": _probe_hop(r, kv)}
+            out["under_compute"] = _probe_hop(r, kv, compute_s=2 * out["kv"])
+            return out
+        probes[cp] = each(cp, probe) or {}
     rows = _gather_rows(cps, runs, memory, times, timing, probes, args, everyone)
     if everyone.rank == 0:
         _report(rows, args, n)
@@ -258,7 +270,7 @@ def _gather_rows(cps: list[int], runs: dict[int, _Run], memory: dict, times: dic
         # hops per step: forward cp−1 K/V; backward cp−1 (K/V + dK/dV together) and the last dK/dV alone
         alone = args.layers * ((cp - 1) * (p.get("kv", 0.0) + p.get("both", 0.0)) + p.get("grad", 0.0))
         vals = reduced([peak, *layers, med, ratio, rt.pass_s / steps, rt.wait_s / steps, alone,
-                        rt.sent["kv"] / max(1, rt.hops["kv"])])
+                        rt.sent["kv"] / max(1, rt.hops["kv"]), p.get("kv", 0.0), p.get("under_compute", 0.0)])
         # the rank that waited least: the slowest of the ring, whose blocked time is the least skewed by waiting for
         # a late neighbour
         least = reduced([rt.wait_s / steps if run.active else float("inf")], "min")[0]
@@ -267,7 +279,7 @@ def _gather_rows(cps: list[int], runs: dict[int, _Run], memory: dict, times: dic
                      "step_s": vals[k], "speedup": vals[k + 1] or None, "ring_s": vals[k + 2],
                      "exposed_s": vals[k + 3], "exposed_min_s": least if cp > 1 else 0.0, "alone_s": vals[k + 4],
                      "hidden": max(0.0, 1 - least / vals[k + 4]) if vals[k + 4] > 0 else None,
-                     "kv_bytes_per_hop": vals[k + 5]})
+                     "kv_bytes_per_hop": vals[k + 5], "hop_s": vals[k + 6], "hop_under_compute_s": vals[k + 7]})
     _predict(rows, args)
     return rows
 
@@ -314,6 +326,10 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, n: int) -> Non
           "planner: predicted activations. exposed: ms per step blocked on the ring (max over ranks; min: the rank "
           "that waited least); alone: the same hops with "
           "nothing to overlap; hidden = 1 - min/alone (at least 0); planner (right): its cp_comm (exposed) per step.")
+    for r in rows:
+        if r["cp"] > 1:
+            print(f"cp {r['cp']}: one bare K/V hop {_ms(r['hop_s'])} ms; posted before {_ms(2 * r['hop_s'])} ms of "
+                  f"compute, still blocked {_ms(r['hop_under_compute_s'])} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": n, "seq": args.seq, "layers": args.layers, "embd": args.embd, "heads": args.heads,

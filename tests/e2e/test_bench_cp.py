@@ -48,6 +48,8 @@ def test_bench_cp_two_ranks(tmp_path):
     assert two["ring_s"] > 0 and two["exposed_s"] >= 0 and two["alone_s"] > 0
     assert 0.0 <= two["hidden"] <= 1.0 and two["predicted_cp_comm_s"] > 0
     assert one["speedup"] == pytest.approx(1.0) and two["speedup"] > 0
+    assert two["hop_s"] > 0 and 0 <= two["hop_under_compute_s"] <= 10 * two["hop_s"] + 0.05
+    assert "one bare K/V hop" in res.stdout
 
 
 @pytest.mark.parametrize("args, message", [
