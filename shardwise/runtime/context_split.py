@@ -16,10 +16,12 @@ from typing import Sequence
 import torch
 
 from ..mesh import Mesh
-from ..parallel.context import shard_sequence
-from .config_schema import ParallelConfig
+from torch import nn
 
-__all__ = ["cp_mesh_axes", "ContextSplit"]
+from ..parallel.context import context_parallel, shard_sequence
+from .config_schema import Config, ParallelConfig
+
+__all__ = ["cp_mesh_axes", "ContextSplit", "context_split"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -56,3 +58,15 @@ class ContextSplit:
             return [(self._arrange(x), self._arrange(y)) for x, y in pairs]
         return [(shard_sequence(x, self.mesh, "cp", dim=1), shard_sequence(y, self.mesh, "cp", dim=1))
                 for x, y in pairs]
+
+
+def context_split(cfg: Config, model: nn.Module) -> ContextSplit | None:
+    """With ``parallel.cp > 1``: the attention mesh ``(pp, dp, cp, tp)``, ``model``'s attention routed to the ring
+    over its ``cp`` axis (``sw.context_parallel`` on the module the strategy runs), and the batch cutter; None
+    otherwise. Collective (the mesh's groups)."""
+    p = cfg.parallel
+    if p.cp <= 1:
+        return None
+    cp_mesh = Mesh(**cp_mesh_axes(p), timeout_s=cfg.train.timeout_s)
+    context_parallel(model, cp_mesh, "cp")
+    return ContextSplit(cp_mesh, pipeline=p.pp > 1, dp=p.dp)

@@ -39,7 +39,7 @@ from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from ..mesh import Mesh
 from .calibration import mesh_calibrations
 from .config import Config, OptimizerConfig, ParallelConfig, load_config
-from .context_split import ContextSplit, cp_mesh_axes
+from .context_split import context_split
 from .corpus import StepBatches
 from .data import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
@@ -47,7 +47,6 @@ from .train_data import open_data
 from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
-from ..parallel.context import context_parallel
 from .model_build import hf_of, saved_model
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
@@ -76,18 +75,6 @@ def _build_mesh(p: ParallelConfig, timeout_s: float | None = None, calibration: 
     return Mesh(**mesh_axes(p), timeout_s=timeout_s, calibration=list(calibration))
 
 
-def _context_split(cfg: Config, strategy: Strategy) -> ContextSplit | None:
-    """With ``parallel.cp > 1``: the attention mesh ``(pp, dp, cp, tp)``, the model's attention routed to the ring
-    over its ``cp`` axis (``sw.context_parallel`` on the module the strategy runs), and the batch cutter. Collective
-    (the mesh's groups)."""
-    p = cfg.parallel
-    if p.cp <= 1:
-        return None
-    cp_mesh = Mesh(**cp_mesh_axes(p), timeout_s=cfg.train.timeout_s)
-    context_parallel(strategy.plain, cp_mesh, "cp")
-    return ContextSplit(cp_mesh, pipeline=p.pp > 1, dp=p.dp)
-
-
 class Trainer:
     """One rank's training state and loop (see module docstring). The parallel layout is ``self.strategy``
     (``strategy/``), chosen once from the config; nothing below depends on which one it is."""
@@ -102,7 +89,7 @@ class Trainer:
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
         built = time.perf_counter()
         self.strategy: Strategy = build_strategy(cfg, self.mesh)
-        self.split = _context_split(cfg, self.strategy)  # parallel.cp > 1: ring attention, sequence chunks
+        self.split = context_split(cfg, self.strategy.plain)  # parallel.cp > 1: ring attention, sequence chunks
         self.construction_s = time.perf_counter() - built
         """Seconds building the layout: materialising this rank's pieces (drawn, or read from model.pretrained)."""
         self.construction_peak = peak_memory_bytes(self.mesh.device)
