@@ -75,6 +75,10 @@ class OptimizerConfig:
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm (over every rank's shards, as one device would) to this value before each
     step; the norm is logged every step. 0 = no clipping."""
+    implementation: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    """How the optimizer's update runs: ``fused`` (one kernel over all parameters; CUDA), ``foreach`` (batched
+    per-op kernels) or ``loop`` (one parameter at a time). ``auto``: fused on CUDA where every parameter allows
+    it, foreach otherwise. The three agree to rounding (fused may differ in the last bits)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +99,7 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel ranks: the sequence split over a ``cp`` mesh axis (ring attention; each rank holds 2 of
     2·cp chunks, so ``model.block_size`` must be divisible by 2·cp), parameters replicated over cp and gradients
-    averaged over dp × cp. ``shardwise predict`` / ``plan`` cost it; ``shardwise train`` does not run cp > 1 yet."""
+    averaged over dp × cp. ``shardwise train``, ``verify``, ``predict`` and ``plan`` all take it."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule (``shardwise schedule`` shows each): gpipe, 1f1b, interleaved (pp_chunks ≥ 2), zb-h1, …"""
     pp_microbatches: int = 0
@@ -129,6 +133,11 @@ class ParallelConfig:
     (``~/.cache/shardwise/hardware-DEVICE-NPROC.json``) if it exists."""
     bucket_cap_mb: float = 25.0
     """Gradient bucket size of data parallelism (MB)."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism: tensor-parallel communication overlapped with the matmuls, equal to the
+    unoverlapped path. With ``sequence_parallel`` each column layer's all-gather and each row layer's
+    reduce-scatter run as tp chunks on a ring, a chunk's transfer hidden under another chunk's matmul; without
+    it the row layer's all-reduce runs in chunks behind the matmul. Needs tp > 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +176,12 @@ class TrainConfig:
     progress line and summary; also after the last step. 0 = never."""
     eval_batches: int = 8
     """Global batches (``data.global_batch`` sequences each) per validation pass; the same ones every pass."""
+    compile: bool = False
+    """Regional ``torch.compile``: each transformer block (and the model's stem and head) compiled on its own, as
+    torchtitan does, in every layout; equal to eager. Compile time and recompilations go in the summary."""
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend of ``train.compile`` (``inductor``; ``aot_eager`` traces without generating
+    kernels, for debugging)."""
     memory_check: bool = True
     """Refuse to launch, before any rank starts, a layout the planner predicts will not fit a device's memory (per
     rank the larger of the construction peak and the training peak, against the GPU's memory or, on CPU ranks, the
