@@ -199,6 +199,9 @@ def _check_devices(config: Config) -> None:
     if config.parallel.algorithm == "shm" and _cuda_available():
         raise ValueError("parallel.algorithm = 'shm' moves host memory between CPU ranks, but this machine trains "
                          "on its GPUs; use --parallel.algorithm auto (or native)")
+    from .optimizer_impl import check_implementation
+
+    check_implementation(config.optimizer, "cuda" if _cuda_available() else "cpu")  # fused kernels on this device
 
 
 def _cuda_available() -> bool:

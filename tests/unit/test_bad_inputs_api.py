@@ -20,7 +20,9 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.mesh import MeshLayout
+from shardwise.runtime.config_schema import OptimizerConfig
 from shardwise.runtime.data import BatchPlan
+from shardwise.runtime.optimizer_impl import check_implementation
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +175,10 @@ CASES: list[tuple[str, Call, type[Exception], tuple[str, ...]]] = [
      ("n_embd (65) must be divisible by n_head (2)", "e.g. n_embd=64")),
     ("batch-plan", lambda e: BatchPlan.from_sizes(global_batch=10, micro_batch=4), ValueError,
      ("global_batch=10 is not a multiple of micro_batch × dp = 4 × 1 = 4", "use global_batch=8 or 12")),
+    # the launch check of optimizer.implementation (a torch whose fused kernels miss the device)
+    ("optimizer-fused-device", lambda e: check_implementation(OptimizerConfig(implementation="fused"), "cpu",
+                                                              supported=("cuda",)), ValueError,
+     ("optimizer.implementation = 'fused'", "not for cpu", "--optimizer.implementation auto")),
 ]
 
 

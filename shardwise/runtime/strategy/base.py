@@ -25,6 +25,7 @@ from ...mesh import Mesh
 from ...models.gpt import lm_loss
 from ..config import Config, OptimizerConfig, replicated_modules
 from ..nonfinite import Grad
+from ..optimizer_impl import implementation_kwargs
 
 __all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel", "summed_loss"]
 
@@ -109,10 +110,14 @@ class Strategy(Protocol):
 
 def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW or SGD over ``params``. Weight decay applies to every parameter alike, so that ZeRO's flat
-    shards (which mix matrices, biases and norms) optimise the same objective as every other layout."""
+    shards (which mix matrices, biases and norms) optimise the same objective as every other layout.
+    ``optimizer.implementation``: fused, foreach or the loop (``optimizer_impl.implementation_kwargs``)."""
+    params = list(params)
+    how = implementation_kwargs(params, o)
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay, **how)
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                             **how)
 
 
 def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Module, LossFn]:
