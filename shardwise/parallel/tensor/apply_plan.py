@@ -59,7 +59,8 @@ def gpt_plan(config: object, sequence_parallel: bool = False) -> dict[str, Style
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis: str | None = None,
-                sequence_parallel: bool = False, seed: int | None = None, algorithm: str = "native") -> nn.Module:
+                sequence_parallel: bool = False, seed: int | None = None, algorithm: str = "native",
+                async_tp: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``axis`` of ``mesh`` following ``plan``; returns it (see module doc).
 
     ``sequence_parallel``: activations outside column→row pairs are split on the sequence dim (dim 1);
@@ -73,14 +74,20 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     (no communication); raises before changing anything. ``axis`` defaults to the plan's ``tp_axis`` (an
     ``sw.auto`` plan), else ``"tp"``. A ``ContextParallel(axis=...)`` entry keyed by the root module ``""``
     (what ``sw.auto`` gives on a mesh with a cp axis) is applied last, as ``context_parallel(model, mesh, axis)``;
-    with no other entry, no tensor-parallel axis is needed.
+    with no other entry, no tensor-parallel axis is needed. ``async_tp``: overlap the column and row layers'
+    collectives with their matmuls (``overlap.py``: with sequence parallelism the all-gather and the
+    reduce-scatter as rings of sequence chunks, one chunk matmul per hop; without it the row layers' all-reduce
+    in pieces and the column layers' backward all-reduce under their weight gradients); same values up to the
+    order of floating-point sums, same bytes. A no-op on a tp axis of size 1.
     """
     cp = {k: v for k, v in plan.items() if isinstance(v, ContextParallel)} if isinstance(plan, Mapping) else {}
     if cp:
         return _with_context(model, mesh, plan, cp, axis=axis, sequence_parallel=sequence_parallel, seed=seed,
-                             algorithm=algorithm)
+                             algorithm=algorithm, async_tp=async_tp)
     axis = axis if axis is not None else (getattr(plan, "tp_axis", None) or "tp")
     _check_call(model, mesh, axis)
+    if not isinstance(async_tp, bool):
+        raise TypeError(f"async_tp must be a bool (overlap the tp collectives with the matmuls), got {async_tp!r}")
     ensure_sources(model)  # a meta-device model: the sharded layers read their pieces, the rest stays meta
     if algorithm not in ALGORITHM_CHOICES:
         raise ValueError(f"unknown algorithm {algorithm!r} for the tensor-parallel collectives; choose one of "
@@ -93,7 +100,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
         check_style(name, modules[name], modules.get(name.rpartition(".")[0]), style, tp, sequence_parallel)
     _check_coverage(model, matched, sequence_parallel)
     rng = RNGStreams(mesh.device, torch.initial_seed() if seed is None else seed, mesh.coord(axis))
-    ctx = TPContext(mesh, axis, sequence_parallel, rng, algorithm=algorithm)
+    ctx = TPContext(mesh, axis, sequence_parallel, rng, algorithm=algorithm, async_tp=async_tp)
     shared: dict[int, tuple[str, nn.Parameter]] = {}
     partial: list[tuple[str, nn.Module, list[str]]] = []  # (module name, module, its partial-gradient params)
     for name, style in matched.items():

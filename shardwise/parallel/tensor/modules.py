@@ -19,6 +19,7 @@ from ...comm import autograd as cag
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
 from ..common.materialize import deferred_piece, mark_drawn, read_full
+from . import overlap
 from ...sbp.params import annotate
 from ...sbp.placement import Replicate, Split
 from .rng import RNGStreams
@@ -45,6 +46,9 @@ class TPContext:
     """Implementation of every tp collective (``comm``: native, ring, tree, shm or auto)."""
     last_input: tuple | None = field(default=None, repr=False)
     """(weakref to a column layer's input, (version, grad mode), its conversion): see ``gather_input``."""
+    async_tp: bool = False
+    """Overlap the column and row layers' collectives with their matmuls (``overlap.py``): see
+    ``column_linear`` and ``row_linear``."""
 
     def sbp(self, dim: int | None) -> list:
         """One placement per mesh axis: ``Split(dim)`` on the tp axis (B when ``dim`` is None), B elsewhere."""
@@ -66,17 +70,59 @@ class TPContext:
         qkv — not one per layer. The last conversion is kept for the next call only when it is the same
         tensor, unchanged since (``_version``), under the same grad mode; ``forget_input`` drops it at the
         model's forward boundaries."""
-        key = (x._version, torch.is_grad_enabled())
-        last = self.last_input
-        if last is not None and last[0]() is x and last[1] == key:
-            return last[2]
+        cached = self._converted(x)
+        if cached is not None:
+            return cached
         if self.sequence_parallel:
             y = cag.allgather_reducescatter(x, self.mesh, self.axis, dim=SEQ_DIM, sizes=self.seq_sizes,
                                             algorithm=self.algorithm)
         else:
             y = cag.identity_allreduce(x, self.mesh, self.axis, algorithm=self.algorithm)
-        self.last_input = (weakref.ref(x), key, y)
+        self._remember(x, y)
         return y
+
+    def _converted(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The conversion of ``x`` made by the previous column layer, if it read the same, unchanged tensor."""
+        last = self.last_input
+        if last is not None and last[0]() is x and last[1] == (x._version, torch.is_grad_enabled()):
+            return last[2]
+        return None
+
+    def _remember(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.last_input = (weakref.ref(x), (x._version, torch.is_grad_enabled()), y)
+
+    def overlapped(self) -> bool:
+        """Whether the layers run ``overlap.py``'s decomposed collectives (async_tp on a tp axis of size > 1)."""
+        return self.async_tp and self.mesh.size(self.axis) > 1
+
+    def column_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """A column layer: ``F.linear(gather_input(x), w, b)``. With ``async_tp`` the first layer reading ``x``
+        runs the conversion fused with its matmul (SP: ring all-gather overlapped with the chunk matmuls; else
+        the backward all-reduce under the weight-gradient matmul) and its converted input is what the next
+        layers reading ``x`` reuse, so their input gradients join its one reduce-scatter (all-reduce).
+        x (b, t_r, i) with SP, (b, t, i) without; w (o_r, i) → (b, t, o_r)."""
+        cached = self._converted(x)
+        if cached is not None or not self.overlapped():
+            return F.linear(cached if cached is not None else self.gather_input(x), w, b)
+        if self.sequence_parallel and x.dim() >= 2:
+            n = self.mesh.size(self.axis)
+            sizes = self.seq_sizes if self.seq_sizes is not None else [x.size(SEQ_DIM)] * n
+            y, conv = overlap.gather_linear(x, w, b, self.mesh, self.axis, sizes=sizes, algorithm=self.algorithm)
+        else:
+            y, conv = overlap.allreduce_grad_linear(x, w, b, self.mesh, self.axis, algorithm=self.algorithm)
+        self._remember(x, conv)
+        return y
+
+    def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A row layer's reduced product (bias not added): ``reduce_output(F.linear(x, w))``. With ``async_tp``
+        (``overlap.py``): SP, the reduce-scatter as a ring of partial sums, one chunk matmul per hop; else the
+        all-reduce in pieces, each under the next piece's matmul. x (b, t, i_r), w (o, i_r) → (b, t_r, o) with
+        SP, (b, t, o) without."""
+        if not self.overlapped() or x.dim() < 2:
+            return self.reduce_output(F.linear(x, w))
+        if self.sequence_parallel:
+            return overlap.linear_scatter(x, w, self.mesh, self.axis, algorithm=self.algorithm)
+        return overlap.linear_allreduce(x, w, self.mesh, self.axis, algorithm=self.algorithm)
 
     def forget_input(self) -> None:
         self.last_input = None
@@ -170,7 +216,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
         w = self.weight.t() if self.transposed else self.weight  # (o_r, i)
-        y = F.linear(ctx.gather_input(x), w, self.bias)  # (b, t, i) @ (i, o_r) -> (b, t, o_r)
+        y = ctx.column_linear(x, w, self.bias)  # (b, t, i) @ (i, o_r) -> (b, t, o_r)
         if not ctx.sequence_parallel:  # with SP the whole forward is one split region (entered at the root)
             ctx.rng.enter_split()
         return y
@@ -207,7 +253,7 @@ class RowParallelLinear(nn.Module):
         if not ctx.sequence_parallel:
             ctx.rng.leave_split()
         w = self.weight.t() if self.transposed else self.weight  # (o, i_r)
-        y = ctx.reduce_output(F.linear(x, w))  # (b, t, i_r) @ (i_r, o) -> partial (b, t, o)
+        y = ctx.row_linear(x, w)  # (b, t, i_r) @ (i_r, o) -> partial (b, t, o), reduced
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -1,0 +1,294 @@
+"""Asynchronous tensor parallelism: the tp collectives of the column and row layers cut into pieces that travel
+while the matmuls of other pieces run (``parallelize(..., async_tp=True)``).
+
+With sequence parallelism (``n`` = tp size, ``c`` = this rank's tp coordinate, chunk ``j`` = rank ``j``'s piece
+of the sequence under ``shard_sizes``, uneven pieces allowed):
+
+* ``gather_linear`` (column layer, all-gather → matmul). ``n`` steps; at step ``s`` this rank holds chunk
+  ``(c − s) mod n``, posts its send to rank ``c+1`` and the receive of the next chunk from ``c−1``, then
+  computes that chunk's rows of ``y = x·Wᵀ + b``: hop ``s`` hides under matmul ``s`` (``n`` matmuls, ``n−1``
+  hops). The gathered input (b, t, i) is an output too: other column layers reading the same tensor (q, k, v;
+  gate, up) reuse it, and their input gradients flow back through it. Backward: the input gradient's
+  reduce-scatter as a ring of partial sums — at step ``s`` this rank computes chunk ``(c − s − 1) mod n`` of
+  ``dY·W`` (plus the other readers' gradient), adds the accumulator received from ``c−1``, sends it on to
+  ``c+1``, then runs that chunk's share of ``dW`` while it travels: hop ``s`` hides under the dW matmul of
+  step ``s`` and the partial matmul of step ``s+1``; the accumulator ending at its owner after ``n−1`` hops is
+  this rank's input gradient.
+* ``linear_scatter`` (row layer, matmul → reduce-scatter): the same ring of partial sums on ``x·Wᵀ`` in the
+  forward; backward all-gathers ``dY`` chunk by chunk (as ``gather_linear``'s forward), computing each chunk's
+  ``dX`` rows and ``dW`` share while the next chunk travels.
+
+Without sequence parallelism:
+
+* ``linear_allreduce`` (row layer): ``y = x·Wᵀ`` in ``k = max(n, 2)`` pieces of the (b·t) rows; the all-reduce of
+  piece ``j`` runs asynchronously while piece ``j+1``'s matmul runs. The last piece's all-reduce stays exposed.
+* ``allreduce_grad_linear`` (column layer): forward plain; backward launches the input gradient's all-reduce
+  asynchronously and computes the weight (and bias) gradient under it (Megatron-LM's overlap).
+
+Transport: every hop is a point-to-point message on the tp axis' p2p group (gloo on CPU ranks, NCCL on CUDA),
+or on the axis' shared-memory link for ``algorithm="shm"`` (``shm_p2p.ShmLink``); the piecewise all-reduces
+use the collective ``algorithm`` with ``async_op=True``. A ring moves exactly the bytes of the ring all-gather
+or reduce-scatter it replaces, (n−1)/n of the gathered tensor per rank. Values equal the unoverlapped path up
+to the order of floating-point sums (chunked matmuls and accumulators).
+
+CUDA (not run by the tests, which use CPU ranks): NCCL p2p runs on its own stream; ``Work.wait()`` makes the
+current stream wait for it, and every buffer in flight stays referenced (``_Ring.inflight``) until its wait.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...comm.collectives import all_reduce, link_for
+from ...comm.counter import record_collective
+from ...comm.ops import shard_offsets, shard_sizes
+from ...mesh import Mesh
+
+__all__ = ["gather_linear", "linear_scatter", "linear_allreduce", "allreduce_grad_linear", "piece_count"]
+
+_FWD_TAG, _BWD_TAG = 7401, 7402
+"""Message tags of the rings (distinct from the collectives' algorithms sharing the p2p group)."""
+
+
+def piece_count(n: int) -> int:
+    """Pieces of the chunked all-reduce of a row layer without sequence parallelism at tp size ``n``. Pure."""
+    return max(n, 2)
+
+
+class _Ring:
+    """This rank's neighbours on the tp axis and its transport; ``shift`` posts one hop and keeps the buffers
+    alive until ``wait``."""
+
+    def __init__(self, mesh: Mesh, axis: str, algorithm: str) -> None:
+        self.n, self.c = mesh.size(axis), mesh.coord(axis)
+        if self.n == 1:
+            self.link: Any = None
+        elif algorithm == "shm":
+            from ...comm.shm_p2p import shm_link_for
+            self.link = shm_link_for(mesh, axis, what="async tensor parallelism over shm",
+                                     fix="use algorithm='native' (or 'ring') for the tp collectives")
+        else:
+            self.link = link_for(mesh, axis)
+        self.inflight: list = []
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor | None, tag: int) -> None:
+        """Post ``send`` to coordinate c+1 and the receive of ``recv`` from c−1 (not waited)."""
+        nxt, prv = (self.c + 1) % self.n, (self.c - 1) % self.n
+        works = [self.link.isend(send, nxt, tag)]
+        if recv is not None:
+            works.append(self.link.irecv(recv, prv, tag))
+        self.inflight.append(([w for w in works if w is not None], send, recv))
+
+    def wait(self) -> None:
+        for works, _send, _recv in self.inflight:
+            for w in works:
+                w.wait()
+        self.inflight.clear()
+
+
+def _chunks(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """(b, t, ...) → contiguous (b, t_j, ...) pieces along dim 1."""
+    return [p.contiguous() for p in torch.split(x, sizes, dim=1)]
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.size(-1))
+
+
+class _GatherLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: Mesh, axis: str,
+                sizes: list[int], algorithm: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # x (b, t_c, i) this rank's chunk; w (o_r, i); returns y (b, t, o_r) and the gathered x (b, t, i)
+        ring = _Ring(mesh, axis, algorithm)
+        n, c = ring.n, ring.c
+        record_collective("all_gather", f"async-{algorithm}", axis, x.numel() * x.element_size(), n)
+        held = {c: x.contiguous()}
+        ys: dict[int, torch.Tensor] = {}
+        for s in range(n):
+            src = (c - s) % n
+            if s < n - 1:  # the chunk in hand goes on while its rows are computed
+                nxt_src = (c - s - 1) % n
+                held[nxt_src] = x.new_empty((x.size(0), sizes[nxt_src], *x.shape[2:]))
+                ring.shift(held[src], held[nxt_src], _FWD_TAG)
+            ys[src] = F.linear(held[src], w, b)
+            ring.wait()
+        y = torch.cat([ys[j] for j in range(n)], dim=1)
+        full = torch.cat([held[j] for j in range(n)], dim=1)
+        ctx.save_for_backward(full, w)
+        ctx.set_materialize_grads(False)  # no zeros for an unused gathered input
+        ctx.has_bias, ctx.mesh, ctx.axis, ctx.sizes, ctx.algorithm = b is not None, mesh, axis, sizes, algorithm
+        return y, full
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, dfull: torch.Tensor | None) -> tuple:
+        full, w = ctx.saved_tensors
+        dx, dw = _scatter_ring(dy, w, full, dfull, ctx.mesh, ctx.axis, ctx.sizes, ctx.algorithm, _BWD_TAG,
+                               weight_grad=ctx.needs_input_grad[1])
+        db = dy.sum(dim=tuple(range(dy.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None, None
+
+
+def _scatter_ring(dy: torch.Tensor, w: torch.Tensor, xin: torch.Tensor | None, extra: torch.Tensor | None,
+                  mesh: Mesh, axis: str, sizes: list[int], algorithm: str, tag: int, *,
+                  weight_grad: bool, transpose_w: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ring reduce-scatter over dim 1 of ``P = dy·w (+ extra)``, one chunk's matmul per step; with
+    ``weight_grad``, ``dW = Σ_j dy_jᵀ·xin_j`` computed chunk by chunk while each accumulator travels.
+
+    Shapes (backward of the column layer): dy (b, t, o_r), w (o_r, i), xin (b, t, i) → (b, t_c, i), dW (o_r, i).
+    ``transpose_w`` (the row layer's forward): dy is its input x (b, t, i_r), w (o, i_r), P = x·wᵀ (b, t, o),
+    no weight gradient."""
+    ring = _Ring(mesh, axis, algorithm)
+    n, c = ring.n, ring.c
+    offs = shard_offsets(sum(sizes), n)
+    dw = torch.zeros_like(w) if weight_grad else None
+    acc: torch.Tensor | None = None
+    for s in range(n):
+        d = (c - s - 1) % n  # the destination chunk whose partial sum this rank adds at step s
+        rows = slice(offs[d], offs[d] + sizes[d])
+        part = F.linear(dy[:, rows], w) if transpose_w else torch.matmul(dy[:, rows], w)
+        if extra is not None:
+            part = part + extra[:, rows]
+        ring.wait()  # the accumulator for chunk d, sent by c−1 at step s−1, has arrived in ``acc``
+        if acc is not None:
+            part = part.add_(acc)
+        part = part.contiguous()
+        if s < n - 1:
+            acc = part.new_empty((part.size(0), sizes[(d - 1) % n], *part.shape[2:]))
+            ring.shift(part, acc, tag)
+        if dw is not None:  # this chunk's share of dW hides the hop just posted
+            dw.add_(_flat(dy[:, rows]).t() @ _flat(xin[:, rows]))  # type: ignore[index]
+        if s == n - 1:
+            ring.wait()
+            return part, dw
+    raise AssertionError("unreachable")
+
+
+def _gather_ring(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor, mesh: Mesh, axis: str, sizes: list[int],
+                 algorithm: str, tag: int, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of the row layer: all-gather of dy (b, t_c, o) chunk by chunk over the ring; each chunk's
+    rows of dX = dY·w (w (o, i_r); dX (b, t, i_r)) and its share of dW = Σ_j dY_jᵀ·x_j (o, i_r) are computed
+    while the next chunk travels."""
+    ring = _Ring(mesh, axis, algorithm)
+    n, c = ring.n, ring.c
+    offs = shard_offsets(sum(sizes), n)
+    held = {c: dy.contiguous()}
+    dxs: dict[int, torch.Tensor] = {}
+    dw = torch.zeros_like(w) if weight_grad else None
+    for s in range(n):
+        src = (c - s) % n
+        if s < n - 1:
+            nxt = (c - s - 1) % n
+            held[nxt] = dy.new_empty((dy.size(0), sizes[nxt], *dy.shape[2:]))
+            ring.shift(held[src], held[nxt], tag)
+        dxs[src] = torch.matmul(held[src], w)
+        if dw is not None:
+            dw.add_(_flat(held[src]).t() @ _flat(x[:, offs[src]:offs[src] + sizes[src]]))
+        ring.wait()
+    return torch.cat([dxs[j] for j in range(n)], dim=1), dw
+
+
+class _LinearScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, algorithm: str) -> torch.Tensor:
+        # x (b, t, i_r), w (o, i_r) → this rank's chunk of Σ_r x_r·W_rᵀ: (b, t_c, o)
+        n = mesh.size(axis)
+        sizes = shard_sizes(x.size(1), n)
+        out_bytes = x.size(0) * x.size(1) * w.size(0) * x.element_size()
+        record_collective("reduce_scatter", f"async-{algorithm}", axis, out_bytes, n)
+        y, _ = _scatter_ring(x, w, None, None, mesh, axis, sizes, algorithm, _FWD_TAG, weight_grad=False,
+                             transpose_w=True)
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.axis, ctx.sizes, ctx.algorithm = mesh, axis, sizes, algorithm
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, w = ctx.saved_tensors
+        record_collective("all_gather", f"async-{ctx.algorithm}", ctx.axis, dy.numel() * dy.element_size(),
+                          ctx.mesh.size(ctx.axis))
+        dx, dw = _gather_ring(dy, w, x, ctx.mesh, ctx.axis, ctx.sizes, ctx.algorithm, _BWD_TAG,
+                              ctx.needs_input_grad[1])
+        return dx, dw, None, None, None
+
+
+class _LinearAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, algorithm: str) -> torch.Tensor:
+        # x (b, t, i_r), w (o, i_r) → Σ_r x_r·W_rᵀ (b, t, o), in pieces of the b·t rows
+        rows = _flat(x)
+        sizes = shard_sizes(rows.size(0), piece_count(mesh.size(axis)))
+        handles, outs = [], []
+        for piece in torch.split(rows, sizes, dim=0):
+            out = F.linear(piece, w)  # (rows_j, o): reduced while the next piece's matmul runs
+            outs.append(out)
+            if out.numel():
+                handles.append(all_reduce(out, mesh, axis, algorithm=algorithm, async_op=True))
+        for h in handles:
+            h.wait()
+        ctx.save_for_backward(x, w)
+        return torch.cat(outs, dim=0).view(*x.shape[:-1], w.size(0))
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, w = ctx.saved_tensors
+        dx = torch.matmul(dy, w)  # (b, t, o) @ (o, i_r)
+        dw = _flat(dy).t() @ _flat(x) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
+
+
+class _AllReduceGradLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: Mesh, axis: str,
+                algorithm: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # x (b, t, i) replicated, w (o_r, i) → y (b, t, o_r) and x itself for the group's other readers
+        ctx.save_for_backward(x, w)
+        ctx.set_materialize_grads(False)
+        ctx.has_bias, ctx.mesh, ctx.axis, ctx.algorithm = b is not None, mesh, axis, algorithm
+        return F.linear(x, w, b), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, dother: torch.Tensor | None) -> tuple:
+        x, w = ctx.saved_tensors
+        dx = torch.matmul(dy, w)  # (b, t, o_r) @ (o_r, i): a partial sum over tp
+        if dother is not None:
+            dx = dx + dother
+        handle = all_reduce(dx, ctx.mesh, ctx.axis, algorithm=ctx.algorithm, async_op=True)
+        dw = _flat(dy).t() @ _flat(x) if ctx.needs_input_grad[1] else None  # hides the all-reduce
+        db = dy.sum(dim=tuple(range(dy.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        handle.wait()
+        return dx, dw, db, None, None, None
+
+
+def gather_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: Mesh, axis: str, *,
+                  sizes: list[int], algorithm: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(all_gather(x, dim=1), w, b), all_gather(x, dim=1))`` with the gather's hops overlapped with
+    the chunk matmuls; backward reduce-scatters the input gradient the same way. ``x`` (b, t_c, i) this rank's
+    sequence chunk, ``sizes`` every rank's chunk length; ``w`` (o_r, i). Collective over ``axis``."""
+    return _GatherLinear.apply(x, w, b, mesh, axis, list(sizes), algorithm)
+
+
+def linear_scatter(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, *,
+                   algorithm: str = "native") -> torch.Tensor:
+    """``reduce_scatter(F.linear(x, w), dim=1)`` with the chunk matmuls overlapped with the accumulators'
+    hops; backward all-gathers the output gradient the same way. ``x`` (b, t, i_r), ``w`` (o, i_r) →
+    (b, t_c, o). Collective over ``axis``."""
+    return _LinearScatter.apply(x, w, mesh, axis, algorithm)
+
+
+def linear_allreduce(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, *,
+                     algorithm: str = "native") -> torch.Tensor:
+    """``all_reduce(F.linear(x, w))`` in ``piece_count(tp)`` row pieces, each piece's all-reduce running while the
+    next piece's matmul runs; backward local. ``x`` (b, t, i_r), ``w`` (o, i_r) → (b, t, o). Collective."""
+    return _LinearAllReduce.apply(x, w, mesh, axis, algorithm)
+
+
+def allreduce_grad_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: Mesh, axis: str, *,
+                          algorithm: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(x, w, b), x)``; backward all-reduces the input gradient (plus the gradient reaching the
+    returned alias of ``x`` from the group's other readers) asynchronously under the weight-gradient matmul.
+    ``x`` (b, t, i) replicated, ``w`` (o_r, i). Collective over ``axis`` in backward."""
+    return _AllReduceGradLinear.apply(x, w, b, mesh, axis, algorithm)
