@@ -32,7 +32,7 @@ from ..comm.collectives import all_reduce
 from ..mesh import Mesh
 from ..parallel.zero.flat import FlatGroup
 
-__all__ = ["NonFiniteError", "Grad", "names_by_id", "param_grads", "flat_grads", "local_flag", "agree",
+__all__ = ["NonFiniteError", "Grad", "names_by_id", "param_grads", "flat_grads", "local_flag", "agree", "agreed",
            "first_nonfinite", "poisoned",
            "failure_message"]
 
@@ -120,12 +120,18 @@ def _extremes(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def agree(flag: Tensor, mesh: Mesh) -> bool:
-    """Whether any rank's flag is set: ``max`` all-reduce over every mesh axis of size > 1 in turn (after
-    all of them every rank holds the global max), then one host read. Collective over the whole mesh."""
+    """Whether any rank's flag is set: ``agreed`` then one host read. Collective over the whole mesh."""
+    return bool(agreed(flag, mesh).item() > 0)
+
+
+def agreed(flag: Tensor, mesh: Mesh) -> Tensor:
+    """``flag`` maxed over every rank, in place: a ``max`` all-reduce over every mesh axis of size > 1 in turn
+    (after all of them every rank holds the global max). Queued on the device, no host read (a fused optimizer
+    reads it as ``found_inf``: ``optimizer_impl.py``). Collective over the whole mesh."""
     for axis in mesh.axes:
         if mesh.size(axis) > 1:
             all_reduce(flag, mesh, axis, op="max")
-    return bool(flag.item() > 0)
+    return flag
 
 
 def first_nonfinite(grads: Iterable[Grad]) -> str | None:

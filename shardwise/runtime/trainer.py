@@ -5,7 +5,8 @@ every rank reads it, joins the job (``sw.init``), builds the mesh ``(dp, tp)`` a
 (``runtime/strategy/``) for the reference GPT under the requested layout, its optimizer and the step's passes;
 then it runs the loop: per step ``grad_accum`` forward/backward passes (gradient
 sync on the last only), one optimizer step, the mean loss over dp (one all-reduce), metrics, and periodic
-atomic sharded checkpoints. Collective throughout: every rank runs the same steps.
+atomic sharded checkpoints. Collective throughout: every rank runs the same steps. On CUDA a step's loss and
+non-finite flag stay on the device until the next step is queued (``host_overlap.py``).
 
 Pipeline parallelism (``parallel.pp > 1``): the mesh is ``(pp, dp, tp)`` and the model runs as
 ``sw.pipeline(..., dp_axis="dp")`` (with tp inside the stages, ZeRO-1 over dp, activation checkpointing:
@@ -23,22 +24,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..checkpoint.layout import tied_aliases
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
-from ..mesh import Mesh
 from .calibration import mesh_calibrations
-from .config import Config, OptimizerConfig, ParallelConfig, load_config
+from .config import Config, load_config
 from .context_split import context_split
 from .corpus import StepBatches
 from .data import ShardedSampler
@@ -49,30 +48,16 @@ from ..world import World, barrier_all, bind_to_launcher, exit_process, init, sh
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, saved_model
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
+from .step_support import build_mesh as _build_mesh, lr_at, peer_hint, synchronizer  # tests patch _build_mesh
+from .host_overlap import PendingStep, can_defer, finish_deferred, read
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
-from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy, mesh_axes
+from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy
 
 __all__ = ["Trainer", "lr_at", "build_optimizer", "main"]
-
-def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
-    """Learning rate of optimizer step ``step`` (1-based): linear warmup to ``lr``, then cosine to ``min_lr``."""
-    if o.warmup_steps and step <= o.warmup_steps:
-        return o.lr * step / o.warmup_steps
-    if o.schedule == "constant" or total <= o.warmup_steps:
-        return o.lr
-    progress = min(1.0, (step - o.warmup_steps) / (total - o.warmup_steps))
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
-
 
 STARTUP_TIMEOUT_S = 300.0
 """Deadline of start-up and checkpoint loading (``world.barrier_all``): process start and checkpoint reads
 can be slow and uneven on a loaded machine or filesystem; training steps use ``train.timeout_s``."""
-
-
-def _build_mesh(p: ParallelConfig, timeout_s: float | None = None, calibration: Sequence[Any] = ()) -> Mesh:
-    """The layout's mesh (``mesh_axes``); ``timeout_s``: the collective deadline of its groups (the steps);
-    ``calibration``: the collective models ``algorithm = "auto"`` picks from (``runtime/calibration.py``)."""
-    return Mesh(**mesh_axes(p), timeout_s=timeout_s, calibration=list(calibration))
 
 
 class Trainer:
@@ -121,6 +106,7 @@ class Trainer:
         self.activations = SavedTensorPeak()
         """Saved-for-backward bytes over the run (the activation peak a CPU has no allocator statistic for)."""
         """The strategy's memory report (``Strategy.memory``) where it is fullest: after the first optimizer step."""
+        self.overlap = can_defer(self.strategy, self.mesh.device, cfg)  # read each step after queueing the next
 
     # The strategy's parts under the trainer's historical names (tests and tools read them).
     @property
@@ -155,11 +141,16 @@ class Trainer:
 
     def train_step(self) -> tuple[float, dict[str, float]]:
         """One optimizer step; returns the mean loss over dp and the phase times. Collective."""
-        cfg, sync = self.cfg, _synchronizer(self.mesh.device)
+        return self._settle(self.launch_step(defer=False), time.perf_counter())
+
+    def launch_step(self, *, defer: bool) -> PendingStep:
+        """One optimizer step; ``defer``: left queued on the device (``host_overlap.py``), else read. Collective."""
+        cfg, sync = self.cfg, synchronizer(self.mesh.device)
         self.step += 1
         torch.manual_seed(cfg.train.seed * 1_000_003 + self.step * 1_009 + self.mesh.coord("dp"))
+        lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, cfg.optimizer, cfg.train.steps)
+            group["lr"] = lr
         t: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
         start = time.perf_counter()
         batches = self.data.next()
@@ -171,11 +162,16 @@ class Trainer:
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
         # the bytes autograd keeps for backward, at their high-water mark; a GPU's allocator peak says it without
         # a Python hook per saved tensor (which would cost host time the GPU waits for at small micro-batches)
+        marks: list[Any] | None = [] if defer else None  # the passes' timing marks, read with the step
         with self.activations if self.mesh.device.type != "cuda" else nullcontext():
-            loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss)
+            loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss,
+                                            **({"marks_out": marks} if marks is not None else {}))
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
             self.strategy.scale_param_grads(self.mesh.size("dp"))  # injected bug: the sum over dp (× cp), not the mean
+        if marks is not None:
+            return finish_deferred(self.strategy, self.mesh, loss_sum, self.strategy.grads(), step=self.step, lr=lr,
+                                   t=t, marks=marks)
         local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
         self.grad_norm = float("nan")  # the step's norm before clipping (logged with clipping on; NaN: skipped)
         if self._finite(local_loss):  # collective: every rank takes the same branch
@@ -193,25 +189,38 @@ class Trainer:
         value = self.strategy.mean_loss(loss_sum)  # collective over dp (a pipeline's loss is already the mean)
         t2 = time.perf_counter()
         t.update(opt=t1 - t0, comm=t["comm"] + t2 - t1, step=t2 - start)
-        return value, t
+        return PendingStep(self.step, lr, value, t)
+
+    def _settle(self, p: PendingStep, since: float) -> tuple[float, dict[str, float]]:
+        """``(loss, times)`` of a step; a deferred one is read now (``host_overlap.read``), then its skip policy."""
+        if not p.deferred:
+            return float(p.loss), p.t
+        loss, bad, t = read(p, since)
+        self.last_skipped = bad
+        if bad:
+            self._skip(loss, late=p.step)
+        else:
+            self.skipped_in_row = 0
+        return loss, t
 
     def _finite(self, loss: torch.Tensor) -> bool:
         """Whether this step's loss and every gradient are finite on every rank (``nonfinite.py``): one fused
         local check, then one ``max`` all-reduce of one number per mesh axis. Collective over the whole mesh."""
         return not agree(local_flag(loss, self.strategy.grads()), self.mesh)
 
-    def _skip(self, loss: torch.Tensor) -> None:
+    def _skip(self, loss: torch.Tensor | float, late: int = 0) -> None:
         """A non-finite step: drop its gradients without an optimizer step (weights, optimizer state and its
         step count unchanged; the step counter, LR schedule and data position still advance), or raise
-        ``NonFiniteError`` (policy ``stop``, or the ``train.max_skipped``-th skip in a row). Local."""
+        ``NonFiniteError`` (policy ``stop``, or the ``train.max_skipped``-th skip in a row). ``late``: step
+        ``late`` was read a step late: its gradients are gone, the optimizer already skipped it. Local."""
         cfg = self.cfg.train
         if cfg.nonfinite == "skip":
             self.skipped, self.skipped_in_row, self.last_skipped = self.skipped + 1, self.skipped_in_row + 1, True
             if self.skipped_in_row < cfg.max_skipped:
                 self.optimizer.zero_grad(set_to_none=True)  # ZeRO/pipeline optimizers zero their flat buffers
                 return
-        where = first_nonfinite(self.strategy.grads())
-        raise NonFiniteError(failure_message(self.step, float(loss), where,
+        where = "not named (read a step late on CUDA)" if late else first_nonfinite(self.strategy.grads())
+        raise NonFiniteError(failure_message(late or self.step, float(loss), where,
                                              skipped=self.skipped_in_row if cfg.nonfinite == "skip" else 0))
 
     def save(self) -> Path:
@@ -236,6 +245,7 @@ class Trainer:
         progress = (ProgressReporter(total=cfg.train.steps, start=self.step, log_every=cfg.train.log_every)
                     if rank0 else None)
         loss, timings, start_step, t_begin = float("nan"), [], self.step, time.perf_counter()
+        queued: PendingStep | None = None  # a deferred step not read yet (host_overlap.py)
         try:
             while self.step < cfg.train.steps:
                 if cfg.debug.kill_rank == self.world.rank and cfg.debug.kill_step == self.step + 1:
@@ -243,14 +253,17 @@ class Trainer:
                         time.sleep(1)
                     os._exit(13)  # injected death: no cleanup, no message, like a segfault or an OOM kill
                 self._beat()
-                loss, t = self.train_step()
-                timings.append(t)
-                if writer is not None and progress is not None:
-                    writer.write(self._record(loss, t))
-                    progress.update(self.step, loss, self.tokens_per_step / t["step"])
-                if self.val is not None and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
-                    self._evaluate(writer, progress)
+                read_at = time.perf_counter() if queued is None else read_at
+                launched = self.launch_step(defer=self.overlap and self.memory is not None)  # 1st: memory report
+                if queued is not None:  # the previous step, read now that this one is queued behind it
+                    loss, read_at = self._log(queued, read_at, timings, writer, progress), time.perf_counter()
+                evaluate = self.val is not None and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps)
                 periodic = cfg.train.ckpt_every and self.step % cfg.train.ckpt_every == 0
+                queued = launched
+                if not launched.deferred or evaluate or periodic or self.step == cfg.train.steps:
+                    loss, queued = self._log(launched, read_at, timings, writer, progress), None
+                if evaluate:
+                    self._evaluate(writer, progress)
                 if save and periodic and self.step < cfg.train.steps:
                     self.save()
         finally:
@@ -281,13 +294,24 @@ class Trainer:
             self._beat_fd = os.open(path, os.O_WRONLY | os.O_CREAT)
         os.pwrite(self._beat_fd, f"{self.step + 1:<12d}".encode(), 0)
 
-    def _record(self, loss: float, t: dict[str, float]) -> dict[str, Any]:
+    def _log(self, p: PendingStep, since: float, timings: list[dict[str, float]], writer: MetricsWriter | None,
+             progress: ProgressReporter | None) -> float:
+        """Read step ``p`` (``_settle``); its times, metrics record and progress line. Local."""
+        loss, t = self._settle(p, since)
+        timings.append(t)
+        if writer is not None and progress is not None:
+            writer.write(self._record(p, loss, t))
+            progress.update(p.step, loss, self.tokens_per_step / t["step"])
+        return loss
+
+    def _record(self, p: PendingStep, loss: float, t: dict[str, float]) -> dict[str, Any]:
         overhead = t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"]
-        return {"step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
-                "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
+        return {"step": p.step, "loss": loss, "lr": p.lr,
+                "tokens": p.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
                 "step_s": t["step"], "fwd_s": t["fwd"], "bwd_s": t["bwd"], "opt_s": t["opt"], "comm_s": t["comm"],
                 "data_s": t["data"], "overhead_s": overhead, "time": time.time(), "skipped": self.last_skipped,
-                **({"grad_norm": self.grad_norm} if self.cfg.optimizer.clip_grad_norm > 0 else {})}
+                **({"grad_norm": self.grad_norm} if self.cfg.optimizer.clip_grad_norm > 0 else {}),
+                **({"host_wait_s": t["host_wait"]} if "host_wait" in t else {})}
 
     def _memory(self) -> dict[str, int]:
         """``Strategy.memory`` (local); a report that fails must not fail the run: then empty."""
@@ -330,13 +354,6 @@ def _fullest(first: dict[str, int], last: dict[str, int]) -> dict[str, int]:
     return {**last, **first, "peak": max(first.get("peak", 0), last.get("peak", 0))} if first or last else {}
 
 
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """Waits for queued GPU work so host timestamps measure it (no-op on the CPU)."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise.runtime.trainer", description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.json")
@@ -369,20 +386,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
         (run_dir / "ranks").mkdir(exist_ok=True)
         (run_dir / "ranks" / f"rank{world.rank:05d}.error").write_text(message)
-        print(f"shardwise train: {message}{_peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
+        print(f"shardwise train: {message}{peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
         raise
     (run_dir / "ranks").mkdir(exist_ok=True)
     (run_dir / "ranks" / f"rank{world.rank:05d}.json").write_text(json.dumps(summary))
     shutdown()
     return 0
-
-
-def _peer_hint(exc: BaseException, timeout_s: float) -> str:
-    text = str(exc).lower()
-    if any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")):
-        return (f"\n  (a collective failed: another rank died or stopped responding within train.timeout_s="
-                f"{timeout_s:g}s; the launcher's report names the first rank that failed)")
-    return ""
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from ..nonfinite import Grad, param_grads, poisoned
 from ..data import IGNORE
 from .base import Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel
 
-__all__ = ["PlainStrategy", "accumulate", "dp_mean", "checkpointed"]
+__all__ = ["PlainStrategy", "DataParallelSteps", "accumulate", "dp_mean", "checkpointed", "seconds"]
 
 
 def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
@@ -41,7 +41,8 @@ def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
 
 
 def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: Callable[[], None],
-               device: torch.device, autocast: torch.dtype | None = None) -> torch.Tensor:
+               device: torch.device, autocast: torch.dtype | None = None,
+               marks_out: list[tuple[Any, Any, Any]] | None = None) -> torch.Tensor:
     """``len(batches)`` forward/backward passes, each loss scaled by ``1/len(batches)``; gradient sync on the
     last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). ``autocast``: forward and
     loss under ``torch.autocast`` in that dtype (``train.precision``; backward outside it, as autograd wants).
@@ -50,7 +51,9 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
     Timing: on the CPU host clocks around each phase. On a GPU, CUDA events on the current stream and ONE
     synchronize after the last pass (the step's non-finite check waits there anyway): synchronizing between
     phases would stop the host from queueing the next kernels while the GPU works: it made a 124M GPT's step
-    on an H200 24 % longer at one micro-batch and 81 % longer at eight (benchmarks/RESULTS.md, "On one GPU")."""
+    on an H200 24 % longer at one micro-batch and 81 % longer at eight (benchmarks/RESULTS.md, "On one GPU").
+    ``marks_out``: no wait at all — the marks go there, ``t`` is left alone, and the caller turns them into
+    times once the step's work is done (``host_overlap.py``: the step read one step late)."""
     loss_sum = torch.zeros((), device=device)
     marks: list[tuple[Any, Any, Any]] = []  # (before forward, after forward, after backward) per pass
     for i, (x, y) in enumerate(batches):
@@ -63,11 +66,14 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
             loss.backward()
             marks.append((m0, m1, _mark(device, sync)))
         loss_sum += loss.detach()
+    if marks_out is not None:
+        marks_out.extend(marks)
+        return loss_sum
     if device.type == "cuda" and marks:
         marks[-1][2].synchronize()
     for m0, m1, m2 in marks:
-        t["fwd"] += _seconds(m0, m1)
-        t["bwd"] += _seconds(m1, m2)
+        t["fwd"] += seconds(m0, m1)
+        t["bwd"] += seconds(m1, m2)
     return loss_sum
 
 
@@ -82,7 +88,8 @@ def _mark(device: torch.device, sync: Callable[[], None]) -> Any:
     return time.perf_counter()
 
 
-def _seconds(start: Any, end: Any) -> float:
+def seconds(start: Any, end: Any) -> float:
+    """Seconds between two ``_mark`` s: CUDA events (both complete) or host clock readings. Pure."""
     return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
 
 
@@ -110,10 +117,10 @@ class DataParallelSteps:
         return self.mesh.size("dp"), self.mesh.coord("dp")
 
     def passes(self, batches: Batches, t: Timings, sync: Callable[[], None], *, poison: bool,
-               loss_fn: LossFn | None = None) -> torch.Tensor:
+               loss_fn: LossFn | None = None, marks_out: list[tuple[Any, Any, Any]] | None = None) -> torch.Tensor:
         loss = loss_fn or self.loss_fn
         return accumulate(self.model, poisoned(loss) if poison else loss, batches, t, sync, self.mesh.device,
-                          self.autocast)
+                          self.autocast, marks_out)
 
     def eval_sums(self, batches: Batches) -> tuple[float, int]:
         """Forward only over this rank's shard of the validation batches: ``(Σ cross-entropy, counted targets)``
@@ -131,6 +138,13 @@ class DataParallelSteps:
 
     def mean_loss(self, loss: torch.Tensor | float) -> float:
         return dp_mean(loss, self.mesh)
+
+    def mean_loss_tensor(self, loss: torch.Tensor) -> torch.Tensor:
+        """``mean_loss`` left on the device: the all-reduce is queued, nothing is read (the trainer reads it a
+        step late, ``host_overlap.py``). In place; returns ``loss`` (0-d fp32). Collective over dp."""
+        if self.mesh.size("dp") > 1:
+            all_reduce(loss, self.mesh, "dp", op="avg")
+        return loss
 
 
 class PlainStrategy(DataParallelSteps):
