@@ -49,9 +49,10 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
         raise ValueError(f"--steps = {args.steps} must be >= 1")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.steps, ckpt_every=0))
     layout = validate(cfg)
-    # the pipeline fields need pp > 1, sequence parallelism tp > 1
+    # the pipeline fields need pp > 1, sequence parallelism and async tensor parallelism tp > 1
     single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0, grad_accum=0,
-                                 sequence_parallel=False, pp_microbatches=0, pp_chunks=1, pp_split=())
+                                 sequence_parallel=False, async_tp=False, pp_microbatches=0, pp_chunks=1,
+                                 pp_split=())
     reference = validate(dataclasses.replace(cfg, parallel=single, debug=DebugConfig()))  # same train.precision
     rtol, atol = TOLERANCES[cfg.train.precision]
     args.rtol = rtol if args.rtol is None else args.rtol
@@ -70,6 +71,7 @@ def _describe(cfg: Config) -> str:
     p = cfg.parallel
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
     zero += ", sequence parallel" if p.sequence_parallel else ""
+    zero += ", async tp" if p.async_tp else ""
     ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
     cp = f" × cp={p.cp}" if p.cp > 1 else ""
     ckpt += ", bf16 autocast" if cfg.train.precision == "bf16" else ""

@@ -23,7 +23,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "validate", "default_nproc", "describe_fields"]
 
 
-from .config_ranges import check_context_parallel, check_numbers, check_sequence_parallel
+from .config_ranges import check_async_tp, check_context_parallel, check_numbers, check_sequence_parallel
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
 from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
@@ -303,6 +303,7 @@ def _check_strategies(config: Config) -> None:
                              f"use --parallel.tp 1")
         check_tp(m, p.tp)
     check_sequence_parallel(config)
+    check_async_tp(config)
     check_context_parallel(config)
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]

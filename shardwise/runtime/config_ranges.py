@@ -7,7 +7,7 @@ import math
 
 from .config_schema import Config
 
-__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel"]
+__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel", "check_async_tp"]
 
 
 def check_numbers(config: Config) -> None:
@@ -45,6 +45,14 @@ def check_sequence_parallel(config: Config) -> None:
         raise ValueError(f"parallel.sequence_parallel = true with parallel.pp = {p.pp} needs model.block_size = "
                          f"{block} divisible by parallel.tp = {p.tp} (a later pipeline stage splits the sequence "
                          f"evenly); use --model.block_size {block - block % p.tp}, or --parallel.pp 1")
+
+
+def check_async_tp(config: Config) -> None:
+    """``parallel.async_tp`` overlaps tensor-parallel collectives with the matmuls: it needs tp > 1."""
+    p = config.parallel
+    if p.async_tp and p.tp < 2:
+        raise ValueError(f"parallel.async_tp = true overlaps tensor-parallel communication with the matmuls, but "
+                         f"parallel.tp = {p.tp}; use --parallel.tp 2 (or more), or --parallel.async_tp false")
 
 
 def check_context_parallel(config: Config) -> None:

@@ -135,9 +135,11 @@ class ParallelConfig:
     """Gradient bucket size of data parallelism (MB)."""
     async_tp: bool = False
     """Asynchronous tensor parallelism: tensor-parallel communication overlapped with the matmuls, equal to the
-    unoverlapped path. With ``sequence_parallel`` each column layer's all-gather and each row layer's
-    reduce-scatter run as tp chunks on a ring, a chunk's transfer hidden under another chunk's matmul; without
-    it the row layer's all-reduce runs in chunks behind the matmul. Needs tp > 1."""
+    unoverlapped path up to the order of floating-point sums (``parallel/tensor/overlap.py``). With
+    ``sequence_parallel`` each column layer's all-gather and each row layer's reduce-scatter (and their backward
+    conjugates) run as tp chunks on a ring, a chunk's transfer hidden under another chunk's matmul; without it
+    the row layer's all-reduce runs in max(tp, 2) pieces, each under the next piece's matmul, and the column
+    layer's backward all-reduce under its weight-gradient matmul. Needs tp > 1."""
 
 
 @dataclass(frozen=True, kw_only=True)

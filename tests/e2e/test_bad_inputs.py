@@ -139,6 +139,8 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("sp-pp-uneven", ["train", "--parallel.nproc", "4", "--parallel.tp", "2", "--parallel.pp", "2",
                       "--parallel.sequence_parallel", "true", "--model.block_size", "31"], None,
      ("model.block_size = 31 divisible by parallel.tp = 2", "use --model.block_size 30")),
+    ("async-tp-without-tp", ["train", "--parallel.async_tp", "true"], None,
+     ("parallel.async_tp = true", "parallel.tp = 1", "use --parallel.tp 2", "--parallel.async_tp false")),
     ("cp-block-size", ["train", "--parallel.nproc", "2", "--parallel.cp", "2", "--model.block_size", "30"], None,
      ("parallel.cp = 2 splits each sequence into 2·cp = 4 chunks", "model.block_size = 30 is not divisible by 4",
       "use --model.block_size 28")),

@@ -18,9 +18,12 @@ def verify(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_verify_passes_for_tensor_parallel_1x2(tmp_path):
-    proc = verify(tmp_path, "--parallel.tp", "2")
+    # with sequence parallelism and async tensor parallelism: the overlapped rings (parallel/tensor/overlap.py)
+    # equal one process too; the plain tp layouts are verified by the dist and train tests
+    proc = verify(tmp_path, "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.async_tp", "true")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 process vs dp=1 × tp=2" in proc.stdout and "OK: 3 steps agree" in proc.stdout
+    assert "async tp" in proc.stdout
     assert "DIFFERS" not in proc.stdout
 
 

@@ -134,7 +134,8 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Modul
     sp = cfg.parallel.sequence_parallel  # the model's plan then covers its norms (and GPT's wpe) too
     plan = {pattern: style for pattern, style in plain.tensor_parallel_plan(sequence_parallel=sp).items()
             if pattern not in whole}
-    model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed, sequence_parallel=sp)
+    model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed, sequence_parallel=sp,
+                        async_tp=cfg.parallel.async_tp)  # the collectives overlapped with the matmuls
     if "lm_head" in whole:
         return model, lm_loss  # every tp rank holds the whole logits: the plain cross-entropy
     vocab_ce = partial(vocab_parallel_cross_entropy, mesh=mesh, axis="tp", vocab_size=cfg.model.vocab_size)
