@@ -82,18 +82,42 @@ class StepBatches:
     Step ``k`` of an epoch uses positions ``[k·G, (k+1)·G)`` of the epoch's shared order (G = global batch),
     strided over dp ranks by ``ShardedSampler``; steps per epoch = ⌊windows / G⌋ whatever the layout, so
     every layout — and a resumed run — sees the same samples at the same step.
+
+    ``prefetch`` (default: on CUDA): each ``next`` also gathers the following step's rows into pinned host
+    memory and starts their copy to the GPU on a side stream, so the copy overlaps this step's compute and the
+    host never waits on a pageable copy; the consumer's stream waits on the copy's event. The data position
+    (``state_dict``) stays the consumer's: the prefetched step is not consumed until ``next`` returns it. On
+    CPU ``prefetch=True`` gathers ahead without pinning or streams (what the tests check).
     """
 
     def __init__(self, dataset: "TokenWindows", sampler: "ShardedSampler", *, micro_batch: int, grad_accum: int,
-                 device: "torch.device", transform: "Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]] | None" = None) -> None:
+                 device: "torch.device", transform: "Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]] | None" = None,
+                 prefetch: bool | None = None) -> None:
         self.dataset, self.sampler, self.device = dataset, sampler, device
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.transform = transform
         """Applied to each step's pairs (context parallelism: this rank's sequence chunks)."""
         self._order: tuple[int, list[int]] | None = None
+        self.prefetch = device.type == "cuda" if prefetch is None else prefetch
+        self._ahead: _Ahead | None = None
+        """The next step's batch in flight, and the sampler position before it was taken."""
 
     def next(self) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
         """``grad_accum`` pairs ``(idx, targets)`` of shape (micro_batch, block_size), int64 on the device."""
+        if not self.prefetch:
+            x, y = self._rows()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        else:
+            ahead = self._ahead or self._launch()
+            self._ahead = None
+            x, y = ahead.wait()
+            self._ahead = self._launch()  # the following step's copy overlaps this step's compute
+        pairs = list(zip(x.split(self.micro_batch), y.split(self.micro_batch)))
+        return self.transform(pairs) if self.transform is not None else pairs
+
+    def _rows(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """The next step's rows on the host, ``(idx, targets)`` each (grad_accum·micro_batch, block_size);
+        advances the sampler."""
         import torch
 
         need = self.micro_batch * self.grad_accum
@@ -104,18 +128,61 @@ class StepBatches:
         picked = self._order[1][self.sampler.offset:self.sampler.offset + need]
         self.sampler.offset += need
         rows = [self.dataset[i] for i in picked]
-        x = torch.stack([r[0] for r in rows]).to(self.device, non_blocking=True)
-        y = torch.stack([r[1] for r in rows]).to(self.device, non_blocking=True)
-        pairs = list(zip(x.split(self.micro_batch), y.split(self.micro_batch)))
-        return self.transform(pairs) if self.transform is not None else pairs
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    def _launch(self) -> "_Ahead":
+        position = (self.sampler.epoch, self.sampler.offset)
+        return _Ahead(*self._rows(), self.device, position)
+
+    def _position(self) -> tuple[int, int]:
+        """``(epoch, offset)`` of the consumer: before the prefetched step, if one is in flight."""
+        return self._ahead.position if self._ahead is not None else (self.sampler.epoch, self.sampler.offset)
 
     def state_dict(self) -> dict[str, int]:
         """Layout-free position: the epoch and the samples of it consumed by *all* dp ranks together."""
-        return {"epoch": self.sampler.epoch, "global_offset": self.sampler.offset * self.sampler.dp_size}
+        epoch, offset = self._position()
+        return {"epoch": epoch, "global_offset": offset * self.sampler.dp_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         dp = self.sampler.dp_size
         if state["global_offset"] % dp:
             raise ValueError(f"saved data position {state['global_offset']} is not divisible by dp={dp}; "
                              f"resume with a dp that divides the global batch")
+        self._ahead = None  # a prefetched step of the old position is dropped
         self.sampler.load_state_dict({"epoch": state["epoch"], "offset": state["global_offset"] // dp})
+
+
+class _Ahead:
+    """One step's ``(idx, targets)`` on their way to ``device``. On CUDA: copied from pinned host memory on a
+    side stream (``non_blocking``); ``wait`` makes the current stream wait for the copy and marks the tensors
+    as used there (``record_stream``: the allocator must not hand their memory out again before the current
+    stream is done with them). Elsewhere: the host tensors as they are (``.to`` a CPU device is a no-op)."""
+
+    _streams: "dict[torch.device, torch.cuda.Stream]" = {}
+
+    def __init__(self, x: "torch.Tensor", y: "torch.Tensor", device: "torch.device", position: tuple[int, int]) -> None:
+        import torch
+
+        self.position = position
+        self.host = (x, y)  # kept alive until consumed (the pinned allocator also waits for the copy's event)
+        self.event: torch.cuda.Event | None = None
+        if device.type != "cuda":
+            self.tensors = (x.to(device), y.to(device))
+            return
+        # the copy's device memory comes from the side stream's pool; record_stream in wait() keeps it from
+        # being reused before the consumer's stream is done with it, so the copy need not wait for that stream
+        stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        with torch.cuda.stream(stream):
+            self.tensors = (x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def wait(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+        import torch
+
+        if self.event is not None:
+            current = torch.cuda.current_stream(self.tensors[0].device)
+            current.wait_event(self.event)
+            for t in self.tensors:
+                t.record_stream(current)
+        return self.tensors
