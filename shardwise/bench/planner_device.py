@@ -63,13 +63,18 @@ def _train(model_flags: list[str], flags: list[str], steps: int, out: Path) -> d
             "quick_probe_s": summary.get("predicted_step_s")}
 
 
-def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = False) -> float:
+def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = False, compiled: bool = False,
+                      backend: str = "inductor") -> float:
     """Median step of a plain single-device PyTorch loop over the same model, batch and precision as
     ``config`` (a ``shardwise train`` config dict): forward under autocast, ``loss / accum`` backward per
     micro-batch, ``torch.optim.AdamW`` step. Data: random tokens (their values do not change the time).
     ``host_reads``: also the two host reads ``shardwise train`` makes every step — whether the loss and every
     gradient are finite, before the optimizer step (one fused inf-norm, one ``.item()``), and the loss after
-    it — so the difference to the bare loop is what those reads cost."""
+    it — so the difference to the bare loop is what those reads cost.
+
+    ``compiled``: the loop as one would write it for speed with torch alone — each transformer block
+    ``torch.compile``-d on its own (``backend``), fused AdamW, and no per-step synchronisation: the steps after
+    warm-up are timed together (one synchronize at each end), so the result is the device-bound step."""
     import torch
 
     from ..models import GPT, GPTConfig, lm_loss
@@ -80,13 +85,35 @@ def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = 
     model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"], n_layer=m["n_layer"],
                           n_head=m["n_head"], n_embd=m["n_embd"], dropout=m["dropout"], bias=m["bias"],
                           tie_weights=m["tie_weights"])).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if compiled:
+        for block in model.blocks:
+            block.compile(backend=backend)  # regional: one graph per block, reused by the identical blocks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if compiled else {}))
     mb = p["micro_batch"]
     accum = config["data"]["global_batch"] // mb
     bf16 = config["train"]["precision"] == "bf16"
     idx = torch.randint(0, m["vocab_size"], (mb, m["block_size"]), device=dev)
     tgt = torch.randint(0, m["vocab_size"], (mb, m["block_size"]), device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def step() -> None:
+        for _ in range(accum):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = lm_loss(model(idx), tgt) / accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if compiled:
+        warm = min(3, max(1, steps // 4))  # compilation happens in the first steps
+        for _ in range(warm):
+            step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps - warm):
+            step()
+        sync()
+        return (time.perf_counter() - start) / max(1, steps - warm)
     times = []
     for _ in range(steps):
         sync()
