@@ -56,6 +56,10 @@ class PendingStep:
     marks: Marks = field(default_factory=list)
     ends: tuple[Any, Any] | None = None
     """Marks after the optimizer step and after the loss all-reduce."""
+    host: torch.Tensor | None = None
+    """``[loss, flag]`` (2,) fp32 in pinned host memory, copied in stream order right after the step; ``done``
+    marks that copy. Reading ``loss`` itself would queue its copy behind the *next* step and wait for that too."""
+    done: Any = None
 
     @property
     def deferred(self) -> bool:
@@ -90,7 +94,10 @@ def finish_deferred(strategy: Any, mesh: Mesh, loss_sum: torch.Tensor, grads: li
     strategy.optimizer.zero_grad(set_to_none=True)
     after_opt = _mark(mesh.device)
     loss = strategy.mean_loss_tensor(loss_sum)
-    return PendingStep(step, lr, loss, t, flag, marks, (after_opt, _mark(mesh.device)))
+    ends = (after_opt, _mark(mesh.device))
+    host = torch.empty(2, dtype=torch.float32, pin_memory=mesh.device.type == "cuda")
+    host.copy_(torch.cat([loss.detach().reshape(1).float(), flag.reshape(1)]), non_blocking=True)
+    return PendingStep(step, lr, loss, t, flag, marks, ends, host, _mark(mesh.device))
 
 
 def read(p: PendingStep, since: float) -> tuple[float, bool, dict[str, float]]:
@@ -98,9 +105,11 @@ def read(p: PendingStep, since: float) -> tuple[float, bool, dict[str, float]]:
     phase times from its marks. ``t["step"]``: host clock from ``since`` (when the previous step was read, or
     this one launched) to now — one step's device time once the queue is full. ``t["host_wait_s"]``: how long
     the host blocked here. Local (its collectives were queued by ``finish_deferred``)."""
-    assert p.flag is not None and p.ends is not None
+    assert p.flag is not None and p.ends is not None and p.host is not None
     waited = time.perf_counter()
-    loss, bad = float(p.loss), bool(p.flag.item() > 0)  # the host waits here, a step behind the device
+    if isinstance(p.done, torch.cuda.Event):
+        p.done.synchronize()  # the host waits here for step n only, while step n+1 is queued behind it
+    loss, bad = float(p.host[0]), bool(p.host[1] > 0)
     now = time.perf_counter()
     t = dict(p.t)
     t["fwd"] = sum(seconds(m0, m1) for m0, m1, _ in p.marks)
