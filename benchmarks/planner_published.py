@@ -4,8 +4,9 @@
 
 Megatron-LM Table 1 (TF/s per GPU), the GPT-3 175B training time, ZeRO Table 1 (model states), Korthikanti et
 al. 2022 Table 5 and Narayanan et al. 2021 Table 2, all on the ``a100-80g-sxm`` preset, and Llama 3 405B
-(Dubey et al. 2024 Table 4, context parallelism included) on ``h100-80g-sxm``
-(``benchmarks/planner/published_report.py``, ``benchmarks/planner/published_llama3.py``). ``--search``: also the layout search on Megatron-LM Table 1 against
+(Dubey et al. 2024 Table 4, context parallelism included) and Megatron-Core r0.8.0's weak-scaling table (with and
+without ``Layout.async_tp``) on ``h100-80g-sxm`` (``benchmarks/planner/published_report.py``,
+``benchmarks/planner/published_llama3.py``, ``benchmarks/planner/published_mcore.py``). ``--search``: also the layout search on Megatron-LM Table 1 against
 the paper's layouts, and the search time (``benchmarks/planner/search_published.py``); ``--search-only``: that
 alone. Writes the tables of ``benchmarks/RESULTS.md``.
 """

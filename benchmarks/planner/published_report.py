@@ -3,7 +3,8 @@
 Megatron-LM Table 1 (TF/s per GPU), the GPT-3 175B training time, ZeRO Table 1 (model states), Korthikanti et
 al. 2022 Table 5 (iteration time and MFU, full vs selective recomputation), Narayanan et al. 2021 Table 2 (PTD-P
 vs ZeRO-3 without model parallelism: TF/s and training days), all on the ``a100-80g-sxm`` preset, and Llama 3
-405B (Dubey et al. 2024, Table 4, with and without context parallelism) on ``h100-80g-sxm``. Run by
+405B (Dubey et al. 2024, Table 4, with and without context parallelism) and Megatron-Core's weak-scaling table
+(with and without ``Layout.async_tp``) on ``h100-80g-sxm``. Run by
 ``python benchmarks/planner_published.py``.
 """
 
@@ -48,9 +49,12 @@ def published_tables() -> tuple[list[str], dict[str, Any]]:
     from .published_llama3 import llama3_table
 
     llama3, llama3_rows = llama3_table()
-    return lines + [""] + more + [""] + table2 + [""] + llama3, {
+    from .published_mcore import mcore_table
+
+    mcore, mcore_rows = mcore_table()
+    return lines + [""] + more + [""] + table2 + [""] + llama3 + [""] + mcore, {
         "megatron": rows, "gpt3_days": days, "korthikanti": korthikanti, "narayanan_table2": narayanan,
-        "llama3": llama3_rows}
+        "llama3": llama3_rows, "megatron_core": mcore_rows}
 
 
 def korthikanti_table() -> tuple[list[str], list[dict[str, Any]]]:

@@ -6,7 +6,8 @@ the memory bandwidth. Backward of a weight GEMM is two GEMMs of the same FLOPs (
 Narayanan et al. 2021 App.; Qi et al. 2023 Table 1: ``B ≈ W ≈ F`` per GEMM); the attention core has no
 weight and a backward of twice its forward. Memory-bound backward moves twice the forward traffic.
 The exposed tensor-parallel all-reduces (Megatron's ``f``/``g`` pair: two per block in forward, two in backward,
-none overlapped with compute) are returned separately so the breakdown can name them.
+none overlapped with compute) are returned separately so the breakdown can name them; with ``Layout.async_tp``
+they are cut into pieces under the matmuls and cost what ``tp_overlap`` says stays exposed.
 
 The attention core, two ways. Unfused (``ModelSpec.attention = "unfused"``, the kernels of Megatron-LM 2021
 and Korthikanti 2022: the scores go through memory) and a fused kernel on CPU ranks: its two GEMMs at their
@@ -21,8 +22,10 @@ from dataclasses import dataclass, replace
 from .hardware import Hardware
 from .plan import Layout
 from .layers import Gemm, Layer
+from .tp_overlap import GemmChunks, OverlapTime, layer_overlap, overlap_share
 
-__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes", "attention_time", "io_aware_attention"]
+__all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes", "attention_time", "io_aware_attention",
+           "async_tp_times"]
 
 
 def act_bytes(plan: Layout) -> int:
@@ -174,20 +177,60 @@ def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_no
         nbytes = layer.hidden * b * act_bytes(plan)
         one = hw.collective_time("all_reduce", nbytes, t, per_node=tp_per_node, algorithm="native") + hw.sync_skew_s
         tp_one = layer.tp_allreduces * one
+    tp_f = tp_b = tp_one
+    if t > 1 and layer.tp_allreduces and plan.async_tp:
+        # each collective still waits for the slowest rank once (the sync skew), as unoverlapped
+        over_f, over_b = async_tp_times(layer, plan, hw, tp_per_node)
+        skew = layer.tp_allreduces * hw.sync_skew_s
+        tp_f, tp_b = over_f.total + skew, over_b.total + skew
     # the calibration's block probe corrects what kernel costs alone miss (1.0 without a probe); it timed a
     # block without communication, so the tensor-parallel all-reduces are added after it
     compute_f = (f_gemm + f_ew) * hw.fwd_factor
-    F = compute_f + tp_one
+    F = compute_f + tp_f
     recompute = 0.0
     if plan.activation_checkpointing == "full" and layer.kind == "block":
         # the forward once more, its all-reduces included; a calibrated host says what the recomputed compute
         # really adds (``recompute_factor``: 1 on the presets)
-        recompute = compute_f * hw.recompute_factor + tp_one
+        recompute = compute_f * hw.recompute_factor + tp_f
     elif plan.activation_checkpointing == "selective" and layer.kind == "block":
         # the attention core and its softmax traffic (about two passes over the kept scores)
         recompute = (f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)) * hw.fwd_factor
     b_gemm, b_ew, w_gemm = b_gemm * hw.bwd_factor, b_ew * hw.bwd_factor, w_gemm * hw.bwd_factor
-    return LayerTime(F=F, B=b_gemm + b_ew + tp_one + recompute, W=w_gemm, recompute=recompute,
-                     tp_fwd=tp_one, tp_bwd=tp_one + (tp_one if recompute and plan.activation_checkpointing == "full"
-                                                     else 0.0),
+    return LayerTime(F=F, B=b_gemm + b_ew + tp_b + recompute, W=w_gemm, recompute=recompute,
+                     tp_fwd=tp_f, tp_bwd=tp_b + (tp_f if recompute and plan.activation_checkpointing == "full"
+                                                 else 0.0),
                      flops_fwd=flops, flops_attn=attn_flops)
+
+
+def async_tp_times(layer: Layer, plan: Layout, hw: Hardware, tp_per_node: int) -> tuple[OverlapTime, OverlapTime]:
+    """``(forward, backward)`` tensor-parallel cost of ``layer`` for one micro-batch under ``plan.async_tp``
+    (``tp_overlap`` module doc), without the sync skew. Its GEMMs at their tensor-parallel shapes, whole and in
+    row pieces, with the calibration's block factors (the probe timed them whole)."""
+    t, b = plan.tp, plan.micro_batch
+    dtype = "fp32" if plan.precision == "fp32" else "bf16"
+    eb = param_bytes(plan)
+
+    def chunks(g: Gemm) -> GemmChunks:
+        m, n, k, batch = _shape(g, b, t)
+
+        def times(rows: float) -> tuple[float, float, float]:
+            gemm = lambda a, c, d: hw.gemm_time(a, c, d, dtype=dtype, batch=batch, elem_bytes=eb)  # noqa: E731
+            return (gemm(rows, n, k) * hw.fwd_factor, gemm(rows, k, n) * hw.bwd_factor,
+                    gemm(k, n, rows) * hw.bwd_factor)
+
+        whole = times(m)
+        return GemmChunks(fwd=whole[0], dgrad=whole[1], wgrad=whole[2], piece=lambda c: times(m / c),
+                          in_bytes=m * k * batch * eb, out_bytes=m * n * batch * eb, weight_elems=k * n * batch)
+
+    cols = [chunks(g) for g in layer.gemms if g.weight and g.split == "col"]
+    rows = [chunks(g) for g in layer.gemms if g.weight and g.split == "row"]
+    coll = lambda op, nbytes: hw.collective_time(op, nbytes, t, per_node=tp_per_node,  # noqa: E731
+                                                 algorithm="native")
+    # ranks sharing one host's cores: every rank of the layout there (a CPU calibration), else irrelevant
+    share = overlap_share(hw, min(plan.devices, hw.devices_per_node))
+    w_deferred = plan.pp > 1 and plan.schedule in ("zb-h1", "zb-h2")
+    return layer_overlap(collectives=layer.tp_allreduces, t=t, sequence_parallel=plan.sequence_parallel,
+                         nbytes=layer.hidden * b * act_bytes(plan), coll=coll, cols=cols, rows=rows, hw=hw,
+                         share=share, w_deferred=w_deferred, elem_bytes=act_bytes(plan),
+                         # the weight gradient: fp32 beside fp32 or autocast weights, bf16 with bf16 weights
+                         grad_bytes=2 if plan.precision == "bf16-mixed" else 4)

@@ -22,7 +22,8 @@ from .plan import CHECKPOINTING, SCHEDULES, Layout
 from .predict import _hardware_for, layer_costs
 from .spec import ModelSpec
 
-__all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors", "layouts", "variants"]
+__all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors", "layouts", "variants",
+           "async_tp_of"]
 
 _ALIASES = {"pp_schedule": "schedule", "pp_chunks": "chunks", "pp_microbatches": "microbatches",
             "precision": "precision"}
@@ -168,6 +169,8 @@ def _check_pins(fixed: dict[str, Any], devices: int) -> None:
                          f"chunks per rank need schedule 'interleaved'")
     if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
         raise ValueError("pins sequence_parallel true and tp 1 contradict: sequence parallelism splits over tp")
+    if fixed.get("async_tp") and fixed.get("tp") == 1:
+        raise ValueError("pins async_tp true and tp 1 contradict: async_tp overlaps the tensor-parallel collectives")
     if fixed.get("zero_stage", 0) and fixed.get("dp") == 1:
         raise ValueError(f"pins zero_stage {fixed['zero_stage']} and dp 1 contradict: ZeRO shards over dp >= 2")
     piped = pipeline_pins(fixed)
@@ -286,6 +289,12 @@ def variants(spec: ModelSpec, *, tp: int, pp: int, dp: int, per: int, pins: dict
     return [(ckpt, sp, mbs, zeros) for ckpt in ckpts for sp in sps]
 
 
+def async_tp_of(pins: Mapping[str, Any], tp: int) -> bool:
+    """``Layout.async_tp`` of the search's candidates at ``tp``: the pin where tp > 1 (the search does not vary
+    it: the overlap is the user's choice of runtime, as the precision is), else False."""
+    return bool(pins.get("async_tp", False)) and tp > 1
+
+
 def note_mb_stop(regions: dict, *, tp: int, pp: int, dp: int, ckpt: str, mb: int, skipped: list[int],
                  least: float) -> None:
     _note(regions, f"memory: micro-batches above one already over the budget (tp={tp} pp={pp})",
@@ -311,8 +320,9 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
     """The candidates of one micro-batch size; returns the least memory floor among them. ``note``: count the
     ones over the budget in ``regions`` (``groups.LazyPool`` counted them when it bounded the group)."""
     cp = pins.get("cp", 1)
+    async_tp = async_tp_of(pins, tp)
     base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
-                  precision=precision)
+                  async_tp=async_tp, precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     least = float("inf")
     for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
@@ -320,7 +330,8 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
         for zero in zeros:
             plan = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
                         microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
-                        activation_checkpointing=ckpt, sequence_parallel=sp, precision=precision, pp_split=split)
+                        activation_checkpointing=ckpt, sequence_parallel=sp, async_tp=async_tp, precision=precision,
+                        pp_split=split)
             cand = _bounds(spec, plan, hw, per_layer, runtime, cache, budget)
             pool.total += 1
             least = min(least, cand.memory_floor)

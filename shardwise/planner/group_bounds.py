@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from .bounds import Option, memory_bounds, split_id, time_bound
-from .enumerate import Space, _schedule_options, _split, note_over_memory
+from .enumerate import Space, _schedule_options, _split, async_tp_of, note_over_memory
 from .hardware import Hardware
 from .memory import local_params
 from .plan import Layout
@@ -54,10 +54,11 @@ class Group:
 
 
 def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per: int, mb: int, ckpt: str, sp: bool,
-                zeros: list[int], accum: int, precision: str, runtime: str, cache: dict, cp: int = 1) -> float:
+                zeros: list[int], accum: int, precision: str, runtime: str, cache: dict, cp: int = 1,
+                async_tp: bool = False) -> float:
     """The least ``time_lb`` any plan of the group can have (module doc)."""
     base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
-                  precision=precision)
+                  async_tp=async_tp, precision=precision)
     key = ("work", tp, mb, ckpt, sp, precision)
     if key not in cache:
         costs = layer_costs(spec, base, hw, cache)
@@ -90,7 +91,8 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
     """The group's pipeline options: ``(option, accumulation, layer costs)``."""
     precision = pins.get("precision", space.precision)
     base = Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=pins.get("cp", 1), micro_batch=g.mb,
-                  activation_checkpointing=g.ckpt, sequence_parallel=g.sp, precision=precision)
+                  activation_checkpointing=g.ckpt, sequence_parallel=g.sp, async_tp=async_tp_of(pins, g.tp),
+                  precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers)):
         key = ("split and id", g.tp, g.mb, g.ckpt, g.sp, g.pp * chunks)
@@ -101,12 +103,14 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
         yield Option(schedule, chunks, split, g.per // g.mb // accum if g.pp > 1 else 1, sid), accum, per_layer
 
 
-def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Layout]], cp: int = 1) -> list[Layout]:
+def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Layout]], cp: int = 1,
+           async_tp: bool = False) -> list[Layout]:
     """One ``Layout`` per ZeRO stage of the group with ``accum`` flushes: the fields the bounds read besides the
     pipeline option (``bounds`` module doc); memoised in ``made`` per accumulation."""
     if accum not in made:
         made[accum] = [Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=cp, zero_stage=zero, micro_batch=g.mb, grad_accum=accum,
-                            activation_checkpointing=g.ckpt, sequence_parallel=g.sp, precision=precision)
+                            activation_checkpointing=g.ckpt, sequence_parallel=g.sp, async_tp=async_tp,
+                            precision=precision)
                        for zero in g.zeros]
     return made[accum]
 
@@ -121,7 +125,8 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     precision = pins.get("precision", space.precision)
     made: dict[int, list[Layout]] = {}
     cp = pins.get("cp", 1)
-    carriers = _plans(g, 1, precision, made, cp)  # memory does not read the accumulation
+    async_tp = async_tp_of(pins, g.tp)
+    carriers = _plans(g, 1, precision, made, cp, async_tp)  # memory does not read the accumulation
     over, need, example = 0, math.inf, None  # the ones over the budget, noted once (the least need first)
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
         for i, (memory_lb, floor) in enumerate(memory_bounds(spec, carriers, opt, hw, cache)):
@@ -132,11 +137,11 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
                     need, example = min(need, memory_lb), (accum, i, opt, memory_lb)
                 continue
             fit += 1
-            plan = _plans(g, accum, precision, made, cp)[i]
+            plan = _plans(g, accum, precision, made, cp, async_tp)[i]
             best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
     if example is not None:
         accum, i, opt, memory_lb = example
-        note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made, cp)[i], opt),
+        note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made, cp, async_tp)[i], opt),
                          memory_lb, count=over)
     return best, least, fit
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .enumerate import (_MB_STOP, Candidate, Pool, Space, _expand_mb, _note, _schedule_options, layouts,
-                        note_mb_stop, variants)
+                        async_tp_of, note_mb_stop, variants)
 from .group_bounds import Group, group_bound, group_least
 from .hardware import Hardware
 from .predict import _hardware_for
@@ -74,7 +74,7 @@ class LazyPool:
                     lb = group_bound(spec, hw_d, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp, zeros=zeros,
                                      accum=min(a for _, _, a in options),
                                      precision=pins.get("precision", space.precision), runtime=runtime, cache=cache,
-                                     cp=pins.get("cp", 1))
+                                     cp=pins.get("cp", 1), async_tp=async_tp_of(pins, tp))
                     groups.append(Group(lb, len(groups), tp, pp, dp, per, mb, ckpt, sp, tuple(zeros),
                                         tuple(mbs[i + 1:]), len(options) * len(zeros)))
         groups.sort()

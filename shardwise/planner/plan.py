@@ -46,6 +46,9 @@ class Layout:
     """``none``, ``full`` (keep each layer's input, recompute the layer) or ``selective`` (recompute only the
     attention core, Korthikanti et al. 2022)."""
     sequence_parallel: bool = False
+    async_tp: bool = False
+    """Tensor-parallel communication overlapped with the matmuls (``parallel.async_tp``): each collective cut
+    into pieces that travel while other pieces' matmuls run (``planner/tp_overlap.py`` prices it). Needs tp > 1."""
     pp_split: tuple[str, ...] = ()
     """Names of the layers (model units) that start pipeline stages 1, 2, … (``pp × chunks - 1`` of them);
     empty = balanced by parameter count, as ``shardwise train`` cuts by default."""
@@ -69,6 +72,8 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Layout.{name} must be an int >= 0 (0 = inferred), got {value!r}")
+        if not isinstance(self.async_tp, bool):
+            raise ValueError(f"Layout.async_tp must be a bool, got {self.async_tp!r}")
         if self.activation_checkpointing is True or self.activation_checkpointing is False:
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         for name, allowed in (("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
@@ -127,7 +132,7 @@ class Layout:
 
     def describe(self) -> str:
         """One line, e.g. ``dp=8 tp=8 pp=16 zero=1 mb=1 interleaved×2 ckpt=full sp bf16`` (``cp=N`` after dp
-        when cp > 1)."""
+        when cp > 1, ``async-tp`` after ``sp`` when set)."""
         parts = [f"dp={self.dp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"tp={self.tp}", f"pp={self.pp}"]
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
@@ -138,6 +143,8 @@ class Layout:
             parts.append(f"ckpt={self.activation_checkpointing}")
         if self.sequence_parallel:
             parts.append("sp")
+        if self.async_tp:
+            parts.append("async-tp")
         parts.append(self.precision)
         return " ".join(parts)
 

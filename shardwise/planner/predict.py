@@ -74,14 +74,20 @@ def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
                          f"layers; use fewer stages")
     if plan.sequence_parallel and plan.tp == 1:
         raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
+    if plan.async_tp and plan.tp == 1:
+        raise ValueError("async_tp needs tp > 1 (it overlaps the tensor-parallel collectives); set tp >= 2 or "
+                         "async_tp = False")
     plan.check_seq_len(spec.seq_len)
 
 
 def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
     """Every layer's ``LayerTime`` for one micro-batch under ``plan`` (memoised in ``cache`` by what it depends
-    on: tp, micro-batch, recomputation, sequence parallelism, precision)."""
+    on: tp, micro-batch, recomputation, sequence parallelism, precision; with ``async_tp`` also the devices and
+    the schedule)."""
     key = ("layers", id(hw), plan.tp, plan.micro_batch, plan.activation_checkpointing, plan.sequence_parallel,
            plan.precision) + ((plan.cp,) if plan.cp > 1 else ())
+    if plan.async_tp:  # the overlap also depends on the ranks sharing a host and on a deferred weight gradient
+        key += ("async_tp", plan.devices, plan.pp > 1 and plan.schedule in ("zb-h1", "zb-h2"))
     if cache is not None and key in cache:
         return cache[key]
     tp_per_node = min(plan.tp, hw.devices_per_node)

@@ -21,7 +21,7 @@ from .model_build import model_spec, planner_split_names, train_split_names
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
 
 PIN_FIELDS = ("dp", "tp", "pp", "cp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
-              "pp_microbatches", "pp_split", "activation_checkpointing", "replicate")
+              "pp_microbatches", "pp_split", "activation_checkpointing", "replicate", "async_tp")
 """``parallel.*`` fields that pin the search (``--pin parallel.tp=8``, or given flags with ``--parallel.auto``)."""
 
 
@@ -35,7 +35,7 @@ def config_from_plan(plan: Layout) -> dict[str, Any]:
         raise ValueError(f"plan {plan.describe()}: shardwise train runs fp32 or bf16 autocast, not bf16-mixed")
     out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "zero_stage": plan.zero_stage,
                            "activation_checkpointing": plan.activation_checkpointing == "full",
-                           "sequence_parallel": plan.sequence_parallel}
+                           "sequence_parallel": plan.sequence_parallel, "async_tp": plan.async_tp}
     if plan.pp == 1:
         out.update(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, pp_schedule="1f1b", pp_chunks=1,
                    pp_microbatches=0, pp_split=())
@@ -66,9 +66,9 @@ def parse_pin(text: str) -> tuple[str, Any]:
     value: Any = raw.strip()
     if name in ("pp_split", "replicate"):
         value = tuple(v for v in value.split(",") if v)
-    elif name == "activation_checkpointing":
+    elif name in ("activation_checkpointing", "async_tp"):
         if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"--pin {text!r}: activation_checkpointing is true or false")
+            raise ValueError(f"--pin {text!r}: {name} is true or false")
         value = value.lower() in ("true", "1")
     elif name != "pp_schedule":  # a schedule's name is checked with the other values (_check_pin_values)
         if not value.isdigit():
@@ -139,6 +139,8 @@ def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
             pins["pp_split"] = tuple(value)
         elif key == "activation_checkpointing":
             pins[key] = "full" if value else "none"
+        elif key == "async_tp" and value:  # false pins nothing: the search prices async_tp only when asked
+            pins[key] = True
     if "micro_batch" in pairs:
         pp, m = pairs.get("pp"), pairs.get("pp_microbatches")
         if pp == 1:

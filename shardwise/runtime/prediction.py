@@ -37,7 +37,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
 
     Field by field: ``dp``, ``cp``, ``tp``, ``pp``, ``zero_stage`` as they are; ``activation_checkpointing`` true →
     ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
-    (bf16 autocast over fp32 weights); ``sequence_parallel`` as it is.
+    (bf16 autocast over fp32 weights); ``sequence_parallel`` and ``async_tp`` as they are.
 
     The batch with pp = 1: ``micro_batch`` sequences per pass, ``grad_accum`` passes (0: inferred by
     ``Layout.resolved`` from the global batch).
@@ -60,7 +60,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     fields: dict[str, Any] = dict(
         dp=dp, cp=p.cp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, grad_accum=p.grad_accum,
         activation_checkpointing="full" if p.activation_checkpointing else "none",
-        sequence_parallel=p.sequence_parallel,
+        sequence_parallel=p.sequence_parallel, async_tp=p.async_tp,
         precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
         schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1,
         pp_split=planner_split_names(cfg.model, tuple(p.pp_split)) if p.pp > 1 else ())
