@@ -12,10 +12,16 @@ overhead against DTensor, and the bytes of planned boxing conversions on a 2×2 
                      CPU ranks on one host; left out on CUDA)
         torch        torch.distributed.tensor.parallel.parallelize_module, ColwiseParallel/RowwiseParallel
         torch-sp     the same with torch's SequenceParallel on the norms
+        sw-async, sw-sp-async, sw-shm-async, sw-sp-shm-async   each sw variant with ``async_tp=True`` (the tp
+                     collectives overlapped with the matmuls, ``parallel/tensor/overlap.py``); ``--async-tp``
+                     adds the twin of every selected sw variant. Their "vs sync" column is the median over rounds
+                     of the paired ratio to the unoverlapped twin's step in the same round.
 
     torch's ColwiseParallel cuts the fused qkv weight into naive row blocks, so its rows are first permuted to
     [q₀ k₀ v₀ | q₁ k₁ v₁ | ...] (rank r's heads contiguous): both then compute the same function, checked
-    by comparing the first loss. A step's time is the median over steps, then the maximum over ranks.
+    by comparing the first loss. A step's time is the median over steps, then the maximum over ranks. "comm" is
+    the unoverlapped variants' share of the step spent inside the tp collectives (blocking: transfer and waiting
+    for the peers), summed over ranks, from ``--steps`` extra steps with the collectives timed.
 (b) Eager overhead of one boxing call (a GlobalTensor ``to_sbp``) against DTensor ``redistribute`` and the
     raw collective, on a 64×64 piece per rank.
 (c) Bytes per rank of every planned conversion between 2-axis signatures on a 2×2 mesh (1024×1024 fp32)
@@ -41,12 +47,17 @@ from .harness import add_launch_arguments, run_bench
 
 __all__ = ["add_arguments", "main"]
 
-VARIANTS = ["sw", "sw-sp", "torch", "torch-sp", "sw-shm", "sw-sp-shm"]
-DEFAULT = VARIANTS
+DEFAULT = ["sw", "sw-sp", "torch", "torch-sp", "sw-shm", "sw-sp-shm"]
+VARIANTS = DEFAULT + ["sw-async", "sw-sp-async", "sw-shm-async", "sw-sp-shm-async"]
 
 
 def _is_sp(name: str) -> bool:
     return "-sp" in name
+
+
+def _sync_twin(name: str) -> str | None:
+    """The unoverlapped variant an ``-async`` one is paired with."""
+    return name[:-len("-async")] if name.endswith("-async") else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=8, help="interleaved rounds (default 8)")
     parser.add_argument("--iters", type=int, default=500, help="timed calls per boxing measurement (default 500)")
     parser.add_argument("--variants", default=",".join(DEFAULT), help="comma list of: " + ", ".join(VARIANTS)
-                        + " (default: all; the shm ones only on CPU)")
+                        + " (default: all but the -async ones; the shm ones only on CPU)")
+    parser.add_argument("--async-tp", action="store_true",
+                        help="add the overlapped (async_tp) twin of every selected sw variant")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
 
@@ -71,6 +84,9 @@ def _validate(args: argparse.Namespace) -> list[str]:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if getattr(args, "async_tp", False):
+        names += [f"{n}-async" for n in names if n.startswith("sw") and _sync_twin(n) is None
+                  and f"{n}-async" not in names]
     for flag in ("nproc", "layers", "embd", "heads", "batch", "seq", "steps", "repeats", "iters"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -101,14 +117,14 @@ class Stack(nn.Module):
         return x
 
 
-def _sw_variant(net: Stack, cfg, mesh, sp: bool, algorithm: str = "native") -> nn.Module:
+def _sw_variant(net: Stack, cfg, mesh, sp: bool, algorithm: str = "native", async_tp: bool = False) -> nn.Module:
     import shardwise as sw
 
     plan = {"blocks.*.attn.qkv": sw.QKVParallel(cfg.n_head), "blocks.*.attn.proj": sw.RowParallel(),
             "blocks.*.mlp.fc": sw.ColumnParallel(), "blocks.*.mlp.proj": sw.RowParallel()}
     if sp:
         plan["blocks.*.ln_*"] = sw.SequenceParallel()
-    return sw.parallelize(net, mesh, plan, axis="tp", sequence_parallel=sp, algorithm=algorithm)
+    return sw.parallelize(net, mesh, plan, axis="tp", sequence_parallel=sp, algorithm=algorithm, async_tp=async_tp)
 
 
 def _head_major(t: torch.Tensor, tp: int) -> torch.Tensor:
@@ -182,12 +198,13 @@ def _step_rows(args: argparse.Namespace, mesh, names: list[str]) -> tuple[list[d
     x = torch.randn(args.batch, args.seq, args.embd, generator=torch.Generator().manual_seed(0)).to(mesh.device)
     tp, steps = mesh.size("tp"), {}
     if mesh.device.type != "cpu":  # shared memory moves host tensors only
-        names = [n for n in names if not n.endswith("-shm")]
+        names = [n for n in names if "-shm" not in n]
     for name in names:
         torch.manual_seed(0)
         net = Stack(cfg).to(mesh.device)
-        algorithm = "shm" if name.endswith("-shm") else "native"
-        model = (_sw_variant(net, cfg, mesh, _is_sp(name), algorithm) if name.startswith("sw")
+        algorithm = "shm" if "-shm" in name else "native"
+        model = (_sw_variant(net, cfg, mesh, _is_sp(name), algorithm, _sync_twin(name) is not None)
+                 if name.startswith("sw")
                  else _torch_variant(net, cfg, tp, _is_sp(name)))
         steps[name] = _make_step(model, x, _is_sp(name), mesh)
     first = {name: steps[name]() for name in names}  # also a warm-up step
@@ -201,7 +218,43 @@ def _step_rows(args: argparse.Namespace, mesh, names: list[str]) -> tuple[list[d
             sw.comm.barrier(mesh, "tp")
             rounds[r, k] = statistics.median(_time_steps(steps[name], args.steps, x.is_cuda))
     sw.comm.all_reduce(rounds, mesh, "tp", op="max")
-    return [_row(n, k, names, rounds) for k, n in enumerate(names)], check
+    rows = [_row(n, k, names, rounds) for k, n in enumerate(names)]
+    for row in rows:  # the unoverlapped sw variants: their share of the step inside the tp collectives
+        name = str(row["variant"])
+        row["comm_share"] = (_comm_share(steps[name], args.steps, mesh, x.is_cuda)
+                             if name.startswith("sw") and _sync_twin(name) is None else float("nan"))
+    return rows, check
+
+
+def _comm_share(step: Step, count: int, mesh, cuda: bool) -> float:
+    """Seconds inside the tp collectives of the model's layers (blocking calls) over the seconds of ``count``
+    steps, summed over ranks. Patches the collectives the differentiable conversions call while it runs."""
+    import shardwise as sw
+    from ..comm import autograd as cag
+
+    spent = [0.0]
+
+    def timed(fn: Callable) -> Callable:
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return call
+
+    saved = {k: getattr(cag, k) for k in ("all_gather", "all_reduce", "reduce_scatter")}
+    sw.comm.barrier(mesh, "tp")
+    try:
+        for k, fn in saved.items():
+            setattr(cag, k, timed(fn))
+        total = sum(_time_steps(step, count, cuda))
+    finally:
+        for k, fn in saved.items():
+            setattr(cag, k, fn)
+    sums = torch.tensor([spent[0], total], dtype=torch.float64)
+    sw.comm.all_reduce(sums, mesh, "tp")
+    return float(sums[0] / sums[1])
 
 
 def _row(name: str, k: int, names: list[str], rounds: torch.Tensor) -> dict[str, object]:
@@ -209,9 +262,13 @@ def _row(name: str, k: int, names: list[str], rounds: torch.Tensor) -> dict[str,
     the same mode in the same round (cancels slow load drift on a shared machine)."""
     base = "torch-sp" if _is_sp(name) else "torch"
     ratios = (rounds[:, k] / rounds[:, names.index(base)]).tolist() if base in names else []
+    twin = _sync_twin(name)
+    vs_sync = (rounds[:, k] / rounds[:, names.index(twin)]).tolist() if twin in names else []
     return {"variant": name, "step_ms": 1e3 * statistics.median(rounds[:, k].tolist()),
             "vs_torch": statistics.median(ratios) if ratios else float("nan"),
-            "vs_torch_range": [min(ratios), max(ratios)] if ratios else []}
+            "vs_torch_range": [min(ratios), max(ratios)] if ratios else [],
+            "vs_sync": statistics.median(vs_sync) if vs_sync else float("nan"),
+            "vs_sync_range": [min(vs_sync), max(vs_sync)] if vs_sync else []}
 
 
 # -- (b) boxing overhead ---------------------------------------------------------------------------
@@ -349,10 +406,12 @@ def _report(args, n: int, rows, check: float, boxing, bytes_rows) -> None:
     print(f"\nshardwise bench tp: tp={n}, {args.layers} blocks h={args.embd} heads={args.heads}, batch "
           f"{args.batch}x{args.seq}, {args.repeats}x{args.steps} timed steps, torch {torch.__version__}, "
           f"{platform.node()}; |loss(sw) - loss(torch)| at step 1 = {check:.2e}")
-    print(f"{'variant':<10}{'step ms':>9}{'vs torch':>10}  paired ratio per round: min-max")
+    print(f"{'variant':<16}{'step ms':>9}{'vs torch':>10}{'vs sync':>9}{'comm':>7}  paired ratios per round: "
+          f"min-max")
     for r in rows:
-        span = "-".join(f"{x:.3f}" for x in r["vs_torch_range"])
-        print(f"{r['variant']:<10}{r['step_ms']:>9.2f}{r['vs_torch']:>10.3f}  {span}")
+        span = "-".join(f"{x:.3f}" for x in r["vs_torch_range"] or r["vs_sync_range"])
+        print(f"{r['variant']:<16}{r['step_ms']:>9.2f}{r['vs_torch']:>10.3f}{r['vs_sync']:>9.3f}"
+              f"{r['comm_share']:>7.2f}  {span}")
     print(f"\n{'boxing (64x64 fp32 per rank)':<28}{'raw us':>9}{'sw us':>9}{'DTensor us':>11}{'sw extra':>10}"
           f"{'DT extra':>10}")
     for name, raw, ours, theirs in boxing:

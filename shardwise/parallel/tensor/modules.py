@@ -104,7 +104,9 @@ class TPContext:
         cached = self._converted(x)
         if cached is not None or not self.overlapped():
             return F.linear(cached if cached is not None else self.gather_input(x), w, b)
-        if self.sequence_parallel and x.dim() >= 2:
+        if self.sequence_parallel and x.dim() != 3:  # the rings cut (b, t, h) activations only
+            return F.linear(self.gather_input(x), w, b)
+        if self.sequence_parallel:
             n = self.mesh.size(self.axis)
             sizes = self.seq_sizes if self.seq_sizes is not None else [x.size(SEQ_DIM)] * n
             y, conv = overlap.gather_linear(x, w, b, self.mesh, self.axis, sizes=sizes, algorithm=self.algorithm)
@@ -118,7 +120,7 @@ class TPContext:
         (``overlap.py``): SP, the reduce-scatter as a ring of partial sums, one chunk matmul per hop; else the
         all-reduce in pieces, each under the next piece's matmul. x (b, t, i_r), w (o, i_r) → (b, t_r, o) with
         SP, (b, t, o) without."""
-        if not self.overlapped() or x.dim() < 2:
+        if not self.overlapped() or (self.sequence_parallel and x.dim() != 3):
             return self.reduce_output(F.linear(x, w))
         if self.sequence_parallel:
             return overlap.linear_scatter(x, w, self.mesh, self.axis, algorithm=self.algorithm)

@@ -98,6 +98,29 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.size(-1))
 
 
+def _rows_mm(a: torch.Tensor, rows: slice, w: torch.Tensor, out: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a[:, rows] @ w (+ bias)`` one batch element at a time: ``a[j, rows]`` is a contiguous (t_rows, k) block
+    of a contiguous (b, t, k) tensor, so no slice is copied. a (b, t, k), w (k, m) → (b, t_rows, m), or written
+    into ``out`` (each ``out[j]`` contiguous)."""
+    n = rows.stop - rows.start
+    if out is None:
+        out = a.new_empty((a.size(0), n, w.size(1)))
+    for j in range(a.size(0)):
+        if bias is None:
+            torch.mm(a[j, rows], w, out=out[j])
+        else:
+            torch.addmm(bias, a[j, rows], w, out=out[j])
+    return out
+
+
+def _add_weight_grad(dw: torch.Tensor, dy: torch.Tensor, dy_rows: slice, x: torch.Tensor, x_rows: slice) -> None:
+    """``dw += Σ_j dy[j, dy_rows]ᵀ · x[j, x_rows]``: one sequence chunk's share of a weight gradient, without
+    copying the slices. dy (b, ·, o), x (b, ·, i), dw (o, i)."""
+    for j in range(dy.size(0)):
+        dw.addmm_(dy[j, dy_rows].t(), x[j, x_rows])
+
+
 class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: Mesh, axis: str,
@@ -107,16 +130,18 @@ class _GatherLinear(torch.autograd.Function):
         n, c = ring.n, ring.c
         record_collective("all_gather", f"async-{algorithm}", axis, x.numel() * x.element_size(), n)
         held = {c: x.contiguous()}
-        ys: dict[int, torch.Tensor] = {}
+        offs = shard_offsets(sum(sizes), n)
+        y = x.new_empty((x.size(0), sum(sizes), w.size(0)))  # (b, t, o_r), filled chunk by chunk
+        wt = w.t()  # (i, o_r)
         for s in range(n):
             src = (c - s) % n
             if s < n - 1:  # the chunk in hand goes on while its rows are computed
                 nxt_src = (c - s - 1) % n
                 held[nxt_src] = x.new_empty((x.size(0), sizes[nxt_src], *x.shape[2:]))
                 ring.shift(held[src], held[nxt_src], _FWD_TAG)
-            ys[src] = F.linear(held[src], w, b)
+            rows = slice(offs[src], offs[src] + sizes[src])
+            _rows_mm(held[src], slice(0, sizes[src]), wt, y[:, rows], b)
             ring.wait()
-        y = torch.cat([ys[j] for j in range(n)], dim=1)
         full = torch.cat([held[j] for j in range(n)], dim=1)
         ctx.save_for_backward(full, w)
         ctx.set_materialize_grads(False)  # no zeros for an unused gathered input
@@ -144,23 +169,24 @@ def _scatter_ring(dy: torch.Tensor, w: torch.Tensor, xin: torch.Tensor | None, e
     ring = _Ring(mesh, axis, algorithm)
     n, c = ring.n, ring.c
     offs = shard_offsets(sum(sizes), n)
+    dy = dy.contiguous()
+    xin = xin.contiguous() if xin is not None else None
     dw = torch.zeros_like(w) if weight_grad else None
     acc: torch.Tensor | None = None
     for s in range(n):
         d = (c - s - 1) % n  # the destination chunk whose partial sum this rank adds at step s
         rows = slice(offs[d], offs[d] + sizes[d])
-        part = F.linear(dy[:, rows], w) if transpose_w else torch.matmul(dy[:, rows], w)
+        part = _rows_mm(dy, rows, w.t() if transpose_w else w)
         if extra is not None:
             part = part + extra[:, rows]
         ring.wait()  # the accumulator for chunk d, sent by c−1 at step s−1, has arrived in ``acc``
         if acc is not None:
             part = part.add_(acc)
-        part = part.contiguous()
         if s < n - 1:
             acc = part.new_empty((part.size(0), sizes[(d - 1) % n], *part.shape[2:]))
             ring.shift(part, acc, tag)
         if dw is not None:  # this chunk's share of dW hides the hop just posted
-            dw.add_(_flat(dy[:, rows]).t() @ _flat(xin[:, rows]))  # type: ignore[index]
+            _add_weight_grad(dw, dy, rows, xin, rows)  # type: ignore[arg-type]
         if s == n - 1:
             ring.wait()
             return part, dw
@@ -176,7 +202,8 @@ def _gather_ring(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor, mesh: Mesh,
     n, c = ring.n, ring.c
     offs = shard_offsets(sum(sizes), n)
     held = {c: dy.contiguous()}
-    dxs: dict[int, torch.Tensor] = {}
+    x = x.contiguous()
+    dx = dy.new_empty((dy.size(0), sum(sizes), w.size(1)))  # (b, t, i_r), filled chunk by chunk
     dw = torch.zeros_like(w) if weight_grad else None
     for s in range(n):
         src = (c - s) % n
@@ -184,11 +211,12 @@ def _gather_ring(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor, mesh: Mesh,
             nxt = (c - s - 1) % n
             held[nxt] = dy.new_empty((dy.size(0), sizes[nxt], *dy.shape[2:]))
             ring.shift(held[src], held[nxt], tag)
-        dxs[src] = torch.matmul(held[src], w)
+        rows = slice(offs[src], offs[src] + sizes[src])
+        _rows_mm(held[src], slice(0, sizes[src]), w, dx[:, rows])
         if dw is not None:
-            dw.add_(_flat(held[src]).t() @ _flat(x[:, offs[src]:offs[src] + sizes[src]]))
+            _add_weight_grad(dw, held[src], slice(0, sizes[src]), x, rows)
         ring.wait()
-    return torch.cat([dxs[j] for j in range(n)], dim=1), dw
+    return dx, dw
 
 
 class _LinearScatter(torch.autograd.Function):
