@@ -26,6 +26,7 @@ from .sbp import Broadcast, GlobalTensor, Partial, Replicate, Split, distribute,
 from .parallel.data.data_parallel import DataParallel
 from .parallel.common.activation_checkpointing import checkpoint_layers, checkpoint_report
 from .parallel.common.mixed_precision import MixedPrecision
+from .parallel.common.compile import CompileStats, compile, compile_stats
 from .parallel.tensor.apply_plan import (ColumnParallel, ContextParallel, QKVParallel, RowParallel, SequenceParallel,
                                          VocabParallel, gpt_plan, parallelize, vocab_parallel_cross_entropy)
 from .parallel.zero.wrap import zero
@@ -55,6 +56,8 @@ __all__ = [
     "Split", "Replicate", "Broadcast", "Partial", "parse_sbp", "GlobalTensor", "distribute", "to_global",
     # data parallelism and what every strategy shares
     "DataParallel", "MixedPrecision", "checkpoint_layers", "checkpoint_report",
+    # regional torch.compile (each transformer block), composing with every layout; its cost and recompiles
+    "compile", "compile_stats", "CompileStats",
     # tensor parallelism: styles, the GPT plan, the loss over vocabulary-split logits
     "parallelize", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel", "gpt_plan",
     "vocab_parallel_cross_entropy",

@@ -53,7 +53,8 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
     single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0, grad_accum=0,
                                  sequence_parallel=False, async_tp=False, pp_microbatches=0, pp_chunks=1,
                                  pp_split=())
-    reference = validate(dataclasses.replace(cfg, parallel=single, debug=DebugConfig()))  # same train.precision
+    eager = dataclasses.replace(cfg.train, compile=False)  # train.compile: compiled layout vs eager one process
+    reference = validate(dataclasses.replace(cfg, parallel=single, train=eager, debug=DebugConfig()))  # same precision
     rtol, atol = TOLERANCES[cfg.train.precision]
     args.rtol = rtol if args.rtol is None else args.rtol
     args.atol = atol if args.atol is None else args.atol
@@ -75,6 +76,7 @@ def _describe(cfg: Config) -> str:
     ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
     cp = f" × cp={p.cp}" if p.cp > 1 else ""
     ckpt += ", bf16 autocast" if cfg.train.precision == "bf16" else ""
+    ckpt += f", compiled ({cfg.train.compile_backend})" if cfg.train.compile else ""
     if p.pp > 1:
         return (f"pp={p.pp} × dp={p.dp}{cp} × tp={p.tp}{zero}{ckpt}, {p.pp_schedule}, micro {p.micro_batch} × accum "
                 f"{p.grad_accum} in {p.pp_microbatches} pipeline micro-batches")

@@ -23,6 +23,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "validate", "default_nproc", "describe_fields"]
 
 
+from .compiling import check_compile
 from .config_ranges import check_async_tp, check_context_parallel, check_numbers, check_sequence_parallel
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
@@ -305,6 +306,7 @@ def _check_strategies(config: Config) -> None:
     check_sequence_parallel(config)
     check_async_tp(config)
     check_context_parallel(config)
+    check_compile(config)
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:

@@ -222,6 +222,8 @@ def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = 
             "construction_s": [r.get("construction_s") for r in ranks],
             "pretrained_bytes_read": [r.get("pretrained_bytes_read") for r in ranks],
             "final_val_loss": head.get("val_loss"), "eval_s": head.get("eval_s"),
+            **({"compile_s": [r.get("compile_s") for r in ranks], "recompiles": [r.get("recompiles") for r in ranks]}
+               if "compile_s" in head else {}),
             "hardware": pred.get("hardware_source"), "time": time.time()}
 
 
@@ -267,6 +269,15 @@ def _peak_row(ranks: list[dict[str, Any]]) -> tuple[str, str]:
     return f"peak {what} per rank (incl. construction)", ", ".join(one(r) for r in ranks)
 
 
+def compile_row(head: dict[str, Any]) -> str:
+    """The summary's ``torch.compile`` row from rank 0's summary (``runtime/compiling.py``)."""
+    excess = head.get("compile_first_step_excess_s")
+    why = f": {'; '.join(head.get('recompile_reasons') or [])}" if head.get("recompiles") else ""
+    return (f"{head['compile_s']:.1f} s compiling (rank 0; first step {excess or 0.0:.1f} s above the median), "
+            f"{head.get('compile_graphs', 0)} graphs, {head.get('compile_graph_breaks', 0)} graph breaks, "
+            f"{head.get('recompiles', 0)} recompiles{why}")
+
+
 def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The end-of-run table, from the ranks' summary files (``RUN/ranks/``) and the config, with the
     prediction made before the launch next to what was measured; returns ``summary_record``."""
@@ -304,6 +315,8 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
     record = summary_record(cfg, run_dir, prediction)
     for k, v in _comparison_rows(record or {}):
         table.add_row(k, v)
+    if "compile_s" in head:  # train.compile: what compiling cost, and whether anything recompiled
+        table.add_row("torch.compile", compile_row(head))
     skipped = head.get("skipped_steps", 0)
     if skipped:  # train.nonfinite = skip: steps whose loss or gradients were not finite, dropped on every rank
         table.add_row("non-finite", f"skipped {skipped} non-finite step{'s' if skipped != 1 else ''} "

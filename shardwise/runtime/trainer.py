@@ -162,16 +162,15 @@ class Trainer:
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
         # the bytes autograd keeps for backward, at their high-water mark; a GPU's allocator peak says it without
         # a Python hook per saved tensor (which would cost host time the GPU waits for at small micro-batches)
-        marks: list[Any] | None = [] if defer else None  # the passes' timing marks, read with the step
+        late: dict[str, Any] = {"marks_out": []} if defer else {}  # the passes' timing marks, read with the step
         with self.activations if self.mesh.device.type != "cuda" else nullcontext():
-            loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss,
-                                            **({"marks_out": marks} if marks is not None else {}))
+            loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss, **late)
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
             self.strategy.scale_param_grads(self.mesh.size("dp"))  # injected bug: the sum over dp (× cp), not the mean
-        if marks is not None:
+        if defer:
             return finish_deferred(self.strategy, self.mesh, loss_sum, self.strategy.grads(), step=self.step, lr=lr,
-                                   t=t, marks=marks)
+                                   t=t, marks=late["marks_out"])
         local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
         self.grad_norm = float("nan")  # the step's norm before clipping (logged with clipping on; NaN: skipped)
         if self._finite(local_loss):  # collective: every rank takes the same branch
@@ -195,12 +194,10 @@ class Trainer:
         """``(loss, times)`` of a step; a deferred one is read now (``host_overlap.read``), then its skip policy."""
         if not p.deferred:
             return float(p.loss), p.t
-        loss, bad, t = read(p, since)
-        self.last_skipped = bad
-        if bad:
-            self._skip(loss, late=p.step)
-        else:
-            self.skipped_in_row = 0
+        loss, self.last_skipped, t = read(p, since)
+        self.skipped_in_row = self.skipped_in_row if self.last_skipped else 0
+        if self.last_skipped:
+            self._skip(loss, late=p.step)  # counts the skip, or raises NonFiniteError
         return loss, t
 
     def _finite(self, loss: torch.Tensor) -> bool:
@@ -300,8 +297,9 @@ class Trainer:
         loss, t = self._settle(p, since)
         timings.append(t)
         if writer is not None and progress is not None:
-            writer.write(self._record(p, loss, t))
+            writer.write({**self._record(p, loss, t), **self.strategy.compiled.record()})
             progress.update(p.step, loss, self.tokens_per_step / t["step"])
+            self.strategy.compiled.note(progress, p.step)  # train.compile: a recompilation is reported, not silent
         return loss
 
     def _record(self, p: PendingStep, loss: float, t: dict[str, float]) -> dict[str, Any]:
@@ -339,7 +337,8 @@ class Trainer:
                 "val_loss": self.evals[-1]["val_loss"] if self.evals else None,
                 "eval_s": statistics.median(e["eval_s"] for e in self.evals) if self.evals else None,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
-                "activation_peak_bytes": self._activation_peak(memory)}
+                "activation_peak_bytes": self._activation_peak(memory),
+                **self.strategy.compiled.summary(timings[0]["step"] if timings else None, step_s)}
 
     def _activation_peak(self, memory: dict[str, int]) -> int:
         """Saved-tensor high-water mark (CPU); on a GPU the allocator's peak beyond the model states."""

@@ -45,9 +45,11 @@ class _CheckpointedForward:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.enabled = True
+        self.body: Callable[..., Any] | None = None
+        """What runs under the checkpoint instead of the class forward (``sw.compile``: the compiled forward)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        original = type(self.module).forward
+        original = type(self.module).forward if self.body is None else _unbound(self.body)
         if not self.enabled or not torch.is_grad_enabled():
             return original(self.module, *args, **kwargs)
         meter = _METER.get()
@@ -58,6 +60,11 @@ class _CheckpointedForward:
                 if isinstance(value, torch.Tensor):
                     _count(meter, value)
         return checkpoint(original, self.module, *args, use_reentrant=False, **kwargs)
+
+
+def _unbound(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` called like the class forward, ``(module, *args)`` (``body`` holds its module already)."""
+    return lambda _module, *args, **kwargs: body(*args, **kwargs)
 
 
 def _is_checkpointed(module: nn.Module) -> bool:

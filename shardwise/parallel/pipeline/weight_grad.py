@@ -56,16 +56,21 @@ class WeightCapture:
     ``run`` returns ``(Captured, y)`` pairs; B asks autograd for dL/dy alongside dL/dx and W computes the
     weight gradients from them. That is exact when every trainable parameter belongs to one module that is
     called exactly once per forward; otherwise ``run`` returns ``None`` and the step falls back to
-    differentiating the whole stage in W. The hooks stay on the user's modules but record nothing outside a
-    pipeline forward.
+    differentiating the whole stage in W (always for a stage holding a compiled region). The hooks stay on the
+    user's modules but record nothing outside a pipeline forward.
     """
 
     def __init__(self, stage: nn.Module) -> None:
-        self.modules = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
+        # Inside a compiled region (``sw.compile``) a module's output is internal to the compiled graph: dL/dy
+        # cannot be asked for, so no capture there and W differentiates the whole stage (``exact`` False).
+        compiled = {id(m) for r in stage.modules() if getattr(r, "_shardwise_compiled_region", False)
+                    for m in r.modules()}
+        self.modules = [m for m in stage.modules()
+                        if next(m.parameters(recurse=False), None) is not None and id(m) not in compiled]
         # hooks the module had before ours: any of them may change the output the closed forms assume
         self.foreign_hooks = {id(m) for m in self.modules if m._forward_hooks}
         owners = [id(q) for m in self.modules for q in m.parameters(recurse=False)]
-        self.exact = len(owners) == len(set(owners))
+        self.exact = len(owners) == len(set(owners)) and not compiled
         self.active: list[tuple[nn.Module, Any, Any]] | None = None
         for m in self.modules:
             m.register_forward_hook(self._hook)

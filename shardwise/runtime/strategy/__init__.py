@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...mesh import Mesh
+from ..compiling import CompileWatch, compile_model
 from ..config import Config, ParallelConfig
 from ..model_build import meta_model_for
 from .base import Strategy, build_optimizer, tensor_parallel
@@ -41,6 +42,9 @@ def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:
         strategy = ZeroStrategy(cfg, mesh, plain)
     else:
         strategy = PlainStrategy(cfg, mesh, plain)
+    if p.pp == 1:  # train.compile: last, over every wrapper (a pipeline compiles before cutting: pipeline.py)
+        compile_model(cfg, strategy.plain)
+    strategy.compiled = CompileWatch(strategy.plain)  # type: ignore[attr-defined]  # the trainer's reports
     pretrained = getattr(plain, "_shardwise_pretrained", None)
     strategy.pretrained_bytes_read = pretrained.bytes_read if pretrained is not None else 0  # type: ignore[attr-defined]
     return strategy

@@ -10,6 +10,8 @@ Hybrids (``config._check_pipeline_hybrids`` lists what stays rejected):
 * ZeRO-1: ``zero_stage=1`` — ``pipe.build_optimizer`` gives a ``ZeroOptimizer`` over the dp gradient buckets of
   this rank's stages (optimizer state 1/dp); its checkpoint layout: ``checkpoint/pipeline_zero.py``;
 * activation checkpointing: ``checkpoint=True`` (each unit keeps only its input, recomputed in backward);
+* ``train.compile``: each block compiled (``runtime/compiling.py``) before the model is cut; zero-bubble's W
+  then differentiates each stage again (no weight capture inside a compiled block: ``weight_grad.py``);
 * bf16 autocast (``train.precision``): ``autocast=torch.bfloat16`` — each forward action under ``torch.autocast``.
 """
 
@@ -31,6 +33,7 @@ from ...parallel.common.grad_norm import shard_pieces
 from ...parallel.common.memory import storage_bytes
 from ...parallel.pipeline.build import Pipeline, pipeline
 from ...parallel.zero.optim import ZeroOptimizer
+from ..compiling import compile_model
 from ..config import Config
 from ..grad_clip import clip_, counted_grads
 from ..nonfinite import Grad, flat_grads, names_by_id, poisoned
@@ -47,6 +50,7 @@ class PipelineStrategy:
     def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
         p = cfg.parallel
         module, loss = tensor_parallel(cfg, mesh, plain)
+        compile_model(cfg, module)  # train.compile: before the cut (the stages call the same, compiled blocks)
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return loss(logits, targets) / p.grad_accum  # one pass of grad_accum, like the plain loop's scaling
