@@ -9,8 +9,9 @@ as a block's attention (qkv, proj) and MLP (fc, fc_proj). ``t`` is the tp size, 
 micro-batch's token rows, ``h`` the matmul time a hop can hide under.
 
 With sequence parallelism each all-reduce is an all-gather before the column GEMM and a reduce-scatter after
-the row GEMM (the same bytes). Each runs as a ring of ``t − 1`` hops of one chunk; hop ``j`` travels while the
-matmul of another chunk runs, so a ring exposes
+the row GEMM (the same bytes; each priced as half the all-reduce, as the unoverlapped term prices the pair). Each
+runs as a ring of ``t − 1`` hops of one chunk; hop ``j`` travels while the matmul of another chunk runs, so a
+ring exposes
 
     Σ over its t − 1 hops of  max(0, β_hop − s · h) + α_hop
 
@@ -195,7 +196,9 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
             for op, gemm, forward in (("all_gather", col, True), ("reduce_scatter", row, True),
                                       ("all_gather", row, False), ("reduce_scatter", col, False)):
                 acc = fwd if forward else bwd
-                bw, lat = split_collective(coll, op, nbytes)
+                # half of the all-reduce the unoverlapped term prices each sequence-parallel pair as (the link
+                # model's all-gather + reduce-scatter exactly; a calibration's, the same convention)
+                bw, lat = (x / 2 for x in split_collective(coll, "all_reduce", nbytes))
                 if gemm is None:
                     add(acc, bw + lat)
                     continue
