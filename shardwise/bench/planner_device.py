@@ -77,18 +77,11 @@ def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = 
     warm-up are timed together (one synchronize at each end), so the result is the device-bound step."""
     import torch
 
-    from ..models import GPT, GPTConfig, lm_loss
+    from ..models import lm_loss
 
     m, p = config["model"], config["parallel"]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"], n_layer=m["n_layer"],
-                          n_head=m["n_head"], n_embd=m["n_embd"], dropout=m["dropout"], bias=m["bias"],
-                          tie_weights=m["tie_weights"])).to(dev)
-    if compiled:
-        for block in model.blocks:
-            block.compile(backend=backend)  # regional: one graph per block, reused by the identical blocks
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if compiled else {}))
+    model, opt = _plain_model(m, dev, backend if compiled else None)
     mb = p["micro_batch"]
     accum = config["data"]["global_batch"] // mb
     bf16 = config["train"]["precision"] == "bf16"
@@ -105,15 +98,7 @@ def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = 
         opt.zero_grad(set_to_none=True)
 
     if compiled:
-        warm = min(3, max(1, steps // 4))  # compilation happens in the first steps
-        for _ in range(warm):
-            step()
-        sync()
-        start = time.perf_counter()
-        for _ in range(steps - warm):
-            step()
-        sync()
-        return (time.perf_counter() - start) / max(1, steps - warm)
+        return _unsynchronised_step_s(step, sync, steps)
     times = []
     for _ in range(steps):
         sync()
@@ -135,6 +120,36 @@ def plain_loop_step_s(config: dict[str, Any], steps: int, *, host_reads: bool = 
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:] if len(times) > 4 else times)
+
+
+def _plain_model(m: dict[str, Any], dev: Any, backend: str | None) -> tuple[Any, Any]:
+    """The config's GPT on ``dev`` and its AdamW; ``backend``: each block ``torch.compile``-d with it, fused AdamW."""
+    import torch
+
+    from ..models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"], n_layer=m["n_layer"],
+                          n_head=m["n_head"], n_embd=m["n_embd"], dropout=m["dropout"], bias=m["bias"],
+                          tie_weights=m["tie_weights"])).to(dev)
+    if backend is not None:
+        for block in model.blocks:
+            block.compile(backend=backend)  # regional: one graph per block, reused by the identical blocks
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if backend else {}))
+
+
+def _unsynchronised_step_s(step: Any, sync: Any, steps: int) -> float:
+    """Mean seconds of ``step()`` over the steps after warm-up (compilation happens in the first ones), queued
+    back to back with one synchronize at each end: the device-bound step of a loop that never reads."""
+    warm = min(3, max(1, steps // 4))
+    for _ in range(warm):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps - warm):
+        step()
+    sync()
+    return (time.perf_counter() - start) / max(1, steps - warm)
 
 
 def _predict(cfg: Any, hardware: list[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
