@@ -87,7 +87,8 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner.async_tp_ratio",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", default="benchmarks/hardware_cpu_2ranks.json:2,benchmarks/hardware_cpu_4ranks.json:4",
+    parser.add_argument("--hardware",
+                        default="benchmarks/hardware_cpu_2ranks.json:2,benchmarks/hardware_cpu_4ranks.json:4",
                         help="FILE:TP pairs, comma-separated (default: the committed 2- and 4-rank CPU calibrations)")
     parser.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
     parser.add_argument("--json", action="store_true", help="print the JSON rows instead of the table")

@@ -141,7 +141,8 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
             best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
     if example is not None:
         accum, i, opt, memory_lb = example
-        note_over_memory(regions, g.tp, g.pp, lambda: _candidate(_plans(g, accum, precision, made, cp, async_tp)[i], opt),
+        note_over_memory(regions, g.tp, g.pp,
+                         lambda: _candidate(_plans(g, accum, precision, made, cp, async_tp)[i], opt),
                          memory_lb, count=over)
     return best, least, fit
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import tp_overlap
 from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .context import local_spec, with_ring
@@ -86,8 +87,10 @@ def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None 
     the schedule)."""
     key = ("layers", id(hw), plan.tp, plan.micro_batch, plan.activation_checkpointing, plan.sequence_parallel,
            plan.precision) + ((plan.cp,) if plan.cp > 1 else ())
-    if plan.async_tp:  # the overlap also depends on the ranks sharing a host and on a deferred weight gradient
-        key += ("async_tp", plan.devices, plan.pp > 1 and plan.schedule in ("zb-h1", "zb-h2"))
+    if plan.async_tp:  # the overlap also depends on the ranks sharing a host, a deferred weight gradient and
+        # how the pieces are assembled (``tp_overlap.IN_PLACE_PIECES``, a module switch read at call time)
+        key += ("async_tp", plan.devices, plan.pp > 1 and plan.schedule in ("zb-h1", "zb-h2"),
+                tp_overlap.IN_PLACE_PIECES)
     if cache is not None and key in cache:
         return cache[key]
     tp_per_node = min(plan.tp, hw.devices_per_node)
