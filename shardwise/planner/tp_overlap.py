@@ -13,14 +13,18 @@ the row GEMM (the same bytes; each priced as half the all-reduce, as the unoverl
 runs as a ring of ``t − 1`` hops of one chunk; hop ``j`` travels while the matmul of another chunk runs, so a
 ring exposes
 
-    Σ over its t − 1 hops of  max(0, β_hop − s · h) + α_hop
+    Σ over its t − 1 hops of  max(0, β_hop − s · h) + α_hop          (GPUs)
+    Σ over its t − 1 hops of  (1 − s) · β_hop + max(0, α_hop + s · β_hop − h)   (CPU ranks)
 
 where ``β_hop`` is the hop's transfer (the collective's bandwidth term over ``t − 1``) and ``α_hop`` its latency
 (the collective's latency term over ``t − 1``; on a calibrated machine the measured alpha–beta model's, else the
 link's), so that with nothing to hide under a ring costs exactly the collective it replaces. ``h`` is one
 chunk's forward matmul in forward; in backward one chunk's input-gradient matmul plus its share of the
 weight-gradient matmul (both run between two hops; a zero-bubble schedule defers the weight gradient, which then
-hides nothing). ``s`` is the share of a hop that can run beside compute (``overlap_share``).
+hides nothing). ``s`` is the share of a hop's transfer that can run beside compute (``overlap_share``). On a GPU
+the latency is the hop's fixed cost on the compute stream (launch, event wait) and stays exposed; on CPU ranks it
+is waiting (for the peer, for the transport's thread to be scheduled), which compute runs through, while the copy
+takes a core (``hop_exposed``).
 
 Without sequence parallelism a row GEMM runs in ``p = max(t, 2)`` row pieces and the all-reduce of piece ``j``
 travels under piece ``j + 1``'s matmul; the last piece's all-reduce stays exposed, and every piece pays the
@@ -47,7 +51,7 @@ from typing import Callable, Iterator
 from .hardware import Hardware
 
 __all__ = ["GPU_COMM_SM_SHARE", "H100_SMS", "IN_PLACE_PIECES", "in_place_pieces", "OverlapTime", "GemmChunks",
-           "overlap_share", "split_collective", "ring_exposed", "chunked_allreduce_exposed", "decomposition",
+           "overlap_share", "split_collective", "hop_exposed", "ring_exposed", "chunked_allreduce_exposed", "decomposition",
            "layer_overlap"]
 
 H100_SMS = 132
@@ -139,25 +143,39 @@ def split_collective(coll: Callable[[str, float], float], op: str, nbytes: float
     return total - latency, latency
 
 
-def ring_exposed(bandwidth: float, latency: float, hops: int, hide: float, share: float,
-                 sm_share: float) -> tuple[float, float]:
-    """``(exposed, contention)`` seconds of a collective run as ``hops`` ring hops, each beside ``hide``
-    seconds of matmul (module doc). ``hide = 0``: exactly ``bandwidth + latency``."""
-    beta, alpha = bandwidth / hops, latency / hops
+def hop_exposed(beta: float, alpha: float, hide: float, share: float, latency_hides: bool) -> tuple[float, float]:
+    """``(exposed, overlapped transfer)`` seconds of one hop of ``beta`` transfer and ``alpha`` latency beside
+    ``hide`` seconds of matmul, ``share`` of the transfer able to travel beside compute.
+
+    ``latency_hides`` False (GPUs): the latency is the hop's fixed cost on the compute stream (its launch, the wait
+    on its event), always exposed: ``max(0, β − s·h) + α``. True (CPU ranks): the latency is waiting — for the
+    peer, for the transport's own thread to be scheduled — and needs no core, so the matmul runs through it; the
+    copy takes a core: ``(1 − s)·β + max(0, α + s·β − h)``. Either way, ``h = 0`` costs ``α + β``."""
+    if latency_hides:
+        return (1.0 - share) * beta + max(0.0, alpha + share * beta - hide), min(share * beta, hide)
     covered = min(beta, share * hide)
-    return hops * (beta - covered + alpha), hops * covered * sm_share / (1.0 - sm_share)
+    return beta - covered + alpha, covered
+
+
+def ring_exposed(bandwidth: float, latency: float, hops: int, hide: float, share: float, sm_share: float,
+                 latency_hides: bool = False) -> tuple[float, float]:
+    """``(exposed, contention)`` seconds of a collective run as ``hops`` ring hops, each beside ``hide``
+    seconds of matmul (module doc, ``hop_exposed``). ``hide = 0``: exactly ``bandwidth + latency``."""
+    exposed, covered = hop_exposed(bandwidth / hops, latency / hops, hide, share, latency_hides)
+    return hops * exposed, hops * covered * sm_share / (1.0 - sm_share)
 
 
 def chunked_allreduce_exposed(bandwidth: float, latency: float, pieces: int, hide: float, share: float,
-                              sm_share: float) -> tuple[float, float, float]:
+                              sm_share: float, latency_hides: bool = False) -> tuple[float, float, float]:
     """``(exposed, contention, extra latency)`` of an all-reduce cut into ``pieces``, piece ``j``'s under piece
-    ``j + 1``'s matmul (``hide`` seconds each): the last piece is exposed, and every piece pays the full latency
-    — one latency counted as exposed (as the whole all-reduce's), the other ``pieces − 1`` as the cost of
-    cutting it."""
+    ``j + 1``'s matmul (``hide`` seconds each): the last piece is exposed and every piece pays the full latency —
+    one latency counted as exposed (as the whole all-reduce's), what the others add as the cost of cutting it."""
     beta = bandwidth / pieces
-    covered = min(beta, share * hide)
-    exposed = (pieces - 1) * (beta - covered) + beta + latency
-    return exposed, (pieces - 1) * covered * sm_share / (1.0 - sm_share), (pieces - 1) * latency
+    exposed, covered = hop_exposed(beta, latency, hide, share, latency_hides)
+    # the part of a piece's exposure its latency adds (all of it on a GPU): the price of cutting, not transfer
+    extra = exposed - hop_exposed(beta, 0.0, hide, share, latency_hides)[0]
+    return ((pieces - 1) * (exposed - extra) + beta + latency, (pieces - 1) * covered * sm_share / (1.0 - sm_share),
+            (pieces - 1) * extra)
 
 
 def decomposition(whole: float, piece: float, pieces: int) -> float:
@@ -188,6 +206,7 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
 
     # the weight gradient hides under nothing when a zero-bubble schedule runs it later
     w = 0.0 if w_deferred else 1.0
+    waits = bool(hw.host_cores)  # CPU ranks: a hop's latency is waiting, which compute runs through (hop_exposed)
     partial = hw.memory_time(3 * nbytes / t, 1)  # a received partial sum added to this rank's: 2 reads, 1 write
     for i in range(collectives):
         col = cols[i] if i < len(cols) else None
@@ -204,7 +223,7 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
                     continue
                 f, d, g = gemm.piece(t)
                 hide = f if forward else d + w * g
-                exposed, contention = ring_exposed(bw, lat, t - 1, hide, share, _sm_share(hw, op))
+                exposed, contention = ring_exposed(bw, lat, t - 1, hide, share, _sm_share(hw, op), waits)
                 if forward:
                     extra = decomposition(gemm.fwd, f, t)
                     # the gather's pieces of output and of input concatenated; the scatter's partial sums
@@ -225,13 +244,14 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
                 pieces = max(t, 2)
                 f, _, _ = row.piece(pieces)
                 exposed, contention, latencies = chunked_allreduce_exposed(bw, lat, pieces, f, share,
-                                                                           _sm_share(hw, "all_reduce"))
+                                                                           _sm_share(hw, "all_reduce"), waits)
                 add(fwd, exposed, contention, decomposition(row.fwd, f, pieces) + latencies,
                     hw.memory_time(2 * row.out_bytes, 1))  # the reduced pieces concatenated
             if col is None:
                 add(bwd, bw + lat)
             else:
-                exposed, contention = ring_exposed(bw, lat, 1, w * col.wgrad, share, _sm_share(hw, "all_reduce"))
+                exposed, contention = ring_exposed(bw, lat, 1, w * col.wgrad, share, _sm_share(hw, "all_reduce"),
+                                                   waits)
                 add(bwd, exposed, contention)
     if IN_PLACE_PIECES:
         fwd[3] = bwd[3] = 0.0
