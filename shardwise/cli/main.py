@@ -1,6 +1,6 @@
 """The ``shardwise`` command line: ``run``, ``train``, ``verify``, ``export``, ``plot``, ``generate``, ``prepare``,
 ``schedule``, ``predict``, ``plan``, ``calibrate`` (``COMMANDS``) and ``bench KIND`` for ``KIND`` in comm, dp, sbp,
-tp, pp, zero, cp, planner, auto, prepare (``BENCHES``).
+tp, pp, zero, cp, compile, planner, auto, prepare (``BENCHES``).
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int`` (``Command``):
 ``shardwise/cli/NAME.py`` for a command, ``shardwise/bench/KIND.py`` for a benchmark. This file only wires them
@@ -75,6 +75,8 @@ def _bench(name: str) -> Command:
         from ..bench import zero as module
     elif name == "cp":
         from ..bench import cp as module
+    elif name == "compile":
+        from ..bench import compile as module
     elif name == "planner":
         from ..bench import planner as module
     elif name == "auto":
@@ -115,6 +117,8 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
     "zero": (partial(_bench, "zero"), "sw.zero stages 1-3 step time and memory vs torch FSDP2 and ZeRO-1"),
     "cp": (partial(_bench, "cp"), "context parallelism (ring attention) at a long sequence: activation memory "
            "per rank, step time and hidden ring communication vs one rank and the planner"),
+    "compile": (partial(_bench, "compile"), "regional torch.compile (--train.compile): compiled/eager step ratio "
+                "per layout, compile time, recompiles"),
     "planner": (partial(_bench, "planner"), "planner predictions vs layouts measured on this machine (several "
                 "ranks or one accelerator)"),
     "auto": (partial(_bench, "auto"), "sw.auto's plan vs the hand-written Megatron plan: step time, collectives, "
