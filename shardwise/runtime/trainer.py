@@ -297,15 +297,16 @@ class Trainer:
         loss, t = self._settle(p, since)
         timings.append(t)
         if writer is not None and progress is not None:
-            writer.write({**self._record(p, loss, t), **self.strategy.compiled.record()})
+            writer.write({**self._record(loss, t, p), **self.strategy.compiled.record()})
             progress.update(p.step, loss, self.tokens_per_step / t["step"])
             self.strategy.compiled.note(progress, p.step)  # train.compile: a recompilation is reported, not silent
         return loss
 
-    def _record(self, p: PendingStep, loss: float, t: dict[str, float]) -> dict[str, Any]:
+    def _record(self, loss: float, t: dict[str, float], p: PendingStep | None = None) -> dict[str, Any]:
+        step, lr = (p.step, p.lr) if p is not None else (self.step, self.optimizer.param_groups[0]["lr"])
         overhead = t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"]
-        return {"step": p.step, "loss": loss, "lr": p.lr,
-                "tokens": p.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
+        return {"step": step, "loss": loss, "lr": lr,
+                "tokens": step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / t["step"],
                 "step_s": t["step"], "fwd_s": t["fwd"], "bwd_s": t["bwd"], "opt_s": t["opt"], "comm_s": t["comm"],
                 "data_s": t["data"], "overhead_s": overhead, "time": time.time(), "skipped": self.last_skipped,
                 **({"grad_norm": self.grad_norm} if self.cfg.optimizer.clip_grad_norm > 0 else {}),
