@@ -102,13 +102,13 @@ def _train(layout: str, cfg: GPTConfig, ac: bool, backend: str | None) -> dict[s
     return out
 
 
-def check_layouts(layouts: list[tuple[str, bool]], backend: str) -> dict[str, Any]:
-    """Per ``(layout, activation checkpointing)``: the worst relative errors of the compiled run against one
+def check_layouts(layouts: list[tuple[str, bool, str]]) -> dict[str, Any]:
+    """Per ``(layout, activation checkpointing, backend)``: the worst relative errors of the compiled run against one
     process, whether its collectives equal the eager run's, and its ``CompileStats``. Collective."""
     cfg = GPTConfig(**TINY)
     ref = _reference(cfg)
     results = {}
-    for layout, ac in layouts:
+    for layout, ac, backend in layouts:
         eager = _train(layout, cfg, ac, None)
         comp = _train(layout, cfg, ac, backend)
         err = {"loss": max(abs(a - b) / abs(b) for a, b in zip(comp["losses"], ref["losses"])),
