@@ -91,11 +91,14 @@ if __name__ == "__main__":
                         default="benchmarks/hardware_cpu_2ranks.json:2,benchmarks/hardware_cpu_4ranks.json:4",
                         help="FILE:TP pairs, comma-separated (default: the committed 2- and 4-rank CPU calibrations)")
     parser.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
+    for flag, default in (("layers", 2), ("embd", 256), ("heads", 8), ("batch", 4), ("seq", 128)):
+        parser.add_argument(f"--{flag}", type=int, default=default, help=f"as shardwise bench tp's (default {default})")
     parser.add_argument("--json", action="store_true", help="print the JSON rows instead of the table")
     args = parser.parse_args()
     rows = []
     for pair in args.hardware.split(","):
         path, _, tp = pair.rpartition(":")
-        rows.append((path, bench_tp_ratio(path, tp=int(tp), sequence_parallel=not args.no_sp)))
+        rows.append((path, bench_tp_ratio(path, tp=int(tp), sequence_parallel=not args.no_sp, layers=args.layers,
+                                          embd=args.embd, heads=args.heads, batch=args.batch, seq=args.seq)))
     lines, data = ratio_lines(rows)
     print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
