@@ -160,9 +160,33 @@ def _compiled_forward(cls: type, backend: Any, mode: str | None, fullgraph: bool
                       options: dict[str, Any] | None) -> Callable[..., Any]:
     key = (cls.forward, backend, mode, fullgraph, dynamic, tuple(sorted((options or {}).items())))
     if key not in _compiled:
-        _compiled[key] = torch.compile(cls.forward, backend=backend, mode=mode, fullgraph=fullgraph,
-                                       dynamic=dynamic, options=options)
+        if backend == "inductor":  # mode and options as torch.compile gives them to inductor
+            inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        else:
+            from torch._dynamo import lookup_backend
+
+            inner = backend if callable(backend) else lookup_backend(backend)
+        _compiled[key] = torch.compile(cls.forward, backend=_KeepBuffers(inner), fullgraph=fullgraph,
+                                       dynamic=dynamic)
     return _compiled[key]
+
+
+class _KeepBuffers:
+    """A backend compiling with AOTAutograd's donated buffers off: a donated buffer is freed by the first
+    backward, but a pipeline's zero-bubble split differentiates a stage twice (``retain_graph=True``: B, then W),
+    as can user code. Costs the saved activations' memory reuse in backward only."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._functorch import config
+
+        with config.patch(donated_buffer=False):
+            return self.inner(gm, example_inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the wrapped backend
+        return getattr(self.__dict__["inner"], name)
 
 
 def default_regions(model: nn.Module) -> list[str]:
