@@ -124,8 +124,7 @@ def mcore_table() -> tuple[list[str], list[dict[str, Any]]]:
                  "dropout, fused attention, bf16-mixed, sequence parallelism with TP > 1, ZeRO-1, micro-batch 1, no "
                  "recomputation, interleaved schedule with 2 chunks per pipeline rank, shardwise runtime. TF/s are "
                  "model FLOPs (attention in full), as the MFU column implies. The TP 1 row has no tensor-parallel "
-                 "communication to overlap. 'async_tp': the pieces assembled by kernels of their own, as "
-                 "shardwise/parallel/tensor/overlap.py does (a weight gradient read and written once per piece); "
-                 "'in place': each piece written or accumulated by its own GEMM (planner/tp_overlap.py, "
-                 "IN_PLACE_PIECES).")
+                 "communication to overlap. 'async_tp': the pieces as shardwise/parallel/tensor/overlap.py assembles "
+                 "them (a reduce-scatter's received partial sums added by a kernel of their own, the gathered input "
+                 "concatenated); 'in place': those passes left out (planner/tp_overlap.py, IN_PLACE_PIECES).")
     return lines, rows

@@ -213,14 +213,15 @@ def async_tp_times(layer: Layer, plan: Layout, hw: Hardware, tp_per_node: int) -
     def chunks(g: Gemm) -> GemmChunks:
         m, n, k, batch = _shape(g, b, t)
 
-        def times(rows: float) -> tuple[float, float, float]:
+        def times(rows: float, launches: int = 1) -> tuple[float, float, float]:
             gemm = lambda a, c, d: hw.gemm_time(a, c, d, dtype=dtype, batch=batch, elem_bytes=eb)  # noqa: E731
-            return (gemm(rows, n, k) * hw.fwd_factor, gemm(rows, k, n) * hw.bwd_factor,
-                    gemm(k, n, rows) * hw.bwd_factor)
+            return (launches * gemm(rows, n, k) * hw.fwd_factor, launches * gemm(rows, k, n) * hw.bwd_factor,
+                    launches * gemm(k, n, rows) * hw.bwd_factor)
 
         whole = times(m)
         return GemmChunks(fwd=whole[0], dgrad=whole[1], wgrad=whole[2], piece=lambda c: times(m / c),
-                          in_bytes=m * k * batch * eb, out_bytes=m * n * batch * eb, weight_elems=k * n * batch)
+                          ring_piece=lambda c: times(g.rows / c, b), in_bytes=m * k * batch * eb,
+                          out_bytes=m * n * batch * eb, weight_elems=k * n * batch)
 
     cols = [chunks(g) for g in layer.gemms if g.weight and g.split == "col"]
     rows = [chunks(g) for g in layer.gemms if g.weight and g.split == "row"]

@@ -36,8 +36,9 @@ What the overlap costs, counted with the exposed communication in ``tp_fwd`` / `
 - *decomposition*: a matmul cut into ``c`` row pieces costs ``c × gemm_time(piece) − gemm_time(whole)`` more —
   each piece is launched on its own and runs at its own (smaller) shape's efficiency;
 - *accumulation* (``IN_PLACE_PIECES``): the memory passes that assemble the pieces — a reduce-scatter ring adds
-  the partial sum it receives to its own (three chunk-sized passes per hop), a weight gradient built from ``t``
-  pieces is read, added to and written back ``t`` times, gathered outputs are concatenated;
+  the partial sum it receives to its own (three chunk-sized passes per hop), a gathered input is concatenated
+  for backward, a weight gradient accumulated from pieces is zeroed first, a chunked all-reduce's pieces are
+  concatenated;
 - *contention*: on a GPU the communication kernels take streaming multiprocessors from the GEMM they overlap,
   which slows it by ``f / (1 − f)`` of the overlapped time (``GPU_COMM_SM_SHARE``).
 """
@@ -67,12 +68,13 @@ lose a little more; the presets share this one number (a stated assumption)."""
 
 
 IN_PLACE_PIECES = False
-"""How the runtime assembles the pieces. False (``shardwise/parallel/tensor/overlap.py`` today): each piece's
-product is added or concatenated by a kernel of its own — ``part.add_(acc)`` per reduce-scatter hop, ``dw.add_(a @
-b)`` per weight-gradient piece (a read-modify-write of the whole weight shard, ``t`` times), ``torch.cat`` of the
-gathered outputs — and ``OverlapTime.accumulation`` prices those passes. True: every piece written or accumulated
-in place by its own GEMM (``addmm`` into the accumulator, cuBLAS ``beta = 1``; Transformer Engine's userbuffers
-write into one buffer), no passes. Read at call time; ``in_place_pieces()`` sets it for a what-if."""
+"""How the runtime assembles the pieces. False (``shardwise/parallel/tensor/overlap.py`` today): the matmuls
+write their rows into the output and accumulate the weight gradient in place (``out=``, ``addmm_``), but some
+pieces take a kernel of their own — ``part.add_(acc)`` per reduce-scatter hop, ``torch.cat`` of the gathered
+input (kept for backward) and of a chunked all-reduce's pieces, the zeroed weight gradient — and
+``OverlapTime.accumulation`` prices those passes. True: none of them (the received partial sum accumulated by the
+next GEMM, ``beta = 1``; the gathered input received into one buffer, as Transformer Engine's userbuffers do).
+Read at call time; ``in_place_pieces()`` sets it for a what-if."""
 
 
 @contextmanager
@@ -113,7 +115,11 @@ class GemmChunks:
     dgrad: float
     wgrad: float
     piece: Callable[[int], tuple[float, float, float]]
-    """``c`` → (forward, input-gradient, weight-gradient) seconds of one of ``c`` row pieces."""
+    """``c`` → (forward, input-gradient, weight-gradient) seconds of one of ``c`` pieces of the micro-batch's
+    rows, one matmul each (a chunked all-reduce's pieces)."""
+    ring_piece: Callable[[int], tuple[float, float, float]]
+    """The same for a ring step's chunk, ``1/c`` of every sequence's rows, which the runtime runs as one matmul
+    per sequence of the micro-batch (each a contiguous block, no copy)."""
     in_bytes: float = 0.0
     """Its input (``m × k``) at the compute precision."""
     out_bytes: float = 0.0
@@ -198,11 +204,9 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
         for j, v in enumerate((exposed, contention, extra, passes)):
             acc[j] += v
 
-    def weight_pieces(g: GemmChunks, pieces: int) -> float:
-        """The weight gradient built from ``pieces`` products: zeroed once, then each piece's product (at the
-        compute precision) added into it — a read-modify-write of the whole shard per piece."""
-        elems = g.weight_elems
-        return hw.memory_time(grad_bytes * elems, 1) + pieces * hw.memory_time((2 * grad_bytes + elem_bytes) * elems, 1)
+    def zeroed(g: GemmChunks) -> float:
+        """The weight gradient the pieces accumulate into, zeroed first."""
+        return hw.memory_time(grad_bytes * g.weight_elems, 1)
 
     # the weight gradient hides under nothing when a zero-bubble schedule runs it later
     w = 0.0 if w_deferred else 1.0
@@ -221,20 +225,17 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
                 if gemm is None:
                     add(acc, bw + lat)
                     continue
-                f, d, g = gemm.piece(t)
+                f, d, g = gemm.ring_piece(t)
                 hide = f if forward else d + w * g
                 exposed, contention = ring_exposed(bw, lat, t - 1, hide, share, _sm_share(hw, op), waits)
                 if forward:
                     extra = decomposition(gemm.fwd, f, t)
-                    # the gather's pieces of output and of input concatenated; the scatter's partial sums
-                    passes = (hw.memory_time(2 * (gemm.out_bytes + gemm.in_bytes), 2) if op == "all_gather"
-                              else (t - 1) * partial)
+                    # the gathered input concatenated (kept for backward); the scatter's partial sums
+                    passes = hw.memory_time(2 * gemm.in_bytes, 1) if op == "all_gather" else (t - 1) * partial
                 else:
                     extra = decomposition(gemm.dgrad, d, t) + decomposition(gemm.wgrad, g, t)
-                    # the gathered gradient's input-gradient pieces concatenated, or the scatter's partial sums;
-                    # both build the weight gradient from t pieces
-                    passes = ((hw.memory_time(2 * gemm.in_bytes, 1) if op == "all_gather" else (t - 1) * partial)
-                              + weight_pieces(gemm, t))
+                    # the scatter's partial sums; both accumulate the weight gradient from t pieces
+                    passes = (0.0 if op == "all_gather" else (t - 1) * partial) + zeroed(gemm)
                 add(acc, exposed, contention, extra, passes)
         else:
             bw, lat = split_collective(coll, "all_reduce", nbytes)

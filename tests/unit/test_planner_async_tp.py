@@ -100,7 +100,7 @@ def test_layouts_without_async_tp_keep_the_unoverlapped_term() -> None:
         with in_place_pieces():  # the overlap alone, its pieces assembled by their GEMMs
             c = predict(spec, dataclasses.replace(plan, async_tp=True), H100, global_batch=16)
         assert c.breakdown["tp_comm"] < a.breakdown["tp_comm"] and c.step_time_s < a.step_time_s
-        # as the runtime assembles them today: a weight gradient rewritten once per piece costs more
+        # as the runtime assembles them today: its partial-sum and concatenation passes cost more
         d = predict(spec, dataclasses.replace(plan, async_tp=True), H100, global_batch=16)
         assert d.step_time_s > c.step_time_s
 
