@@ -34,7 +34,8 @@ collective's full latency. A column GEMM's input-gradient all-reduce travels und
 What the overlap costs, counted with the exposed communication in ``tp_fwd`` / ``tp_bwd``:
 
 - *decomposition*: a matmul cut into ``c`` row pieces costs ``c × gemm_time(piece) − gemm_time(whole)`` more —
-  each piece is launched on its own and runs at its own (smaller) shape's efficiency;
+  each piece is launched on its own and runs at its own (smaller) shape's efficiency; a ring step's chunk is
+  one matmul per sequence of the micro-batch, as the runtime runs it (``GemmChunks.ring_piece``);
 - *accumulation* (``IN_PLACE_PIECES``): the memory passes that assemble the pieces — a reduce-scatter ring adds
   the partial sum it receives to its own (three chunk-sized passes per hop), a gathered input is concatenated
   for backward, a weight gradient accumulated from pieces is zeroed first, a chunked all-reduce's pieces are
