@@ -145,11 +145,23 @@ class _Eager:
         self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _eager_call(self.module, *args, **kwargs)
+        return _eager_call()(self.module, *args, **kwargs)
 
 
-def _eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
+
+
+_disabled_call: list[Callable[..., Any]] = []
+
+
+def _eager_call() -> Callable[..., Any]:
+    """``_call`` behind ``torch._dynamo.disable`` (made at first use: importing dynamo costs seconds)."""
+    if not _disabled_call:
+        import torch._dynamo
+
+        _disabled_call.append(torch._dynamo.disable(_call, reason="shardwise: runs eagerly (collectives, hooks)"))
+    return _disabled_call[0]
 
 
 _compiled: dict[tuple, Callable[..., Any]] = {}
