@@ -42,8 +42,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import torch.distributed as dist
+
 from ...comm.collectives import all_reduce, link_for
-from ...comm.counter import record_collective
+from ...comm.counter import record_collective, record_message
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
 
@@ -77,10 +79,26 @@ class _Ring:
     def shift(self, send: torch.Tensor, recv: torch.Tensor | None, tag: int) -> None:
         """Post ``send`` to coordinate c+1 and the receive of ``recv`` from c−1 (not waited)."""
         nxt, prv = (self.c + 1) % self.n, (self.c - 1) % self.n
-        works = [self.link.isend(send, nxt, tag)]
-        if recv is not None:
-            works.append(self.link.irecv(recv, prv, tag))
+        if not hasattr(self.link, "group"):  # the shared-memory link
+            works = [self.link.isend(send, nxt, tag)]
+            if recv is not None:
+                works.append(self.link.irecv(recv, prv, tag))
+        else:
+            works = self._batched(send, recv, nxt, prv, tag)
         self.inflight.append(([w for w in works if w is not None], send, recv))
+
+    def _batched(self, send: torch.Tensor, recv: torch.Tensor | None, nxt: int, prv: int, tag: int) -> list:
+        """The send and the receive posted as one batch: under NCCL both then run in one group, so at tp 2 (one
+        communicator and stream for the pair) neither rank's send waits behind its own unposted receive."""
+        ops = []
+        for t, op, peer in ((send, dist.isend, nxt), (recv, dist.irecv, prv)):
+            if t is None or t.numel() == 0:
+                continue
+            assert t.is_contiguous(), "ring hops move contiguous tensors"
+            record_message(t.numel() * t.element_size(), sent=op is dist.isend)
+            ops.append(dist.P2POp(op, t.reshape(-1).view(torch.uint8), self.link.ranks[peer],
+                                  group=self.link.group, tag=tag))
+        return list(dist.batch_isend_irecv(ops)) if ops else []
 
     def wait(self) -> None:
         for works, _send, _recv in self.inflight:
