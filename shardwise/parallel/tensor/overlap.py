@@ -31,8 +31,14 @@ use the collective ``algorithm`` with ``async_op=True``. A ring moves exactly th
 or reduce-scatter it replaces, (n−1)/n of the gathered tensor per rank. Values equal the unoverlapped path up
 to the order of floating-point sums (chunked matmuls and accumulators).
 
-CUDA (not run by the tests, which use CPU ranks): NCCL p2p runs on its own stream; ``Work.wait()`` makes the
-current stream wait for it, and every buffer in flight stays referenced (``_Ring.inflight``) until its wait.
+CUDA (written, never run: the tests use CPU ranks): each hop's send and receive are posted as one
+``batch_isend_irecv`` (one NCCL group, so at tp 2, where both directions share one communicator and stream, no
+rank's send waits behind its own receive); NCCL p2p runs on its own stream, ``Work.wait()`` makes the current
+stream wait for it, and every buffer in flight stays referenced (``_Ring.inflight``) until its wait.
+
+Shared memory (``algorithm="shm"``): ``ShmLink`` copies a message that fits its channel in on the sender's thread
+when posted and out on the receiver's thread when waited for, so the copies do not overlap the matmuls; only
+the wait for a slower peer does.
 """
 
 from __future__ import annotations
