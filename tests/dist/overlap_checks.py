@@ -154,3 +154,18 @@ def check_functions(tp: int, seq: int) -> dict:
             torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda s, name=name: f"{name}: {s}")
         counts[name] = (cnt.messages_sent, cnt.bytes_sent)
     return counts
+
+
+def check_bad_flag() -> str:
+    """``async_tp`` must be a bool: a one-line TypeError before anything is sharded or sent."""
+    m = mesh(tp=2)
+    model = _build("gpt", {}, 16)
+    with CommCounter() as c:
+        try:
+            sw.parallelize(model, m, gpt_plan(model), axis="tp", async_tp="yes")  # type: ignore[arg-type]
+        except TypeError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("async_tp='yes' accepted")
+    assert not c.records and type(model.blocks[0].attn.qkv) is torch.nn.Linear  # nothing changed or sent
+    return msg

@@ -19,6 +19,8 @@ def _same_bytes(results: list[dict]) -> None:
 
 
 def test_functions_tp2_uneven(worlds):
+    msg = worlds.get(2).run(oc.check_bad_flag)[0]
+    assert "async_tp must be a bool" in msg and "'yes'" in msg and "\n" not in msg
     counts = worlds.get(2).run(oc.check_functions, 2, 15)
     # a ring of 2 ranks: one hop forward, one backward, each carrying the other rank's chunk (8 or 7 tokens)
     for c in counts:
