@@ -136,6 +136,16 @@ def check_functions(tp: int, seq: int) -> dict:
             lambda x, w_: overlap.linear_scatter(x, w_, m, "tp"),
             lambda x, w_: cag.reducescatter_allgather(torch.nn.functional.linear(x, w_), m, "tp", dim=1),
             [full, w]),
+        # a transposed weight (Conv1D's (in, out) storage): the layers pass a non-contiguous w.t() view
+        "gather_linear_transposed": (
+            lambda x, wt: overlap.gather_linear(x, wt.t(), None, m, "tp", sizes=sizes),
+            lambda x, wt: (lambda g: (torch.nn.functional.linear(g, wt.t()), g))(
+                cag.allgather_reducescatter(x, m, "tp", dim=1, sizes=sizes)),
+            [chunk, w.t().contiguous()]),
+        "linear_scatter_transposed": (
+            lambda x, wt: overlap.linear_scatter(x, wt.t(), m, "tp"),
+            lambda x, wt: cag.reducescatter_allgather(torch.nn.functional.linear(x, wt.t()), m, "tp", dim=1),
+            [full, w.t().contiguous()]),
         "linear_allreduce": (
             lambda x, w_: overlap.linear_allreduce(x, w_, m, "tp"),
             lambda x, w_: cag.allreduce_identity(torch.nn.functional.linear(x, w_), m, "tp"),
