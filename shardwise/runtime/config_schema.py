@@ -179,8 +179,8 @@ class TrainConfig:
     eval_batches: int = 8
     """Global batches (``data.global_batch`` sequences each) per validation pass; the same ones every pass."""
     compile: bool = False
-    """Regional ``torch.compile``: each transformer block (and the model's stem and head) compiled on its own, as
-    torchtitan does, in every layout; equal to eager. Compile time and recompilations go in the summary."""
+    """Regional ``torch.compile``: each transformer block compiled on its own, as torchtitan does, in every layout
+    but context parallelism; equal to eager. Compile time and recompilations go in the summary."""
     compile_backend: str = "inductor"
     """``torch.compile`` backend of ``train.compile`` (``inductor``; ``aot_eager`` traces without generating
     kernels, for debugging)."""
