@@ -6,6 +6,7 @@ In-process on a world of one (``sw.init``); a tiny GPT, a few steps per run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,6 +19,7 @@ import shardwise as sw
 from shardwise.runtime import host_overlap, trainer as trainer_mod
 from shardwise.runtime.config import load_config, validate
 from shardwise.runtime.nonfinite import NonFiniteError
+from shardwise.runtime.optimizer_impl import supports_found_inf
 
 SMALL = {"parallel.nproc": "1", "data.global_batch": "4", "parallel.micro_batch": "2", "model.n_layer": "2",
          "model.n_embd": "32", "model.n_head": "2", "model.block_size": "16", "optimizer.warmup_steps": "2",
@@ -89,3 +91,26 @@ def test_deferred_skip_leaves_the_step_out_on_the_device(world: sw.World, tmp_pa
 def test_deferred_stop_names_the_step_that_failed(world: sw.World, tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match="at step 3: loss nan, first non-finite gradient on this rank: not named"):
         _run(world, tmp_path, defer=True, **{"debug.nonfinite_step": "3"})
+
+
+def test_only_cuda_fused_unclipped_data_parallel_steps_are_read_late() -> None:
+    from types import SimpleNamespace
+
+    from shardwise.runtime.strategy import PipelineStrategy, PlainStrategy, build_optimizer
+
+    cfg = validate(load_config(overrides=SMALL))
+    params = [torch.nn.Parameter(torch.zeros(2))]
+
+    def strategy(kind: type, how: str) -> Any:
+        s = object.__new__(kind)  # only the optimizer matters here
+        s.optimizer = build_optimizer(params, dataclasses.replace(cfg.optimizer, implementation=how))
+        return s
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert host_overlap.can_defer(strategy(PlainStrategy, "fused"), cuda, cfg)
+    assert not host_overlap.can_defer(strategy(PlainStrategy, "fused"), cpu, cfg)
+    assert not host_overlap.can_defer(strategy(PlainStrategy, "foreach"), cuda, cfg)
+    assert not host_overlap.can_defer(strategy(PipelineStrategy, "fused"), cuda, cfg)
+    clipped = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, clip_grad_norm=1.0))
+    assert not host_overlap.can_defer(strategy(PlainStrategy, "fused"), cuda, clipped)
+    inner = strategy(PlainStrategy, "fused").optimizer
+    assert supports_found_inf(SimpleNamespace(optimizer=inner))  # a ZeroOptimizer: its inner optimizer is fused
