@@ -18,6 +18,8 @@ import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
 from shardwise.parallel.common.compile import compiled_regions
 from shardwise.parallel.pipeline.weight_grad import WeightCapture
+from shardwise.runtime.compiling import CompileWatch
+from shardwise.runtime.metrics import compile_row
 
 CFG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -31,7 +33,8 @@ def test_recompile_is_counted_and_warned_once_with_the_changed_input():
     eager = GPT(CFG)
     torch.manual_seed(0)
     model = sw.compile(GPT(CFG), backend="aot_eager")
-    assert compiled_regions(model) == ["blocks.0", "blocks.1"]
+    watch = CompileWatch(model)  # the trainer's view: progress lines, metrics records, summary
+    assert compiled_regions(model) == ["blocks.0", "blocks.1"] and not CompileWatch(GPT(CFG)).active
     assert list(model.state_dict()) == list(eager.state_dict())  # names and keys as before
     x = _tokens(10)
     loss = lm_loss(model(x), x)
@@ -53,6 +56,13 @@ def test_recompile_is_counted_and_warned_once_with_the_changed_input():
     assert "blocks.0 recompiled (input 0: (2, 10, 32) float32 requires_grad -> (2, 12, 32)" in stats.reasons[0]
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "keep input shapes and dtypes fixed" in messages[0], messages  # once per region
+    lines: list[str] = []
+    watch.note(type("Progress", (), {"note": staticmethod(lines.append)}), 7)
+    assert len(lines) == 2 and lines[0].startswith("recompile at step 7: blocks.0 recompiled (input 0:"), lines
+    assert watch.record() == {"recompiles": 2} and watch.take() == []
+    summary = watch.summary(9.0, 1.0)
+    assert summary["recompiles"] == 2 and summary["compile_first_step_excess_s"] == 8.0
+    assert "2 recompiles: blocks.0 recompiled" in compile_row(summary)
 
 
 def test_checkpointed_blocks_keep_checkpointing_around_the_compiled_forward():
