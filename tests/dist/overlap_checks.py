@@ -163,6 +163,14 @@ def check_functions(tp: int, seq: int) -> dict:
         for a, e in zip(fo + fg, so + sg):
             torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda s, name=name: f"{name}: {s}")
         counts[name] = (cnt.messages_sent, cnt.bytes_sent)
+        # under bf16 autocast (fp32 inputs): the same dtypes as the unoverlapped path, values to bf16 precision
+        fp32 = [t.float() for t in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fo, fg = run(fast, fp32)
+            so, sg = run(slow, fp32)
+        for a, e in zip(fo + fg, so + sg):
+            assert a.dtype == e.dtype and a.shape == e.shape, (name, a.dtype, e.dtype)
+            assert _rel(a, e) < 2e-2, (name, _rel(a, e))
     return counts
 
 

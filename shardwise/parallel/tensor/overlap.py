@@ -43,7 +43,8 @@ the wait for a slower peer does.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -140,9 +141,29 @@ def _rows_mm(a: torch.Tensor, rows: slice, w: torch.Tensor, out: torch.Tensor | 
 
 def _add_weight_grad(dw: torch.Tensor, dy: torch.Tensor, dy_rows: slice, x: torch.Tensor, x_rows: slice) -> None:
     """``dw += Σ_j dy[j, dy_rows]ᵀ · x[j, x_rows]``: one sequence chunk's share of a weight gradient, without
-    copying the slices. dy (b, ·, o), x (b, ·, i), dw (o, i)."""
+    copying the slices (x cast to dw's dtype under autocast). dy (b, ·, o), x (b, ·, i), dw (o, i)."""
     for j in range(dy.size(0)):
-        dw.addmm_(dy[j, dy_rows].t(), x[j, x_rows])
+        dw.addmm_(dy[j, dy_rows].t(), x[j, x_rows].to(dw.dtype))
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear layer in here, or None (autocast off, or a non-float input)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if x.is_floating_point() and torch.is_autocast_enabled(dev) else None
+
+
+@contextlib.contextmanager
+def _autocast_off(x: torch.Tensor) -> Iterator[None]:
+    """Run a Function with autocast off: its wrapper already cast what ``F.linear`` under autocast would."""
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None else t.to(dtype)
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -155,7 +176,8 @@ class _GatherLinear(torch.autograd.Function):
         record_collective("all_gather", f"async-{algorithm}", axis, x.numel() * x.element_size(), n)
         held = {c: x.contiguous()}
         offs = shard_offsets(sum(sizes), n)
-        y = x.new_empty((x.size(0), sum(sizes), w.size(0)))  # (b, t, o_r), filled chunk by chunk
+        # (b, t, o_r), filled chunk by chunk, in the weight's dtype (autocast's: the chunks travel in x's dtype)
+        y = x.new_empty((x.size(0), sum(sizes), w.size(0)), dtype=w.dtype)
         wt = w.t()  # (i, o_r)
         for s in range(n):
             src = (c - s) % n
@@ -164,7 +186,7 @@ class _GatherLinear(torch.autograd.Function):
                 held[nxt_src] = x.new_empty((x.size(0), sizes[nxt_src], *x.shape[2:]))
                 ring.shift(held[src], held[nxt_src], _FWD_TAG)
             rows = slice(offs[src], offs[src] + sizes[src])
-            _rows_mm(held[src], slice(0, sizes[src]), wt, y[:, rows], b)
+            _rows_mm(held[src].to(w.dtype), slice(0, sizes[src]), wt, y[:, rows], b)
             ring.wait()
         full = torch.cat([held[j] for j in range(n)], dim=1)
         ctx.save_for_backward(full, w)
@@ -176,20 +198,22 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor, dfull: torch.Tensor | None) -> tuple:
         full, w = ctx.saved_tensors
         dx, dw = _scatter_ring(dy, w, full, dfull, ctx.mesh, ctx.axis, ctx.sizes, ctx.algorithm, _BWD_TAG,
-                               weight_grad=ctx.needs_input_grad[1])
+                               weight_grad=ctx.needs_input_grad[1], acc_dtype=full.dtype)
         db = dy.sum(dim=tuple(range(dy.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None
 
 
 def _scatter_ring(dy: torch.Tensor, w: torch.Tensor, xin: torch.Tensor | None, extra: torch.Tensor | None,
                   mesh: Mesh, axis: str, sizes: list[int], algorithm: str, tag: int, *,
-                  weight_grad: bool, transpose_w: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  weight_grad: bool, transpose_w: bool = False, acc_dtype: torch.dtype | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Ring reduce-scatter over dim 1 of ``P = dy·w (+ extra)``, one chunk's matmul per step; with
     ``weight_grad``, ``dW = Σ_j dy_jᵀ·xin_j`` computed chunk by chunk while each accumulator travels.
 
     Shapes (backward of the column layer): dy (b, t, o_r), w (o_r, i), xin (b, t, i) → (b, t_c, i), dW (o_r, i).
     ``transpose_w`` (the row layer's forward): dy is its input x (b, t, i_r), w (o, i_r), P = x·wᵀ (b, t, o),
-    no weight gradient."""
+    no weight gradient. ``acc_dtype``: the partial sums' dtype when it differs from the matmul's (autocast: the
+    gathered input's, as the unoverlapped path reduce-scatters the gradient after autocast's cast back)."""
     ring = _Ring(mesh, axis, algorithm)
     n, c = ring.n, ring.c
     offs = shard_offsets(sum(sizes), n)
@@ -201,6 +225,8 @@ def _scatter_ring(dy: torch.Tensor, w: torch.Tensor, xin: torch.Tensor | None, e
         d = (c - s - 1) % n  # the destination chunk whose partial sum this rank adds at step s
         rows = slice(offs[d], offs[d] + sizes[d])
         part = _rows_mm(dy, rows, w.t() if transpose_w else w)
+        if acc_dtype is not None and part.dtype != acc_dtype:
+            part = part.to(acc_dtype)
         if extra is not None:
             part = part + extra[:, rows]
         ring.wait()  # the accumulator for chunk d, sent by c−1 at step s−1, has arrived in ``acc``
@@ -300,16 +326,16 @@ class _AllReduceGradLinear(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.set_materialize_grads(False)
         ctx.has_bias, ctx.mesh, ctx.axis, ctx.algorithm = b is not None, mesh, axis, algorithm
-        return F.linear(x, w, b), x.view_as(x)
+        return F.linear(x.to(w.dtype), w, b), x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dother: torch.Tensor | None) -> tuple:
         x, w = ctx.saved_tensors
-        dx = torch.matmul(dy, w)  # (b, t, o_r) @ (o_r, i): a partial sum over tp
+        dx = torch.matmul(dy, w).to(x.dtype)  # (b, t, o_r) @ (o_r, i): a partial sum over tp
         if dother is not None:
             dx = dx + dother
         handle = all_reduce(dx, ctx.mesh, ctx.axis, algorithm=ctx.algorithm, async_op=True)
-        dw = _flat(dy).t() @ _flat(x) if ctx.needs_input_grad[1] else None  # hides the all-reduce
+        dw = _flat(dy).t() @ _flat(x).to(w.dtype) if ctx.needs_input_grad[1] else None  # hides the all-reduce
         db = dy.sum(dim=tuple(range(dy.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         handle.wait()
         return dx, dw, db, None, None, None
@@ -320,7 +346,10 @@ def gather_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh
     """``(F.linear(all_gather(x, dim=1), w, b), all_gather(x, dim=1))`` with the gather's hops overlapped with
     the chunk matmuls; backward reduce-scatters the input gradient the same way. ``x`` (b, t_c, i) this rank's
     sequence chunk, ``sizes`` every rank's chunk length; ``w`` (o_r, i). Collective over ``axis``."""
-    return _GatherLinear.apply(x, w, b, mesh, axis, list(sizes), algorithm)
+    cdt = _autocast_dtype(x)  # under autocast: the weights cast as F.linear would; x travels in its own dtype
+    w, b = _cast(w, cdt), _cast(b, cdt)
+    with _autocast_off(x):
+        return _GatherLinear.apply(x, w, b, mesh, axis, list(sizes), algorithm)
 
 
 def linear_scatter(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, *,
@@ -328,14 +357,20 @@ def linear_scatter(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, *,
     """``reduce_scatter(F.linear(x, w), dim=1)`` with the chunk matmuls overlapped with the accumulators'
     hops; backward all-gathers the output gradient the same way. ``x`` (b, t, i_r), ``w`` (o, i_r) →
     (b, t_c, o). Collective over ``axis``."""
-    return _LinearScatter.apply(x, w, mesh, axis, algorithm)
+    cdt = _autocast_dtype(x)
+    x, w = _cast(x, cdt), _cast(w, cdt)
+    with _autocast_off(x):
+        return _LinearScatter.apply(x, w, mesh, axis, algorithm)
 
 
 def linear_allreduce(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, axis: str, *,
                      algorithm: str = "native") -> torch.Tensor:
     """``all_reduce(F.linear(x, w))`` in ``piece_count(tp)`` row pieces, each piece's all-reduce running while the
     next piece's matmul runs; backward local. ``x`` (b, t, i_r), ``w`` (o, i_r) → (b, t, o). Collective."""
-    return _LinearAllReduce.apply(x, w, mesh, axis, algorithm)
+    cdt = _autocast_dtype(x)
+    x, w = _cast(x, cdt), _cast(w, cdt)
+    with _autocast_off(x):
+        return _LinearAllReduce.apply(x, w, mesh, axis, algorithm)
 
 
 def allreduce_grad_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: Mesh, axis: str, *,
@@ -343,4 +378,7 @@ def allreduce_grad_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
     """``(F.linear(x, w, b), x)``; backward all-reduces the input gradient (plus the gradient reaching the
     returned alias of ``x`` from the group's other readers) asynchronously under the weight-gradient matmul.
     ``x`` (b, t, i) replicated, ``w`` (o_r, i). Collective over ``axis`` in backward."""
-    return _AllReduceGradLinear.apply(x, w, b, mesh, axis, algorithm)
+    cdt = _autocast_dtype(x)  # x stays in its dtype: its gradient is all-reduced in it, as unoverlapped
+    w, b = _cast(w, cdt), _cast(b, cdt)
+    with _autocast_off(x):
+        return _AllReduceGradLinear.apply(x, w, b, mesh, axis, algorithm)
