@@ -31,6 +31,10 @@ use the collective ``algorithm`` with ``async_op=True``. A ring moves exactly th
 or reduce-scatter it replaces, (n−1)/n of the gathered tensor per rank. Values equal the unoverlapped path up
 to the order of floating-point sums (chunked matmuls and accumulators).
 
+Autocast (bf16): the wrappers cast the weights (and the row layers' inputs) as ``F.linear`` would and run the
+Functions with autocast off; a column layer's input travels, and its gradient is summed, in the input's own
+dtype, as on the unoverlapped path (which gathers before autocast's cast and reduces after its cast back).
+
 CUDA (written, never run: the tests use CPU ranks): each hop's send and receive are posted as one
 ``batch_isend_irecv`` (one NCCL group, so at tp 2, where both directions share one communicator and stream, no
 rank's send waits behind its own receive); NCCL p2p runs on its own stream, ``Work.wait()`` makes the current
