@@ -12,16 +12,13 @@ overhead against DTensor, and the bytes of planned boxing conversions on a 2×2 
                      CPU ranks on one host; left out on CUDA)
         torch        torch.distributed.tensor.parallel.parallelize_module, ColwiseParallel/RowwiseParallel
         torch-sp     the same with torch's SequenceParallel on the norms
-        sw-async, sw-sp-async, sw-shm-async, sw-sp-shm-async   each sw variant with ``async_tp=True`` (the tp
-                     collectives overlapped with the matmuls, ``parallel/tensor/overlap.py``); ``--async-tp``
-                     adds the twin of every selected sw variant. Their "vs sync" column is the median over rounds
-                     of the paired ratio to the unoverlapped twin's step in the same round.
+        sw-*-async   a sw variant with ``async_tp=True`` (``--async-tp`` adds each selected one's twin); "vs sync":
+                     the median over rounds of its paired ratio to the unoverlapped twin's step in the same round
 
     torch's ColwiseParallel cuts the fused qkv weight into naive row blocks, so its rows are first permuted to
     [q₀ k₀ v₀ | q₁ k₁ v₁ | ...] (rank r's heads contiguous): both then compute the same function, checked
-    by comparing the first loss. A step's time is the median over steps, then the maximum over ranks. "comm" is
-    the unoverlapped variants' share of the step spent inside the tp collectives (blocking: transfer and waiting
-    for the peers), summed over ranks, from ``--steps`` extra steps with the collectives timed.
+    by comparing the first loss. A step's time is the median over steps, then the maximum over ranks. "comm":
+    an unoverlapped variant's share of the step inside the tp collectives (``tp_async.comm_share``).
 (b) Eager overhead of one boxing call (a GlobalTensor ``to_sbp``) against DTensor ``redistribute`` and the
     raw collective, on a 64×64 piece per rank.
 (c) Bytes per rank of every planned conversion between 2-axis signatures on a 2×2 mesh (1024×1024 fp32)
@@ -44,6 +41,8 @@ import torch
 import torch.nn as nn
 
 from .harness import add_launch_arguments, run_bench
+from .tp_async import add_comm_shares, async_twins
+from .tp_async import sync_twin as _sync_twin
 
 __all__ = ["add_arguments", "main"]
 
@@ -53,11 +52,6 @@ VARIANTS = DEFAULT + ["sw-async", "sw-sp-async", "sw-shm-async", "sw-sp-shm-asyn
 
 def _is_sp(name: str) -> bool:
     return "-sp" in name
-
-
-def _sync_twin(name: str) -> str | None:
-    """The unoverlapped variant an ``-async`` one is paired with."""
-    return name[:-len("-async")] if name.endswith("-async") else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +78,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {VARIANTS}")
-    if getattr(args, "async_tp", False):
-        names += [f"{n}-async" for n in names if n.startswith("sw") and _sync_twin(n) is None
-                  and f"{n}-async" not in names]
+    names += async_twins(names) if getattr(args, "async_tp", False) else []
     for flag in ("nproc", "layers", "embd", "heads", "batch", "seq", "steps", "repeats", "iters"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -219,42 +211,8 @@ def _step_rows(args: argparse.Namespace, mesh, names: list[str]) -> tuple[list[d
             rounds[r, k] = statistics.median(_time_steps(steps[name], args.steps, x.is_cuda))
     sw.comm.all_reduce(rounds, mesh, "tp", op="max")
     rows = [_row(n, k, names, rounds) for k, n in enumerate(names)]
-    for row in rows:  # the unoverlapped sw variants: their share of the step inside the tp collectives
-        name = str(row["variant"])
-        row["comm_share"] = (_comm_share(steps[name], args.steps, mesh, x.is_cuda)
-                             if name.startswith("sw") and _sync_twin(name) is None else float("nan"))
+    add_comm_shares(rows, steps, args.steps, mesh, x.is_cuda)
     return rows, check
-
-
-def _comm_share(step: Step, count: int, mesh, cuda: bool) -> float:
-    """Seconds inside the tp collectives of the model's layers (blocking calls) over the seconds of ``count``
-    steps, summed over ranks. Patches the collectives the differentiable conversions call while it runs."""
-    import shardwise as sw
-    from ..comm import autograd as cag
-
-    spent = [0.0]
-
-    def timed(fn: Callable) -> Callable:
-        def call(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[0] += time.perf_counter() - t
-        return call
-
-    saved = {k: getattr(cag, k) for k in ("all_gather", "all_reduce", "reduce_scatter")}
-    sw.comm.barrier(mesh, "tp")
-    try:
-        for k, fn in saved.items():
-            setattr(cag, k, timed(fn))
-        total = sum(_time_steps(step, count, cuda))
-    finally:
-        for k, fn in saved.items():
-            setattr(cag, k, fn)
-    sums = torch.tensor([spent[0], total], dtype=torch.float64)
-    sw.comm.all_reduce(sums, mesh, "tp")
-    return float(sums[0] / sums[1])
 
 
 def _row(name: str, k: int, names: list[str], rounds: torch.Tensor) -> dict[str, object]:
