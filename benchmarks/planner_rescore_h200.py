@@ -34,7 +34,8 @@ def _errors(hw: Hardware, rows: list[dict], global_batch: int | None = None) -> 
         argv = GPT2_SMALL_FLAGS.split() + flags[row["layout"]] + ["--parallel.nproc", "1"]
         cfg = load_config(overrides=parse_overrides(argv))
         pred = predict(gpt_spec(cfg), plan_from_config(cfg, train_passes=True), hw,
-                       global_batch=global_batch or cfg.data.global_batch)
+                       global_batch=global_batch or cfg.data.global_batch,
+                       fused_optimizer=False)  # the stored rows ran torch's unfused (foreach) AdamW
         out[row["layout"]] = pred.step_time_s / row["measured_s"] - 1
     return out
 

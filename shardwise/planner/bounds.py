@@ -18,7 +18,8 @@ from .memory import local_params, rank_memory, rank_parts
 from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
                             split_stages)
 from .plan import Layout
-from .predict import _bucket_cap, _dp_comm, _optimizer, fold_transfers, shares_cores, stage_sums
+from .step_extras import fused_optimizer, optimizer_time
+from .predict import _bucket_cap, _dp_comm, fold_transfers, shares_cores, stage_sums
 from .spec import ModelSpec
 
 __all__ = ["Option", "split_id", "option_of", "shape_of", "time_bound", "flush_bound", "rest_bounds", "memory_bounds"]
@@ -103,10 +104,10 @@ def rest_bounds(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, runtim
     """``(optimizer seconds, least exposed data-parallel seconds)`` of a step: what the largest pipeline rank's
     parameters cost besides the flushes."""
     _, _, _, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache)
-    fused = runtime == "megatron"
+    fused = fused_optimizer(runtime, hw)
     opt_key = ("optimizer", n_local, tensors, plan.zero_group, plan.zero_stage, fused)
     if opt_key not in cache:
-        cache[opt_key] = _optimizer(plan, hw, n_local, tensors, fused=fused)
+        cache[opt_key] = optimizer_time(plan, hw, n_local, tensors, fused=fused)
     # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
     # (``_dp_comm`` only decreases as forward and backward grow)
     dp_key = ("dp_lb", n_local, plan.zero_group, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))

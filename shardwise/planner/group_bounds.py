@@ -29,7 +29,8 @@ from .enumerate import Space, _schedule_options, _split, async_tp_of, note_over_
 from .hardware import Hardware
 from .memory import local_params
 from .plan import Layout
-from .predict import _dp_comm, _optimizer, layer_costs, shares_cores
+from .step_extras import fused_optimizer, optimizer_time
+from .predict import _dp_comm, layer_costs, shares_cores
 from .spec import ModelSpec
 
 __all__ = ["Group", "group_bound", "group_least"]
@@ -75,11 +76,11 @@ def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per
     if rest_key not in cache:
         n_local = sum(local_params(layer, tp) for layer in spec.layers) / pp
         least_layers = math.ceil(len(spec.layers) / pp)
-        fused = runtime == "megatron"
+        fused = fused_optimizer(runtime, hw)
         rest = math.inf
         for z in zeros:
             plan = replace(base, zero_stage=z, grad_accum=accum)
-            opt = _optimizer(plan, hw, n_local, least_layers * 12, fused=fused)
+            opt = optimizer_time(plan, hw, n_local, least_layers * 12, fused=fused)
             comm = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", least_layers)
             rest = min(rest, opt + comm)
         cache[rest_key] = rest

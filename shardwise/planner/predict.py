@@ -24,6 +24,7 @@ from .overhead import autocast_factor, with_launch_cost
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Layout
 from .spec import ModelSpec
+from .step_extras import fused_optimizer as fused_for, optimizer_time, step_syncs
 
 __all__ = ["Prediction", "predict"]
 
@@ -250,41 +251,6 @@ def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forwar
     return max(reduce - backward, reduce / 8) + gather
 
 
-def _step_syncs(plan: Layout, hw: Hardware) -> tuple[float, float]:
-    """What ``shardwise train`` adds to every step besides the layout's own traffic: the non-finite check's
-    one-number ``max`` all-reduce over each mesh axis before the optimizer step, and the loss's mean over dp
-    after it (a pipeline's loss is already the mean). Latency-bound: a gloo all-reduce of 4 bytes is ~0.6 ms
-    between CPU ranks, microseconds with NCCL."""
-    per_dp = min(plan.dp, max(1, hw.devices_per_node // plan.tp))
-    per_cp = min(plan.zero_group, max(1, hw.devices_per_node // plan.tp))  # dp × cp: who saw the batch's tokens
-    sizes = [(plan.dp, per_dp), (plan.tp, min(plan.tp, hw.devices_per_node)), (plan.pp, 1), (plan.cp, min(plan.cp, per_cp))]
-    flag = sum(hw.collective_time("all_reduce", 4, n, per_node=k, algorithm="native") for n, k in sizes if n > 1)
-    loss = (hw.collective_time("all_reduce", 4, plan.zero_group, per_node=per_cp, algorithm="native")
-            if plan.pp == 1 else 0.0)
-    return flag, loss
-
-
-def _optimizer(plan: Layout, hw: Hardware, n_local: float, tensors: int, fused: bool) -> float:
-    shard = n_local / (plan.zero_group if plan.zero_stage >= 1 else 1)
-    # A fused AdamW (Megatron's) reads param, grad, m, v and writes param, m, v once: 28 bytes per element.
-    # torch.optim.AdamW (what shardwise train builds) runs it as about ten elementwise passes (decay, two
-    # moment updates, sqrt, divide, add): about 80 bytes. Both plus the 4-byte gradient-norm read.
-    per = 28 + 4 if fused else 80 + 4
-    if fused:
-        launches = 12 + tensors
-    elif hw.kind == "gpu":
-        # on CUDA torch.optim.AdamW defaults to its foreach form: each of the ~10 passes is one multi-tensor
-        # launch per chunk of tensors (tens of tensors per launch), not one per tensor
-        launches = 12 + 10 * math.ceil(tensors / _FOREACH_TENSORS_PER_LAUNCH)
-    else:
-        launches = 12 + 10 * tensors  # CPU: the per-tensor loop
-    return hw.memory_time(shard * per, launches)
-
-
-_FOREACH_TENSORS_PER_LAUNCH = 64
-"""Tensors one multi-tensor-apply launch covers (torch's limit is 24–110 by the number of tensor lists)."""
-
-
 def block_factors(hw: Hardware) -> Hardware:
     """``hw`` with ``fwd_factor`` / ``bwd_factor`` (and ``recompute_factor`` where the file has the
     checkpointed probe) from its measured probe block (unchanged without one): the block is predicted on
@@ -313,7 +279,7 @@ def block_factors(hw: Hardware) -> Hardware:
 
 
 def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: int, seq_len: int | None = None,
-            runtime: str = "shardwise", cache: dict | None = None) -> Prediction:
+            runtime: str = "shardwise", cache: dict | None = None, fused_optimizer: bool | None = None) -> Prediction:
     """Predict one training step of ``spec`` laid out by ``plan`` on ``hardware`` (see module doc).
 
     ``runtime`` names the implementation that runs the plan: ``shardwise`` (gradient buckets reduce during the
@@ -321,7 +287,9 @@ def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: 
     2021: the data-parallel reduction runs after the flush, pipeline transfers block the compute stream).
     ``ValueError`` when the plan does not fit the model or the batch; a plan that does not fit in memory is
     *not* an error: ``prediction.fits`` is False. ``cache``: a dict kept across calls for one ``spec`` and
-    ``hardware`` (the search's), memoising layer costs and flush simulations.
+    ``hardware`` (the search's), memoising layer costs and flush simulations. ``fused_optimizer``: whether
+    AdamW runs as one fused kernel; None = what the runtime does (Megatron: fused; shardwise train: fused on GPUs
+    with ``optimizer.implementation = auto``, torch's loop on CPU ranks).
     """
     if seq_len is not None:
         spec = spec.with_seq_len(seq_len)
@@ -347,9 +315,10 @@ def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: 
     last_f = sum(c.F for s in ranks[bottleneck] for c in costs[s])
     units = max(len(rl) for rl in rank_layers)
     dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units)
-    opt = _optimizer(plan, hardware, n_local, tensors, fused=runtime == "megatron")
+    opt = optimizer_time(plan, hardware, n_local, tensors,
+                         fused=fused_for(runtime, hardware) if fused_optimizer is None else fused_optimizer)
     if runtime == "shardwise":
-        flag, loss = _step_syncs(plan, hardware)
+        flag, loss = step_syncs(plan, hardware)
         opt, dp = opt + flag, dp + loss
     step = plan.grad_accum * flush.time + dp + opt
     return _assemble(spec, plan, hardware, stages, costs, flush, ranks, rank_layers, step, dp, opt, global_batch)

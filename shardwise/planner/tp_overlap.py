@@ -191,6 +191,12 @@ def decomposition(whole: float, piece: float, pieces: int) -> float:
     return max(0.0, pieces * piece - whole)
 
 
+def _add(acc: list[float], exposed: float, contention: float = 0.0, extra: float = 0.0, passes: float = 0.0) -> None:
+    """Accumulate one collective's (exposed, contention, extra, passes) seconds into ``acc``."""
+    for j, v in enumerate((exposed, contention, extra, passes)):
+        acc[j] += v
+
+
 def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: float,
                   coll: Callable[[str, float], float], cols: list[GemmChunks], rows: list[GemmChunks],
                   hw: Hardware, share: float, w_deferred: bool, elem_bytes: int,
@@ -199,62 +205,71 @@ def layer_overlap(*, collectives: int, t: int, sequence_parallel: bool, nbytes: 
     collective ``i`` paired with ``cols[i]`` and ``rows[i]`` where the layer has them (module doc).
     ``elem_bytes``: bytes of one activation / product element; ``grad_bytes``: of one weight-gradient element."""
     fwd, bwd = [0.0] * 4, [0.0] * 4
+    # the weight gradient hides under nothing when a zero-bubble schedule runs it later
+    w = 0.0 if w_deferred else 1.0
+    waits = bool(hw.host_cores)  # CPU ranks: a hop's latency is waiting, which compute runs through (hop_exposed)
+    for i in range(collectives):
+        col = cols[i] if i < len(cols) else None
+        row = rows[i] if i < len(rows) else None
+        pair = _sp_pair if sequence_parallel else _plain_pair
+        pair(fwd, bwd, col=col, row=row, t=t, nbytes=nbytes, coll=coll, hw=hw, share=share, w=w, waits=waits,
+             grad_bytes=grad_bytes)
+    if IN_PLACE_PIECES:
+        fwd[3] = bwd[3] = 0.0
+    return OverlapTime(*fwd), OverlapTime(*bwd)
 
-    def add(acc: list[float], exposed: float, contention: float = 0.0, extra: float = 0.0,
-            passes: float = 0.0) -> None:
-        for j, v in enumerate((exposed, contention, extra, passes)):
-            acc[j] += v
+
+def _sp_pair(fwd: list[float], bwd: list[float], *, col: GemmChunks | None, row: GemmChunks | None, t: int,
+             nbytes: float, coll: Callable[[str, float], float], hw: Hardware, share: float, w: float, waits: bool,
+             grad_bytes: int) -> None:
+    """One sequence-parallel collective pair: the column layer's all-gather and the row layer's reduce-scatter in
+    forward, their duals in backward, each a ring of t - 1 hops under its chunk matmuls."""
+    partial = hw.memory_time(3 * nbytes / t, 1)  # a received partial sum added to this rank's: 2 reads, 1 write
 
     def zeroed(g: GemmChunks) -> float:
         """The weight gradient the pieces accumulate into, zeroed first."""
         return hw.memory_time(grad_bytes * g.weight_elems, 1)
 
-    # the weight gradient hides under nothing when a zero-bubble schedule runs it later
-    w = 0.0 if w_deferred else 1.0
-    waits = bool(hw.host_cores)  # CPU ranks: a hop's latency is waiting, which compute runs through (hop_exposed)
-    partial = hw.memory_time(3 * nbytes / t, 1)  # a received partial sum added to this rank's: 2 reads, 1 write
-    for i in range(collectives):
-        col = cols[i] if i < len(cols) else None
-        row = rows[i] if i < len(rows) else None
-        if sequence_parallel:
-            for op, gemm, forward in (("all_gather", col, True), ("reduce_scatter", row, True),
-                                      ("all_gather", row, False), ("reduce_scatter", col, False)):
-                acc = fwd if forward else bwd
-                # half of the all-reduce the unoverlapped term prices each sequence-parallel pair as (the link
-                # model's all-gather + reduce-scatter exactly; a calibration's, the same convention)
-                bw, lat = (x / 2 for x in split_collective(coll, "all_reduce", nbytes))
-                if gemm is None:
-                    add(acc, bw + lat)
-                    continue
-                f, d, g = gemm.ring_piece(t)
-                hide = f if forward else d + w * g
-                exposed, contention = ring_exposed(bw, lat, t - 1, hide, share, _sm_share(hw, op), waits)
-                if forward:
-                    extra = decomposition(gemm.fwd, f, t)
-                    # the gathered input concatenated (kept for backward); the scatter's partial sums
-                    passes = hw.memory_time(2 * gemm.in_bytes, 1) if op == "all_gather" else (t - 1) * partial
-                else:
-                    extra = decomposition(gemm.dgrad, d, t) + decomposition(gemm.wgrad, g, t)
-                    # the scatter's partial sums; both accumulate the weight gradient from t pieces
-                    passes = (0.0 if op == "all_gather" else (t - 1) * partial) + zeroed(gemm)
-                add(acc, exposed, contention, extra, passes)
+    for op, gemm, forward in (("all_gather", col, True), ("reduce_scatter", row, True),
+                              ("all_gather", row, False), ("reduce_scatter", col, False)):
+        acc = fwd if forward else bwd
+        # half of the all-reduce the unoverlapped term prices each sequence-parallel pair as (the link
+        # model's all-gather + reduce-scatter exactly; a calibration's, the same convention)
+        bw, lat = (x / 2 for x in split_collective(coll, "all_reduce", nbytes))
+        if gemm is None:
+            _add(acc, bw + lat)
+            continue
+        f, d, g = gemm.ring_piece(t)
+        hide = f if forward else d + w * g
+        exposed, contention = ring_exposed(bw, lat, t - 1, hide, share, _sm_share(hw, op), waits)
+        if forward:
+            extra = decomposition(gemm.fwd, f, t)
+            # the gathered input concatenated (kept for backward); the scatter's partial sums
+            passes = hw.memory_time(2 * gemm.in_bytes, 1) if op == "all_gather" else (t - 1) * partial
         else:
-            bw, lat = split_collective(coll, "all_reduce", nbytes)
-            if row is None:
-                add(fwd, bw + lat)
-            else:
-                pieces = max(t, 2)
-                f, _, _ = row.piece(pieces)
-                exposed, contention, latencies = chunked_allreduce_exposed(bw, lat, pieces, f, share,
-                                                                           _sm_share(hw, "all_reduce"), waits)
-                add(fwd, exposed, contention, decomposition(row.fwd, f, pieces) + latencies,
-                    hw.memory_time(2 * row.out_bytes, 1))  # the reduced pieces concatenated
-            if col is None:
-                add(bwd, bw + lat)
-            else:
-                exposed, contention = ring_exposed(bw, lat, 1, w * col.wgrad, share, _sm_share(hw, "all_reduce"),
-                                                   waits)
-                add(bwd, exposed, contention)
-    if IN_PLACE_PIECES:
-        fwd[3] = bwd[3] = 0.0
-    return OverlapTime(*fwd), OverlapTime(*bwd)
+            extra = decomposition(gemm.dgrad, d, t) + decomposition(gemm.wgrad, g, t)
+            # the scatter's partial sums; both accumulate the weight gradient from t pieces
+            passes = (0.0 if op == "all_gather" else (t - 1) * partial) + zeroed(gemm)
+        _add(acc, exposed, contention, extra, passes)
+
+
+def _plain_pair(fwd: list[float], bwd: list[float], *, col: GemmChunks | None, row: GemmChunks | None, t: int,
+                nbytes: float, coll: Callable[[str, float], float], hw: Hardware, share: float, w: float,
+                waits: bool, grad_bytes: int) -> None:
+    """One all-reduce pair without sequence parallelism: the row layer's forward all-reduce in pieces behind its
+    matmul, the column layer's backward all-reduce under its weight-gradient matmul."""
+    bw, lat = split_collective(coll, "all_reduce", nbytes)
+    if row is None:
+        _add(fwd, bw + lat)
+    else:
+        pieces = max(t, 2)
+        f, _, _ = row.piece(pieces)
+        exposed, contention, latencies = chunked_allreduce_exposed(bw, lat, pieces, f, share,
+                                                                   _sm_share(hw, "all_reduce"), waits)
+        _add(fwd, exposed, contention, decomposition(row.fwd, f, pieces) + latencies,
+             hw.memory_time(2 * row.out_bytes, 1))  # the reduced pieces concatenated
+    if col is None:
+        _add(bwd, bw + lat)
+    else:
+        exposed, contention = ring_exposed(bw, lat, 1, w * col.wgrad, share, _sm_share(hw, "all_reduce"), waits)
+        _add(bwd, exposed, contention)

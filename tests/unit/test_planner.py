@@ -407,20 +407,21 @@ def test_shardwise_train_pays_its_two_one_number_all_reduces_per_step(monkeypatc
     import importlib
 
     P = importlib.import_module("shardwise.planner.predict")  # the package exports the function of that name
+    S = importlib.import_module("shardwise.planner.step_extras")
 
     spec = ModelSpec.gpt(GPTConfig.preset("gpt-small"))
     cpu = Hardware.load("benchmarks/hardware_cpu_4ranks.json")
     hw = cpu.for_devices(4)
     one = lambda n, k: hw.collective_time("all_reduce", 4, n, per_node=k, algorithm="native")  # noqa: E731
     assert one(2, 2) > 1e-4  # gloo on this VM: a tenth of a millisecond at least
-    assert P._step_syncs(Layout(dp=2, tp=2, micro_batch=2), hw) == pytest.approx((2 * one(2, 2), one(2, 2)))
+    assert S.step_syncs(Layout(dp=2, tp=2, micro_batch=2), hw) == pytest.approx((2 * one(2, 2), one(2, 2)))
     # a pipeline's loss is already the mean: only the check, over dp and pp
-    assert P._step_syncs(Layout(dp=2, pp=2, micro_batch=1), hw) == pytest.approx((one(2, 2) + one(2, 1), 0.0))
-    assert P._step_syncs(Layout(micro_batch=1), hw) == (0.0, 0.0)
+    assert S.step_syncs(Layout(dp=2, pp=2, micro_batch=1), hw) == pytest.approx((one(2, 2) + one(2, 1), 0.0))
+    assert S.step_syncs(Layout(micro_batch=1), hw) == (0.0, 0.0)
     plan = Layout(dp=2, tp=2, micro_batch=2)
     ours = predict(spec, plan, cpu, global_batch=8, seq_len=128)
     theirs = predict(spec, plan, cpu, global_batch=8, seq_len=128, runtime="megatron")
-    monkeypatch.setattr(P, "_step_syncs", lambda plan, hw: (0.0, 0.0))
+    monkeypatch.setattr(P, "step_syncs", lambda plan, hw: (0.0, 0.0))
     bare = predict(spec, plan, cpu, global_batch=8, seq_len=128)
     assert ours.step_time_s - bare.step_time_s == pytest.approx(3 * one(2, 2), rel=1e-9)
     assert ours.breakdown["optimizer"] - bare.breakdown["optimizer"] == pytest.approx(2 * one(2, 2), rel=1e-9)
