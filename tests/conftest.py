@@ -20,6 +20,12 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None or sys.dont_write
     sys.dont_write_bytecode = False
     atexit.register(shutil.rmtree, sys.pycache_prefix, ignore_errors=True)
 
+# Every rank the suite starts (spawned worlds, launched jobs) computes with one thread, as torchrun gives each of
+# several ranks per node: left at torch's default, each of 2-8 ranks on a small machine runs one thread per core,
+# and the oversubscribed OpenMP threads spin against each other (a third of the suite's time on 2 cores). Set
+# before torch is imported here, and inherited by every subprocess; a value given in the environment is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from shardwise.testing.local_world import LocalWorld  # noqa: E402
 
 # The campaign tooling and the published tables live outside the package, in benchmarks/ (a checkout-only
