@@ -31,22 +31,17 @@ from shardwise.planner.predict import Prediction, predict
 from shardwise.planner.spec import ModelSpec
 from shardwise.planner.tp_overlap import in_place_pieces
 
+from .published import MegatronRow
+
 __all__ = ["McoreRow", "MCORE_WEAK_SCALING", "mcore_spec", "mcore_plan", "mcore_prediction", "mcore_table"]
 
 
 @dataclass(frozen=True)
-class McoreRow:
-    params_b: float
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    batch: int
-    tflops: float
-    """Published model TF/s per GPU."""
-    mfu: int
+class McoreRow(MegatronRow):
+    """One row of the table: Narayanan's row fields (``tflops`` here: the published model TF/s per GPU) and the
+    published MFU."""
+
+    mfu: int = 0
     """Published MFU, % of 989 TF/s."""
 
 
