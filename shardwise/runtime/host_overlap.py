@@ -17,7 +17,7 @@ last step it reads at once, so a checkpoint never holds a step whose flag nobody
 
 Where the host still waits inside a step, and why: gradient clipping (the norm is logged per step as a float
 and decides nothing on the device here: the step reads at once), loss-masked data (the step's count of
-targets scales the loss, read as an int), a pipeline (``pipe.step`` returns its loss as a float after its
+targets scales the loss, read as an int before the passes; the step's end is still read late), a pipeline (``pipe.step`` returns its loss as a float after its
 schedule's point-to-point transfers), and fp16 loss scaling inside ZeRO (the overflow check). On CPU nothing
 is gained (the host does the work itself), so CPU runs read at once and stay as before.
 """
@@ -68,7 +68,8 @@ class PendingStep:
 
 def can_defer(strategy: Any, device: torch.device, cfg: Config) -> bool:
     """Whether steps are read a step late: CUDA, a layout whose passes are ``accumulate``'s (plain, dp, tp,
-    ZeRO), a fused optimizer (takes ``found_inf``), no clipping, no loss-masked data (see module docstring)."""
+    ZeRO), a fused optimizer (takes ``found_inf``), no clipping. Loss-masked data still defers the step's end;
+    its host wait is earlier, where the step's count of targets is read (see module docstring)."""
     return (device.type == "cuda" and isinstance(strategy, DataParallelSteps) and supports_found_inf(strategy.optimizer)
             and cfg.optimizer.clip_grad_norm == 0)
 
