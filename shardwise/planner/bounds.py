@@ -107,7 +107,7 @@ def rest_bounds(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, runtim
     fused = fused_optimizer(runtime, hw)
     opt_key = ("optimizer", n_local, tensors, plan.zero_group, plan.zero_stage, fused)
     if opt_key not in cache:
-        cache[opt_key] = optimizer_time(plan, hw, n_local, tensors, fused=fused)
+        cache[opt_key] = optimizer_time(plan, hw, n_local, tensors, fused=fused, multi_tensor=runtime == "shardwise")
     # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
     # (``_dp_comm`` only decreases as forward and backward grow)
     dp_key = ("dp_lb", n_local, plan.zero_group, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))

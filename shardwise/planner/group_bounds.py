@@ -80,7 +80,7 @@ def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per
         rest = math.inf
         for z in zeros:
             plan = replace(base, zero_stage=z, grad_accum=accum)
-            opt = optimizer_time(plan, hw, n_local, least_layers * 12, fused=fused)
+            opt = optimizer_time(plan, hw, n_local, least_layers * 12, fused=fused, multi_tensor=runtime == "shardwise")
             comm = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", least_layers)
             rest = min(rest, opt + comm)
         cache[rest_key] = rest

@@ -316,7 +316,8 @@ def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: 
     units = max(len(rl) for rl in rank_layers)
     dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units)
     opt = optimizer_time(plan, hardware, n_local, tensors,
-                         fused=fused_for(runtime, hardware) if fused_optimizer is None else fused_optimizer)
+                         fused=fused_for(runtime, hardware) if fused_optimizer is None else fused_optimizer,
+                         multi_tensor=runtime == "shardwise")
     if runtime == "shardwise":
         flag, loss = step_syncs(plan, hardware)
         opt, dp = opt + flag, dp + loss

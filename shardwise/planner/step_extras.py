@@ -25,14 +25,21 @@ def step_syncs(plan: Layout, hw: Hardware) -> tuple[float, float]:
     return flag, loss
 
 
-def optimizer_time(plan: Layout, hw: Hardware, n_local: float, tensors: int, fused: bool) -> float:
+def optimizer_time(plan: Layout, hw: Hardware, n_local: float, tensors: int, fused: bool,
+                   multi_tensor: bool = False) -> float:
+    """Seconds of one optimizer step on one rank. ``multi_tensor``: a fused kernel covers a chunk of tensors per
+    launch (torch's fused AdamW, what ``shardwise train`` runs); else one launch per tensor (the published
+    Megatron runtime, as priced so far)."""
     shard = n_local / (plan.zero_group if plan.zero_stage >= 1 else 1)
     # A fused AdamW (Megatron's, and shardwise train's on CUDA: optimizer.implementation = auto) reads param,
     # grad, m, v and writes param, m, v once: 28 bytes per element. The unfused torch.optim.AdamW (shardwise
     # train on CPU ranks) runs it as about ten elementwise passes (decay, two moment updates, sqrt, divide,
     # add): about 80 bytes. Both plus the 4-byte gradient-norm read.
     per = 28 + 4 if fused else 80 + 4
-    if fused:
+    if fused and multi_tensor and hw.kind == "gpu":
+        # torch's fused AdamW is one multi-tensor kernel per chunk of tensors
+        launches = 12 + math.ceil(tensors / _FOREACH_TENSORS_PER_LAUNCH)
+    elif fused:
         launches = 12 + tensors
     elif hw.kind == "gpu":
         # on CUDA torch.optim.AdamW defaults to its foreach form: each of the ~10 passes is one multi-tensor

@@ -250,3 +250,19 @@ def test_the_gpu_quick_probe_prices_bf16_on_its_own_points():
                           bandwidth=2e10, overhead=2e-6, memory=8e9, block_s=1e-2, block2_s=None)
     assert cpu.kind == "cpu" and cpu.peak_flops["bf16"] == cpu.peak_flops["fp32"] and not cpu.gemm_points_bf16
     assert cpu.host_launch_s == 0.0 and cpu.op_overhead_s > 2e-6 and cpu.autocast_launch_factor == 1.0
+
+
+def test_shardwise_train_is_priced_with_a_fused_adamw_on_gpus_and_torchs_loop_on_cpus():
+    from shardwise.models.gpt import GPTConfig
+    from shardwise.planner import ModelSpec, predict
+
+    spec = ModelSpec.gpt(GPTConfig.preset("gpt-small"))
+    plan = Layout(micro_batch=4)
+    gpu = predict(spec, plan, H100, global_batch=4, seq_len=128)
+    unfused = predict(spec, plan, H100, global_batch=4, seq_len=128, fused_optimizer=False)
+    # optimizer.implementation = auto runs fused AdamW on CUDA: 32 bytes per parameter, not ~84
+    assert gpu.step_time_s < unfused.step_time_s
+    assert predict(spec, plan, H100, global_batch=4, seq_len=128, fused_optimizer=True).step_time_s == gpu.step_time_s
+    cpu = Hardware.load("benchmarks/hardware_cpu_2ranks.json")
+    assert (predict(spec, plan, cpu, global_batch=4, seq_len=128).step_time_s
+            == predict(spec, plan, cpu, global_batch=4, seq_len=128, fused_optimizer=False).step_time_s)
