@@ -41,7 +41,7 @@ from .checkpoint.hf_dir import load_pretrained
 from .checkpoint import full_state_dict
 from .parallel.common.memory import memory_report
 # data and inference
-from .runtime.prepared import open_prepared
+from .data.prepared import open_prepared
 from .models.generate import generate
 
 __version__ = "0.1.0"

@@ -109,14 +109,14 @@ def _run_measure(kind: str, corpus: Path, tokenizer: Path, n: int, work: Path) -
 
 def _measure(args: argparse.Namespace) -> int:
     """One measurement in this fresh process; prints one JSON line."""
-    from ..runtime.prepare import PrepareOptions, prepare
-    from ..runtime.prepare_worker import peak_rss_kb
+    from ..data.prepare import PrepareOptions, prepare
+    from ..data.encode_worker import peak_rss_kb
 
     corpus, tokenizer = Path(args.corpus), Path(args.tokenizer)
     if args.measure.startswith("baseline"):
         from tokenizers import Tokenizer
 
-        from ..runtime.prepare_inputs import discover
+        from ..data.inputs import discover
 
         tok = Tokenizer.from_file(str(tokenizer))
         paths = [p for p, _ in discover([str(corpus)], sft=False, fields=("text",))[0].files]
@@ -195,7 +195,7 @@ def _print(throughput: list[dict], memory: list[dict], corpus_mb: float, docs: i
 
 
 def _bench(args: argparse.Namespace, workers: list[int], work: Path) -> int:
-    from ..runtime.toy_tokenizer import train_bpe
+    from ..data.toy_tokenizer import train_bpe
 
     files = _stdlib_files()
     corpus_mb = _make_corpus(work / "corpus", files, args.corpus_mb)

@@ -44,7 +44,7 @@ class Codec:
 
 def byte_codec() -> Codec:
     """The byte tokenizer of ``shardwise train``'s text data (UTF-8 bytes as ids 0-255)."""
-    from ..runtime.data import text_to_tokens, tokens_to_text
+    from ..data.windows import text_to_tokens, tokens_to_text
 
     return Codec("bytes", lambda text: text_to_tokens(text).to(torch.int64).tolist(),
                  lambda ids: tokens_to_text(torch.tensor(ids, dtype=torch.int64)), [])

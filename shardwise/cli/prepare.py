@@ -2,7 +2,7 @@
 
 Inputs: text files (one document each), directories of them, JSON Lines (``--field``), a ``datasets`` directory
 (``save_to_disk``); ``--sft`` reads prompt/response records and writes loss masks. The work is
-``shardwise.runtime.prepare.prepare``; the format and the reader are in docs/data.md. Every refusal is one line
+``shardwise.data.prepare.prepare``; the format and the reader are in docs/data.md. Every refusal is one line
 on stderr (``shardwise prepare: error: ...``), exit code 2, and leaves nothing behind.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Callable
 
-from ..runtime.prepare import PrepareOptions, PrepareReport, default_workers, prepare
+from ..data.prepare import PrepareOptions, PrepareReport, default_workers, prepare
 
 __all__ = ["add_arguments", "main"]
 

@@ -187,7 +187,7 @@ def _relayout(saved: ParallelConfig, new: ParallelConfig, overrides: dict[str, A
 
 
 def _check_data(cfg: Config) -> None:
-    from ..runtime.train_data import check_data
+    from ..data.sources import check_data
 
     check_data(cfg)
 

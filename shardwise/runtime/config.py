@@ -227,7 +227,7 @@ def validate(config: Config, *, launch: bool = True) -> Config:
     pp > 1 the batch is read with the planner's Megatron semantics (``runtime/prediction.py``), so neither
     train's pass-cutting of ``micro_batch`` into ``pp_microbatches`` nor its batch arithmetic is checked
     (``grad_accum`` and ``pp_microbatches`` stay as given; the planner checks its own)."""
-    from .data import BatchPlan, check_grad_accum
+    from ..data.windows import BatchPlan, check_grad_accum
 
     # config.model (a GPTConfig) checked its own shape when it was built
     m, p, t, o = config.model, config.parallel, config.train, config.optimizer

@@ -19,7 +19,7 @@ import torch
 
 from ..comm.collectives import all_reduce
 from ..mesh import Mesh
-from .data import IGNORE
+from ..data.windows import IGNORE
 
 __all__ = ["TokenNormalized", "counted_targets"]
 

@@ -39,10 +39,10 @@ from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from .calibration import mesh_calibrations
 from .config import Config, load_config
 from .context_split import context_split
-from .corpus import StepBatches
-from .data import ShardedSampler
+from ..data.corpus import StepBatches
+from ..data.windows import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
-from .train_data import open_data
+from ..data.sources import open_data
 from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak

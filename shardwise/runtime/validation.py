@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .data import TokenWindows
+from ..data.windows import TokenWindows
 
 __all__ = ["ValBatches", "evaluate"]
 

@@ -61,7 +61,7 @@ def _text_file() -> str:
     """A 32 kB text file of the generated corpus' first bytes, written once per process (the same bytes in every
     rank and in the reference): every Trainer would otherwise generate the whole 1 MB corpus, ~1 s of CPU each."""
     if not _TEXT:
-        from shardwise.runtime.corpus import generated_text
+        from shardwise.data.corpus import generated_text
 
         path = Path(tempfile.mkdtemp()) / "text.txt"
         path.write_text(generated_text(32_000))

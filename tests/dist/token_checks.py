@@ -18,7 +18,7 @@ import torch
 import shardwise as sw
 from shardwise.runtime import trainer as trainer_mod
 from shardwise.runtime.config import load_config, validate
-from shardwise.runtime.data import IGNORE
+from shardwise.data.windows import IGNORE
 from shardwise.runtime.token_loss import TokenNormalized
 from shardwise.world import World
 

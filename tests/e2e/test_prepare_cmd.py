@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from shardwise.runtime.prepared import is_prepared, open_prepared  # noqa: E402
-from shardwise.runtime.toy_tokenizer import train_bpe  # noqa: E402
+from shardwise.data.prepared import is_prepared, open_prepared  # noqa: E402
+from shardwise.data.toy_tokenizer import train_bpe  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
 

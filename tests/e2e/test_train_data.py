@@ -18,8 +18,8 @@ pytest.importorskip("tokenizers")
 from shardwise.cli.export import consolidate  # noqa: E402
 from shardwise.runtime.config import load_config  # noqa: E402
 from shardwise.runtime.model_build import build_model  # noqa: E402
-from shardwise.runtime.prepared import open_prepared  # noqa: E402
-from shardwise.runtime.toy_tokenizer import train_bpe  # noqa: E402
+from shardwise.data.prepared import open_prepared  # noqa: E402
+from shardwise.data.toy_tokenizer import train_bpe  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
          "phi chi psi omega").split()

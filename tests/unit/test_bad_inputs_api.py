@@ -21,7 +21,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.mesh import MeshLayout
 from shardwise.runtime.config_schema import OptimizerConfig
-from shardwise.runtime.data import BatchPlan
+from shardwise.data.windows import BatchPlan
 from shardwise.runtime.optimizer_impl import check_implementation
 
 

@@ -192,8 +192,8 @@ def test_step_batches_see_the_same_samples_under_any_dp_and_resume_position():
     """Step k of every layout covers the same windows; the saved position is layout-free."""
     import torch
 
-    from shardwise.runtime.corpus import StepBatches
-    from shardwise.runtime.data import ShardedSampler, TokenWindows
+    from shardwise.data.corpus import StepBatches
+    from shardwise.data.windows import ShardedSampler, TokenWindows
 
     tokens = torch.arange(4 * 101 + 1, dtype=torch.int64) % 256
     ds = TokenWindows(tokens, 4)  # 101 windows; global batch 8 → 12 steps per epoch for every dp

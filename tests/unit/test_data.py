@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.runtime.data import (BatchPlan, ShardedSampler, TokenWindows, iter_batches, load_text_tokens,
+from shardwise.data.windows import (BatchPlan, ShardedSampler, TokenWindows, iter_batches, load_text_tokens,
                                     text_to_tokens, tokens_to_text)
 
 

@@ -1,6 +1,6 @@
 """The package's shape, enforced (pure ``ast``, no imports of the code under test):
 
-* imports point one way — mesh/world ← comm ← sbp ← parallel ← checkpoint, models ← planner ← runtime ←
+* imports point one way — mesh/world ← comm ← sbp ← parallel ← checkpoint, models ← planner, data ← runtime ←
   bench, testing ← cli — with no exception; two packages of one layer do not import each other;
 * no import cycles between modules (lazy imports inside functions count too: a cycle is a design knot
   even when Python tolerates it);
@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "shardwise"
 
 LAYERS: dict[str, int] = {
     "mesh": 0, "world": 0, "comm": 1, "sbp": 2, "parallel": 3, "checkpoint": 4, "models": 4, "schedules": 4,
-    "planner": 5,
+    "planner": 5, "data": 5,
     "runtime": 6, "bench": 7, "testing": 7, "cli": 8,
 }
 """Top-level module or package → layer. A new top-level package must be placed here deliberately."""

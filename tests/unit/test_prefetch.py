@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.runtime.corpus import StepBatches
-from shardwise.runtime.data import ShardedSampler, TokenWindows
+from shardwise.data.corpus import StepBatches
+from shardwise.data.windows import ShardedSampler, TokenWindows
 
 TOKENS = torch.arange(4 * 101 + 1, dtype=torch.int64) % 256
 DS = TokenWindows(TOKENS, 4)  # 101 windows; global batch 8 → 12 steps per epoch

@@ -1,4 +1,4 @@
-"""``shardwise.runtime.prepare``: the tokens, splits, masks and files it writes, against the tokenizer run directly.
+"""``shardwise.data.prepare``: the tokens, splits, masks and files it writes, against the tokenizer run directly.
 
 Every expected token sequence is computed here with ``tokenizers`` itself (``encode(text,
 add_special_tokens=False).ids + [eos]`` per document, in the documented input order), and the split of each
@@ -16,10 +16,10 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from shardwise.runtime import prepare_inputs  # noqa: E402
-from shardwise.runtime.prepare import PrepareOptions, prepare  # noqa: E402
-from shardwise.runtime.prepared import open_prepared  # noqa: E402
-from shardwise.runtime.toy_tokenizer import train_bpe  # noqa: E402
+from shardwise.data import inputs as prepare_inputs  # noqa: E402
+from shardwise.data.prepare import PrepareOptions, prepare  # noqa: E402
+from shardwise.data.prepared import open_prepared  # noqa: E402
+from shardwise.data.toy_tokenizer import train_bpe  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
@@ -197,7 +197,7 @@ def test_a_stale_temporary_directory_is_removed(tmp_path: Path, tok_file: Path):
 
 def test_in_flight_chunks_are_bounded(tmp_path: Path, tok_file: Path, monkeypatch: pytest.MonkeyPatch):
     """Memory does not grow with the corpus: never more than 2 x workers chunks read ahead of the writer."""
-    from shardwise.runtime import prepare as prepare_mod
+    from shardwise.data import prepare as prepare_mod
 
     monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 100)
     produced = []
@@ -216,7 +216,7 @@ def test_in_flight_chunks_are_bounded(tmp_path: Path, tok_file: Path, monkeypatc
 
 
 def test_eos_from_tokenizer_config_and_explicit(tmp_path: Path, tok_file: Path):
-    from shardwise.runtime.prepare_tokenizer import load_tokenizer_info
+    from shardwise.data.tokenizer_info import load_tokenizer_info
 
     tok = tokenizers.Tokenizer.from_file(str(tok_file))
     tok.add_special_tokens(["</s>", "<|im_end|>"])

@@ -1,4 +1,4 @@
-"""The reader of prepared datasets (``shardwise.runtime.prepared``) on directories built here by hand from the format
+"""The reader of prepared datasets (``shardwise.data.prepared``) on directories built here by hand from the format
 in docs/data.md (numpy-written shards, a handwritten index), and on a >65536-token vocabulary (uint32 shards)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardwise.runtime.prepared import is_prepared, open_prepared
+from shardwise.data.prepared import is_prepared, open_prepared
 
 SIZES = (5, 0, 7, 1, 3)  # an empty shard in the middle, a one-token shard
 
@@ -137,7 +137,7 @@ def test_directories_that_are_not_datasets(tmp_path: Path):
 
 def test_more_than_65536_tokens_are_written_as_uint32(tmp_path: Path):
     tokenizers = pytest.importorskip("tokenizers")
-    from shardwise.runtime.prepare import PrepareOptions, prepare
+    from shardwise.data.prepare import PrepareOptions, prepare
 
     vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(70000)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))

@@ -1,9 +1,9 @@
 """``shardwise prepare``: text, JSON Lines or a ``datasets`` dataset → tokenized, memory-mappable shards.
 
 ``prepare(PrepareOptions(...))`` checks everything it can before any work (flags, inputs, tokenizer, the output
-directory), then streams the inputs in chunks (``prepare_inputs.chunks``) to ``workers`` encoding processes
-(``prepare_pool``, ``prepare_worker``; with one worker, this process encodes), writes their results in input order into each
-split's shards (``prepare_write.ShardWriter``), writes the index ``dataset.json`` last and publishes the directory
+directory), then streams the inputs in chunks (``inputs.chunks``) to ``workers`` encoding processes
+(``worker_pool``, ``encode_worker``; with one worker, this process encodes), writes their results in input order into each
+split's shards (``shard_writer.ShardWriter``), writes the index ``dataset.json`` last and publishes the directory
 atomically. At most ``2 × workers`` chunks are in flight, so memory does not grow with the corpus.
 
 The output, and the reader ``open_prepared``, are described in docs/data.md; the index format is
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .prepare_inputs import Input, chunks, discover
-from .prepare_pool import WorkerPool
-from .prepare_tokenizer import TokenizerInfo, load_tokenizer_info
-from .prepare_worker import Chunk, ChunkResult, WorkerConfig, encode_chunk, init_worker, peak_rss_kb
-from .prepare_write import ShardWriter, publish, remove_stale_temps, temp_dir_for, write_json_synced
+from .inputs import Input, chunks, discover
+from .worker_pool import WorkerPool
+from .tokenizer_info import TokenizerInfo, load_tokenizer_info
+from .encode_worker import Chunk, ChunkResult, WorkerConfig, encode_chunk, init_worker, peak_rss_kb
+from .shard_writer import ShardWriter, publish, remove_stale_temps, temp_dir_for, write_json_synced
 from .prepared import FORMAT, INDEX, SPLIT_RULE
 
 __all__ = ["PrepareOptions", "PrepareReport", "prepare", "default_workers", "check_options"]
@@ -139,7 +139,7 @@ def _copy_tokenizer(info: TokenizerInfo, tmp: Path) -> None:
 @contextmanager
 def _encoder(cfg: WorkerConfig, workers: int) -> Iterator[Callable[[Chunk], Any]]:
     """``submit(chunk)`` → an object whose ``result()`` is the ``ChunkResult``: ``workers`` processes
-    (``prepare_pool``), or this process for one worker."""
+    (``worker_pool``), or this process for one worker."""
     if workers > 1:
         with WorkerPool(workers, cfg) as pool:
             yield pool.submit

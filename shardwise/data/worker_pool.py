@@ -1,10 +1,10 @@
-"""The encoding processes of ``shardwise prepare``: fresh interpreters that run ``prepare_worker.py`` as a file.
+"""The encoding processes of ``shardwise prepare``: fresh interpreters that run ``encode_worker.py`` as a file.
 
 Why not ``multiprocessing``: its spawn and forkserver children import the parent's ``__main__`` and, to unpickle
 the worker function, the ``shardwise`` package — torch included, about a second per process before the first
 token — and a script that calls ``prepare`` without an ``if __name__ == "__main__":`` guard would start itself
 again. Fork is no option either (a forked child inherits tokenizers' and torch's thread locks half-held). These
-workers import numpy and tokenizers only, and talk over their stdin/stdout (``prepare_worker.serve``).
+workers import numpy and tokenizers only, and talk over their stdin/stdout (``encode_worker.serve``).
 
 Chunk ``k`` goes to worker ``k mod N`` and results are taken in submission order, so the writer sees the chunks
 in input order. A worker reads its input on a separate thread, so a parent writing a chunk never waits for a
@@ -19,13 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .prepare_worker import Chunk, ChunkResult, WorkerConfig, read_message, result_from_fields, send_message
+from .encode_worker import Chunk, ChunkResult, WorkerConfig, read_message, result_from_fields, send_message
 
 __all__ = ["WorkerPool", "Pending"]
 
 _BOOT = ("import importlib.util as u, sys; s = u.spec_from_file_location('_shardwise_prepare_worker', sys.argv[1]); "
          "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); m.serve()")
-"""Load ``prepare_worker.py`` by its path under a name of its own (no package import, no directory on sys.path)."""
+"""Load ``encode_worker.py`` by its path under a name of its own (no package import, no directory on sys.path)."""
 
 
 def _fields(obj: object) -> tuple[object, ...]:
@@ -59,7 +59,7 @@ class WorkerPool:
     the workers' inputs are closed and they are waited for (killed when the exit is due to an exception)."""
 
     def __init__(self, n: int, config: WorkerConfig) -> None:
-        script = str(Path(__file__).with_name("prepare_worker.py"))
+        script = str(Path(__file__).with_name("encode_worker.py"))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         self.procs: list[subprocess.Popen] = []
         self.submitted = 0

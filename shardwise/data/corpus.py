@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-    from .data import ShardedSampler, TokenWindows
+    from .windows import ShardedSampler, TokenWindows
 
 __all__ = ["generated_text", "load_corpus", "StepBatches"]
 
@@ -57,7 +57,7 @@ def load_corpus(path: str, fmt: str = "auto") -> "torch.Tensor":
     pre-tokenized ``.bin`` of little-endian uint16 ids. Returns a 1-D uint16 tensor."""
     import torch
 
-    from .data import load_text_tokens, text_to_tokens
+    from .windows import load_text_tokens, text_to_tokens
 
     if not path:
         return text_to_tokens(generated_text())

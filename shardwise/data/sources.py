@@ -14,14 +14,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .config import Config
-from .data import TokenWindows
+from .windows import TokenWindows
 
 __all__ = ["TrainData", "open_data", "check_data", "open_source"]
+
+
+class Config(Protocol):
+    """What is read here of ``shardwise.runtime.config.Config`` (the data room does not import the runtime):
+    ``data.path/format/val_path/global_batch``, ``model.block_size/vocab_size/pretrained/hf_config``,
+    ``train.eval_every``."""
+
+    data: Any
+    model: Any
+    train: Any
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 its end-of-text token, its fingerprint and the token dtype of the shards.
 
 Only the main process loads it here (to check it and find the EOS id before any work starts); the encoding
-workers load the copy placed in the output directory (``prepare_worker.py``).
+workers load the copy placed in the output directory (``encode_worker.py``).
 """
 
 from __future__ import annotations

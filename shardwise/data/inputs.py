@@ -18,7 +18,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from .prepare_worker import Chunk
+from .encode_worker import Chunk
 
 __all__ = ["Input", "Chunk", "discover", "chunks", "CHUNK_BYTES", "INSTALL_DATASETS"]
 

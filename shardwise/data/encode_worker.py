@@ -9,7 +9,7 @@ mask that is 1 on the response and the EOS (the prediction targets) and 0 on the
 The split of a document depends only on its ordinal and its content (``val_unit``), so it is the same for any
 number of workers.
 
-This file is also run on its own, outside the package (``serve``, started by ``prepare_pool.WorkerPool``): a
+This file is also run on its own, outside the package (``serve``, started by ``worker_pool.WorkerPool``): a
 worker process then imports only numpy and tokenizers, not shardwise (and torch) — so it imports nothing
 relative, and what crosses the pipe is plain tuples and numpy arrays.
 """
@@ -212,7 +212,7 @@ def _pack(docs: list[tuple[list[int], list[int] | None]], cfg: WorkerConfig) -> 
     return Part(tokens=tokens, mask=mask, documents=len(docs))
 
 
-# --- the worker process (``prepare_pool.WorkerPool`` starts this file with ``serve``) ---
+# --- the worker process (``worker_pool.WorkerPool`` starts this file with ``serve``) ---
 # Messages are pickles with an 8-byte little-endian length in front. In: the WorkerConfig's fields, then one chunk
 # (its fields as a tuple) per message; end of input ends the worker. Out, per chunk: ("ok", result fields) or
 # ("error", "ValueError" | "crash", text).
