@@ -20,7 +20,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Mapping
 
 import torch
 
@@ -130,10 +130,12 @@ def _write_tensors(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], ma
 
 
 def write_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any], out: str | Path, *,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_files: Iterable[str | Path] = ()) -> dict[str, Any]:
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra_files: Iterable[str | Path] = (),
+                 extra_json: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write the model directory ``out``: ``config.json`` (``config``), the tensors of ``tensors`` (consumed one
-    at a time) in shards of at most ``max_shard_bytes`` with their index (or one ``model.safetensors``), and a
-    copy of each of ``extra_files`` (tokenizer files) — atomically (see the module docstring). Returns the index
+    at a time) in shards of at most ``max_shard_bytes`` with their index (or one ``model.safetensors``), a
+    copy of each of ``extra_files`` (tokenizer files) and each ``extra_json`` entry (file name → JSON object, e.g.
+    ``generation_config.json``) — atomically (see the module docstring). Returns the index
     (``weight_map``: tensor → file; ``metadata.total_size``). ``ValueError`` for an ``out`` it may not replace
     (before anything is written), a tensor named twice or none at all; the directory is then left as it was."""
     out = Path(out).expanduser().absolute()
@@ -153,6 +155,11 @@ def write_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, 
         for extra in extra_files:
             shutil.copyfile(extra, tmp / Path(extra).name)
             fsync_path(tmp / Path(extra).name)
+        for name, value in (extra_json or {}).items():
+            if Path(name).name != name or name in (CONFIG, INDEX):
+                raise ValueError(f"write_hf_dir: extra_json name {name!r} must be a plain file name other than "
+                                 f"{CONFIG} and {INDEX}")
+            _write_json(tmp / name, value)
         fsync_path(tmp)
         _publish(tmp, out, old)
     finally:

@@ -15,8 +15,9 @@ existing ``--out`` untouched. Every failure is one line on stderr (``shardwise e
 ``--format hf --out DIR`` writes a Hugging Face model directory instead (``shardwise.checkpoint.hf_dir``):
 ``config.json``, safetensors shards of at most ``--max-shard-mb`` with their index (or one
 ``model.safetensors``), GPT-2's keys and layout for a reference-GPT run, HF's own for a ``model.hf_config`` run,
-and the tokenizer files of the run's prepared dataset, of the run directory or of the pretrained directory the run
-started from. Tensors are read and written one at a time; ``DIR`` is replaced atomically (docs/training.md,
+the special token ids (``config.json`` and ``generation_config.json``) and the tokenizer files of the run's
+prepared dataset, of the run directory or of the pretrained directory the run started from — or, for a byte-level
+run, a ``tokenizer.json`` of that byte encoding (``export_tokens.py``). Tensors are read and written one at a time; ``DIR`` is replaced atomically (docs/training.md,
 "Pretrained weights in and out").
 """
 
@@ -34,6 +35,7 @@ from safetensors import SafetensorError
 
 from ..checkpoint.hf_dir import check_out_dir, hf_export, write_hf_dir
 from ..checkpoint.sharded import Checkpoint, resolve_checkpoint, verify_checkpoint
+from .export_tokens import generated_tokenizer_files, generation_config, special_ids
 
 __all__ = ["add_arguments", "main", "consolidate", "write_atomic", "export_hf", "tokenizer_files", "prepared_dir",
            "TOKENIZER_FILES"]
@@ -148,9 +150,15 @@ def export_hf(path: str | Path, out: Path, max_shard_bytes: int) -> tuple[int, i
             yield name, t
             del t
 
+    config.update(special_ids(ckpt.state))  # the tokens the run trained with, not the architecture's defaults
+    for key in ("bos_token_id", "eos_token_id"):
+        config.setdefault(key, None)
     extra = tokenizer_files(ckpt)
-    write_hf_dir(counting(), config, out, max_shard_bytes=max_shard_bytes, extra_files=extra)
-    return ckpt.step, counted["tensors"], counted["values"], extra
+    context = config.get("max_position_embeddings") or config.get("n_positions")
+    written = {"generation_config.json": generation_config(ckpt.state, config),
+               **generated_tokenizer_files(ckpt.state, extra, config, context)}
+    write_hf_dir(counting(), config, out, max_shard_bytes=max_shard_bytes, extra_files=extra, extra_json=written)
+    return ckpt.step, counted["tensors"], counted["values"], extra + [Path(n) for n in written if n.startswith("tokenizer")]
 
 
 def _main_hf(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@
 - ``corpus``: the built-in generated corpus and the pinned step-batch prefetch.
 - ``toy_tokenizer``: a small byte-level BPE trained here (no download).
 - ``windows``: batch arithmetic, the data-parallel sampler, the training windows, byte-level text.
+- ``byte_tokenizer``: that byte-level encoding as a Hugging Face ``tokenizer.json`` (for exports).
 - ``sources``: where ``shardwise train``'s training and validation windows come from, and their launch checks.
 
 The room depends on ``mesh`` only; the runtime (trainer, config, launch, metrics) depends on it.

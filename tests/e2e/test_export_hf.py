@@ -126,7 +126,8 @@ def test_llama_family_run_exports_hf(one_rank_mesh, tmp_path, capsys, example):
     (out / "config.json").write_text("{}")  # an earlier export: replaced
     rc, err = _export(run, out, capsys)
     assert rc == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer_config.json"]
     _check_logits(model.eval(), out, hf_config.vocab_size)
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.device("meta"):
