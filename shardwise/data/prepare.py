@@ -78,6 +78,8 @@ class PrepareReport:
     """The largest peak resident set among the worker processes (0 with one worker: it is this process)."""
     shards: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
     """Each split's shard entries of the index (none for an empty split)."""
+    max_id: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each split's largest token id (the index's ``max_id``: checked against the model's vocabulary at launch)."""
 
 
 def check_options(o: PrepareOptions) -> None:
@@ -196,6 +198,7 @@ def _encode_all(o: PrepareOptions, inputs: list[Input], cfg: WorkerConfig, tmp: 
         while in_flight:
             collect()
     report.tokens = {s: w.tokens for s, w in writers.items()}
+    report.max_id = {s: w.max_id for s, w in writers.items()}
     report.peak_rss_kb = peak_rss_kb()
     report.shards = {s: w.close() for s, w in writers.items()}
     _check_counts(o, report, inputs)
@@ -220,7 +223,8 @@ def _index(o: PrepareOptions, info: TokenizerInfo, inputs: list[Input], report: 
     splits: dict[str, Any] = {}
     for split, shards in report.shards.items():
         if shards:
-            splits[split] = {"tokens": report.tokens[split], "documents": report.documents[split], "shards": shards}
+            splits[split] = {"tokens": report.tokens[split], "documents": report.documents[split],
+                             "max_id": report.max_id.get(split, -1), "shards": shards}
     return {
         "format": FORMAT,
         "tokenizer": {"file": "tokenizer.json", "sha256": info.sha256, "eos_token": info.eos_token},

@@ -33,6 +33,10 @@ SPLIT_RULE = ("by document: blake2b (8-byte digest) of the document's ordinal (8
               "UTF-8 text (SFT: prompt, NUL, response), as a number in [0, 1), below val_fraction -> val")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "uint8": np.dtype("u1")}
 _AGAIN = "run shardwise prepare again"
+SCAN_ALL = 1 << 25
+"""A split of at most this many tokens is read whole by ``TokenStream.largest`` (64 MiB of uint16)."""
+SCAN_BLOCKS, SCAN_BLOCK = 256, 1 << 16
+"""A larger one: this many evenly spaced blocks of this many tokens (16M tokens)."""
 _BUILDING = re.compile(r"\.(tmp|old)-\d+$")
 
 
@@ -47,6 +51,8 @@ class TokenStream:
         for _, n in kept:
             self._offsets.append(self._offsets[-1] + n)
         self._maps: list[np.memmap | None] = [None] * len(kept)
+        self.recorded_max: int | None = None
+        """The split's largest token id as ``dataset.json`` records it (``max_id``); None in an older index."""
 
     def __len__(self) -> int:
         """Tokens in the split."""
@@ -70,6 +76,26 @@ class TokenStream:
             out[pos - start:end - start] = torch.from_numpy(self._map(i)[pos - base:end - base].astype(np.int64))
             pos, i = end, i + 1
         return out
+
+    def largest(self) -> tuple[int, str, bool]:
+        """(the largest token id seen, the shard file holding it, whether every token was read): the whole split
+        when it holds at most ``SCAN_ALL`` tokens, else ``SCAN_BLOCKS`` evenly spaced blocks of ``SCAN_BLOCK``
+        tokens — a bounded launch-time check of damaged shards (ids the tokenizer cannot have produced)."""
+        top, where = -1, ""
+        n = len(self)
+        if n <= SCAN_ALL:
+            for i, f in enumerate(self.files):
+                m = self._map(i)
+                value = int(m.max()) if len(m) else -1
+                if value > top:
+                    top, where = value, f.name
+            return top, where, True
+        for k in range(SCAN_BLOCKS):
+            start = (n - SCAN_BLOCK) * k // (SCAN_BLOCKS - 1)
+            value = int(self.read(start, start + SCAN_BLOCK).max())
+            if value > top:
+                top, where = value, self.files[bisect.bisect_right(self._offsets, start) - 1].name
+        return top, where, False
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy sent to another process (a DataLoader worker) maps the files itself, never pickles their pages
@@ -169,6 +195,8 @@ def _split(root: Path, entry: dict[str, Any], dtype: str, sft: bool, verify: boo
             masks.append(_shard_path(root, shard.get("mask_file"), n, verify=verify, sha256=shard.get("mask_sha256")))
         counts.append(n)
     tokens = TokenStream(files, counts, dtype)
+    if isinstance(entry.get("max_id"), int):
+        tokens.recorded_max = int(entry["max_id"])
     if len(tokens) != int(entry["tokens"]):
         raise _half(root, f"{INDEX}: the shards hold {len(tokens)} tokens, the split says {entry['tokens']}")
     return PreparedSplit(tokens=tokens, mask=TokenStream(masks, counts, "uint8") if sft else None,

@@ -69,12 +69,16 @@ class ShardWriter:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.done: list[dict[str, Any]] = []
         self.tokens = 0
+        self.max_id = -1
+        """The largest token id written (-1: none): the index records it, the launch checks it (``sources``)."""
         self._tok: _Shard | None = None
         self._mask: _Shard | None = None
 
     def write(self, tokens: np.ndarray, mask: np.ndarray | None) -> None:
         """Append packed tokens ``(n,)`` and, for a masked split, their mask ``(n,)``."""
         tokens = tokens.astype(self.dtype, copy=False)
+        if len(tokens):
+            self.max_id = max(self.max_id, int(tokens.max()))
         start = 0
         while start < len(tokens):
             if self._tok is None:

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .windows import TokenWindows
+from .windows import TokenWindows, out_of_vocab
 
-__all__ = ["TrainData", "open_data", "check_data", "open_source"]
+__all__ = ["TrainData", "open_data", "check_data", "open_source", "prepared_vocab"]
 
 
 class Config(Protocol):
@@ -66,6 +66,20 @@ def open_source(path: str, fmt: str = "auto") -> Source:
     return Source(path, tokens, None, top + 1, "" if binary or not path else "bytes")
 
 
+def prepared_vocab(path: str, fmt: str = "auto") -> int:
+    """The vocabulary size a prepared dataset's index states (``shardwise prepare`` writes it), without opening
+    its shards; 0 when ``path`` is not a prepared dataset or its index cannot be read (``check_data`` says why)."""
+    if not path or not (fmt == "prepared" or (fmt == "auto" and Path(path).is_dir())):
+        return 0
+    from .prepared import _read_index
+
+    try:
+        vocab = _read_index(Path(path)).get("vocab_size")
+    except (ValueError, OSError):
+        return 0
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else 0
+
+
 @dataclass(frozen=True)
 class TrainData:
     """The training windows, the validation windows (None without validation data) and whether targets are
@@ -93,11 +107,13 @@ def open_data(cfg: Config) -> TrainData:
     """This rank's view of the data (memory maps; nothing communicated). Validation only with eval_every."""
     main = open_source(cfg.data.path, cfg.data.format)
     block = cfg.model.block_size
-    train = TokenWindows(main.tokens, block, mask=main.mask)
+    vocab = cfg.model.vocab_size  # a damaged shard's id fails as one line here, not inside the embedding
+    train = TokenWindows(main.tokens, block, mask=main.mask, vocab=vocab, source=f"data.path = {main.path!r}")
     val = None
     if cfg.train.eval_every:
-        src, _ = _val_source(cfg, main)
-        val = TokenWindows(src.tokens, block, mask=src.mask) if src is not None else None
+        src, where = _val_source(cfg, main)
+        val = (TokenWindows(src.tokens, block, mask=src.mask, vocab=vocab, source=where)
+               if src is not None else None)
     return TrainData(train, val, masked=main.mask is not None or (val is not None and val.mask is not None))
 
 
@@ -109,6 +125,7 @@ def check_data(cfg: Config) -> None:
     what = f"data.path = {cfg.data.path!r}"
     _check_windows(main, what, cfg, "one step's")
     _check_vocab(main, what, cfg)
+    _check_ids(main, what, cfg)
     if cfg.data.val_path and not cfg.train.eval_every:
         print(f"shardwise train: warning: data.val_path is set but train.eval_every = 0: no validation runs; e.g. "
               f"--train.eval_every 100", flush=True)
@@ -125,6 +142,7 @@ def check_data(cfg: Config) -> None:
                          f"({main.fingerprint[:12]}); prepare both with the same --tokenizer")
     _check_windows(val, where, cfg, "one validation batch's")
     _check_vocab(val, where, cfg)
+    _check_ids(val, where, cfg)
 
 
 def _check_windows(src: Source, what: str, cfg: Config, role: str) -> None:
@@ -148,3 +166,18 @@ def _check_vocab(src: Source, what: str, cfg: Config) -> None:
     else:
         fix, model = f"set --model.vocab_size {src.vocab} or larger", f"model.vocab_size = {cfg.model.vocab_size}"
     raise ValueError(f"{what} {origin} but {model}; {fix}")
+
+
+def _check_ids(src: Source, what: str, cfg: Config) -> None:
+    """A prepared split's ids against the model's vocabulary: the largest id ``dataset.json`` records, and the
+    ids a bounded read of the shards finds (``TokenStream.largest``: all of a small split), so a damaged shard
+    fails here as one line. (Files and ``.bin`` were read whole by ``open_source``: ``src.vocab`` covers them.)"""
+    if not hasattr(src.tokens, "largest"):
+        return
+    vocab = cfg.model.vocab_size
+    recorded = getattr(src.tokens, "recorded_max", None)
+    if recorded is not None and recorded >= vocab:
+        raise ValueError(out_of_vocab(recorded, vocab, what, "the max_id dataset.json records"))
+    top, shard, _ = src.tokens.largest()
+    if top >= vocab:
+        raise ValueError(out_of_vocab(top, vocab, what, f"shard {shard}"))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..mesh import Mesh
 
 __all__ = ["BatchPlan", "ShardedSampler", "TokenWindows", "BYTE_VOCAB", "text_to_tokens", "tokens_to_text",
-           "load_text_tokens", "iter_batches", "IGNORE"]
+           "load_text_tokens", "iter_batches", "IGNORE", "out_of_vocab"]
 
 BYTE_VOCAB = 256
 """Vocabulary size of the byte-level tokeniser: one token per byte value."""
@@ -212,9 +212,14 @@ class TokenWindows(torch.utils.data.Dataset):
     ``read(start, stop)`` → int64). ``mask`` (same length, 0/1): where token ``j`` does not count as a target
     (supervised fine-tuning: prompt tokens), its target is ``IGNORE`` (-100), which every loss of the trainer
     skips.
+
+    ``vocab`` (optional): every window's ids are checked to be below it, so a damaged shard that the launch check
+    did not sample fails as one line naming the id, the vocabulary and ``source`` (e.g. ``data.path = 'DIR'``), not
+    inside the embedding.
     """
 
-    def __init__(self, tokens: Any, block_size: int, *, stride: int | None = None, mask: Any = None) -> None:
+    def __init__(self, tokens: Any, block_size: int, *, stride: int | None = None, mask: Any = None,
+                 vocab: int | None = None, source: str = "") -> None:
         if isinstance(tokens, Tensor):
             if tokens.dim() != 1:
                 raise ValueError(f"tokens must be a 1-D tensor, got {tuple(tokens.shape)}")
@@ -232,6 +237,7 @@ class TokenWindows(torch.utils.data.Dataset):
         if mask is not None and _length(mask) != n:
             raise ValueError(f"mask has {_length(mask)} entries for {n} tokens; they must align one to one")
         self.tokens, self.block_size, self.mask = tokens, block_size, mask
+        self.vocab, self.source = vocab, source
 
     def __len__(self) -> int:
         return (_length(self.tokens) - self.block_size - 1) // self.stride + 1
@@ -241,6 +247,8 @@ class TokenWindows(torch.utils.data.Dataset):
             raise IndexError(f"window {i} out of range for {len(self)} windows")
         start = (i % len(self)) * self.stride
         window = _read(self.tokens, start, start + self.block_size + 1)
+        if self.vocab is not None and int(window.max()) >= self.vocab:
+            raise ValueError(out_of_vocab(int(window.max()), self.vocab, self.source, f"tokens {start}.."))
         targets = window[1:]
         if self.mask is not None:  # mask[j] = 0: token j is not a target (its prediction is not trained)
             keep = _read(self.mask, start + 1, start + self.block_size + 1).bool()
@@ -250,6 +258,15 @@ class TokenWindows(torch.utils.data.Dataset):
 
 IGNORE = -100
 """Target id of a position that does not count (``F.cross_entropy``'s default ``ignore_index``)."""
+
+
+def out_of_vocab(token: int, vocab: int, what: str, where: str = "") -> str:
+    """The one-line message of a token id outside the model's vocabulary (launch check and run time alike);
+    ``what`` names the data (``data.path = 'DIR'``), ``where`` the place in it."""
+    at = f" ({where})" if where else ""
+    return (f"{what or 'the data'} holds token id {token}{at}, but the model's vocabulary has {vocab} ids "
+            f"(0..{vocab - 1}); the data is damaged or was tokenized for another model: set --model.vocab_size "
+            f"{token + 1} or larger, or prepare it again (shardwise prepare ... --force)")
 
 
 def _length(stream: Any) -> int:
