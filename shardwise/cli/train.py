@@ -13,22 +13,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.sharded import (CHECKPOINTS, Checkpoint, CheckpointError, latest_checkpoint, latest_intact_checkpoint,
-                                  verify_checkpoint)
-from ..runtime.config import (PRESETS, Config, DebugConfig, ParallelConfig, config_from_dict, default_nproc, describe_fields,
-                     load_config, validate)
+from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, latest_checkpoint
+from ..runtime.config import PRESETS, Config, ParallelConfig, default_nproc, describe_fields, load_config, validate
 from ..runtime.calibration import calibration_note, check_calibration_setting
-from ..runtime.model_build import saved_model
+from ..runtime.model_build import model_run_name
 from ..runtime.job import LAUNCH_CONFIG, Nodes, atomic_json, launch_ranks, publish_config, run_job
 from ..runtime.memory_check import check_memory
+from ..runtime.run_lock import RunLock
+from .train_resume import (check_layout_fits, check_resume, layout_text, relayout, resume_checkpoint, resume_config,
+                           resume_dir, schedule_note)
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "publish_config", "add_config_arguments",
-           "config_overrides"]
+           "config_overrides", "train_config"]
 
 _HIDDEN = ("debug.",)
 
@@ -66,30 +69,65 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
+def train_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
+    """The config of ``--config``, ``--preset`` and the dotted flags. A run whose model comes from files and that
+    is not named (no ``train.name`` flag or config-file key) is named after them (``model_run_name``: the
+    ``--model.pretrained`` directory's name, the ``--model.hf_config`` file's), not after the GPT preset."""
+    cfg = load_config(path=args.config, preset=args.preset, overrides=overrides)
+    name = model_run_name(cfg.model)
+    if name and not _name_given(args, overrides):
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, name=name))
+    return cfg
+
+
+def _name_given(args: argparse.Namespace, overrides: dict[str, Any]) -> bool:
+    if "train.name" in overrides:
+        return True
+    if not args.config:
+        return False
+    path = Path(args.config)  # load_config has read it already: it exists and parses
+    if path.suffix == ".json":
+        tree = json.loads(path.read_text())
+    else:
+        import tomllib  # Python >= 3.11; on 3.10 load_config has needed tomli for the same file
+
+        tree = tomllib.loads(path.read_text())
+    return isinstance(tree.get("train"), dict) and "name" in tree["train"]
+
+
+def prepare(args: argparse.Namespace, locks: ExitStack | None = None) -> tuple[Config, Path, Path | None]:
     """(validated config, run directory, checkpoint to resume or None); writes the launch config.
     Raises ``ValueError`` for every user mistake, before anything is written or started (a resume's config is
-    checked against the checkpoint first: a failed command leaves the run directory as it was)."""
+    checked against the checkpoint first: a failed command leaves the run directory as it was). With ``locks``
+    the run directory's lock (``runtime/run_lock.py``) is taken into it as soon as the directory is known (node
+    0 only): a directory another command is writing is refused before anything else."""
     overrides = config_overrides(args)
     nodes = Nodes.from_args(args)
     resume: Path | None = None
+    before: Config | None = None
     if args.resume is not None:
-        cfg, run_dir, resume = _resume_config(args, overrides)
+        run_dir = resume_dir(args, lambda: train_config(args, overrides).run_dir())
+        _lock(locks, run_dir, nodes)
+        resume = resume_checkpoint(args, run_dir)
+        cfg, before = resume_config(overrides, run_dir, resume)
     else:
-        cfg = load_config(path=args.config, preset=args.preset, overrides=overrides)
+        cfg = train_config(args, overrides)
         run_dir = cfg.run_dir()
+        _lock(locks, run_dir, nodes)
     if nodes.count > 1 and cfg.parallel.nproc == 0:  # the default is per node: one per GPU, or 2 CPU ranks
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc=default_nproc() * nodes.count))
+    if before is not None and resume is not None and not cfg.parallel.auto:
+        check_layout_fits(before.parallel, cfg.parallel, overrides, resume)
     if cfg.parallel.auto:
         from ..runtime.planning import auto_layout
 
         cfg, lines = auto_layout(cfg, overrides, device="cuda" if _cuda() else "cpu",
                                  nproc=cfg.parallel.nproc or default_nproc())
         print("\n".join(lines), flush=True)
-    cfg = validate(cfg)
+    cfg = _validate(cfg, before, resume)
     nodes.check(cfg)
     if resume is not None:
-        _check_resume(cfg, resume)
+        check_resume(cfg, resume)
     # ranks (and a later --resume from another directory) read the data by absolute path
     absolute = {key: str(Path(getattr(cfg.data, key)).resolve()) for key in ("path", "val_path")
                 if getattr(cfg.data, key)}
@@ -106,21 +144,26 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, Path | None]:
             shutil.rmtree(run_dir / sub, ignore_errors=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     write_config(cfg, run_dir, publish=resume is None and nodes.leader, clear_ranks=nodes.leader)
+    note = schedule_note(before, cfg, Checkpoint(resume).step) if before is not None and resume is not None else ""
+    if note:
+        print(note, flush=True)
     return cfg, run_dir, resume
 
 
-def _check_resume(cfg: Config, resume: Path) -> None:
-    ckpt = Checkpoint(resume)
-    saved = ckpt.state.get("config", {}).get("model")
-    saved = saved_model(saved) if saved is not None else None  # fields added later (hf_config) at their defaults
-    if saved is not None and saved != dataclasses.asdict(cfg.model):
-        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg.model).items() if saved.get(k) != v}
-        raise ValueError(f"--resume: checkpoint {resume} was trained with a different model: "
-                         + ", ".join(f"model.{k} = {new!r} (saved {old!r})" for k, (old, new) in diff.items())
-                         + "; resume with the saved model config (drop the model.* overrides), or start a new run")
-    if ckpt.step >= cfg.train.steps:
-        raise ValueError(f"--resume: {resume} is at step {ckpt.step} and train.steps = {cfg.train.steps}: nothing "
-                         f"left to train; pass --train.steps N with N > {ckpt.step} to continue")
+def _lock(locks: ExitStack | None, run_dir: Path, nodes: Nodes) -> None:
+    if locks is not None and nodes.leader:  # node 0 owns the run directory (the other nodes share it)
+        locks.enter_context(RunLock(run_dir, prog="shardwise train"))
+
+
+def _validate(cfg: Config, before: Config | None, resume: Path | None) -> Config:
+    """``validate``; on a resume a layout error also names the saved layout the new one was carried over from."""
+    try:
+        return validate(cfg)
+    except ValueError as exc:
+        if before is None or "parallel." not in str(exc):
+            raise
+        raise ValueError(f"{exc} (resuming {resume}: the saved layout is {layout_text(before.parallel)}; the layout "
+                         f"fields not given now are kept from it)") from None
 
 
 def write_config(cfg: Config, run_dir: Path, *, publish: bool = True, clear_ranks: bool = True) -> None:
@@ -135,55 +178,8 @@ def write_config(cfg: Config, run_dir: Path, *, publish: bool = True, clear_rank
         publish_config(cfg, run_dir)
 
 
-def _resume_target(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Path, Path]:
-    """(run directory, checkpoint): a checkpoint directory given explicitly must be intact; from a run directory
-    the newest intact checkpoint is taken, with a warning for every newer one that is damaged."""
-    if args.resume and (Path(args.resume) / "index.json").is_file():
-        ckpt = Path(args.resume)
-        try:
-            verify_checkpoint(ckpt)
-        except CheckpointError as exc:
-            raise ValueError(f"--resume {args.resume}: {exc}") from None
-        return ckpt.parent.parent, ckpt
-    run_dir = (Path(args.resume) if args.resume
-               else load_config(path=args.config, preset=args.preset, overrides=overrides).run_dir())
-    ckpt, skipped = latest_intact_checkpoint(run_dir)
-    for bad, reason in skipped:
-        print(f"shardwise train: warning: skipping damaged checkpoint {bad}: {reason}", file=sys.stderr, flush=True)
-    if ckpt is None:
-        found = f" ({len(skipped)} damaged, none intact)" if skipped else ""
-        raise ValueError(f"--resume: no intact checkpoint in {str(run_dir)!r}{found}; start a fresh run without "
-                         f"--resume (--overwrite to reuse the directory)")
-    if skipped:
-        print(f"shardwise train: warning: resuming from the newest intact checkpoint, {ckpt}", file=sys.stderr,
-              flush=True)
-    return run_dir, ckpt
-
-
-def _resume_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Config, Path, Path]:
-    run_dir, ckpt = _resume_target(args, overrides)
-    # The config that trained this checkpoint (saved inside it; the run's config.json for old checkpoints), with
-    # this command's dotted overrides (e.g. a new layout or more steps). Fault injection (debug.*) belongs to one
-    # invocation: it is not inherited.
-    state = Checkpoint(ckpt).state.get("config")
-    before = config_from_dict(state) if state else load_config(path=run_dir / "config.json")
-    cfg = load_config(base=dataclasses.replace(before, debug=DebugConfig()), overrides=overrides)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(run_dir)),
-                              parallel=_relayout(before.parallel, cfg.parallel, overrides))
-    return cfg, run_dir, ckpt
-
-
 def _relayout(saved: ParallelConfig, new: ParallelConfig, overrides: dict[str, Any]) -> ParallelConfig:
-    """The resumed layout: sizes the saved run inferred (dp, grad_accum, nproc, pp_microbatches) are inferred
-    afresh unless given now; a new pp drops the saved stage boundaries (and chunks, at pp = 1) unless given."""
-    def given(key: str, default: Any) -> Any:
-        return overrides.get(f"parallel.{key}", default)
-
-    keep = new.pp == saved.pp
-    return dataclasses.replace(new, dp=int(given("dp", 0)), grad_accum=int(given("grad_accum", 0)),
-                               nproc=int(given("nproc", 0)), pp_microbatches=int(given("pp_microbatches", 0)),
-                               pp_split=new.pp_split if keep or "parallel.pp_split" in overrides else (),
-                               pp_chunks=new.pp_chunks if new.pp > 1 or "parallel.pp_chunks" in overrides else 1)
+    return relayout(saved, new, overrides)  # the resumed layout (``train_resume.relayout``)
 
 
 def _check_data(cfg: Config) -> None:
@@ -239,15 +235,35 @@ def _cuda() -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        cfg, run_dir, resume = prepare(args)
-    except ValueError as exc:
-        print(f"shardwise train: error: {exc}", file=sys.stderr)
-        return 2
+    with ExitStack() as locks:  # the run directory's lock, released however the command ends
+        try:
+            cfg, run_dir, resume = prepare(args, locks)
+        except ValueError as exc:
+            print(f"shardwise train: error: {exc}", file=sys.stderr)
+            return 2
+        return _train(args, cfg, run_dir, resume)
+
+
+def _warmup_warning(cfg: Config) -> str:
+    """One line when the warm-up does not end within the run: the learning rate never reaches optimizer.lr."""
+    from ..runtime.step_support import lr_at
+
+    o, steps = cfg.optimizer, cfg.train.steps
+    if not o.warmup_steps or o.warmup_steps < steps or o.lr == 0:
+        return ""
+    return (f"shardwise train: warning: optimizer.warmup_steps = {o.warmup_steps} >= train.steps = {steps}: the "
+            f"learning rate rises the whole run, to {lr_at(steps, o, steps):.3g} at the last step, and never reaches "
+            f"optimizer.lr = {o.lr:g}; e.g. --optimizer.warmup_steps {steps // 10}")
+
+
+def _train(args: argparse.Namespace, cfg: Config, run_dir: Path, resume: Path | None) -> int:
     print(_header(cfg, run_dir, resume), flush=True)
     note = calibration_note(cfg.parallel, "cuda" if _cuda() else "cpu", cfg.parallel.nproc)
     if note:
         print(note, flush=True)
+    warmup = _warmup_warning(cfg)
+    if warmup:
+        print(warmup, file=sys.stderr, flush=True)
     if cfg.train.ckpt_every == 0:
         print(f"shardwise train: warning: train.ckpt_every = 0: the only checkpoint is the final one (step "
               f"{cfg.train.steps}); a failure before it loses all progress; e.g. --train.ckpt_every 100",

@@ -24,9 +24,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from ..runtime.config import Config, DebugConfig, load_config, validate
+from ..runtime.config import Config, DebugConfig, validate
 from ..runtime.metrics import read_metrics
-from .train import add_config_arguments, config_overrides, launch, write_config
+from ..runtime.run_lock import RunLock
+from .train import add_config_arguments, config_overrides, launch, train_config, write_config
 
 __all__ = ["add_arguments", "main", "compare_losses", "TOLERANCES"]
 
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
-    cfg = load_config(path=args.config, preset=args.preset, overrides=config_overrides(args))
+    cfg = train_config(args, config_overrides(args))  # named as train names it
     if args.steps < 1:
         raise ValueError(f"--steps = {args.steps} must be >= 1")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.steps, ckpt_every=0))
@@ -58,7 +59,8 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
     rtol, atol = TOLERANCES[cfg.train.precision]
     args.rtol = rtol if args.rtol is None else args.rtol
     args.atol = atol if args.atol is None else args.atol
-    root = cfg.run_dir() / "verify"
+    # scratch runs beside the run, never inside it (it may hold checkpoints, or be training): runs/verify-NAME
+    root = cfg.run_dir().with_name(f"verify-{cfg.run_dir().name}")
     return (dataclasses.replace(reference, train=dataclasses.replace(reference.train, out_dir=str(root / "reference"))),
             dataclasses.replace(layout, train=dataclasses.replace(layout.train, out_dir=str(root / "layout"))), root)
 
@@ -89,6 +91,19 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shardwise verify: error: {exc}", file=sys.stderr)
         return 2
+    lock = RunLock(root, prog="shardwise verify")  # two verifies of one run would share their scratch runs
+    try:
+        lock.acquire()
+    except ValueError as exc:  # another command holds it
+        print(f"shardwise verify: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _compare(args, reference, layout)
+    finally:
+        lock.release()
+
+
+def _compare(args: argparse.Namespace, reference: Config, layout: Config) -> int:
     losses: list[list[float]] = []
     for name, cfg in (("reference", reference), ("layout", layout)):
         run_dir = Path(cfg.train.out_dir)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec",
            "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf", "resolve_pretrained",
-           "check_tp", "HF_REPLICABLE"]
+           "check_tp", "HF_REPLICABLE", "model_mismatch", "resumable_model", "model_run_name"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -148,6 +150,54 @@ def saved_model(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's ``[model]`` dict with the fields added since it was written at their defaults (a checkpoint
     from before ``hf_config`` existed trained the GPT), so that it compares equal to the config it resumes under."""
     return {"hf_config": "", "pretrained": "", **saved}
+
+
+def model_mismatch(saved: dict[str, Any], saved_hf: dict[str, Any] | None, m: ModelConfig) -> dict[str, tuple[Any, Any]]:
+    """How the model of ``m`` differs from a checkpoint's (``saved``: its ``[model]`` dict; ``saved_hf``: the HF
+    architecture it stored, if any): ``{"model.key": (saved, now)}``, empty when a resume may load it. Where the
+    weights first came from (``pretrained``) and where the HF config file lies (``hf_config``) are not the model:
+    the shape fields, the kind (GPT or HF decoder) and the HF architecture are compared instead."""
+    old, now = saved_model(saved), dataclasses.asdict(m)
+    diff = {f"model.{k}": (old.get(k), v) for k, v in now.items()
+            if k not in ("pretrained", "hf_config") and old.get(k) != v}
+    if bool(old.get("hf_config")) != bool(m.hf_config):
+        diff["model.hf_config"] = (old.get("hf_config"), m.hf_config)
+    elif saved_hf is not None and m.hf_config:
+        hf = hf_of(m)
+        arch = hf.hf_dict() if hf is not None else {}
+        diff.update({f"model.hf_config[{k!r}]": (saved_hf.get(k), arch.get(k)) for k in sorted(set(saved_hf) | set(arch))
+                     if saved_hf.get(k) != arch.get(k)})
+    return diff
+
+
+def resumable_model(saved: dict[str, Any], saved_hf: dict[str, Any] | None, copy: Path) -> dict[str, Any]:
+    """A checkpoint's ``[model]`` dict as a resume builds it, from the checkpoint alone: ``pretrained`` cleared
+    (the weights come from the checkpoint, so the directory may be gone), and an ``hf_config`` file that no
+    longer exists replaced by the architecture the checkpoint stored, written to ``copy``. ``ValueError`` when
+    the file is gone and the checkpoint holds no copy."""
+    out = dict(saved, pretrained="")
+    path = out.get("hf_config") or ""
+    if path and not os.path.isfile(path):
+        if saved_hf is None:
+            raise ValueError(f"--resume: the run's model.hf_config {path!r} does not exist and its checkpoint holds no "
+                             f"copy of it; restore the file, or pass --model.hf_config PATH of the same architecture")
+        tmp = copy.with_name(f".{copy.name}.tmp")
+        tmp.write_text(json.dumps(saved_hf, indent=1))
+        os.replace(tmp, copy)
+        out["hf_config"] = str(copy.resolve())
+    return out
+
+
+def model_run_name(m: ModelConfig) -> str:
+    """The default run name of a model read from files: a ``pretrained`` directory's name; an ``hf_config`` file's
+    name without ``.json`` (its directory's name for a file called ``config.json``, as HF names it); '' for the
+    reference GPT (its preset names the run)."""
+    if m.pretrained:
+        return Path(m.pretrained).name
+    if m.hf_config:
+        path = Path(m.hf_config)
+        return path.parent.name if path.stem == "config" else path.stem
+    return ""
 
 
 def resolve_hf(m: ModelConfig, given: dict[str, Any]) -> ModelConfig:

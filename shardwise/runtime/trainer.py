@@ -46,7 +46,7 @@ from ..data.sources import open_data
 from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
-from .model_build import hf_of, saved_model
+from .model_build import hf_of, model_mismatch
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
 from .step_support import build_mesh as _build_mesh, lr_at, peer_hint, synchronizer  # tests patch _build_mesh
 from .host_overlap import PendingStep, can_defer, finish_deferred, read
@@ -130,11 +130,11 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         """Load model, optimizer state and data position from a checkpoint of any layout. Local (file reads)."""
         ckpt = Checkpoint(path)
-        saved = saved_model(ckpt.state["config"]["model"])
-        if saved != dataclasses.asdict(self.cfg.model):
-            raise ValueError(f"checkpoint {ckpt.path} was trained with model {saved}, not "
-                             f"{dataclasses.asdict(self.cfg.model)}; "
-                             f"resume with the saved model config (drop the model.* overrides)")
+        diff = model_mismatch(ckpt.state["config"]["model"], ckpt.state.get("hf_config"), self.cfg.model)
+        if diff:
+            raise ValueError(f"checkpoint {ckpt.path} was trained with another model: "
+                             + ", ".join(f"{k} = {new!r} (saved {old!r})" for k, (old, new) in diff.items())
+                             + "; resume with the saved model config (drop the model.* overrides)")
         self.strategy.load(ckpt)
         self.data.load_state_dict(ckpt.state["data"])
         self.step, self.last_ckpt = ckpt.step, ckpt.path

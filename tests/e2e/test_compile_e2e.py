@@ -25,7 +25,7 @@ def test_verify_compiled_zero_bubble_pipeline(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compiled (inductor), zb-h1" in proc.stdout and "OK: 3 steps agree" in proc.stdout, proc.stdout
     assert "DIFFERS" not in proc.stdout and "recompile at step" not in proc.stdout
-    runs = tmp_path / "runs" / "gpt-tiny" / "verify"
+    runs = tmp_path / "runs" / "verify-gpt-tiny"
     steps = [json.loads(line) for line in (runs / "layout" / "metrics.jsonl").read_text().splitlines()]
     assert [r["recompiles"] for r in steps if "kind" not in r] == [0, 0, 0]  # each step record says so
     assert "recompiles" not in (runs / "reference" / "metrics.jsonl").read_text()  # the reference ran eagerly
