@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..comm.ops import gather_into_tensor
 from ..runtime.prediction import GPU_SKINNY_GEMMS
 
 __all__ = ["ProbeSettings", "probe_settings", "gemm_shapes", "run_probe"]
@@ -87,7 +88,7 @@ def _median_over_ranks(value: float, group: Any, device: torch.device) -> float:
     n = dist.get_world_size(group)
     t = torch.tensor([value], dtype=torch.float64, device=device)
     out = torch.empty(n, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(out, t, group=group)
+    gather_into_tensor(out, t, group=group)
     return float(statistics.median(out.tolist()))
 
 

@@ -26,7 +26,8 @@ from ..mesh import Mesh
 from .auto import resolve_algorithm
 from .counter import record_collective
 from .handles import Handle, worker_for
-from .ops import ALGORITHM_CHOICES, check_algorithm, check_dtype, check_op, shard_sizes
+from .ops import (ALGORITHM_CHOICES, check_algorithm, check_dtype, check_op, gather_into_tensor,
+                  reduce_scatter_into_tensor, shard_sizes)
 from .p2p import AxisLink
 from .ring import DEFAULT_PIECE_BYTES, ring_all_gather, ring_all_reduce, ring_broadcast, ring_reduce_scatter
 from .shm import ShmGroup, check_shm_tensor
@@ -206,14 +207,14 @@ def _native_all_gather(flat: torch.Tensor, x: torch.Tensor, rows: list[int], inn
         # not promise it copes with its input inside its output, so it gets its own copy of the input
         x = x.clone()
     if len(set(rows)) == 1:
-        work = dist.all_gather_into_tensor(flat, x.reshape(-1), group=group, async_op=async_op)
+        work = gather_into_tensor(flat, x.reshape(-1), group=group, async_op=async_op)
         return Handle(work=work, finish=finish) if async_op else finish()
     # Uneven: gather rows padded to the largest share, then drop the padding.
     pad = max(rows) * inner
     mine = torch.zeros(pad, dtype=x.dtype, device=x.device)
     mine[:x.numel()].copy_(x.reshape(-1))
     gathered = torch.empty(pad * len(rows), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=async_op)
+    work = gather_into_tensor(gathered, mine, group=group, async_op=async_op)
 
     def compact() -> torch.Tensor:
         pos = 0
@@ -283,7 +284,7 @@ def _native_reduce_scatter(buf: torch.Tensor, rows: list[int], inner: int, i: in
             padded[j * pad:j * pad + rows[j] * inner].copy_(buf[off:off + rows[j] * inner])
         buf = padded
     out = torch.empty(pad, dtype=buf.dtype, device=buf.device)
-    work = dist.reduce_scatter_tensor(out, buf, op=_native_op(op), group=group, async_op=async_op)
+    work = reduce_scatter_into_tensor(out, buf, op=_native_op(op), group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         shard = out[:rows[i] * inner]

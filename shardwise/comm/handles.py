@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from ..world import on_teardown
 
 __all__ = ["Handle", "worker_for"]
 
@@ -62,4 +65,6 @@ def worker_for(owner: object, axis: str) -> ThreadPoolExecutor:
             init, args = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
             workers[axis] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardwise-comm-{axis}",
                                                initializer=init, initargs=args)
+            # sw.shutdown() / the exit hook: queued ring and tree calls finish before the process groups go
+            on_teardown(partial(workers[axis].shutdown, wait=True))
         return workers[axis]

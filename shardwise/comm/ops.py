@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["ReduceOp", "Algorithm", "REDUCE_OPS", "ALGORITHMS", "ALGORITHM_CHOICES", "SUPPORTED_DTYPES",
-           "shard_sizes", "shard_offsets", "check_op", "check_algorithm", "check_dtype", "reduce_into"]
+           "shard_sizes", "shard_offsets", "check_op", "check_algorithm", "check_dtype", "reduce_into",
+           "gather_into_tensor", "reduce_scatter_into_tensor"]
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
 Algorithm = Literal["native", "ring", "tree", "shm", "auto"]
@@ -21,6 +23,13 @@ ALGORITHM_CHOICES: tuple[str, ...] = (*ALGORITHMS, "auto")
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
 
+
+# torch >= 2.13 names the single-tensor all-gather / reduce-scatter ``*_single`` and warns (FutureWarning) on the
+# older ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; torch 2.4 has only the older names. Same arguments.
+gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``dist.all_gather_single(out, in, group=, async_op=)`` where torch has it, else ``all_gather_into_tensor``."""
+reduce_scatter_into_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``dist.reduce_scatter_single(out, in, op=, group=, async_op=)`` where torch has it, else ``reduce_scatter_tensor``."""
 
 def shard_sizes(length: int, parts: int) -> list[int]:
     """The one uneven-split rule used everywhere (collectives, SBP splits, ZeRO shards):

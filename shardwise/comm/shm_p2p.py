@@ -36,12 +36,14 @@ import ctypes
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Sequence
 
 import torch
 
 from ..mesh import Mesh
+from ..world import on_teardown
 from .counter import record_message
 from .shm_futex import FUTEX_AVAILABLE, futex_wait, futex_wake
 from .shm_p2p_layout import ABORT, HEADER, SLEEP_MAIN, SLEEP_PUSH, P2PLayout, align, ring_bytes_for
@@ -137,6 +139,7 @@ class ShmLink:
         self._bells = [0, 0]  # doorbell writes by the caller thread / the pusher
         self._work = threading.Event()
         self._pusher: threading.Thread | None = None
+        self._stopping = False
         self.broken: str | None = None
         self._error: BaseException | None = None
 
@@ -338,6 +341,16 @@ class ShmLink:
             self._pusher = threading.Thread(target=self._pusher_main, name=f"shardwise-shm-p2p-{self.axis}",
                                             daemon=True)
             self._pusher.start()
+            me = weakref.ref(self)
+            on_teardown(lambda: (link := me()) is not None and link.close())
+
+    def close(self) -> None:
+        """Stop the pusher (``sw.shutdown()``, the exit hook); queued sends are dropped. Collective-free."""
+        self._stopping, self.broken = True, self.broken or "closed by shutdown"
+        if self._pusher is not None and self._pusher.is_alive():
+            self._work.set()
+            self._ring(self.me, 0)  # a pusher asleep on its doorbell wakes now
+            self._pusher.join(timeout=1.0)
 
     def _pusher_main(self) -> None:
         try:
@@ -350,7 +363,7 @@ class ShmLink:
     def _pusher_loop(self) -> None:
         """Stream queued sends as their receivers free space; sleep on the doorbell in between."""
         p, words, bell = self.policy, self.words, self.layout.bell(self.me)
-        while True:
+        while not self._stopping:
             if not any(self._sends.values()):
                 self._work.clear()
                 if not any(self._sends.values()):
@@ -358,7 +371,7 @@ class ShmLink:
                 continue
             start = time.perf_counter()
             next_check = start + p.check_s
-            while any(self._sends.values()):
+            while any(self._sends.values()) and not self._stopping:
                 seen = words[bell]
                 if self._push_queued():
                     start = time.perf_counter()

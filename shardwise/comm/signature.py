@@ -12,9 +12,8 @@ import zlib
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from .ops import ALGORITHMS, REDUCE_OPS
+from .ops import ALGORITHMS, REDUCE_OPS, gather_into_tensor
 
 __all__ = ["check_agreement"]
 
@@ -37,7 +36,7 @@ def check_agreement(mesh, axis: str, collective: str, t: torch.Tensor, *, op: st
     device = mesh.device
     if device.type != "cpu":
         mine, gathered = mine.to(device), gathered.to(device)
-    dist.all_gather_into_tensor(gathered, mine, group=mesh.group(axis))
+    gather_into_tensor(gathered, mine, group=mesh.group(axis))
     table = gathered.view(mesh.size(axis), len(mine)).cpu()
     bad = [f for k, f in enumerate(_FIELDS) if len(set(table[:, k].tolist())) > 1]
     if bad:
