@@ -24,6 +24,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 
 
 from .compiling import check_compile
+from .config_defaults import MICRO_BATCH_CAP, dataset_vocab, grad_accum_of, resolve_batch
 from .config_ranges import check_async_tp, check_context_parallel, check_numbers, check_sequence_parallel
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
                             ParallelConfig, TrainConfig, describe_fields)
@@ -185,6 +186,7 @@ def load_config(*, path: str | Path | None = None, preset: str | None = None,
     flat: dict[str, Any] = dict(PRESETS[preset]) if preset is not None else {}
     flat.update(_flatten(tree))
     flat.update(overrides or {})
+    flat = dataset_vocab(flat, Config()) if base is None else flat  # a prepared dataset states its vocabulary
     return apply_overrides(base or Config(), flat)
 
 
@@ -218,29 +220,28 @@ def _optional_module(name: str) -> bool:
         return False
 
 
-def validate(config: Config, *, launch: bool = True) -> Config:
-    """Check the whole tree before anything starts; returns it with ``nproc``, ``dp`` and ``grad_accum``
-    resolved. Raises ``ValueError`` naming the field, the value and the fix.
+def validate(config: Config, *, launch: bool = True, micro_cap: int = MICRO_BATCH_CAP) -> Config:
+    """Check the whole tree before anything starts; returns it with ``nproc``, ``dp``, ``grad_accum`` and the
+    batch (``data.global_batch``, ``parallel.micro_batch``: ``config_defaults.py``) resolved. Raises ``ValueError`` naming the field, the value and the fix.
 
     ``launch=False`` (``shardwise predict``: a layout on devices that are not here) skips what only a launch
     on this machine needs: ``parallel.nproc`` is not inferred from the local devices (give it, or dp), and with
     pp > 1 the batch is read with the planner's Megatron semantics (``runtime/prediction.py``), so neither
     train's pass-cutting of ``micro_batch`` into ``pp_microbatches`` nor its batch arithmetic is checked
-    (``grad_accum`` and ``pp_microbatches`` stay as given; the planner checks its own)."""
-    from ..data.windows import BatchPlan, check_grad_accum
-
+    (``grad_accum`` and ``pp_microbatches`` stay as given; the planner checks its own). ``micro_cap`` bounds a
+    derived micro-batch (a resumed run's saved one)."""
     # config.model (a GPTConfig) checked its own shape when it was built
     m, p, t, o = config.model, config.parallel, config.train, config.optimizer
     _positive(("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
-              ("parallel.micro_batch", p.micro_batch),
-              ("data.global_batch", config.data.global_batch), ("train.steps", t.steps),
+              ("train.steps", t.steps),
               ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints),
               ("train.max_skipped", t.max_skipped), ("train.eval_batches", t.eval_batches))
     for key, value in (("parallel.nproc", p.nproc), ("parallel.dp", p.dp), ("parallel.grad_accum", p.grad_accum),
                        ("train.ckpt_every", t.ckpt_every), ("optimizer.warmup_steps", o.warmup_steps),
-                       ("train.eval_every", t.eval_every)):
+                       ("train.eval_every", t.eval_every), ("parallel.micro_batch", p.micro_batch),
+                       ("data.global_batch", config.data.global_batch)):
         if value < 0:
-            meaning = "infer it" if key.startswith("parallel") else "off"
+            meaning = "off" if key.startswith(("train", "optimizer")) else "infer it"
             raise ValueError(f"{key} = {value} must be >= 0 (0 means: {meaning}); e.g. --{key} 0")
     check_numbers(config)
     _check_strategies(config)
@@ -260,15 +261,8 @@ def validate(config: Config, *, launch: bool = True) -> Config:
                          f"{dp * p.cp * p.tp * p.pp} must equal the number of processes parallel.nproc = {nproc}; set "
                          f"--parallel.nproc {max(dp, 1) * p.cp * p.tp * p.pp} or pick {'/'.join(axes)} whose product "
                          f"is {nproc}")
-    accum = p.grad_accum
-    if launch or p.pp == 1:
-        gb = config.data.global_batch
-        check_grad_accum(gb, p.micro_batch, p.grad_accum, dp)  # a command-line fix, not the Python API's
-        try:
-            accum = p.grad_accum or BatchPlan.from_sizes(global_batch=gb, micro_batch=p.micro_batch, dp=dp).grad_accum
-        except ValueError as exc:
-            raise ValueError(f"batch arithmetic (data.global_batch = parallel.micro_batch × parallel.grad_accum × dp): "
-                             f"{exc}") from None
+    config = resolve_batch(config, dp, passes=launch, cap=micro_cap)  # the batch left unset: from dp, the pipeline
+    p, accum = config.parallel, grad_accum_of(config, dp, launch=launch)
     m = _check_pipeline(config, cut=launch)
     return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=accum,
                                                                     pp_microbatches=m))

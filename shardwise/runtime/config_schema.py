@@ -44,8 +44,9 @@ class DataConfig:
     val_path: str = ""
     """Validation data (same kinds as ``path``); empty = the validation split of a prepared ``path`` (none for a
     file). Read only when ``train.eval_every`` > 0."""
-    global_batch: int = 32
-    """Sequences per optimizer step over all ranks (= micro_batch × grad_accum × dp)."""
+    global_batch: int = 0
+    """Sequences per optimizer step over all ranks (= micro_batch × grad_accum × dp); 0 = 16 × max(dp, 2) (32 up to
+    dp = 2), raised to the next multiple of dp that a given micro_batch, grad_accum and the pipeline divide."""
     shuffle: bool = True
     """Reshuffle the windows every epoch (seeded by ``train.seed`` + epoch)."""
 
@@ -114,8 +115,10 @@ class ParallelConfig:
     whole (the planner's ``modules.wte=replicate`` pin)."""
     zero_stage: int = 0
     """ZeRO stage 0-3 over the dp axis (0 = plain data parallelism)."""
-    micro_batch: int = 16
-    """Sequences per forward/backward on one rank (with pp > 1: per pipeline pass of one dp replica)."""
+    micro_batch: int = 0
+    """Sequences per forward/backward on one rank (with pp > 1: per pipeline pass of one dp replica); 0 = the
+    largest divisor of global_batch / dp up to 16 that the pipeline can cut (global_batch / (grad_accum × dp) when
+    grad_accum is given)."""
     grad_accum: int = 0
     """Forward/backward passes per step (pp > 1: pipeline steps); 0 = global_batch / (micro_batch × dp)."""
     activation_checkpointing: bool = False
