@@ -60,6 +60,9 @@ def open_source(path: str, fmt: str = "auto") -> Source:
         val = ds.val
         return Source(path, ds.train.tokens, ds.train.mask, ds.vocab_size, ds.tokenizer_fingerprint,
                       val.tokens if val is not None else None, val.mask if val is not None else None)
+    if fmt == "auto" and Path(path).suffix.lower() in (".jsonl", ".json") and Path(path).is_file():
+        raise ValueError(f"{path!r} is JSON Lines, which must be prepared first (training would read its raw JSON "
+                         f"bytes): shardwise prepare {path} --tokenizer TOKENIZER --out DIR, then --data.path DIR")
     tokens = load_corpus(path, fmt)
     top = int(tokens.to(torch.int32).max()) if tokens.numel() else 0  # uint16 has no max kernel
     binary = fmt == "bin" or (fmt == "auto" and Path(path).suffix == ".bin")
@@ -133,10 +136,8 @@ def check_data(cfg: Config) -> None:
         return
     val, where = _val_source(cfg, main)
     if val is None:
-        kind = ("has no validation split (prepared with --val-fraction 0)" if main.fingerprint not in ("", "bytes")
-                else "is not a prepared dataset with a validation split")
-        raise ValueError(f"train.eval_every = {cfg.train.eval_every} needs validation data, but {what} {kind}; "
-                         f"pass --data.val_path PATH, or prepare the data with shardwise prepare --val-fraction 0.01")
+        raise ValueError(f"train.eval_every = {cfg.train.eval_every} needs validation data, but {what} "
+                         f"{_no_val_hint(main)}")
     if val.fingerprint != main.fingerprint and main.fingerprint and val.fingerprint:
         raise ValueError(f"{where} was tokenized with another tokenizer ({val.fingerprint[:12]}) than {what} "
                          f"({main.fingerprint[:12]}); prepare both with the same --tokenizer")
@@ -181,3 +182,20 @@ def _check_ids(src: Source, what: str, cfg: Config) -> None:
     top, shard, _ = src.tokens.largest()
     if top >= vocab:
         raise ValueError(out_of_vocab(top, vocab, what, f"shard {shard}"))
+
+
+def _no_val_hint(main: Source) -> str:
+    """Why ``main`` has no validation data and what gives it some — commands that work for that kind of data."""
+    off = "or turn validation off with --train.eval_every 0"
+    if main.fingerprint not in ("", "bytes"):  # a prepared dataset
+        return (f"has no validation split (prepared with --val-fraction 0); prepare it again with one: shardwise "
+                f"prepare INPUT... --tokenizer {main.path}/tokenizer.json --out {main.path} --val-fraction 0.01 "
+                f"--force, pass --data.val_path PATH, {off}")
+    if not main.path:
+        return f"is the generated corpus, which has no validation split; pass --data.val_path PATH (a held-out text file), {off}"
+    if main.fingerprint == "bytes":
+        return (f"is a text file (byte-level tokens), which has no validation split; pass --data.val_path PATH (held-"
+                f"out text), {off}, or tokenize it with a split: shardwise prepare {main.path} --tokenizer "
+                f"TOKENIZER --out DIR --val-fraction 0.01 (a text file is cut into documents at blank lines or line "
+                f"ends), then --data.path DIR")
+    return f"is a file of token ids, which has no validation split; pass --data.val_path PATH (held-out ids), {off}"
