@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from ..planner import Hardware, Layout
 from ..planner.search import SearchResult, search
 from .config import REPLICABLE, Config, replicable, validate
+from .config_defaults import search_batch
 from .config_ranges import check_context_parallel
 from .model_build import model_spec, planner_split_names, train_split_names
 
@@ -169,6 +170,7 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     names = replicable(cfg.model)  # module pins: train's names → the planner's layers (pins_from_flags knows the GPT's)
     if "modules" in pins:
         pins["modules"] = {names.get(name, name): value for name, value in pins["modules"].items()}
+    cfg = search_batch(cfg, devices, pins)  # a global batch left unset: config_defaults.search_batch
     result = search(model_spec(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
                     memory_margin=memory_margin, top=top)
     # module pins run as parallel.replicate (train's names); a pin train cannot run is refused there
@@ -207,6 +209,7 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
         check_context_parallel(cfg)
     elif cfg.model.dropout:  # the ring has no dropout: every cp > 1 plan would be refused
         pins["cp"] = 1
+    cfg = search_batch(cfg, nproc, pins)  # the global batch every searched layout and the chosen one share
     try:
         result, fields = plan_config(cfg, hw, devices=nproc, pins=pins, top=8)
     except NoFeasiblePlan as exc:

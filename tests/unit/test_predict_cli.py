@@ -76,7 +76,8 @@ def test_a_plan_that_does_not_fit_is_not_an_error(capsys):
     (["--parallel.nproc", "2"], ("no --hardware given", "a100-80g-sxm")),
     (["--parallel.nproc", "3", "--parallel.tp", "3", "--hardware", "a100-80g-sxm"],
      ("parallel.tp = 3 must divide model.n_head = 2", "use a tp from [1, 2]")),
-    (["--parallel.nproc", "2", "--data.global_batch", "30", "--hardware", "a100-80g-sxm"],
+    (["--parallel.nproc", "2", "--data.global_batch", "30", "--parallel.micro_batch", "16", "--hardware",
+      "a100-80g-sxm"],
      ("global_batch=30 is not a multiple of micro_batch × dp = 16 × 2 = 32", "use global_batch=32")),
     (["--parallel.nproc", "4", "--parallel.pp", "2", "--parallel.micro_batch", "1", "--data.global_batch", "6",
       "--parallel.pp_schedule", "interleaved", "--parallel.pp_chunks", "2", "--hardware", "a100-80g-sxm"],
@@ -122,7 +123,7 @@ def _cfg(*, launch: bool = True, **flags: str):
 
 
 def test_plan_from_config_fields():
-    plan = plan_from_config(_cfg(**{"parallel.nproc": "4", "parallel.micro_batch": "4"}))
+    plan = plan_from_config(_cfg(**{"parallel.nproc": "4", "parallel.micro_batch": "4", "data.global_batch": "32"}))
     assert (plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.grad_accum) == (4, 1, 1, 4, 2)  # dp inferred
     plan = plan_from_config(_cfg(**{"parallel.nproc": "4", "parallel.tp": "2", "parallel.micro_batch": "4",
                                     "parallel.activation_checkpointing": "true", "train.precision": "bf16"}))
