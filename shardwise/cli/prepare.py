@@ -1,6 +1,7 @@
 """``shardwise prepare INPUT... --tokenizer PATH --out DIR``: tokenize a corpus once into memory-mappable shards.
 
-Inputs: text files (one document each), directories of them, JSON Lines (``--field``), a ``datasets`` directory
+Inputs: text files (cut into documents by ``--documents``: a file named as INPUT at blank lines or line ends,
+a directory's files whole), directories of them, JSON Lines (``--field``), a ``datasets`` directory
 (``save_to_disk``); ``--sft`` reads prompt/response records and writes loss masks. The work is
 ``shardwise.data.prepare.prepare``; the format and the reader are in docs/data.md. Every refusal is one line
 on stderr (``shardwise prepare: error: ...``), exit code 2, and leaves nothing behind.
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory written by save_to_disk")
     parser.add_argument("--tokenizer", required=True, metavar="PATH",
                         help="a Hugging Face tokenizer.json, or a model directory holding one")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or --force)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory (must not exist, or --force; missing parents are created)")
     parser.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                         help="fraction of documents for the validation split, in [0, 1) (default 0: none)")
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="N",
@@ -42,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--glob", action="append", metavar="PATTERN",
                         help="read only a directory's files whose name or relative path matches (repeatable), e.g. "
                              "--glob '*.py'; files named explicitly are always read")
+    parser.add_argument("--documents", default="auto", metavar="MODE",
+                        help="how text files are cut into documents (each gets an EOS; --val-fraction draws them): "
+                             "auto (default: a text file named as INPUT at blank lines if it has any, else at line "
+                             "ends; a directory's files whole), file, blank-lines, lines, separator:STR")
     parser.add_argument("--eos-token", default=None, metavar="TOKEN",
                         help="the token appended after each document (default: the tokenizer's end-of-text token)")
 
@@ -50,7 +56,8 @@ def _options(args: argparse.Namespace) -> PrepareOptions:
     return PrepareOptions(inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out,
                           val_fraction=args.val_fraction, workers=args.workers, field=args.field, sft=args.sft,
                           prompt_field=args.prompt_field, response_field=args.response_field, force=args.force,
-                          shard_tokens=args.shard_tokens, eos_token=args.eos_token, glob=tuple(args.glob or ()))
+                          shard_tokens=args.shard_tokens, eos_token=args.eos_token, glob=tuple(args.glob or ()),
+                          documents=args.documents)
 
 
 def _progress_bar() -> tuple[Any, Callable[[Any], None]] | tuple[None, None]:

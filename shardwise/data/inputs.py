@@ -1,6 +1,6 @@
 """The inputs of ``shardwise prepare``: what each path is, and the stream of chunks the encoding workers get.
 
-Kinds: a text file (one document), a JSON Lines file (``.jsonl``/``.json``: one object per line), a directory
+Kinds: a text file (cut into documents by ``--documents``: ``text_documents``), a JSON Lines file (``.jsonl``/``.json``: one object per line), a directory
 (its files, recursively, in sorted order, hidden ones skipped; each file by its own kind) and a Hugging Face
 ``datasets`` dataset saved with ``save_to_disk``. Everything is checked in ``discover`` before any work starts.
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from .encode_worker import Chunk
+from .text_documents import resolve_mode, text_documents
 
 __all__ = ["Input", "Chunk", "discover", "chunks", "CHUNK_BYTES", "INSTALL_DATASETS"]
 
@@ -132,15 +133,17 @@ def _open_dataset(arg: str) -> Any:
     return ds
 
 
-def chunks(inputs: list[Input], *, fields: tuple[str, ...]) -> Iterator[Chunk]:
+def chunks(inputs: list[Input], *, fields: tuple[str, ...], documents: str = "file") -> Iterator[Chunk]:
     """Every input's documents in order, at most ``CHUNK_BYTES`` at a time or one larger document alone (streamed:
-    nothing is read ahead). A worker's memory is bounded by its chunks, whatever the size of the corpus."""
+    nothing is read ahead). A worker's memory is bounded by its chunks, whatever the size of the corpus. Text files
+    are cut into documents by ``documents`` (``text_documents``; ``file``: one document each)."""
     ordinal = 0
     for i, inp in enumerate(inputs):
         files: list[str] = []
         size = 0
         for path, kind in inp.files:
-            if kind == "text":
+            mode = resolve_mode(documents, path, in_directory=inp.kind == "directory") if kind == "text" else ""
+            if kind == "text" and mode == "file":
                 n = path.stat().st_size
                 if files and (size + n > CHUNK_BYTES or len(files) >= CHUNK_ITEMS):
                     yield Chunk("files", i, ordinal, files)
@@ -151,13 +154,32 @@ def chunks(inputs: list[Input], *, fields: tuple[str, ...]) -> Iterator[Chunk]:
             if files:  # keep the order of a directory's files: flush the text files before a JSON Lines file
                 yield Chunk("files", i, ordinal, files)
                 ordinal, files, size = ordinal + len(files), [], 0
-            source = _jsonl_chunks if kind == "jsonl" else _dataset_chunks
-            for chunk in source(path, i, ordinal, fields):
+            if kind == "text":  # cut into documents: a chunk of texts
+                made = _text_chunks(path, i, ordinal, mode)
+            else:
+                made = (_jsonl_chunks if kind == "jsonl" else _dataset_chunks)(path, i, ordinal, fields)
+            for chunk in made:
                 ordinal += len(chunk.payload)
                 yield chunk
         if files:
             yield Chunk("files", i, ordinal, files)
             ordinal += len(files)
+
+
+def _text_chunks(path: Path, index: int, ordinal: int, mode: str) -> Iterator[Chunk]:
+    """A text file cut into documents (``text_documents``) as chunks of texts (the worker's ``rows``)."""
+    texts: list[str] = []
+    size, first = 0, 1
+    for line, text in text_documents(path, mode):
+        if texts and (size + len(text) > CHUNK_BYTES or len(texts) >= CHUNK_ITEMS):
+            yield Chunk("rows", index, ordinal, texts, str(path), first)
+            ordinal, texts, size = ordinal + len(texts), [], 0
+        if not texts:
+            first = line
+        texts.append(text)
+        size += len(text)
+    if texts:
+        yield Chunk("rows", index, ordinal, texts, str(path), first)
 
 
 def _jsonl_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...]) -> Iterator[Chunk]:

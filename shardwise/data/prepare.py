@@ -30,6 +30,7 @@ from .tokenizer_info import TokenizerInfo, load_tokenizer_info
 from .encode_worker import Chunk, ChunkResult, WorkerConfig, encode_chunk, init_worker, peak_rss_kb
 from .shard_writer import ShardWriter, publish, remove_stale_temps, temp_dir_for, write_json_synced
 from .prepared import FORMAT, INDEX, SPLIT_RULE
+from .text_documents import check_mode
 
 __all__ = ["PrepareOptions", "PrepareReport", "prepare", "default_workers", "check_options"]
 
@@ -56,6 +57,8 @@ class PrepareOptions:
     eos_token: str | None = None
     glob: tuple[str, ...] = ()
     """Patterns a directory's files must match (name or relative path) to be read; empty: every file."""
+    documents: str = "auto"
+    """How text files are cut into documents (``text_documents``): auto, file, blank-lines, lines, separator:STR."""
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -91,6 +94,7 @@ def check_options(o: PrepareOptions) -> None:
         raise ValueError(f"--workers must be >= 1, got {o.workers}; e.g. --workers {default_workers()}")
     if o.shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be >= 1, got {o.shard_tokens}; e.g. --shard-tokens {2 ** 28}")
+    check_mode(o.documents)
     if o.sft and o.prompt_field == o.response_field:
         raise ValueError(f"--prompt-field and --response-field are both {o.prompt_field!r}; name two fields")
 
@@ -101,9 +105,10 @@ def _check_out(out: Path, force: bool) -> None:
     if out.exists() and not (out.is_dir() and ((out / INDEX).is_file() or not any(out.iterdir()))):
         raise ValueError(f"--out {str(out)!r} is not a prepared dataset (no {INDEX}) and not empty; refusing to "
                          f"replace it even with --force; pass a new directory")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {str(out)!r}: its parent directory {str(out.parent)!r} does not exist; create it "
-                         f"first")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # the parents are created (mkdir -p) once every check passed
+        raise ValueError(f"--out {str(out)!r}: {str(above)!r} is a file, not a directory; pass a path under a "
+                         f"directory")
 
 
 def prepare(options: PrepareOptions, *, progress: Callable[[ChunkResult], None] | None = None) -> PrepareReport:
@@ -114,6 +119,7 @@ def prepare(options: PrepareOptions, *, progress: Callable[[ChunkResult], None] 
     _check_out(out, options.force)
     info = load_tokenizer_info(options.tokenizer, eos_token=options.eos_token)
     inputs = discover(options.inputs, sft=options.sft, fields=options.fields, globs=options.glob)
+    out.parent.mkdir(parents=True, exist_ok=True)  # `--out data/web` in a fresh folder: data/ is made
     remove_stale_temps(out)
     tmp = temp_dir_for(out)
     t0 = time.perf_counter()
@@ -191,7 +197,7 @@ def _encode_all(o: PrepareOptions, inputs: list[Input], cfg: WorkerConfig, tmp: 
             progress(res)
 
     with _encoder(cfg, o.workers) as submit:
-        for chunk in chunks(inputs, fields=cfg.fields):
+        for chunk in chunks(inputs, fields=cfg.fields, documents=o.documents):
             in_flight.append((chunk.input_index, submit(chunk)))
             if len(in_flight) >= 2 * o.workers:
                 collect()
@@ -214,9 +220,11 @@ def _check_counts(o: PrepareOptions, report: PrepareReport, inputs: list[Input])
                          f"them (JSON Lines: a non-empty {o.fields[0]!r} field)")
     if o.val_fraction > 0 and (report.documents["val"] == 0 or report.documents["train"] == 0):
         empty_split = "val" if report.documents["val"] == 0 else "train"
+        cut = ("; a text file is cut into documents by --documents (auto: at blank lines, else at line ends; "
+               "lines, separator:STR)" if any(k == "text" for i in inputs for _, k in i.files) else "")
         raise ValueError(f"--val-fraction {o.val_fraction} left the {empty_split} split empty: too few documents "
                          f"({docs}, {report.documents['train']} train / {report.documents['val']} val); pass more "
-                         f"documents, another --val-fraction, or --val-fraction 0 (no validation split)")
+                         f"documents, another --val-fraction, or --val-fraction 0 (no validation split){cut}")
 
 
 def _index(o: PrepareOptions, info: TokenizerInfo, inputs: list[Input], report: PrepareReport) -> dict[str, Any]:
@@ -235,6 +243,7 @@ def _index(o: PrepareOptions, info: TokenizerInfo, inputs: list[Input], report: 
         "split_rule": SPLIT_RULE if o.val_fraction > 0 else "none: --val-fraction 0",
         "shard_tokens": o.shard_tokens,
         "inputs": [{"path": i.arg, "kind": i.kind, "files": len(i.files), "documents": i.documents} for i in inputs],
+        "text_documents": o.documents,
         "skipped_empty_documents": report.skipped,
         "sft": o.sft,
         "fields": ({"prompt": o.prompt_field, "response": o.response_field} if o.sft else {"text": o.field}),
