@@ -97,7 +97,7 @@ def _measured(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                      "rounds_s": [g["step_s"] for g in runs[name]],
                      "measured_mem": got["memory"], "predicted_mem": pmem, "dominant": dominant})
         print(f"{name:18s} measured {step * 1e3:8.1f} ms  predicted {seconds * 1e3:8.1f} ms  "
-              f"mem {got['memory'] / 1e6:7.1f} / {pmem / 1e6:7.1f} MB", flush=True)
+              f"mem {got['memory'] / 2**20:7.1f} / {pmem / 2**20:7.1f} MiB", flush=True)
     return measured_table(rows), {"measured": rows}
 
 

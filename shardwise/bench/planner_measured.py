@@ -96,12 +96,12 @@ def measured_table(rows: list[dict[str, Any]]) -> list[str]:
     t_err = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
     m_err = [r["predicted_mem"] / r["measured_mem"] - 1 for r in rows if r["measured_mem"]]
     tau = kendall_tau([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
-    lines = ["| layout | measured step (ms) | predicted (ms) | error | measured memory (MB) | predicted (MB) | error | dominant |",
+    lines = ["| layout | measured step (ms) | predicted (ms) | error | measured memory (MiB) | predicted (MiB) | error | dominant |",
              "|---|---|---|---|---|---|---|---|"]
     for r, e in zip(rows, t_err):
         me = r["predicted_mem"] / r["measured_mem"] - 1 if r["measured_mem"] else float("nan")
         lines.append(f"| {r['layout']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {e:+.1%} | "
-                     f"{r['measured_mem'] / 1e6:.1f} | {r['predicted_mem'] / 1e6:.1f} | {me:+.1%} | {r['dominant']} |")
+                     f"{r['measured_mem'] / 2**20:.1f} | {r['predicted_mem'] / 2**20:.1f} | {me:+.1%} | {r['dominant']} |")
     abs_t = [abs(e) for e in t_err]
     abs_m = [abs(e) for e in m_err] or [float("nan")]
     spread = [max(r["rounds_s"]) / min(r["rounds_s"]) - 1 for r in rows if len(r.get("rounds_s", [])) > 1]

@@ -7,10 +7,13 @@
 
 Model and batch flags are ``shardwise train``'s; ``--parallel.nproc`` is the device count. ``--pin FIELD=VALUE``
 (repeatable) fixes a ``parallel`` field (or ``modules.NAME=replicate``: keep a module whole on every
-tensor-parallel rank); other ``--parallel.*`` flags are ignored by the search. The plans are those
-``shardwise train`` runs; each is printed with the ``--parallel.*`` flags that run it. ``--json`` prints,
-on stdout alone, ``{"plans": [{"plan": {...}, "prediction": {...}}], "search_s": ...}``. Bad input: one error
-line, exit code 2.
+tensor-parallel rank); other ``--parallel.*`` layout flags are ignored by the search. Without ``--hardware`` it
+plans for this machine as ``shardwise train`` would (its calibration, else a quick probe) and says so in one
+line on stderr. The plans are those ``shardwise train`` runs; the best is printed as the whole ``shardwise
+train`` command line that runs it as priced: the flags given here that train reads (model, data, train,
+optimizer, non-layout parallel ones), the global batch, a pinned precision and the plan's layout
+(``train_command``). ``--json`` prints, on stdout alone, ``{"plans": [{"plan": {...}, "prediction": {...},
+"train_command": "..."}], "search_s": ...}``. Bad input: one error line, exit code 2.
 """
 
 from __future__ import annotations
@@ -43,17 +46,15 @@ def run_search(args: argparse.Namespace) -> tuple[Any, Any, Any, list[dict[str, 
     """``(config, hardware, search result, train fields per plan)``; ``ValueError`` for bad input."""
     import dataclasses
 
-    import torch
-
     from ..runtime.config import load_config
+    from ..runtime.config_defaults import search_batch
     from ..runtime.planning import parse_pins, pins_from_flags, plan_config
-    from ..runtime.prediction import resolve_hardware
+    from .predict import hardware_for
     from .train import config_overrides
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be >= 1")
-    overrides = {k: v for k, v in config_overrides(args).items() if not k.startswith("parallel.")
-                 or k in ("parallel.nproc",)}
+    overrides = {k: v for k, v in config_overrides(args).items() if not _layout_key(k) or k == "parallel.nproc"}
     cfg = load_config(path=args.config, preset=args.preset, overrides=overrides)
     devices = cfg.parallel.nproc
     if devices < 1:
@@ -62,10 +63,10 @@ def run_search(args: argparse.Namespace) -> tuple[Any, Any, Any, list[dict[str, 
     precision = pairs.pop("precision", None)
     if precision is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
-    hw = resolve_hardware(args.hardware, device="cuda" if torch.cuda.is_available() else "cpu", nproc=devices,
-                          devices_per_node=args.devices_per_node)
-    result, fields = plan_config(cfg, hw, devices=devices, pins=pins_from_flags(pairs), top=args.top,
-                                 memory_margin=args.memory_margin)
+    pins = pins_from_flags(pairs)
+    cfg = search_batch(cfg, devices, pins)  # an unset global batch, for the largest dp the pins allow
+    hw = hardware_for(args, cfg, "plan")
+    result, fields = plan_config(cfg, hw, devices=devices, pins=pins, top=args.top, memory_margin=args.memory_margin)
     return cfg, hw, result, fields
 
 
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         plans = [{"plan": {**f, "nproc": cfg.parallel.nproc}, "planner_plan": p.plan.to_json(),
                   "prediction": {**p.to_json(), "devices": cfg.parallel.nproc, "global_batch": cfg.data.global_batch,
-                                 "seq_len": cfg.model.block_size}}
+                                 "seq_len": cfg.model.block_size}, "train_command": train_command(args, cfg, f)}
                  for f, p in zip(fields, result)]
         out = {"plans": plans, "search_s": result.search_s, "candidates": result.candidates,
                "evaluated": result.evaluated, "hardware": hw.name, "devices": cfg.parallel.nproc}
@@ -92,59 +93,104 @@ def main(args: argparse.Namespace) -> int:
             out["pruned"] = result.to_json()["pruned"]
         print(json.dumps(out))
         return 0
-    _print(cfg, hw, result, fields, explain=args.explain)
+    _print(cfg, hw, result, train_command(args, cfg, fields[0]), explain=args.explain)
     return 0
 
 
-def flags(fields: dict[str, Any]) -> str:
-    """The ``--parallel.*`` flags of one plan (defaults left out)."""
-    defaults = {"pp_schedule": "1f1b", "pp_chunks": 1, "pp_microbatches": 0, "pp_split": (), "zero_stage": 0,
-                "activation_checkpointing": False, "grad_accum": 0, "replicate": ()}
-    parts = []
-    for key, value in fields.items():
-        if defaults.get(key, object()) == value:
-            continue
-        text = ",".join(value) if isinstance(value, tuple) else str(value).lower() if isinstance(value, bool) else value
-        parts.append(f"--parallel.{key} {text}")
-    return " ".join(parts)
+_NOT_LAYOUT = ("algorithm", "calibration", "bucket_cap_mb")
+"""``parallel`` fields that are no part of a layout: given to ``plan``, they go to ``train`` as given."""
+
+
+def _layout_key(key: str) -> bool:
+    """A ``parallel.*`` key the plan decides (or ``nproc``/``auto``, which the printed command sets itself)."""
+    return key.startswith("parallel.") and key.removeprefix("parallel.") not in _NOT_LAYOUT
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def train_overrides(args: argparse.Namespace, cfg: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The ``--section.field`` flags with which ``shardwise train`` builds the config ``cfg`` (the planned one:
+    model, batch, precision) laid out as ``fields``: the flags given to ``plan`` that train reads but the
+    layout, the priced global batch, a precision pinned with ``--pin train.precision=``, and the plan's
+    ``parallel`` fields where they differ from what the preset / config file would give."""
+    from ..runtime.config import load_config
+    from .train import config_overrides
+
+    out = {k: v for k, v in config_overrides(args).items() if not _layout_key(k)}
+    base = load_config(path=args.config, preset=args.preset, overrides=out)
+    if base.train.precision != cfg.train.precision:
+        out["train.precision"] = cfg.train.precision
+    out["data.global_batch"] = cfg.data.global_batch  # always: the batch is what the plan was priced for
+    if base.parallel.auto:  # a config file's auto would search again on the launch machine
+        out["parallel.auto"] = False
+    for key, value in {"replicate": (), **fields}.items():
+        if getattr(base.parallel, key) != value:
+            out[f"parallel.{key}"] = value
+    out["parallel.nproc"] = cfg.parallel.nproc
+    return out
+
+
+def train_command(args: argparse.Namespace, cfg: Any, fields: dict[str, Any]) -> str:
+    """``shardwise train ...``: the command line that runs one plan as it was priced (quoted for a POSIX
+    shell); ``shardwise train`` parses it into the same config (tests/unit/test_plan_cli.py checks it)."""
+    import shlex
+
+    head = [f"--config {shlex.quote(args.config)}"] if args.config else []
+    head += [f"--preset {args.preset}"] if args.preset else []
+    flags = [f"--{key} {shlex.quote(_text(value))}" for key, value in train_overrides(args, cfg, fields).items()]
+    return " ".join(["shardwise train", *head, *flags])
 
 
 def why_lost(best: Any, other: Any) -> str:
-    """The breakdown term that costs ``other`` the most time relative to ``best``."""
-    from ..planner.search import TIE
+    """Why ``other`` ranks below ``best``: the breakdown term that costs it the most time; a tie when the two
+    are within ``TIE`` of each other (the simpler ranks first); more machinery when it is faster by more."""
+    from ..planner.search import TIE, simplicity
 
     diffs = {k: other.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0) for k in other.breakdown}
     term = max(diffs, key=lambda k: diffs[k])
     gap = other.step_time_s / best.step_time_s - 1
-    if abs(gap) <= TIE * 4:
-        return (f"a tie ({gap:+.2%} step time, within the model's resolution); the first uses less machinery "
-                f"(pipeline, ZeRO stage, recomputation, schedule)")
-    return f"{gap:+.1%} step time, most of it {term} (+{diffs[term]:.3g} s)"
+    if abs(gap) <= TIE:
+        simpler = simplicity(best.plan) < simplicity(other.plan)
+        return (f"a tie ({gap:+.2%} step time, within the planner's {TIE:.1%}); "
+                + ("the first uses less machinery (pipeline, ZeRO stage, recomputation, schedule, tp)" if simpler
+                   else "the first is predicted faster by less than that"))
+    if gap < 0:
+        return (f"predicted {-gap:.2%} faster, but with more machinery (pipeline, ZeRO stage, recomputation, "
+                f"schedule, tp), each piece of which must save {TIE:.1%} of the step to rank first")
+    return f"{gap:+.2%} step time, most of it {term} (+{diffs[term]:.3g} s)"
 
 
-def _print(cfg: Any, hw: Any, result: Any, fields: list[dict[str, Any]], *, explain: bool) -> None:
+def _print(cfg: Any, hw: Any, result: Any, command: str, *, explain: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from ..planner.units import format_bytes
 
     console = Console()
     table = Table(title=f"shardwise plan: {result[0].model}, {cfg.parallel.nproc} × {hw.name}, global batch "
                         f"{cfg.data.global_batch} (searched {result.candidates:,} layouts, predicted "
                         f"{result.evaluated}, {result.search_s:.2f} s)")
-    for col in ("#", "plan", "step s", "TF/s/dev", "MFU", "memory GB", "dominant"):
+    for col in ("#", "plan", "step s", "TF/s/dev", "MFU", "memory / device", "dominant"):
         table.add_column(col, justify="left" if col in ("plan", "dominant") else "right")
     for i, p in enumerate(result, 1):
         table.add_row(str(i), p.plan.describe(), f"{p.step_time_s:.4g}", f"{p.tflops_per_device:.1f}", f"{p.mfu:.1%}",
-                      f"{p.memory.total / 1e9:.2f} / {p.memory.capacity / 1e9:.0f}", p.dominant)
+                      f"{format_bytes(p.memory.total, 2)} / {format_bytes(p.memory.capacity)}", p.dominant)
     console.print(table)
-    console.print(f"run the best: shardwise train {flags(fields[0])} --parallel.nproc {cfg.parallel.nproc}",
-                  highlight=False, soft_wrap=True)
+    console.print(f"run the best: {command}", highlight=False, soft_wrap=True, markup=False)
     if len(result) > 1:
         console.print(f"runner-up ({result[1].plan.describe()}) lost: {why_lost(result[0], result[1])}",
-                      highlight=False, soft_wrap=True)
+                      highlight=False, soft_wrap=True, markup=False)
     if explain:
         pruned = Table(title="pruned regions")
         for col in ("reason", "layouts", "example"):
             pruned.add_column(col, justify="right" if col == "layouts" else "left")
         for region in result.pruned:
-            pruned.add_row(region.reason, f"{region.count:,}", region.example)
+            pruned.add_row(escape(region.reason), f"{region.count:,}", escape(region.example))
         console.print(pruned)

@@ -18,16 +18,49 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_arguments", "add_hardware_arguments", "main", "run_prediction"]
+__all__ = ["add_arguments", "add_hardware_arguments", "hardware_for", "main", "run_prediction"]
 
 
 def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     """``--hardware`` and ``--devices-per-node`` (``shardwise predict`` and ``shardwise plan``)."""
     parser.add_argument("--hardware", default=None, metavar="NAME|FILE",
                         help="a preset (a100-80g-sxm, h100-80g-sxm, h200-141g-sxm) or a calibration file of `shardwise calibrate` "
-                             "(default: this machine's calibration for parallel.nproc ranks, if there is one)")
+                             "(default, as shardwise train: parallel.calibration, else this machine's calibration for "
+                             "parallel.nproc ranks, else a quick probe of this machine; one line says which)")
     parser.add_argument("--devices-per-node", type=int, default=None, metavar="N",
                         help="devices per node (default: the hardware's own)")
+
+
+def hardware_for(args: argparse.Namespace, cfg: Any, command: str) -> Any:
+    """The hardware ``--hardware`` names; without it what ``shardwise train`` would run on here for
+    ``parallel.nproc`` ranks (``parallel.calibration``, this machine's calibration, else the quick probe of
+    well under a second), with one line on stderr saying which and how to pin one. ``ValueError``, one line."""
+    import dataclasses
+
+    import torch
+
+    from ..planner import PRESETS
+    from ..runtime.prediction import launch_hardware, resolve_hardware
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    nproc = cfg.parallel.nproc
+    if args.hardware is not None or (args.devices_per_node is not None and args.devices_per_node < 1):
+        return resolve_hardware(args.hardware, device=device, nproc=nproc, devices_per_node=args.devices_per_node)
+    if nproc < 1:
+        raise ValueError(f"parallel.nproc = {nproc}: give the number of devices, e.g. --parallel.nproc 8")
+    if cfg.parallel.calibration:  # train's own check of the field: a bad file is one line naming it
+        resolve_hardware(cfg.parallel.calibration, device=device, nproc=nproc)
+    try:
+        hw, where = launch_hardware(cfg, device=device, nproc=nproc)
+    except (OSError, TypeError, KeyError, ValueError) as exc:
+        raise ValueError(f"the calibration of this machine cannot be read ({type(exc).__name__}: {exc}); "
+                         f"regenerate it with `shardwise calibrate`, or pass --hardware NAME") from None
+    if args.devices_per_node is not None:
+        hw = dataclasses.replace(hw, devices_per_node=args.devices_per_node)
+    print(f"shardwise {command}: no --hardware given: {nproc} ranks of this machine as shardwise train sees them, "
+          f"from its {where}; pin one with --hardware NAME ({', '.join(sorted(PRESETS))}) or --hardware "
+          f"calibration.json", file=sys.stderr, flush=True)
+    return hw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,16 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_prediction(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """``(validated config, hardware, prediction)``; ``ValueError`` (one line) for every bad input."""
-    import torch
-
     from ..planner import predict
     from ..runtime.config import load_config, validate
-    from ..runtime.prediction import gpt_spec, plan_from_config, resolve_hardware
+    from ..runtime.prediction import gpt_spec, plan_from_config
     from .train import config_overrides
 
     cfg = validate(load_config(path=args.config, preset=args.preset, overrides=config_overrides(args)), launch=False)
-    hw = resolve_hardware(args.hardware, device="cuda" if torch.cuda.is_available() else "cpu",
-                          nproc=cfg.parallel.nproc, devices_per_node=args.devices_per_node)
+    hw = hardware_for(args, cfg, "predict")
     plan = plan_from_config(cfg)
     return cfg, hw, predict(gpt_spec(cfg), plan, hw, global_batch=cfg.data.global_batch)
 
@@ -70,18 +100,17 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-_GB = 1e9
-
-
 def _summary_rows(cfg: Any, hw: Any, pred: Any) -> list[tuple[str, str]]:
+    from ..planner.units import format_bytes
+
     mem, plan = pred.memory, pred.plan
     m = plan.microbatches if plan.pp > 1 else 1
     unit = ("flush" if plan.pp > 1 else "pass") + ("es" if plan.grad_accum != 1 else "")
     batch = (f"{cfg.data.global_batch} × {cfg.model.block_size} tokens = dp {plan.dp} × {plan.grad_accum} {unit} × "
              + (f"{m} micro-batches × " if plan.pp > 1 else "") + f"micro-batch {plan.micro_batch}")
-    fits = (f"yes: {mem.total / _GB:.1f} GB of {mem.capacity / _GB:.1f} GB" if mem.fits
-            else f"NO: {mem.total / _GB:.1f} GB > {mem.capacity / _GB:.1f} GB; largest term: {mem.largest} "
-                 f"({getattr(mem, mem.largest) / _GB:.1f} GB)")
+    fits = (f"yes: {format_bytes(mem.total)} of {format_bytes(mem.capacity)}" if mem.fits
+            else f"NO: {format_bytes(mem.total)} > {format_bytes(mem.capacity)}; largest term: {mem.largest} "
+                 f"({format_bytes(getattr(mem, mem.largest))})")
     return [("devices", f"{cfg.parallel.nproc} × {hw.name} ({hw.devices_per_node} per node)"),
             ("plan", plan.describe()), ("global batch", batch),
             ("step time", f"{pred.step_time_s:.4g} s (dominant: {pred.dominant})"),
@@ -97,6 +126,8 @@ def _print_tables(cfg: Any, hw: Any, pred: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ..planner.units import format_bytes
+
     console = Console()
     head = Table(title=f"shardwise predict: {pred.model}, {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}",
                  show_header=False)
@@ -105,17 +136,17 @@ def _print_tables(cfg: Any, hw: Any, pred: Any) -> None:
     console.print(head)
     mem = pred.memory
     memory = Table(title="memory per device (the most loaded pipeline rank)")
-    for col in ("term", "GB", "share"):
+    for col in ("term", "bytes", "share"):
         memory.add_column(col, justify="left" if col == "term" else "right")
     terms = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "activations": mem.activations,
              "buffers": mem.buffers}
     for name, value in terms.items():
         marker = "  ← largest" if name == mem.largest else ""
-        memory.add_row(name + marker, f"{value / _GB:.2f}", f"{value / max(mem.training, 1):.0%}")
-    memory.add_row("training peak", f"{mem.training / _GB:.2f}", "")
+        memory.add_row(name + marker, format_bytes(value, 2), f"{value / max(mem.training, 1):.0%}")
+    memory.add_row("training peak", format_bytes(mem.training, 2), "")
     memory.add_row("construction (build, load)" + ("  ← largest" if mem.largest == "construction" else ""),
-                   f"{mem.construction / _GB:.2f}", "")
-    memory.add_row("total (the larger)", f"{mem.total / _GB:.2f}", f"of {mem.capacity / _GB:.1f} GB")
+                   format_bytes(mem.construction, 2), "")
+    memory.add_row("total (the larger)", format_bytes(mem.total, 2), f"of {format_bytes(mem.capacity)}")
     time_ = Table(title="time per step")
     for col in ("term", "s", "%"):
         time_.add_column(col, justify="left" if col == "term" else "right")

@@ -21,6 +21,7 @@ from .pipeline_cost import balance_minmax
 from .plan import CHECKPOINTING, SCHEDULES, Layout
 from .predict import _hardware_for, layer_costs
 from .spec import ModelSpec
+from .units import format_bytes
 
 __all__ = ["Space", "Region", "Candidate", "Pool", "normalize_pins", "candidates", "divisors", "layouts", "variants",
            "async_tp_of"]
@@ -261,7 +262,8 @@ def layouts(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, p
             if "dp" in pins and dp != pins["dp"]:
                 continue
             if pp > n_layers:
-                _note(regions, "invalid: more pipeline stages than layers", 1, f"pp={pp} > {n_layers} layers")
+                _note(regions, "invalid: more pipeline stages than the model's units (blocks, embedding, head)", 1,
+                      lambda: f"pp={pp} > {spec.units_text()}")
                 continue
             if pp == 1 and pipeline_pins(pins):
                 _note(regions, "invalid: the pins need a pipeline", 1,
@@ -299,14 +301,14 @@ def note_mb_stop(regions: dict, *, tp: int, pp: int, dp: int, ckpt: str, mb: int
                  least: float) -> None:
     _note(regions, f"memory: micro-batches above one already over the budget (tp={tp} pp={pp})",
           len(skipped), f"dp={dp} tp={tp} pp={pp} mb {skipped} ckpt={ckpt}: mb={mb} needs ≥ "
-                        f"{least / 1e9:.2f} GB", need=least)
+                        f"{format_bytes(least, 2)}", need=least)
 
 
 def note_over_memory(regions: dict, tp: int, pp: int, plan: Callable[[], Layout], need: float, count: int = 1) -> None:
     """Count ``count`` candidates whose memory bound is over the budget, the least of them ``need``; ``plan``
     makes that one (called only when it becomes the region's example)."""
     _note(regions, f"memory: bound over the budget (tp={tp} pp={pp})", count,
-          lambda: f"{plan().describe()}: ≥ {need / 1e9:.2f} GB", need=need)
+          lambda: f"{plan().describe()}: ≥ {format_bytes(need, 2)}", need=need)
 
 
 _MB_STOP = 1.25

@@ -72,8 +72,8 @@ def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
             raise ValueError(f"tp = {plan.tp} must divide the model's heads / widths {list(spec.tp_divisors)} "
                              f"({bad} do not divide); use a tp that divides all of them")
     if plan.pp * plan.chunks > len(spec.layers):
-        raise ValueError(f"pp × chunks = {plan.pp} × {plan.chunks} stages exceed the model's {len(spec.layers)} "
-                         f"layers; use fewer stages")
+        raise ValueError(f"pp × chunks = {plan.pp} × {plan.chunks} stages exceed the model's "
+                         f"{spec.units_text()}; use fewer stages")
     if plan.sequence_parallel and plan.tp == 1:
         raise ValueError("sequence_parallel needs tp > 1; set tp >= 2 or sequence_parallel = False")
     if plan.async_tp and plan.tp == 1:

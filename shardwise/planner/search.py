@@ -29,6 +29,7 @@ from .hardware import Hardware
 from .plan import Layout
 from .predict import Prediction, predict
 from .spec import ModelSpec
+from .units import format_bytes
 
 __all__ = ["search", "SearchResult", "Space", "NoFeasiblePlan"]
 
@@ -202,7 +203,7 @@ def _branch_and_bound(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batc
         evaluated += 1
         if pred.memory.total > budget:
             _note(regions, f"memory: predicted peak over the budget (tp={cand.plan.tp} pp={cand.plan.pp})", 1,
-                  f"{cand.plan.describe()}: {pred.memory.total / 1e9:.2f} GB > {budget / 1e9:.2f} GB "
+                  f"{cand.plan.describe()}: {format_bytes(pred.memory.total, 2)} > {format_bytes(budget, 2)} "
                   f"(largest: {pred.memory.largest})", need=pred.memory.total)
             continue
         best.append(pred)
@@ -247,9 +248,9 @@ def _raise_infeasible(hw: Hardware, pools: list[tuple[ModelSpec, LazyPool, dict]
     closest = min(preds, key=lambda p: p.memory.total)
     mem = closest.memory
     raise NoFeasiblePlan(
-        f"model {spec.name!r} fits no layout on {devices} devices of {hw.memory_bytes / 1e9:.1f} GB (budget "
-        f"{budget / 1e9:.1f} GB after the margin): the closest, {closest.plan.describe()}, needs "
-        f"{mem.total / 1e9:.2f} GB per device (largest: {mem.largest}, {getattr(mem, mem.largest) / 1e9:.2f} GB); "
+        f"model {spec.name!r} fits no layout on {devices} devices of {format_bytes(hw.memory_bytes)} (budget "
+        f"{format_bytes(budget)} after the margin): the closest, {closest.plan.describe()}, needs "
+        f"{format_bytes(mem.total, 2)} per device (largest: {mem.largest}, {format_bytes(getattr(mem, mem.largest), 2)}); "
         f"{_remedies(closest.plan, mem.largest)}", closest)
 
 

@@ -49,6 +49,15 @@ class ModelSpec:
     def blocks(self) -> int:
         return sum(1 for layer in self.layers if layer.kind == "block")
 
+    def units_text(self) -> str:
+        """The pipeline units a stage cut can fall between, counted for messages: ``"6 pipeline units (4 blocks +
+        wte, ln_f)"`` — a stage may hold the embedding or the head alone, so a model of n blocks has more than n."""
+        others = [layer.name for layer in self.layers if layer.kind != "block"]
+        if not self.blocks or not others:
+            return f"{len(self.layers)} layers"
+        shown = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
+        return f"{len(self.layers)} pipeline units ({self.blocks} block{'s' * (self.blocks != 1)} + {shown})"
+
     def flops_per_sequence(self) -> float:
         """Forward GEMM FLOPs of one sequence (model FLOPs: × 3 for forward + backward)."""
         return sum(layer.flops for layer in self.layers)

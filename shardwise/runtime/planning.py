@@ -195,6 +195,7 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
     ``parallel.*`` fields in ``given`` as pins. Returns the validated config and the lines to print (the
     choice and the runner-up). ``ValueError`` when nothing fits or every plan is refused."""
     from ..planner.search import NoFeasiblePlan
+    from ..planner.units import format_bytes
     from .prediction import launch_hardware
 
     if cfg.parallel.sequence_parallel:
@@ -222,7 +223,7 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
             refused.append(f"{pred.plan.describe()}: {str(exc).splitlines()[0]}")
             continue
         lines = [f"shardwise train: parallel.auto chose {pred.plan.describe()} — predicted {pred.step_time_s:.3g} "
-                 f"s/step, {pred.memory.total / 1e6:.1f} MB per rank ({result.candidates} layouts searched in "
+                 f"s/step, {format_bytes(pred.memory.total)} per rank ({result.candidates} layouts searched in "
                  f"{result.search_s:.2f} s; hardware: {where})"]
         if i + 1 < len(result):
             other = result[i + 1]

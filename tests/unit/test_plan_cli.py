@@ -117,7 +117,8 @@ def test_plan_pins_and_explain(capsys):
     assert data["pruned"] and all({"reason", "count", "example"} <= set(r) for r in data["pruned"])
     rc, out, err = run(["plan", "--preset", "gpt-small", "--parallel.nproc", "8", "--hardware", "a100-80g-sxm",
                         "--explain"], capsys)
-    assert rc == 0 and "runner-up" in out and "pruned regions" in out and "shardwise train --parallel" in out
+    assert rc == 0 and "runner-up" in out and "pruned regions" in out
+    assert "run the best: shardwise train --preset gpt-small --data.global_batch" in out and "--parallel.dp" in out
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -137,7 +138,7 @@ def test_plan_bad_input_is_one_line(argv, match, capsys):
 def test_plan_a_model_that_fits_nowhere(capsys):
     rc, out, err = run(["plan", *GPT3, "--parallel.nproc", "8", "--data.global_batch", "8", "--hardware",
                         "a100-80g-sxm"], capsys)
-    assert rc == 2 and "fits no layout" in err and "closest" in err and "GB per device" in err
+    assert rc == 2 and "fits no layout" in err and "closest" in err and "GiB per device" in err
 
 
 def test_auto_and_the_printed_prediction_share_one_probe(monkeypatch):

@@ -173,7 +173,7 @@ def test_bad_input_is_one_clear_error(kwargs, match):
 
 def test_a_model_that_fits_nowhere_names_the_closest_plan():
     tiny = dataclasses.replace(A100, memory_bytes=1e6)
-    with pytest.raises(NoFeasiblePlan, match=r"fits no layout .* needs .* GB per device") as info:
+    with pytest.raises(NoFeasiblePlan, match=r"fits no layout .* needs .* MiB per device") as info:
         search(small_gpt(), tiny, devices=8, global_batch=32)
     closest = info.value.closest
     assert closest is not None and not closest.fits

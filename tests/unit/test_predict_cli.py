@@ -73,7 +73,8 @@ def test_a_plan_that_does_not_fit_is_not_an_error(capsys):
 @pytest.mark.parametrize("argv,expected", [
     (["--parallel.nproc", "2", "--hardware", "a100-80g"], ("unknown hardware 'a100-80g'", "did you mean 'a100-80g-sxm'")),
     (["--parallel.nproc", "2", "--hardware", "missing.json"], ("'missing.json' does not exist", "shardwise calibrate")),
-    (["--parallel.nproc", "2"], ("no --hardware given", "a100-80g-sxm")),
+    (["--parallel.nproc", "2", "--parallel.calibration", "missing.json"],  # no --hardware: train's file, named
+     ("'missing.json' does not exist", "shardwise calibrate")),
     (["--parallel.nproc", "3", "--parallel.tp", "3", "--hardware", "a100-80g-sxm"],
      ("parallel.tp = 3 must divide model.n_head = 2", "use a tp from [1, 2]")),
     (["--parallel.nproc", "2", "--data.global_batch", "30", "--parallel.micro_batch", "16", "--hardware",
