@@ -1,6 +1,6 @@
 """``shardwise verify``: does the requested layout train to the same losses as one process?
 
-Takes the same flags as ``shardwise train``. Runs the first ``--steps`` steps twice — once on a single
+Takes the same flags as ``shardwise train``. Runs the first ``--steps`` (or ``--train.steps``; default 8) steps twice — once on a single
 process (dp = tp = 1, no ZeRO; the same global batch through more accumulation steps) and once on the
 requested layout — prints both losses side by side and exits 1 when any step differs by more than
 ``atol + rtol·|reference|``. Same seed → same weights and same samples per step (the sampler's order does not
@@ -31,13 +31,18 @@ from .train import add_config_arguments, config_overrides, launch, train_config,
 
 __all__ = ["add_arguments", "main", "compare_losses", "TOLERANCES"]
 
+DEFAULT_STEPS = 8
+"""Steps compared when neither ``--steps`` nor ``--train.steps`` is given (a config file's ``train.steps`` is the
+length of a training run, not of a check)."""
+
 TOLERANCES = {"fp32": (1e-4, 1e-5), "bf16": (4e-3, 1e-5)}
 """``train.precision`` -> default ``(rtol, atol)`` per step. bf16: 2^-8 ≈ 3.9e-3 relative is one rounding of the loss
 to bf16's 8 significant bits; the layouts' measured gap is far smaller (docs/training.md), a real bug far larger."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=8, help="steps to compare (default 8; overrides train.steps)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps to compare (= --train.steps; default {DEFAULT_STEPS}, whatever a config file says)")
     parser.add_argument("--rtol", type=float, default=None,
                         help="relative tolerance per step (default 1e-4; 4e-3 with --train.precision bf16)")
     parser.add_argument("--atol", type=float, default=None, help="absolute tolerance per step (default 1e-5)")
@@ -45,11 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
-    cfg = train_config(args, config_overrides(args))  # named as train names it
-    if args.steps < 1:
-        raise ValueError(f"--steps = {args.steps} must be >= 1")
+    overrides = config_overrides(args)
+    cfg = train_config(args, overrides)  # named as train names it
+    args.steps = _steps(args.steps, cfg.train.steps if "train.steps" in overrides else None)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.steps, ckpt_every=0))
     layout = validate(cfg)
+    # one process runs the layout's batch, whatever the defaults would derive for it (config_defaults.py)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, global_batch=layout.data.global_batch))
     # the pipeline fields need pp > 1, sequence parallelism and async tensor parallelism tp > 1
     single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0, grad_accum=0,
                                  sequence_parallel=False, async_tp=False, pp_microbatches=0, pp_chunks=1,
@@ -63,6 +70,16 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
     root = cfg.run_dir().with_name(f"verify-{cfg.run_dir().name}")
     return (dataclasses.replace(reference, train=dataclasses.replace(reference.train, out_dir=str(root / "reference"))),
             dataclasses.replace(layout, train=dataclasses.replace(layout.train, out_dir=str(root / "layout"))), root)
+
+
+def _steps(steps: int | None, given: int | None) -> int:
+    """The steps to compare: ``--steps`` or ``--train.steps`` (``given``; the same if both), else ``DEFAULT_STEPS``."""
+    if steps is not None and given is not None and steps != given:
+        raise ValueError(f"--steps {steps} and --train.steps {given} disagree; give one of them")
+    n = steps if steps is not None else given if given is not None else DEFAULT_STEPS
+    if n < 1:
+        raise ValueError(f"--steps = {n} must be >= 1; e.g. --steps {DEFAULT_STEPS}")
+    return n
 
 
 def compare_losses(reference: list[float], layout: list[float], *, rtol: float, atol: float) -> list[bool]:
