@@ -105,17 +105,29 @@ def bind_to_launcher() -> None:
     dies (``kill -9`` included), so no orphan keeps training or writing checkpoints. torchrun starts each rank
     in a session of its own, so a signal to the launcher's process group never reaches it. Linux: the kernel
     sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent pid.
-    A no-op outside ``run_local`` and when called again."""
+    Also silences the traceback of an uncaught ``KeyboardInterrupt`` (``_quiet_interrupt``): the launcher reports
+    Ctrl-C. A no-op outside ``run_local`` and when called again."""
     launcher = os.environ.get(LAUNCHER_PID)
     if not launcher or getattr(bind_to_launcher, "_bound", False):
         return
     bind_to_launcher._bound = True  # type: ignore[attr-defined]
+    sys.excepthook = _quiet_interrupt(sys.excepthook)
     if not _pdeathsig():
         import threading
 
         threading.Thread(target=_poll_parent, args=(int(launcher),), daemon=True, name="shardwise-parent").start()
     if os.getppid() != int(launcher):  # the launcher died before the signal was armed
         os._exit(1)
+
+
+def _quiet_interrupt(previous: Callable[..., object]) -> Callable[..., object]:
+    """``sys.excepthook`` for a rank under ``run_local``: Ctrl-C reaches the launcher, which passes SIGINT on to
+    every rank and reports the interruption in one line, so a rank's uncaught ``KeyboardInterrupt`` prints no
+    traceback (the rank still ends by it, with its ``except``/``finally`` blocks run). Other exceptions as before."""
+    def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        if not issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, tb)
+    return hook
 
 
 def _pdeathsig() -> bool:

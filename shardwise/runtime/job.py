@@ -103,7 +103,7 @@ def launch_ranks(cfg: Config, run_dir: Path, resume: Path | None, *, save: bool 
     with RankSupervisor(grace_s=KILL_GRACE_S, marker_dir=run_dir / "ranks"):
         rc = run_local(nodes.per_node(cfg), target, module=True, nnodes=str(nodes.count) if multi else None,
                        node_rank=nodes.rank if multi else None, rdzv_endpoint=nodes.endpoint if multi else None,
-                       exit_codes=codes)
+                       exit_codes=codes, report_interrupt=False)  # run_job's failure report says it
     for rank, code in codes.items():  # read by failure_report: who died by its own fault, who was stopped
         (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
         (run_dir / "ranks" / f"rank{rank:05d}.exit").write_text(f"{code}\n")
@@ -125,7 +125,7 @@ def run_job(cfg: Config, run_dir: Path, resume: Path | None, nodes: Nodes = Node
         if rc == 0:
             return 0
         print(failure_report(run_dir, rc, cfg), file=sys.stderr, flush=True)
-        if any((run_dir / "ranks").glob("rank*.interrupted")):
+        if rc == 130 or any((run_dir / "ranks").glob("rank*.interrupted")):  # Ctrl-C: never a restart
             return 130
         why_not = _no_restart(cfg, run_dir, attempt)
         if why_not:

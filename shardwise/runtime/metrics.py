@@ -393,5 +393,5 @@ def failure_report(run_dir: Path, rc: int, cfg: Any) -> str:
     last = latest_checkpoint(run_dir)
     resume = f"; continue with: shardwise train --resume {run_dir}" if last else ""
     verdict = "stopped" if interrupted else f"the job failed (exit code {rc})"
-    return (f"shardwise train: {verdict}: {head}. Collective timeout train.timeout_s="
-            f"{cfg.train.timeout_s:g}s. Last complete checkpoint: {last or 'none'}{resume}")
+    timeout = "" if interrupted else f" Collective timeout train.timeout_s={cfg.train.timeout_s:g}s."
+    return f"shardwise train: {verdict}: {head}.{timeout} Last complete checkpoint: {last or 'none'}{resume}"

@@ -375,12 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             barrier_all()  # ranks read the checkpoint at different speeds; meet before the first timed step
         summary = trainer.run(save=not args.no_save)
     except KeyboardInterrupt:
-        # Ctrl-C reaches every rank (same process group). Saves are atomic, so whatever the ranks were
-        # doing, the last published checkpoint stays intact; nothing more is written here.
+        # The launcher passes Ctrl-C on to every rank. Saves are atomic, so whatever the ranks were doing, the
+        # last published checkpoint stays intact; nothing more is written here. The launcher reports it, once.
         (run_dir / "ranks").mkdir(exist_ok=True)
         (run_dir / "ranks" / f"rank{world.rank:05d}.interrupted").write_text(str(trainer.step))
-        print(f"shardwise train: rank {world.rank} interrupted at step {trainer.step}; last complete checkpoint: "
-              f"{trainer.last_ckpt or 'none'}", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         message = f"rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
