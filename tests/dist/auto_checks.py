@@ -120,3 +120,25 @@ def check_small_model() -> dict:
     for (name, p), r in zip(model.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7, msg=lambda s, n=name: f"{n}: {s}")
     return {"planning_comms": planning_comms, "fwd": len(fwd.records), "bwd": bwd.by_op()}
+
+
+def check_raw_input_layer() -> dict:
+    """tp=2 under a memory budget that excludes data parallelism: the plan of a model whose first layer reads the
+    raw input (``auto_models.WideInput``) runs, and its loss and gradients equal one device's."""
+    m = mesh(tp=2)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 16, 4096, generator=gen), torch.randn(2, 16, 16, generator=gen)
+    torch.manual_seed(0)
+    ref = am.WideInput()
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    torch.manual_seed(0)
+    model = am.WideInput()
+    plan = sw.auto(model, m, (x,), memory_budget=0.8 * 2**20)
+    model = sw.parallelize(model, m, plan)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=0)
+    _compare_grads(model, ref_grads)
+    return {"styles": {k: repr(v) for k, v in plan.items()}, "tp": plan.tp_axis}

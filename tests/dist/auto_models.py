@@ -112,3 +112,17 @@ def hf_llama(layers: int = 2):  # type: ignore[no-untyped-def]
     cfg = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
     return LlamaForCausalLM(cfg)
+
+
+class WideInput(nn.Module):
+    """Its first layer reads the raw input (4096 features) and shrinks it to 16: ``sw.auto`` must not split it by
+    row (nothing splits the input's features), which its price alone would favour under a memory budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4096, 16)
+        self.up = nn.Linear(16, 256)
+        self.down = nn.Linear(256, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(torch.relu(self.inp(x)))))

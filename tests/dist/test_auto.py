@@ -43,6 +43,12 @@ def test_classifier_partial_fc(worlds):
     assert r["bwd_dp"] >= 1  # gradient buckets over the data axis
 
 
+def test_a_plan_for_a_layer_reading_the_raw_input_runs(worlds):
+    a, b = worlds.get(2).run(ac.check_raw_input_layer)
+    assert a == b and a["tp"] == "tp"
+    assert a["styles"]["inp"] == "ColumnParallel(heads=None)" and a["styles"]["up"] == "RowParallel()", a
+
+
 def test_small_model_pure_data_parallel(worlds):
     a, b = worlds.get(2).run(ac.check_small_model)
     assert a["planning_comms"] == 0 and a["fwd"] == 0

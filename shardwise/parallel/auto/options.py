@@ -16,6 +16,10 @@ a column layer's replicated input gets its gradient all-reduced in backward):
 | vocab    | ``nn.Linear``, model output | S(0)       | B    | Sf    | backward input gradient; the loss's two (N,) all-reduces |
 | ``B``/``Sf`` | join (residual add, gating, attention core) | — | = | =  | none (all inputs must agree)                   |
 
+A unit that reads the model's own input (no traced node feeds it) is offered no option needing ``Sf`` (row):
+that input is whole on every rank (``_input_rule``). A value leaving the model must be whole, except
+vocabulary-split logits (``_sink_rule``).
+
 A fused projection (its output cut into equal chunks by ``split``/``chunk``, ``trace.Node.parts``) is offered
 column only as a split of every chunk: ``QKVParallel`` for h -> 3h under a head count (``n_head`` or
 ``num_heads``), ``ColumnParallel(parts=k)`` otherwise.
@@ -196,7 +200,7 @@ def _embedding(graph: Graph, node: Node, cm: CostModel) -> NodeOptions:
 
 def node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: CostModel) -> NodeOptions:
     """Every layout ``node`` may take under ``cm`` (the tp axis and its size), priced."""
-    return _sink_rule(node, _node_options(graph, node, parents, cm))
+    return _input_rule(node, _sink_rule(node, _node_options(graph, node, parents, cm)))
 
 
 def _node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: CostModel) -> NodeOptions:
@@ -222,6 +226,20 @@ def applicable(node: Node) -> tuple[str, ...]:
     if module is not None and linear_layout(module) is not None:
         return KINDS if node.sink and isinstance(module, nn.Linear) else KINDS[:3]
     return ("B", "vocab") if isinstance(module, nn.Embedding) else ("B",)
+
+
+def _input_rule(node: Node, res: NodeOptions) -> NodeOptions:
+    """A unit fed by no traced node reads the model's own input (or values made from it), which every rank holds
+    whole: nothing splits it on tp first, so an option that needs its input split (row) cannot run there —
+    the solver's ``need``/``gives`` check has no predecessor to refuse it with."""
+    if node.preds or node.kind != "module":
+        return res
+    for o in res.options:
+        if o.need == "Sf":
+            res.unavailable[o.kind] = ("its input is the model's own input, whole on every rank: no column-parallel "
+                                       "layer splits it first")
+    res.options = [o for o in res.options if o.need != "Sf"]
+    return res
 
 
 def _sink_rule(node: Node, res: NodeOptions) -> NodeOptions:
