@@ -129,7 +129,7 @@ def train_overrides(args: argparse.Namespace, cfg: Any, fields: dict[str, Any]) 
     out["data.global_batch"] = cfg.data.global_batch  # always: the batch is what the plan was priced for
     if base.parallel.auto:  # a config file's auto would search again on the launch machine
         out["parallel.auto"] = False
-    for key, value in {"replicate": (), **fields}.items():
+    for key, value in fields.items():
         if getattr(base.parallel, key) != value:
             out[f"parallel.{key}"] = value
     out["parallel.nproc"] = cfg.parallel.nproc

@@ -178,7 +178,7 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     replicate = tuple(sorted({layers.get(name, name) for name in pins.get("modules", {})}))
     fields = []
     for p in result:
-        f = {**config_from_plan(p.plan), **({"replicate": replicate} if replicate else {})}
+        f = {**config_from_plan(p.plan), "replicate": replicate}  # () too: a config file's own was not priced
         fields.append({**f, "pp_split": train_split_names(cfg.model, f["pp_split"])})
     return result, fields
 

@@ -5,6 +5,7 @@ does; the tie threshold on both sides; ``--explain`` counting a model's own laye
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -80,6 +81,24 @@ def test_a_llama_plan_prints_the_command_that_trains_it(capsys):
                                                      "data.global_batch": 16, "train.precision": "bf16",
                                                      "optimizer.lr": 3e-4})
         assert train_config(entry["train_command"]).model == model
+
+
+def test_parallel_auto_trains_what_plan_prints(monkeypatch: pytest.MonkeyPatch, capsys):
+    """``shardwise train --parallel.auto true`` with plan's flags and hardware chooses the config plan's printed
+    line builds (the chosen plan is plan's first; a config file's replicated module is priced away alike)."""
+    from shardwise.runtime import planning, prediction
+
+    monkeypatch.setattr(prediction, "launch_hardware",
+                        lambda cfg, device, nproc: (Hardware.preset("a100-80g-sxm"), "a100-80g-sxm"))
+    flags = {"model.hf_config": LLAMA, "data.global_batch": "16", "train.precision": "bf16", "parallel.nproc": "4",
+             "parallel.replicate": "model.embed_tokens"}
+    argv = [x for k, v in flags.items() if k != "parallel.replicate" for x in (f"--{k}", v)]
+    printed = train_config(plans_of([*argv, *A100], capsys)[0]["train_command"])
+    cfg = load_config(overrides={**flags, "parallel.auto": "true"})
+    chosen, _ = planning.auto_layout(cfg, {k: v for k, v in flags.items() if k != "parallel.replicate"},
+                                     device="cpu", nproc=4)
+    assert cfg.parallel.replicate and chosen.parallel.replicate == ()
+    assert dataclasses.replace(chosen, parallel=dataclasses.replace(chosen.parallel, auto=False)) == printed
 
 
 def test_pins_non_layout_flags_and_a_config_file_reach_train(tmp_path: Path, capsys):
