@@ -138,7 +138,7 @@ def train_overrides(args: argparse.Namespace, cfg: Any, fields: dict[str, Any]) 
 
 def train_command(args: argparse.Namespace, cfg: Any, fields: dict[str, Any]) -> str:
     """``shardwise train ...``: the command line that runs one plan as it was priced (quoted for a POSIX
-    shell); ``shardwise train`` parses it into the same config (tests/unit/test_plan_cli.py checks it)."""
+    shell); ``shardwise train`` parses it into the same config (tests/unit/test_plan_command.py checks it)."""
     import shlex
 
     head = [f"--config {shlex.quote(args.config)}"] if args.config else []
