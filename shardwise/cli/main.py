@@ -16,7 +16,7 @@ import difflib
 import re
 import sys
 from functools import partial
-from typing import Callable, NoReturn, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 __all__ = ["main"]
 
@@ -135,7 +135,12 @@ _COMMAND_PACKAGES = frozenset({__package__ or "shardwise.cli", (__package__ or "
 
 class _Parser(argparse.ArgumentParser):
     """Every usage error is one line ``PROG: error: MESSAGE; see PROG --help`` (no usage dump), with a close
-    match suggested for an unknown option or choice; exit code 2. Subparsers inherit the class."""
+    match suggested for an unknown option (``flag_hints.suggest``) or choice; exit code 2. Options are never
+    abbreviated (``allow_abbrev=False``). Subparsers inherit the class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --parallel.zero must not quietly mean --parallel.zero_stage
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
@@ -153,9 +158,12 @@ class _Parser(argparse.ArgumentParser):
         """Report the first argument this parser does not know, with a close option name if there is one."""
         first = extra[0]
         if first.startswith("-") and len(first) > 1:
+            from .flag_hints import suggest
+
             name = first.partition("=")[0]
-            hint = _close(name, [o for o in self._option_string_actions if o.startswith("--") or len(name) == 2])
-            self.error(f"unknown option {name}" + (f"; did you mean {hint}?" if hint else ""))
+            hint = suggest(name, self._option_string_actions)
+            abbreviated = " (options are not abbreviated)" if hint.startswith(name) else ""
+            self.error(f"unknown option {name}{abbreviated}" + (f"; did you mean {hint}?" if hint else ""))
         self.error(f"unexpected argument {first!r}")
 
 

@@ -116,21 +116,26 @@ class Hardware:
     # -- construction ------------------------------------------------------------------------------------
     @staticmethod
     def preset(name: str, *, devices_per_node: int | None = None) -> "Hardware":
-        """A named preset (``a100-80g-sxm``, ``h100-80g-sxm``, ``h200-141g-sxm``); ``ValueError`` listing them otherwise."""
-        if name not in PRESETS:
+        """A named preset (``a100-80g-sxm``, ``h100-80g-sxm``, ``h200-141g-sxm``; any case); ``ValueError`` listing
+        them otherwise, with the presets the name is part of or close to (``h100`` → ``h100-80g-sxm``)."""
+        key = _preset_key(name)
+        if key is None:
             import difflib
 
-            close = difflib.get_close_matches(name, list(PRESETS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PRESETS)}{hint}, or pass a "
+            lower = name.strip().lower()
+            close = [k for k in sorted(PRESETS) if lower and lower in k] or difflib.get_close_matches(
+                lower, list(PRESETS), n=1)
+            hint = f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
+            raise ValueError(f"unknown hardware {name!r}{hint}; choose one of {sorted(PRESETS)}, or pass a "
                              f"calibration file written by `shardwise calibrate --out FILE`")
-        hw = PRESETS[name]
+        hw = PRESETS[key]
         return hw if devices_per_node is None else replace(hw, devices_per_node=devices_per_node)
 
     @staticmethod
     def resolve(name_or_path: str, *, devices_per_node: int | None = None) -> "Hardware":
-        """A preset name, or else the path of a calibration file."""
-        if name_or_path in PRESETS or not (name_or_path.endswith(".json") or Path(name_or_path).exists()):
+        """A preset name (any case), or else the path of a calibration file."""
+        if _preset_key(name_or_path) is not None or not (name_or_path.endswith(".json")
+                                                          or Path(name_or_path).exists()):
             return Hardware.preset(name_or_path, devices_per_node=devices_per_node)
         hw = Hardware.load(name_or_path)
         return hw if devices_per_node is None else replace(hw, devices_per_node=devices_per_node)
@@ -275,6 +280,13 @@ def _nearest_efficiency(points: tuple[tuple[float, float, float, float], ...], m
 # (nccl-tests issues #149, #212, maintainers' figures). Inter-node: 90 % of the NIC line rate. Memory
 # bandwidth: 85 % of the HBM peak, a typical STREAM-like figure for large elementwise kernels.
 # The GEMM curve (same shape for both) is the one set of efficiency constants the model has; see
+def _preset_key(name: str) -> str | None:
+    """The ``PRESETS`` key ``name`` spells, in any case and without surrounding blanks; None if none."""
+    if name in PRESETS:
+        return name
+    return next((k for k in PRESETS if k.lower() == name.strip().lower()), None)
+
+
 # ``docs/planner.md`` for how its top value was fitted and on what.
 _GEMM_CURVE = ((128.0, 0.20), (512.0, 0.55), (1024.0, 0.68), (2048.0, 0.74), (8192.0, 0.78))
 
