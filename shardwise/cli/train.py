@@ -157,8 +157,9 @@ def _lock(locks: ExitStack | None, run_dir: Path, nodes: Nodes) -> None:
 
 def _validate(cfg: Config, before: Config | None, resume: Path | None) -> Config:
     """``validate``; on a resume a layout error also names the saved layout the new one was carried over from."""
-    try:
-        return validate(cfg)
+    try:  # a resumed run's micro-batch not given now is derived again, at most the saved one
+        return validate(cfg, **({"micro_cap": before.parallel.micro_batch} if before and before.parallel.micro_batch
+                                else {}))
     except ValueError as exc:
         if before is None or "parallel." not in str(exc):
             raise
