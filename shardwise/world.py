@@ -180,9 +180,9 @@ def on_teardown(step: Callable[[], None]) -> None:
 
 _EXIT = {"armed": False, "done": False}
 _STEPS: list[Callable[[], None]] = []
-_QUIET_POLLS = 3          # consecutive polls that must find every other thread asleep
+_QUIET_POLLS = 3          # consecutive polls that must find gloo's workers asleep
 _QUIET_POLL_S = 0.002
-_QUIET_MAX_S = 1.0        # a thread of the user's that keeps computing only delays the exit this long
+_QUIET_MAX_S = 1.0        # a worker kept busy (a collective nobody waited for) delays the exit at most this long
 
 
 def _arm_exit_hook() -> None:
@@ -225,9 +225,10 @@ def _teardown() -> None:
 
 
 def _wait_for_quiet_threads() -> None:
-    """Sleep (the GIL released) until every other thread of this process has been asleep for a few polls in a
-    row (Linux: ``/proc/self/task``), at most ``_QUIET_MAX_S``; elsewhere a short fixed sleep. A gloo worker
-    still finishing a collective is runnable, or takes the GIL as soon as this thread sleeps."""
+    """Sleep (the GIL released) until gloo's worker threads (``pt_gloo_runloop``; every other thread where torch
+    does not name them) have been asleep for a few polls in a row (Linux: ``/proc/self/task``), at most
+    ``_QUIET_MAX_S``; elsewhere a short fixed sleep. A worker still letting go of a collective is runnable, or
+    takes the GIL as soon as this thread sleeps."""
     me, tasks = str(threading.get_native_id()), f"/proc/{os.getpid()}/task"
     if not os.path.isdir(tasks):
         time.sleep(0.05)
@@ -239,22 +240,20 @@ def _wait_for_quiet_threads() -> None:
 
 
 def _busy_threads(tasks: str, me: str) -> bool:
-    """Whether a thread other than ``me`` is running, runnable or in uninterruptible sleep."""
-    try:
-        tids = os.listdir(tasks)
-    except OSError:
-        return False
-    for tid in tids:
-        if tid == me:
-            continue
+    """Whether a gloo worker (any thread but ``me`` if none is named so) is running, runnable or in
+    uninterruptible sleep."""
+    states: dict[str, str] = {}
+    for tid in os.listdir(tasks) if os.path.isdir(tasks) else []:
         try:
             with open(f"{tasks}/{tid}/stat") as f:
                 stat = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        if stat[stat.rindex(")") + 2:stat.rindex(")") + 3] in ("R", "D"):
-            return True
-    return False
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if tid != me:
+            states[name + "/" + tid] = state
+    gloo = [s for key, s in states.items() if key.startswith("pt_gloo_")]
+    return any(s in ("R", "D") for s in (gloo if gloo else states.values()))
 
 
 def exit_process(code: int | None = 0) -> NoReturn:
@@ -262,11 +261,10 @@ def exit_process(code: int | None = 0) -> NoReturn:
     ``os._exit``. Only for entry points (the ``shardwise`` command, the trainer, the bench workers), and only on
     success: an exception is not routed here (it propagates and exits normally, traceback and all).
 
-    Skips the interpreter's finalisation, for two measured reasons. In ranks, gloo's C++ threads may be torn
-    down there after the objects they reference: under load about one run in ten of ``shardwise bench sbp -n 2``
-    aborted ("terminate called without an active exception", SIGABRT) after both ranks had returned from
-    ``shutdown()``, failing a job whose work was complete. Everywhere, tearing down torch's modules takes
-    0.4 s after ``import torch`` and 0.8 s once ``torch.optim`` has pulled in ``torch._dynamo`` — per command."""
+    Skips the interpreter's finalisation: tearing down torch's modules takes 0.4 s after ``import torch`` and
+    0.8 s once ``torch.optim`` has pulled in ``torch._dynamo`` — per command. (The SIGABRT that finalisation
+    could end a rank with, gloo's worker threads asking for the GIL too late, is prevented by ``shutdown()``
+    and the exit hook themselves: ``_at_exit``.)"""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -121,3 +121,27 @@ def test_ctrl_c_stops_the_job_with_one_line_and_130(tmp_path):
             proc.wait()
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["shardwise: interrupted (Ctrl-C): ranks stopped"], err
+
+
+def test_teardown_order_and_rearming_in_a_world_of_one(tmp_path):
+    """Steps registered with ``on_teardown`` run newest first, once; ``shutdown`` is idempotent; a second
+    ``init`` after it is torn down again at exit (seen by an ``atexit`` handler registered before ``init``,
+    which runs after the exit hook)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, torch.distributed as dist, shardwise as sw
+        from shardwise.world import on_teardown
+        atexit.register(lambda: print(f"at exit initialised={dist.is_initialized()}", flush=True))
+        sw.init()
+        on_teardown(lambda: print("step a", flush=True))
+        on_teardown(lambda: print("step b", flush=True))
+        sw.shutdown()
+        sw.shutdown()
+        print(f"after shutdown initialised={dist.is_initialized()}", flush=True)
+        sw.init()
+        print(f"again initialised={dist.is_initialized()}", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["step b", "step a", "after shutdown initialised=False",
+                                        "again initialised=True", "at exit initialised=False"], proc.stdout
