@@ -50,18 +50,18 @@ def _prepare_files(**files: str) -> Setup:
     return setup
 
 
-def _fake_run(name: str = "done", *, steps: int = 5, ckpt_step: int = 5) -> Setup:
+def _fake_run(name: str = "done", *, steps: int = 5, ckpt_step: int = 5, **parallel: int) -> Setup:
     """A run directory as ``shardwise train`` leaves it (``config.json``, ``checkpoints/latest`` naming a
     ``step_NNNNNN`` directory with an ``index.json``), without training: the refusals never open a tensor."""
     def setup(root: Path) -> None:
         import dataclasses
 
-        from shardwise.runtime.config import Config, TrainConfig
+        from shardwise.runtime.config import Config, ParallelConfig, TrainConfig
 
         run = root / "runs" / name
         ckpt = run / "checkpoints" / f"step_{ckpt_step:06d}"
         ckpt.mkdir(parents=True)
-        cfg = Config(train=dataclasses.replace(TrainConfig(), name=name, steps=steps))
+        cfg = Config(train=dataclasses.replace(TrainConfig(), name=name, steps=steps), parallel=ParallelConfig(**parallel))
         (run / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
         (ckpt / "index.json").write_text(json.dumps({
@@ -226,7 +226,16 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
      ("optimizer.clip_grad_norm = -1.0 must be a finite number >= 0", "e.g. --optimizer.clip_grad_norm 1.0")),
     # --- run directories and --resume ---
     ("resume-nothing", ["train", "--resume", "runs/none"], None,
-     ("'runs/none'", "start a fresh run without --resume")),
+     ("no such run directory: 'runs/none' (no runs in 'runs')", "start a fresh run without --resume")),
+    ("resume-misspelt", ["train", "--resume", "runs/dnoe"], _fake_run("done"),
+     ("no such run directory: 'runs/dnoe' (runs in 'runs': done)", "pass one of them")),
+    ("resume-no-checkpoint", ["train", "--resume", "runs/empty"], lambda root: (root / "runs" / "empty").mkdir(parents=True),
+     ("no intact checkpoint in 'runs/empty'", "start a fresh run without --resume")),
+    ("resume-kept-tp-too-wide", ["train", "--resume", "runs/done", "--parallel.pp", "2", "--parallel.nproc", "2",
+                                 "--train.steps", "9"],
+     _fake_run("done", nproc=2, dp=1, tp=2),
+     ("the saved layout is dp 1 × tp 2 × pp 1 × cp 1, ZeRO-0 on 2 processes", "(kept from the saved run: tp 2)",
+      "pass --parallel.tp 1 (dp 1 × tp 1 × pp 2 × cp 1, ZeRO-0 on 2 processes) or --parallel.nproc 4")),
     ("checkpoints-without-overwrite", ["train", "--train.name", "done"], _fake_run("done"),
      ("'runs/done' already holds checkpoints", "continue it with --resume, start over with --overwrite")),
     ("resume-finished", ["train", "--resume", "runs/done"], _fake_run("done", steps=5, ckpt_step=5),
