@@ -132,3 +132,15 @@ def test_bad_data_is_one_line_before_launch(data: Path, args: list[str], expect:
     for text in expect:
         assert text.replace("{V}", str(vocab)) in err, (text, err)
     assert not (data / "runs" / "bad").exists()
+
+
+def test_vocabulary_comes_from_the_prepared_dataset(data: Path):
+    """No --model.vocab_size: the model takes the vocabulary the dataset's index states (the tokenizer's size,
+    read here from the tokenizer itself), and config.json records it."""
+    from tokenizers import Tokenizer
+
+    proc = cli(data, "train", "--data.path", "ds", "--model.block_size", str(T), "--train.steps", "1",
+               "--parallel.nproc", "1", "--train.name", "vocab")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = json.loads((data / "runs" / "vocab" / "config.json").read_text())
+    assert saved["model"]["vocab_size"] == Tokenizer.from_file(str(data / "tok")).get_vocab_size(with_added_tokens=True)
