@@ -150,7 +150,8 @@ class TrainConfig:
     """The loop: length, intervals, seed, where results go."""
 
     name: str = "gpt-tiny"
-    """Run name; the run directory defaults to ``./runs/NAME``."""
+    """Run name; the run directory defaults to ``./runs/NAME``. Not given: the preset's, or for a model from files
+    the ``model.pretrained`` directory's name / the ``model.hf_config`` file's (``shardwise train`` names it)."""
     out_dir: str = ""
     """Run directory (metrics, checkpoints, config); empty = ``./runs/NAME``."""
     steps: int = 1000
