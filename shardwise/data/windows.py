@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..mesh import Mesh
 
 __all__ = ["BatchPlan", "ShardedSampler", "TokenWindows", "BYTE_VOCAB", "text_to_tokens", "tokens_to_text",
-           "load_text_tokens", "iter_batches", "IGNORE", "out_of_vocab"]
+           "load_text_tokens", "iter_batches", "IGNORE", "out_of_vocab", "DataError"]
 
 BYTE_VOCAB = 256
 """Vocabulary size of the byte-level tokeniser: one token per byte value."""
@@ -248,7 +248,7 @@ class TokenWindows(torch.utils.data.Dataset):
         start = (i % len(self)) * self.stride
         window = _read(self.tokens, start, start + self.block_size + 1)
         if self.vocab is not None and int(window.max()) >= self.vocab:
-            raise ValueError(out_of_vocab(int(window.max()), self.vocab, self.source, f"tokens {start}.."))
+            raise DataError(out_of_vocab(int(window.max()), self.vocab, self.source, f"tokens {start}.."))
         targets = window[1:]
         if self.mask is not None:  # mask[j] = 0: token j is not a target (its prediction is not trained)
             keep = _read(self.mask, start + 1, start + self.block_size + 1).bool()
@@ -258,6 +258,11 @@ class TokenWindows(torch.utils.data.Dataset):
 
 IGNORE = -100
 """Target id of a position that does not count (``F.cross_entropy``'s default ``ignore_index``)."""
+
+
+class DataError(ValueError):
+    """A problem of the training data met while reading it (a token id outside the vocabulary): its one-line
+    message says everything, so a rank reports it without a traceback."""
 
 
 def out_of_vocab(token: int, vocab: int, what: str, where: str = "") -> str:

@@ -43,6 +43,7 @@ from ..data.corpus import StepBatches
 from ..data.windows import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
 from ..data.sources import open_data
+from ..data.windows import DataError
 from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
@@ -385,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (run_dir / "ranks").mkdir(exist_ok=True)
         (run_dir / "ranks" / f"rank{world.rank:05d}.error").write_text(message)
         print(f"shardwise train: {message}{peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
+        if isinstance(exc, DataError):  # bad data, said in full in that line: no traceback
+            return 1
         raise
     (run_dir / "ranks").mkdir(exist_ok=True)
     (run_dir / "ranks" / f"rank{world.rank:05d}.json").write_text(json.dumps(summary))
