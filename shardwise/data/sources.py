@@ -7,7 +7,11 @@ validation split, or its training split when it has none) or else the validation
 ``data.path``. Loss-masked (supervised fine-tuning) datasets carry a mask: their windows' prompt targets are
 ``IGNORE``.
 
-``check_data`` runs in the launcher before any rank starts: every problem is one ``ValueError`` line.
+``check_data`` runs in the launcher before any rank starts: every problem is one ``ValueError`` line — among them
+a JSON Lines file given as a path (it must be prepared first) and token ids at or above the model's vocabulary (a
+file's are all read; a prepared split's recorded ``max_id`` and its shards, read whole when small, sampled when
+large). The windows of ``open_data`` check their ids as they are read, so one the sampled check missed fails as a
+one-line ``DataError`` in the rank.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .windows import TokenWindows, out_of_vocab
+from .windows import DataError, TokenWindows, out_of_vocab
 
 __all__ = ["TrainData", "open_data", "check_data", "open_source", "prepared_vocab"]
 

@@ -42,8 +42,7 @@ from .context_split import context_split
 from ..data.corpus import StepBatches
 from ..data.windows import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
-from ..data.sources import open_data
-from ..data.windows import DataError
+from ..data.sources import DataError, open_data
 from .validation import ValBatches, evaluate
 from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
@@ -386,9 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (run_dir / "ranks").mkdir(exist_ok=True)
         (run_dir / "ranks" / f"rank{world.rank:05d}.error").write_text(message)
         print(f"shardwise train: {message}{peer_hint(exc, cfg.train.timeout_s)}", file=sys.stderr, flush=True)
-        if isinstance(exc, DataError):  # bad data, said in full in that line: no traceback
-            return 1
-        raise
+        raise SystemExit(1) if isinstance(exc, DataError) else exc  # bad data is said in full above: no traceback
     (run_dir / "ranks").mkdir(exist_ok=True)
     (run_dir / "ranks" / f"rank{world.rank:05d}.json").write_text(json.dumps(summary))
     shutdown()
