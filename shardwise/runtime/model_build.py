@@ -171,11 +171,14 @@ def model_mismatch(saved: dict[str, Any], saved_hf: dict[str, Any] | None, m: Mo
 
 
 def resumable_model(saved: dict[str, Any], saved_hf: dict[str, Any] | None, copy: Path) -> dict[str, Any]:
-    """A checkpoint's ``[model]`` dict as a resume builds it, from the checkpoint alone: ``pretrained`` cleared
-    (the weights come from the checkpoint, so the directory may be gone), and an ``hf_config`` file that no
-    longer exists replaced by the architecture the checkpoint stored, written to ``copy``. ``ValueError`` when
-    the file is gone and the checkpoint holds no copy."""
-    out = dict(saved, pretrained="")
+    """A checkpoint's ``[model]`` dict as a resume builds it, from the checkpoint alone (the trainer reads the
+    weights from the checkpoint, never from ``pretrained``): a ``pretrained`` directory that no longer exists is
+    cleared (one that exists stays, as where the run began: its tokenizer, a check of its headers), and an
+    ``hf_config`` file that no longer exists is replaced by the architecture the checkpoint stored, written to
+    ``copy``. ``ValueError`` when that file is gone and the checkpoint holds no copy."""
+    out = dict(saved)
+    if out.get("pretrained") and not os.path.isdir(out["pretrained"]):
+        out["pretrained"] = ""
     path = out.get("hf_config") or ""
     if path and not os.path.isfile(path):
         if saved_hf is None:

@@ -64,7 +64,7 @@ class Trainer:
     """One rank's training state and loop (see module docstring). The parallel layout is ``self.strategy``
     (``strategy/``), chosen once from the config; nothing below depends on which one it is."""
 
-    def __init__(self, cfg: Config, run_dir: Path, world: World) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, world: World, *, resuming: bool = False) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         self.bare_runtime = peak_memory_bytes(world.device)
         """The process peak before anything is built (torch and shardwise imported): the summary's baseline."""
@@ -73,7 +73,10 @@ class Trainer:
         self.mesh = _build_mesh(p, cfg.train.timeout_s, calibration)
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
         built = time.perf_counter()
-        self.strategy: Strategy = build_strategy(cfg, self.mesh)
+        # a resume's weights come from its checkpoint: model.pretrained (kept in the config: where the run began)
+        # is not read again
+        built_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained="")) if resuming else cfg
+        self.strategy: Strategy = build_strategy(built_cfg, self.mesh)
         self.split = context_split(cfg, self.strategy.plain)  # parallel.cp > 1: ring attention, sequence chunks
         self.construction_s = time.perf_counter() - built
         """Seconds building the layout: materialising this rank's pieces (drawn, or read from model.pretrained)."""
@@ -368,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.attempt > 0:  # a restarted job resumes past the injected fault instead of meeting it again
         cfg = dataclasses.replace(cfg, debug=type(cfg.debug)())
     world = init(timeout_s=max(cfg.train.timeout_s, STARTUP_TIMEOUT_S))  # the default group: start-up only
-    trainer = Trainer(cfg, run_dir, world)
+    trainer = Trainer(cfg, run_dir, world, resuming=bool(args.resume))
     try:
         if args.resume:
             trainer.resume(args.resume)

@@ -160,34 +160,45 @@ def test_overwrite_into_a_running_run_is_refused_and_the_run_completes_alone(tmp
     assert not (run / LOCK_FILE).exists()  # released after a normal run
 
 
-def test_a_pretrained_run_resumes_from_its_own_checkpoint_after_the_directory_is_gone(tmp_path):
-    import torch
-
-    transformers = pytest.importorskip("transformers")
-
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False))
-    model.save_pretrained(tmp_path / "my-llama")
-    flags = ["--model.pretrained", str(tmp_path / "my-llama"), "--model.block_size", "32", "--parallel.nproc", "1",
-             "--train.steps", "4", "--train.ckpt_every", "2", "--data.global_batch", "4", "--parallel.micro_batch", "2",
-             "--optimizer.warmup_steps", "0", "--train.log_every", "1", "--train.memory_check", "false"]
-    full = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", *flags], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
-    base = tmp_path / "runs" / "my-llama"  # named after the pretrained directory
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    shutil.rmtree(tmp_path / "my-llama")
-    run = tmp_path / "copy"
+def _resume_step2(base: Path, run: Path, cwd: Path) -> dict[str, dict]:
+    """Copy ``base`` without its step-4 checkpoint into ``run`` and resume it to step 4; the steps 3-4 must be the
+    uninterrupted run's. Returns the resumed run's config.json and rank 0's summary."""
     shutil.copytree(base, run)
     shutil.rmtree(run / "checkpoints" / "step_000004")
     (run / "checkpoints" / "latest").write_text("step_000002\n")
-    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--resume", str(run)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--resume", str(run)], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     want, got = losses(base), losses(run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in (3, 4):  # float noise only (measured: 5e-7 relative, as for a plain GPT resumed on one process)
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=0), (step, got[step], want[step])
-    saved = json.loads((run / "config.json").read_text())["model"]
-    assert saved["pretrained"] == "" and Path(saved["hf_config"]) == (run / "hf_config.json").resolve()
+    return {"config": json.loads((run / "config.json").read_text()),
+            "summary": json.loads((run / "ranks" / "rank00000.json").read_text())}
+
+
+def test_a_pretrained_run_resumes_from_its_own_checkpoint_after_the_directory_is_gone(tmp_path):
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False))
+    pretrained = tmp_path / "my-llama"
+    model.save_pretrained(pretrained)
+    flags = ["--model.pretrained", str(pretrained), "--model.block_size", "32", "--parallel.nproc", "1",
+             "--train.steps", "4", "--train.ckpt_every", "2", "--data.global_batch", "4", "--parallel.micro_batch", "2",
+             "--optimizer.warmup_steps", "0", "--train.log_every", "1", "--train.memory_check", "false"]
+    full = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", *flags], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    base = tmp_path / "runs" / "my-llama"  # named after the pretrained directory
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    assert json.loads((base / "ranks" / "rank00000.json").read_text())["pretrained_bytes_read"] > 0
+    # the directory still there: kept as where the run began, but the weights come from the checkpoint
+    kept = _resume_step2(base, tmp_path / "kept", tmp_path)
+    assert kept["config"]["model"]["pretrained"] == str(pretrained) and kept["summary"]["pretrained_bytes_read"] == 0
+    shutil.rmtree(pretrained)
+    gone = _resume_step2(base, tmp_path / "gone", tmp_path)
+    model_cfg = gone["config"]["model"]
+    assert model_cfg["pretrained"] == "" and Path(model_cfg["hf_config"]) == (tmp_path / "gone" / "hf_config.json").resolve()
