@@ -7,6 +7,9 @@ Files in the run directory that this module manages::
     config.json     the run's config, published only by a fresh start or a launch that saved a checkpoint,
                     so a command that fails changes nothing a user relies on
     ranks/          per-rank step, error, summary and ``.killed`` files of the current attempt
+
+and one it does not: ``.lock``, held by the command (``cli/train.py``, ``run_lock.RunLock``) from before the first
+launch until after the last restart, so that no other command writes the run meanwhile.
 """
 
 from __future__ import annotations
