@@ -17,8 +17,8 @@ existing ``--out`` untouched. Every failure is one line on stderr (``shardwise e
 ``model.safetensors``), GPT-2's keys and layout for a reference-GPT run, HF's own for a ``model.hf_config`` run,
 the special token ids (``config.json`` and ``generation_config.json``) and the tokenizer files of the run's
 prepared dataset, of the run directory or of the pretrained directory the run started from — or, for a byte-level
-run, a ``tokenizer.json`` of that byte encoding (``export_tokens.py``). Tensors are read and written one at a time; ``DIR`` is replaced atomically (docs/training.md,
-"Pretrained weights in and out").
+run, a ``tokenizer.json`` of that byte encoding (``export_tokens.py``). Tensors are read and written one at a
+time; ``DIR`` is replaced atomically (docs/training.md, "Pretrained weights in and out").
 """
 
 from __future__ import annotations
@@ -133,9 +133,10 @@ def tokenizer_files(ckpt: Checkpoint) -> list[Path]:
     return []
 
 
-def export_hf(path: str | Path, out: Path, max_shard_bytes: int) -> tuple[int, int, int, list[Path]]:
+def export_hf(path: str | Path, out: Path, max_shard_bytes: int) -> tuple[int, int, int, list[Path], list[str]]:
     """Write the checkpoint at ``path`` as a Hugging Face model directory ``out``; returns (step, tensors, values,
-    tokenizer files copied). Raises what the reading and writing raise (one-line messages)."""
+    tokenizer files copied, names of the files written from the run's tokens: ``generation_config.json``, a
+    byte-level ``tokenizer.json``...). Raises what the reading and writing raise (one-line messages)."""
     check_out_dir(out)  # before anything is read or written
     where = resolve_checkpoint(path)
     verify_checkpoint(where)
@@ -158,7 +159,7 @@ def export_hf(path: str | Path, out: Path, max_shard_bytes: int) -> tuple[int, i
     written = {"generation_config.json": generation_config(ckpt.state, config),
                **generated_tokenizer_files(ckpt.state, extra, config, context)}
     write_hf_dir(counting(), config, out, max_shard_bytes=max_shard_bytes, extra_files=extra, extra_json=written)
-    return ckpt.step, counted["tensors"], counted["values"], extra + [Path(n) for n in written if n.startswith("tokenizer")]
+    return ckpt.step, counted["tensors"], counted["values"], extra, sorted(written)
 
 
 def _main_hf(args: argparse.Namespace) -> int:
@@ -168,14 +169,14 @@ def _main_hf(args: argparse.Namespace) -> int:
         return _error(f"--max-shard-mb {args.max_shard_mb} must be positive")
     out = Path(args.out)
     try:
-        step, n, values, extra = export_hf(args.path, out, int(args.max_shard_mb * 1e6))
+        step, n, values, extra, written = export_hf(args.path, out, int(args.max_shard_mb * 1e6))
     except (ValueError, TypeError, SafetensorError) as exc:  # CheckpointError is a ValueError
         return _error(exc)
     except OSError as exc:
         where = exc.filename or out
         return _error(f"{where}: {exc.strerror or exc}; --out must be a writable directory path and the checkpoint "
                       f"readable")
-    tok = f" + {len(extra)} tokenizer files" if extra else ""
+    tok = (f" + {len(extra)} tokenizer files" if extra else "") + f" + {', '.join(written)}"
     print(f"shardwise export: {n} tensors ({values:,} values) of step {step}{tok} → {out} (Hugging Face directory)")
     return 0
 

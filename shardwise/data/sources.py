@@ -196,7 +196,8 @@ def _no_val_hint(main: Source) -> str:
                 f"prepare INPUT... --tokenizer {main.path}/tokenizer.json --out {main.path} --val-fraction 0.01 "
                 f"--force, pass --data.val_path PATH, {off}")
     if not main.path:
-        return f"is the generated corpus, which has no validation split; pass --data.val_path PATH (a held-out text file), {off}"
+        return (f"is the generated corpus, which has no validation split; pass --data.val_path PATH (a held-out text "
+                f"file), {off}")
     if main.fingerprint == "bytes":
         return (f"is a text file (byte-level tokens), which has no validation split; pass --data.val_path PATH (held-"
                 f"out text), {off}, or tokenize it with a split: shardwise prepare {main.path} --tokenizer "
