@@ -1,7 +1,7 @@
 """``shardwise prepare INPUT... --tokenizer PATH --out DIR``: tokenize a corpus once into memory-mappable shards.
 
-Inputs: text files (cut into documents by ``--documents``: a file named as INPUT at blank lines or line ends,
-a directory's files whole), directories of them, JSON Lines (``--field``), a ``datasets`` directory
+Inputs: text files (cut into documents by ``--documents``: a lone text file at blank lines or line ends, else
+each file whole), directories of them, JSON Lines (``--field``), a ``datasets`` directory
 (``save_to_disk``); ``--sft`` reads prompt/response records and writes loss masks. The work is
 ``shardwise.data.prepare.prepare``; the format and the reader are in docs/data.md. Every refusal is one line
 on stderr (``shardwise prepare: error: ...``), exit code 2, and leaves nothing behind.
@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--glob '*.py'; files named explicitly are always read")
     parser.add_argument("--documents", default="auto", metavar="MODE",
                         help="how text files are cut into documents (each gets an EOS; --val-fraction draws them): "
-                             "auto (default: a text file named as INPUT at blank lines if it has any, else at line "
-                             "ends; a directory's files whole), file, blank-lines, lines, separator:STR")
+                             "auto (default: a lone text file INPUT at blank lines if it has any, else at line "
+                             "ends; with several files or a directory, each file whole), file, blank-lines, lines, "
+                             "separator:STR")
     parser.add_argument("--eos-token", default=None, metavar="TOKEN",
                         help="the token appended after each document (default: the tokenizer's end-of-text token)")
 

@@ -138,11 +138,12 @@ def chunks(inputs: list[Input], *, fields: tuple[str, ...], documents: str = "fi
     nothing is read ahead). A worker's memory is bounded by its chunks, whatever the size of the corpus. Text files
     are cut into documents by ``documents`` (``text_documents``; ``file``: one document each)."""
     ordinal = 0
+    alone = len(inputs) == 1 and inputs[0].kind == "text"  # one text file is the whole corpus: auto cuts it
     for i, inp in enumerate(inputs):
         files: list[str] = []
         size = 0
         for path, kind in inp.files:
-            mode = resolve_mode(documents, path, in_directory=inp.kind == "directory") if kind == "text" else ""
+            mode = resolve_mode(documents, path, alone=alone) if kind == "text" else ""
             if kind == "text" and mode == "file":
                 n = path.stat().st_size
                 if files and (size + n > CHUNK_BYTES or len(files) >= CHUNK_ITEMS):

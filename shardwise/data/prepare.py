@@ -220,8 +220,9 @@ def _check_counts(o: PrepareOptions, report: PrepareReport, inputs: list[Input])
                          f"them (JSON Lines: a non-empty {o.fields[0]!r} field)")
     if o.val_fraction > 0 and (report.documents["val"] == 0 or report.documents["train"] == 0):
         empty_split = "val" if report.documents["val"] == 0 else "train"
-        cut = ("; a text file is cut into documents by --documents (auto: at blank lines, else at line ends; "
-               "lines, separator:STR)" if any(k == "text" for i in inputs for _, k in i.files) else "")
+        cut = ("; text files are cut into documents by --documents (auto: a lone file at blank lines, else at line "
+               "ends; several files whole), e.g. --documents lines"
+               if any(k == "text" for i in inputs for _, k in i.files) else "")
         raise ValueError(f"--val-fraction {o.val_fraction} left the {empty_split} split empty: too few documents "
                          f"({docs}, {report.documents['train']} train / {report.documents['val']} val); pass more "
                          f"documents, another --val-fraction, or --val-fraction 0 (no validation split){cut}")

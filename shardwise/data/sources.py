@@ -201,6 +201,6 @@ def _no_val_hint(main: Source) -> str:
     if main.fingerprint == "bytes":
         return (f"is a text file (byte-level tokens), which has no validation split; pass --data.val_path PATH (held-"
                 f"out text), {off}, or tokenize it with a split: shardwise prepare {main.path} --tokenizer "
-                f"TOKENIZER --out DIR --val-fraction 0.01 (a text file is cut into documents at blank lines or line "
-                f"ends), then --data.path DIR")
+                f"TOKENIZER --out DIR --val-fraction 0.01 (a lone text file is cut into documents at blank lines or "
+                f"line ends), then --data.path DIR")
     return f"is a file of token ids, which has no validation split; pass --data.val_path PATH (held-out ids), {off}"

@@ -8,9 +8,9 @@ text file read as one document can never be split. Modes:
 * ``lines``: every non-blank line is a document;
 * ``separator:STR``: the text between occurrences of ``STR`` (``\\n`` and ``\\t`` in ``STR`` mean newline and
   tab), e.g. ``separator:<|endoftext|>``;
-* ``auto`` (default): a text file named as an INPUT is cut at blank lines when it has a blank line between two
-  non-blank ones, else at line ends; the files found in a directory are one document each (source files, one
-  document per book...).
+* ``auto`` (default): when the only INPUT is one text file (a corpus in one file), it is cut at blank lines when
+  it has a blank line between two non-blank ones, else at line ends; otherwise (several files, a directory)
+  every text file is one document (source files, books...).
 
 The pieces are stripped of the line ends around them; blank pieces are dropped. Files are read in a stream (a
 separator piece or paragraph is held whole, never the file), and each piece is decoded as UTF-8 on its own, so a
@@ -55,11 +55,11 @@ def _shape(path: Path) -> str:
     return "lines" if content else "blank"
 
 
-def resolve_mode(mode: str, path: Path, *, in_directory: bool) -> str:
-    """``mode`` with ``auto`` decided for ``path`` (module docstring)."""
+def resolve_mode(mode: str, path: Path, *, alone: bool) -> str:
+    """``mode`` with ``auto`` decided for ``path``, ``alone`` when it is the only INPUT (module docstring)."""
     if mode != "auto":
         return mode
-    if in_directory:
+    if not alone:
         return "file"
     shape = _shape(path)  # a blank file stays one (empty, skipped and counted) document
     return {"paragraphs": "blank-lines", "lines": "lines", "blank": "file"}[shape]

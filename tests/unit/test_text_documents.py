@@ -37,14 +37,14 @@ def test_modes_cut_a_text_file(tmp_path):
     assert _docs(h, "separator:\\n---\\n") == ["x", "y"]
 
 
-def test_auto_cuts_at_blank_lines_when_there_are_paragraphs_else_at_lines(tmp_path):
+def test_auto_cuts_a_lone_file_at_blank_lines_when_it_has_paragraphs_else_at_lines(tmp_path):
     paragraphs, lines = tmp_path / "p.txt", tmp_path / "l.txt"
     paragraphs.write_text("a\nb\n\nc\n")
     lines.write_text("a\nb\nc\n\n\n")  # trailing blank lines separate nothing
-    assert resolve_mode("auto", paragraphs, in_directory=False) == "blank-lines"
-    assert resolve_mode("auto", lines, in_directory=False) == "lines"
-    assert resolve_mode("auto", paragraphs, in_directory=True) == "file"
-    assert resolve_mode("lines", paragraphs, in_directory=True) == "lines"
+    assert resolve_mode("auto", paragraphs, alone=True) == "blank-lines"
+    assert resolve_mode("auto", lines, alone=True) == "lines"
+    assert resolve_mode("auto", paragraphs, alone=False) == "file"  # one of several files: a document
+    assert resolve_mode("lines", paragraphs, alone=False) == "lines"
 
 
 def test_a_bad_mode_and_bad_utf8_are_one_line(tmp_path):
@@ -79,6 +79,24 @@ def test_one_text_file_prepares_with_a_validation_split_into_a_new_folder(tmp_pa
     whole = [i for ln in lines for i in t.encode(ln, add_special_tokens=False).ids + [eos]]
     got = ds.train.tokens.read(0, len(ds.train.tokens)).tolist() + ds.val.tokens.read(0, len(ds.val.tokens)).tolist()
     assert sorted(got) == sorted(whole) and len(got) == len(whole)  # every line once, each followed by EOS
+
+
+def test_several_text_files_stay_one_document_each_unless_asked(tmp_path):
+    pytest.importorskip("tokenizers")
+    from shardwise.data.prepare import PrepareOptions, prepare
+    from shardwise.data.toy_tokenizer import train_bpe
+
+    files = []
+    for k in range(3):
+        files.append(tmp_path / f"f{k}.py")
+        files[-1].write_text(f"def f{k}():\n    return {k}\n\n\nclass C{k}:\n    pass\n")
+    tok = train_bpe(files, 300, tmp_path / "tokenizer.json")
+    whole = prepare(PrepareOptions(inputs=tuple(map(str, files)), tokenizer=str(tok), out=str(tmp_path / "a"),
+                                   workers=1))
+    assert whole.documents["train"] == 3  # source files: one document each
+    lines = prepare(PrepareOptions(inputs=tuple(map(str, files)), tokenizer=str(tok), out=str(tmp_path / "b"),
+                                   workers=1, documents="lines"))
+    assert lines.documents["train"] == sum(len([x for x in f.read_text().splitlines() if x.strip()]) for f in files)
 
 
 def test_out_under_a_file_is_refused(tmp_path):
