@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 
 from ..checkpoint.hf_dir import check_out_dir, hf_export, write_hf_dir
 from ..checkpoint.sharded import Checkpoint, resolve_checkpoint, verify_checkpoint
-from .export_tokens import generated_tokenizer_files, generation_config, special_ids
+from .export_tokens import data_kind, generated_tokenizer_files, generation_config, special_ids
 
 __all__ = ["add_arguments", "main", "consolidate", "write_atomic", "export_hf", "tokenizer_files", "prepared_dir",
            "TOKENIZER_FILES"]
@@ -117,12 +117,13 @@ def prepared_dir(state: dict) -> Path | None:
 def tokenizer_files(ckpt: Checkpoint) -> list[Path]:
     """The tokenizer files of the first of: the run's prepared dataset directory (``data.path``), the run
     directory, the run's ``model.pretrained`` directory, the directory of its ``model.hf_config`` — that holds any
-    (files of two tokenizers are never mixed)."""
+    (files of two tokenizers are never mixed). A byte-level run looks in the first two only, as ``shardwise
+    generate`` does: its tokens are bytes whatever tokenizer the source model came with."""
     model = ckpt.state.get("config", {}).get("model", {}) if isinstance(ckpt.state.get("config"), dict) else {}
     prepared = prepared_dir(ckpt.state)
     places = [prepared] if prepared is not None else []
     places += [ckpt.path.parent.parent] if ckpt.path.parent.name == "checkpoints" else []
-    for field, parent in (("pretrained", False), ("hf_config", True)):
+    for field, parent in (("pretrained", False), ("hf_config", True)) if data_kind(ckpt.state) != "bytes" else ():
         value = model.get(field) if isinstance(model, dict) else None
         if isinstance(value, str) and value:
             places.append(Path(value).expanduser().parent if parent else Path(value).expanduser())

@@ -78,6 +78,7 @@ def test_llama_export_keeps_the_source_models_special_tokens(one_rank_mesh, tmp_
     raw.update(bos_token_id=5, eos_token_id=0, pad_token_id=3)  # not LlamaConfig's defaults (1, 2, None)
     (source / "config.json").write_text(json.dumps(raw))
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "temperature": 0.7}))
+    bpe_tokenizer().save(str(source / "tokenizer.json"))  # the source's tokenizer: not what this run trained on
     hf_config = load_hf_config(source / "config.json")
     torch.manual_seed(0)
     model = Llama(hf_config, 32)
@@ -90,6 +91,8 @@ def test_llama_export_keeps_the_source_models_special_tokens(one_rank_mesh, tmp_
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (5, 0, 3)
     gen = transformers.GenerationConfig.from_pretrained(out)
     assert (gen.eos_token_id, gen.bos_token_id, gen.temperature) == (0, 5, 0.7)
+    # the run trained on bytes (data.path ""): its export encodes bytes, as `shardwise generate RUN` does
+    assert transformers.AutoTokenizer.from_pretrained(out)(TEXT)["input_ids"] == list(TEXT.encode("utf-8"))
 
 
 def test_prepared_run_exports_the_datasets_eos_and_tokenizer(one_rank_mesh, tmp_path, capsys):
