@@ -80,7 +80,7 @@ class TokenStream:
     def largest(self) -> tuple[int, str, bool]:
         """(the largest token id seen, the shard file holding it, whether every token was read): the whole split
         when it holds at most ``SCAN_ALL`` tokens, else ``SCAN_BLOCKS`` evenly spaced blocks of ``SCAN_BLOCK``
-        tokens — a bounded launch-time check of damaged shards (ids the tokenizer cannot have produced)."""
+        tokens (each cut at the end of the shard it starts in) — a bounded launch-time check of damaged shards (ids the tokenizer cannot have produced)."""
         top, where = -1, ""
         n = len(self)
         if n <= SCAN_ALL:
@@ -92,9 +92,11 @@ class TokenStream:
             return top, where, True
         for k in range(SCAN_BLOCKS):
             start = (n - SCAN_BLOCK) * k // (SCAN_BLOCKS - 1)
-            value = int(self.read(start, start + SCAN_BLOCK).max())
+            i = bisect.bisect_right(self._offsets, start) - 1
+            base = self._offsets[i]  # the block's part in the shard it starts in (straight from the map)
+            value = int(self._map(i)[start - base:min(start + SCAN_BLOCK, self._offsets[i + 1]) - base].max())
             if value > top:
-                top, where = value, self.files[bisect.bisect_right(self._offsets, start) - 1].name
+                top, where = value, self.files[i].name
         return top, where, False
 
     def __getstate__(self) -> dict[str, Any]:
