@@ -8,7 +8,7 @@ Prints the prompt and its continuation, as `shardwise generate RUN --temperature
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("directory")
@@ -16,9 +16,10 @@ parser.add_argument("--prompt", required=True)
 parser.add_argument("--max-new-tokens", type=int, default=40)
 args = parser.parse_args()
 
-tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{args.directory}/tokenizer.json")
+tokenizer = AutoTokenizer.from_pretrained(args.directory)  # the export's tokenizer.json and tokenizer_config.json
 model = AutoModelForCausalLM.from_pretrained(args.directory)
 ids = torch.tensor([tokenizer.encode(args.prompt)])
+# the EOS to stop at comes from the export's generation_config.json (the dataset's end-of-text token)
 out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                     eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), pad_token_id=0)
+                     pad_token_id=model.generation_config.eos_token_id)
 print(tokenizer.decode(out[0], clean_up_tokenization_spaces=False))
