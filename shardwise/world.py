@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["World", "init", "shutdown", "exit_process", "barrier_all", "env_flag", "bind_to_launcher", "LAUNCHER_PID",
-           "on_teardown"]
+           "on_teardown", "interrupted"]
 
 LAUNCHER_PID = "SHARDWISE_LAUNCHER_PID"
 """Set by ``run_local`` for its ranks: the pid of the launcher process, whose death must end them."""
@@ -112,21 +113,36 @@ def bind_to_launcher() -> None:
         return
     bind_to_launcher._bound = True  # type: ignore[attr-defined]
     sys.excepthook = _quiet_interrupt(sys.excepthook)
+    sys.unraisablehook = _quiet_interrupt(sys.unraisablehook)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
     if not _pdeathsig():
-        import threading
-
         threading.Thread(target=_poll_parent, args=(int(launcher),), daemon=True, name="shardwise-parent").start()
     if os.getppid() != int(launcher):  # the launcher died before the signal was armed
         os._exit(1)
 
 
+def interrupted() -> bool:
+    """Whether this rank got its launcher's SIGINT (Ctrl-C; ``run_local`` passes it on to every rank). True
+    even where the ``KeyboardInterrupt`` it raised was swallowed (it can land in a finalizer, which Python
+    reports and ignores) and the rank met the error of a peer that stopped instead."""
+    return _EXIT["interrupted"]
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _EXIT["interrupted"] = True
+    raise KeyboardInterrupt
+
+
 def _quiet_interrupt(previous: Callable[..., object]) -> Callable[..., object]:
-    """``sys.excepthook`` for a rank under ``run_local``: Ctrl-C reaches the launcher, which passes SIGINT on to
-    every rank and reports the interruption in one line, so a rank's uncaught ``KeyboardInterrupt`` prints no
-    traceback (the rank still ends by it, with its ``except``/``finally`` blocks run). Other exceptions as before."""
-    def hook(kind, value, tb):  # type: ignore[no-untyped-def]
-        if not issubclass(kind, KeyboardInterrupt):
-            previous(kind, value, tb)
+    """``sys.excepthook`` / ``sys.unraisablehook`` for a rank under ``run_local``: Ctrl-C reaches the launcher,
+    which passes SIGINT on to every rank and reports the interruption in one line, so once it has arrived a
+    rank prints no traceback (its ``KeyboardInterrupt``, or a peer's exit it met in a collective); the rank
+    still ends by it, its ``except``/``finally`` blocks run. Before Ctrl-C, as ``previous``."""
+    def hook(*args):  # type: ignore[no-untyped-def]
+        kind = args[0] if len(args) == 3 else args[0].exc_type
+        if not (_EXIT["interrupted"] or (isinstance(kind, type) and issubclass(kind, KeyboardInterrupt))):
+            previous(*args)
     return hook
 
 
@@ -134,7 +150,6 @@ def _pdeathsig() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -178,7 +193,7 @@ def on_teardown(step: Callable[[], None]) -> None:
     _STEPS.append(step)
 
 
-_EXIT = {"armed": False, "done": False}
+_EXIT = {"armed": False, "done": False, "interrupted": False}
 _STEPS: list[Callable[[], None]] = []
 _QUIET_POLLS = 3          # consecutive polls that must find gloo's workers asleep
 _QUIET_POLL_S = 0.002

@@ -44,7 +44,7 @@ from ..data.windows import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
 from ..data.sources import DataError, open_data
 from .validation import ValBatches, evaluate
-from ..world import World, barrier_all, bind_to_launcher, exit_process, init, shutdown
+from ..world import World, barrier_all, bind_to_launcher, exit_process, init, interrupted, shutdown
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, model_mismatch
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
@@ -377,13 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             trainer.resume(args.resume)
             barrier_all()  # ranks read the checkpoint at different speeds; meet before the first timed step
         summary = trainer.run(save=not args.no_save)
-    except KeyboardInterrupt:
-        # The launcher passes Ctrl-C on to every rank. Saves are atomic, so whatever the ranks were doing, the
-        # last published checkpoint stays intact; nothing more is written here. The launcher reports it, once.
-        (run_dir / "ranks").mkdir(exist_ok=True)
-        (run_dir / "ranks" / f"rank{world.rank:05d}.interrupted").write_text(str(trainer.step))
-        return 130
-    except Exception as exc:
+    except (KeyboardInterrupt, Exception) as exc:
+        if isinstance(exc, KeyboardInterrupt) or interrupted():  # interrupted(): Ctrl-C swallowed where it
+            # landed (a finalizer), then a collective failed as the peers stopped. The launcher passes Ctrl-C on
+            # to every rank and reports it, once. Saves are atomic: the last published checkpoint stays intact.
+            (run_dir / "ranks").mkdir(exist_ok=True)
+            (run_dir / "ranks" / f"rank{world.rank:05d}.interrupted").write_text(str(trainer.step))
+            return 130
         message = f"rank {world.rank} failed at step {trainer.step}: {type(exc).__name__}: {exc}"
         (run_dir / "ranks").mkdir(exist_ok=True)
         (run_dir / "ranks" / f"rank{world.rank:05d}.error").write_text(message)

@@ -110,8 +110,8 @@ def test_ctrl_c_stops_the_job_with_one_line_and_130(tmp_path):
         ready = 0
         while ready < 2:
             line = proc.stdout.readline()
-            assert line, "the ranks ended before they were ready"
-            ready += line.startswith("ready")
+            assert line, "the ranks ended before they were ready: " + proc.stderr.read()[-3000:]
+            ready += line.count("ready")  # two ranks' prints may share a line (unbuffered: text, then newline)
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -145,3 +145,26 @@ def test_teardown_order_and_rearming_in_a_world_of_one(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["step b", "step a", "after shutdown initialised=False",
                                         "again initialised=True", "at exit initialised=False"], proc.stdout
+
+
+def test_ctrl_c_stops_shardwise_train_with_one_line_and_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", "--parallel.nproc", "2",
+                             "--train.steps", "100000", "--train.out_dir", "runs", "--train.name", "x"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=_env(),
+                            start_new_session=True)
+    try:
+        while True:  # training has started once a step line is out
+            line = proc.stdout.readline()
+            assert line, "shardwise train ended before its first step line"
+            if line.startswith("step"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, rest
+    lines = [ln for ln in rest.splitlines() if not ln.startswith("step")]  # a step line may still be on its way
+    assert len(lines) == 1 and lines[0].startswith("shardwise train: stopped: interrupted (Ctrl-C) at step"), rest
+    assert "timeout" not in lines[0], rest
