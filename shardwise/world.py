@@ -106,15 +106,17 @@ def bind_to_launcher() -> None:
     dies (``kill -9`` included), so no orphan keeps training or writing checkpoints. torchrun starts each rank
     in a session of its own, so a signal to the launcher's process group never reaches it. Linux: the kernel
     sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent pid.
-    Also silences the traceback of an uncaught ``KeyboardInterrupt`` (``_quiet_interrupt``): the launcher reports
-    Ctrl-C. A no-op outside ``run_local`` and when called again."""
+    Ctrl-C is the launcher's to report: SIGINT still raises ``KeyboardInterrupt`` here and is recorded
+    (``interrupted()``), and a rank prints no traceback once it came (``_quiet_interrupt``). A no-op outside
+    ``run_local`` and when called again."""
     launcher = os.environ.get(LAUNCHER_PID)
     if not launcher or getattr(bind_to_launcher, "_bound", False):
         return
     bind_to_launcher._bound = True  # type: ignore[attr-defined]
     sys.excepthook = _quiet_interrupt(sys.excepthook)
     sys.unraisablehook = _quiet_interrupt(sys.unraisablehook)
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler:  # a handler of the script's own stays
         signal.signal(signal.SIGINT, _on_sigint)
     if not _pdeathsig():
         threading.Thread(target=_poll_parent, args=(int(launcher),), daemon=True, name="shardwise-parent").start()
