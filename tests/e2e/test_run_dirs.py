@@ -100,6 +100,22 @@ def test_a_run_being_written_refuses_a_second_command_and_is_untouched(argv, tmp
         holder.wait(timeout=60)
 
 
+def test_verify_holds_the_lock_of_its_scratch_runs(tmp_path, monkeypatch, capsys, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    scratch = tmp_path / "runs" / "verify-gpt-tiny"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(scratch)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert cli.main(["verify", "--parallel.nproc", "2", "--steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"shardwise verify: error: run directory '{scratch.relative_to(tmp_path)}' is in use by pid {holder.pid}" \
+            in err, err
+        assert sorted(p.name for p in scratch.iterdir()) == [LOCK_FILE] and no_ranks == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+
+
 def test_a_stale_lock_is_taken_over_and_every_attempt_holds_the_lock_until_the_end(tmp_path, monkeypatch, capsys,
                                                                                  no_ranks):
     monkeypatch.chdir(tmp_path)
