@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from .config_schema import Config, ParallelConfig
 
-__all__ = ["MICRO_BATCH_CAP", "default_global_batch", "resolve_batch", "grad_accum_of", "search_batch",
+__all__ = ["MICRO_BATCH_CAP", "inferred_dp", "default_global_batch", "resolve_batch", "grad_accum_of", "search_batch",
            "dataset_vocab", "derived_micro_batch", "batch_fits"]
 
 MICRO_BATCH_CAP = 16
@@ -171,3 +171,17 @@ def dataset_vocab(flat: Mapping[str, Any], base: Config) -> dict[str, Any]:
 
     vocab = prepared_vocab(str(flat.get("data.path", base.data.path)), str(flat.get("data.format", base.data.format)))
     return {**flat, "model.vocab_size": vocab} if vocab else dict(flat)
+
+
+def inferred_dp(p: ParallelConfig, nproc: int) -> int:
+    """``parallel.dp``, or where it is 0, ``nproc / (cp × tp × pp)``: ``ValueError`` naming the process counts
+    that fit when those axes do not divide ``nproc`` (a product that differs otherwise is ``validate``'s error)."""
+    per_replica = p.tp * p.pp * p.cp
+    if p.dp or nproc % per_replica == 0:
+        return p.dp or nproc // per_replica
+    rest = {k: v for k, v in (("cp", p.cp), ("tp", p.tp), ("pp", p.pp)) if v > 1}
+    product = " × ".join(map(str, rest.values())) + (f" = {per_replica}" if len(rest) > 1 else "")
+    fits = [n for n in (nproc // per_replica * per_replica, -(-nproc // per_replica) * per_replica) if n]
+    raise ValueError(f"{' × '.join('parallel.' + k for k in rest)} = {product} processes per replica do not divide "
+                     f"parallel.nproc = {nproc} (parallel.dp is inferred as nproc / that); set --parallel.nproc "
+                     f"{' or '.join(map(str, fits))} or lower {'/'.join(rest)}")

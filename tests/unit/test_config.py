@@ -87,8 +87,9 @@ def test_validate_resolves_dp_and_grad_accum():
     ({"micro_batch": 3}, "global_batch=16 is not a multiple of micro_batch × dp = 3 × 4 = 12"),
     ({"micro_batch": 2, "grad_accum": 3}, "micro_batch × parallel.grad_accum × dp = 2 × 3 × 4 = 24; set --data.global_batch 24, or --parallel.grad_accum 2"),
     ({"zero_stage": 5}, "parallel.zero_stage = 5 must be 0, 1, 2 or 3"),
-    ({"pp": 3}, "parallel.dp × parallel.tp × parallel.pp = 1 × 1 × 3 = 3 must equal the number of processes "
-                "parallel.nproc = 4; set --parallel.nproc 3"),
+    ({"pp": 3}, "parallel.pp = 3 processes per replica do not divide parallel.nproc = 4 (parallel.dp is inferred "
+                "as nproc / that); set --parallel.nproc 3 or 6 or lower pp"),
+    ({"pp": 2, "tp": 4}, "parallel.tp × parallel.pp = 4 × 2 = 8 processes per replica do not divide parallel.nproc = 4"),
     ({"pp": 2, "zero_stage": 2}, "parallel.zero_stage = 2 with parallel.pp = 2 is not supported: a pipeline shards "
                                  "only the optimizer state over dp (ZeRO-1)"),
     ({"pp": 2, "zero_stage": 3}, "use --parallel.zero_stage 1, or --parallel.pp 1"),
