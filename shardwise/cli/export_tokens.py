@@ -25,12 +25,13 @@ from typing import Any
 
 from ..data.byte_tokenizer import BYTE_SPECIAL_IDS, byte_tokenizer_config, byte_tokenizer_json
 
-__all__ = ["TOKEN_KEYS", "data_kind", "special_ids", "generation_config", "generated_tokenizer_files"]
+__all__ = ["TOKEN_KEYS", "json_object", "data_kind", "special_ids", "generation_config", "generated_tokenizer_files"]
 
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _json(path: Path) -> dict[str, Any]:
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when the file is missing, unreadable, or holds something else."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -83,7 +84,7 @@ def _token_id(tokenizer: Path, token: Any) -> int | None:
     token = token.get("content") if isinstance(token, dict) else token
     if not isinstance(token, str) or not token:
         return None
-    raw = _json(tokenizer)
+    raw = json_object(tokenizer)
     for added in raw.get("added_tokens") or []:
         if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
             return int(added["id"])
@@ -97,18 +98,18 @@ def special_ids(state: dict[str, Any]) -> dict[str, Any]:
     ids: dict[str, Any] = {}
     for config in _source_configs(state):
         # config.json's own ids first; a generation_config.json beside a model directory's fills the gaps
-        beside = _json(config.parent / "generation_config.json") if config.name == "config.json" else {}
-        raw = {**beside, **_json(config)}
+        beside = json_object(config.parent / "generation_config.json") if config.name == "config.json" else {}
+        raw = {**beside, **json_object(config)}
         for key in TOKEN_KEYS:
             if key in raw:
                 ids.setdefault(key, raw[key])
     kind = data_kind(state)
     prepared = _prepared(state)
     if kind == "prepared" and prepared is not None:
-        eos = _json(prepared / "dataset.json").get("eos_id")
+        eos = json_object(prepared / "dataset.json").get("eos_id")
         if isinstance(eos, int):
             ids.setdefault("eos_token_id", eos)
-            bos = _token_id(prepared / "tokenizer.json", _json(prepared / "tokenizer_config.json").get("bos_token"))
+            bos = _token_id(prepared / "tokenizer.json", json_object(prepared / "tokenizer_config.json").get("bos_token"))
             ids.setdefault("bos_token_id", eos if bos is None else bos)
     elif kind == "bytes":
         for key, value in BYTE_SPECIAL_IDS.items():
@@ -122,7 +123,7 @@ def generation_config(state: dict[str, Any], config: dict[str, Any]) -> dict[str
     gen: dict[str, Any] = {}
     for source in _source_configs(state):
         if source.name == "config.json" and (source.parent / "generation_config.json").is_file():
-            gen = _json(source.parent / "generation_config.json")
+            gen = json_object(source.parent / "generation_config.json")
             break
     for key in TOKEN_KEYS:
         if key in config and key not in gen:
@@ -149,7 +150,7 @@ def generated_tokenizer_files(state: dict[str, Any], copied: list[Path], config:
         out["tokenizer.json"] = byte_tokenizer_json()
         out["tokenizer_config.json"] = byte_tokenizer_config(context)
     elif "tokenizer.json" in names and "tokenizer_config.json" not in names:
-        tokenizer = _json(next(p for p in copied if p.name == "tokenizer.json"))
+        tokenizer = json_object(next(p for p in copied if p.name == "tokenizer.json"))
         tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                                       "clean_up_tokenization_spaces": False}
         for key, field in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"), ("pad_token_id", "pad_token")):

@@ -16,7 +16,6 @@ else ``tokenizer_config.json``'s ``eos_token``, else ``dataset.json``'s ``eos_id
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from .export import prepared_dir
+from .export_tokens import json_object
 from .generate_load import Source, UsageError
 
 __all__ = ["Codec", "byte_codec", "find_codec", "TOKENIZER"]
@@ -50,27 +50,19 @@ def byte_codec() -> Codec:
                  lambda ids: tokens_to_text(torch.tensor(ids, dtype=torch.int64)), [])
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 def _eos(place: Path, token_to_id: Callable[[str], int | None]) -> list[int]:
     """EOS ids from the files beside a tokenizer (module docstring); [] when none says."""
     for name in ("generation_config.json", "config.json"):
-        raw = _json(place / name)
+        raw = json_object(place / name)
         if "eos_token_id" in raw:
             value = raw["eos_token_id"]
             ids = value if isinstance(value, list) else [value]
             return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
-    token = _json(place / "tokenizer_config.json").get("eos_token")
+    token = json_object(place / "tokenizer_config.json").get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     if isinstance(token, str) and token_to_id(token) is not None:
         return [int(token_to_id(token))]  # type: ignore[arg-type]
-    data = _json(place / "dataset.json")
+    data = json_object(place / "dataset.json")
     for key in ("eos_id", "eos_token_id"):
         if isinstance(data.get(key), int):
             return [data[key]]
