@@ -16,6 +16,8 @@ from typing import Any, TextIO
 
 import torch
 
+from ..planner.units import format_bytes  # re-exported: the one binary-unit formatter of every printed size
+
 __all__ = ["MetricsWriter", "ProgressReporter", "flops_per_token", "peak_flops", "peak_memory_bytes",
            "resident_peak_bytes", "read_metrics", "append_record", "summary_record", "format_bytes"]
 
@@ -74,14 +76,6 @@ def resident_peak_bytes() -> int:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 class MetricsWriter:
