@@ -132,8 +132,8 @@ def test_pp2_times_dp2_on_4_ranks_trains_like_one_process(runs, tmp_path):
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (["--parallel.pp", "3"], "parallel.dp × parallel.tp × parallel.pp = 0 × 1 × 3 = 0 must equal the number of "
-                             "processes parallel.nproc = 2; set --parallel.nproc 3"),
+    (["--parallel.pp", "3"], "parallel.pp = 3 processes per replica do not divide parallel.nproc = 2 (parallel.dp "
+                             "is inferred as nproc / that); set --parallel.nproc 3 or lower pp"),
     (["--parallel.pp", "2", "--parallel.zero_stage", "2"], "parallel.zero_stage = 2 with parallel.pp = 2 is not "
                                                            "supported: a pipeline shards only the optimizer state"),
     (["--parallel.pp", "2", "--parallel.pp_schedule", "pipedream"], "unknown parallel.pp_schedule 'pipedream'"),
