@@ -31,6 +31,7 @@ gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 reduce_scatter_into_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """``dist.reduce_scatter_single(out, in, op=, group=, async_op=)`` where torch has it, else ``reduce_scatter_tensor``."""
 
+
 def shard_sizes(length: int, parts: int) -> list[int]:
     """The one uneven-split rule used everywhere (collectives, SBP splits, ZeRO shards):
     ``length`` is cut into ``parts`` contiguous pieces and the first ``length % parts`` pieces get one extra

@@ -34,13 +34,13 @@ def run_local(nproc: int, target: Sequence[str], *, module: bool = False, nnodes
     (Ctrl-C): ranks stopped"; not with ``report_interrupt=False``, for a caller that reports it) and returns
     ``INTERRUPTED`` (130). The ranks' own report of it is silenced
     (``world.bind_to_launcher``), as are torchrun's log lines about the signal. ``OMP_NUM_THREADS`` is set to 1
-    for the ranks when unset, as torchrun would, without torchrun's banner about it."""
+    for several ranks per node when unset, as torchrun would, without torchrun's banner about it."""
     if nproc < 1:
         raise ValueError(f"-n/--nproc must be >= 1, got {nproc}; e.g. -n 2")
     from torch.distributed import run as torchrun
 
     own_env = {LAUNCHER_PID: str(os.getpid())}  # inherited by the ranks torchrun starts
-    if "OMP_NUM_THREADS" not in os.environ:
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:  # torchrun's rule (one rank keeps the cores), unannounced
         own_env["OMP_NUM_THREADS"] = "1"
     os.environ.update(own_env)
     quiet = _SignalLogFilter()
