@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import sys
 from contextlib import ExitStack
@@ -21,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, latest_checkpoint
-from ..runtime.config import PRESETS, Config, ParallelConfig, default_nproc, describe_fields, load_config, validate
+from ..runtime.config import (PRESETS, Config, default_nproc, describe_fields, load_config,
+                               read_config_file, validate)
 from ..runtime.calibration import calibration_note, check_calibration_setting
 from ..runtime.model_build import model_run_name
 from ..runtime.job import LAUNCH_CONFIG, Nodes, atomic_json, launch_ranks, publish_config, run_job
 from ..runtime.memory_check import check_memory
 from ..runtime.run_lock import RunLock
-from .train_resume import (check_layout_fits, check_resume, layout_text, relayout, resume_checkpoint, resume_config,
+from .train_resume import (check_layout_fits, check_resume, layout_text, resume_checkpoint, resume_config,
                            resume_dir, schedule_note)
 
 __all__ = ["add_arguments", "main", "prepare", "launch", "write_config", "publish_config", "add_config_arguments",
@@ -83,15 +83,7 @@ def train_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
 def _name_given(args: argparse.Namespace, overrides: dict[str, Any]) -> bool:
     if "train.name" in overrides:
         return True
-    if not args.config:
-        return False
-    path = Path(args.config)  # load_config has read it already: it exists and parses
-    if path.suffix == ".json":
-        tree = json.loads(path.read_text())
-    else:
-        import tomllib  # Python >= 3.11; on 3.10 load_config has needed tomli for the same file
-
-        tree = tomllib.loads(path.read_text())
+    tree = read_config_file(args.config) if args.config else {}  # load_config has read it: it exists and parses
     return isinstance(tree.get("train"), dict) and "name" in tree["train"]
 
 
@@ -177,10 +169,6 @@ def write_config(cfg: Config, run_dir: Path, *, publish: bool = True, clear_rank
     atomic_json(run_dir / LAUNCH_CONFIG, cfg.to_dict())
     if publish:
         publish_config(cfg, run_dir)
-
-
-def _relayout(saved: ParallelConfig, new: ParallelConfig, overrides: dict[str, Any]) -> ParallelConfig:
-    return relayout(saved, new, overrides)  # the resumed layout (``train_resume.relayout``)
 
 
 def _check_data(cfg: Config) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "DebugConfig",
            "Config", "PRESETS", "load_config", "parse_overrides", "apply_overrides", "config_from_dict",
-           "validate", "default_nproc", "describe_fields"]
+           "validate", "default_nproc", "describe_fields", "read_config_file"]
 
 
 from .compiling import check_compile
@@ -169,14 +169,18 @@ def _read_toml(path: Path) -> dict[str, Any]:
                              f"(tables like [model], lines like n_layer = 2)") from None
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The tree of a config file as written: TOML, or ``.json`` (a saved run config)."""
+    p = Path(path)
+    return json.loads(p.read_text()) if p.suffix == ".json" else _read_toml(p)
+
+
 def load_config(*, path: str | Path | None = None, preset: str | None = None,
                 overrides: Mapping[str, Any] | None = None, base: Config | None = None) -> Config:
     """Defaults (or ``base``) ← preset ← TOML file (``.json``: a saved run config) ← dotted overrides."""
     tree: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        tree = json.loads(p.read_text()) if p.suffix == ".json" else _read_toml(p)
-        tree = dict(tree)
+        tree = dict(read_config_file(path))
         preset = preset or tree.pop("preset", None)
         tree.pop("preset", None)
     if preset is not None and preset not in PRESETS:

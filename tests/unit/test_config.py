@@ -159,7 +159,7 @@ def test_pp_split_from_a_flag_or_a_toml_list(tmp_path):
 
 
 def test_resume_relayout_infers_sizes_again_and_drops_a_stale_split():
-    from shardwise.cli.train import _relayout
+    from shardwise.cli.train_resume import relayout as _relayout
 
     saved = ParallelConfig(nproc=2, dp=1, pp=2, grad_accum=2, pp_microbatches=4, pp_split=("blocks.1",))
     to_one = _relayout(saved, dataclasses.replace(saved, pp=1, nproc=1), {"parallel.pp": "1", "parallel.nproc": "1"})
