@@ -272,6 +272,13 @@ def _nearest_efficiency(points: tuple[tuple[float, float, float, float], ...], m
     return sum(w * e for w, (_, e) in zip(weights, ranked)) / sum(weights)
 
 
+def _preset_key(name: str) -> str | None:
+    """The ``PRESETS`` key ``name`` spells, in any case and without surrounding blanks; None if none."""
+    if name in PRESETS:
+        return name
+    return next((k for k in PRESETS if k.lower() == name.strip().lower()), None)
+
+
 # Spec-sheet numbers. A100: NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 312 TF/s dense BF16/FP16,
 # 19.5 TF/s FP32, 2,039 GB/s HBM2e, NVLink 600 GB/s); Selene (Narayanan et al. 2021, §5): 8 GPUs per node,
 # 8 × 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU). H100: NVIDIA H100 Tensor Core GPU datasheet (SXM:
@@ -280,13 +287,6 @@ def _nearest_efficiency(points: tuple[tuple[float, float, float, float], ...], m
 # (nccl-tests issues #149, #212, maintainers' figures). Inter-node: 90 % of the NIC line rate. Memory
 # bandwidth: 85 % of the HBM peak, a typical STREAM-like figure for large elementwise kernels.
 # The GEMM curve (same shape for both) is the one set of efficiency constants the model has; see
-def _preset_key(name: str) -> str | None:
-    """The ``PRESETS`` key ``name`` spells, in any case and without surrounding blanks; None if none."""
-    if name in PRESETS:
-        return name
-    return next((k for k in PRESETS if k.lower() == name.strip().lower()), None)
-
-
 # ``docs/planner.md`` for how its top value was fitted and on what.
 _GEMM_CURVE = ((128.0, 0.20), (512.0, 0.55), (1024.0, 0.68), (2048.0, 0.74), (8192.0, 0.78))
 
