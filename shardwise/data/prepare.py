@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import sys
 import time
 from collections import deque
 from contextlib import contextmanager

@@ -24,7 +24,7 @@ import torch
 
 from .windows import DataError, TokenWindows, out_of_vocab
 
-__all__ = ["TrainData", "open_data", "check_data", "open_source", "prepared_vocab"]
+__all__ = ["TrainData", "open_data", "check_data", "open_source", "prepared_vocab", "DataError"]
 
 
 class Config(Protocol):
