@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -32,6 +33,7 @@ from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style,
                                       VocabParallel)
 from .kv_cache import KVCache, cached_attention
+from .moe import MoE, MoESettings, check_moe_config, moe_init_rule, moe_layer
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "synthetic_batch"]
 
@@ -60,6 +62,31 @@ class GPTConfig:
     """Biases in Linear and LayerNorm layers."""
     tie_weights: bool = True
     """Share the token embedding with the output head (GPT-2 style)."""
+    n_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer (0 = a dense MLP everywhere). Each MoE layer's MLP is
+    a router plus ``n_experts`` SwiGLU experts (``shardwise.models.moe``)."""
+    top_k: int = 2
+    """Experts each token is sent to (1 ≤ top_k ≤ n_experts)."""
+    moe_ffn: int = 0
+    """Width of one expert; 0 = 4·n_embd / top_k (the dense MLP's compute per token, split over top_k)."""
+    n_shared_experts: int = 0
+    """Experts every token passes through besides the routed ones (one SwiGLU of n_shared_experts · moe_ffn)."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Mixtral, Qwen) or a sigmoid per expert (DeepSeek-V3)."""
+    router_renorm: bool = True
+    """Divide the chosen top_k scores by their sum (Mixtral, Qwen3-MoE, DeepSeek-V3); off: the raw scores."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (per sequence, Switch form; 0 = off)."""
+    moe_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing: after each step every expert's selection-only bias moves by this much
+    toward an even load (DeepSeek-V3 uses 0.001); 0 = off."""
+    capacity_factor: float = 0.0
+    """0 = dropless (the default); c > 0: each expert takes at most ceil(c·top_k·T/n_experts) assignments of each
+    sequence of T tokens, the earliest positions first, and drops the rest (the same on every layout)."""
+    moe_every: int = 1
+    """Every moe_every-th layer (counted after moe_first_dense) is an MoE layer; the others stay dense."""
+    moe_first_dense: int = 0
+    """The first this-many layers keep a dense MLP (DeepSeek-V3's first_k_dense_replace)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -72,6 +99,8 @@ class GPTConfig:
                 f"choose n_embd as a multiple of n_head, e.g. n_embd={self.n_head * max(1, self.n_embd // self.n_head)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.n_experts:
+            check_moe_config(self)
 
     @staticmethod
     def preset(name: str) -> "GPTConfig":
@@ -80,6 +109,18 @@ class GPTConfig:
         if name not in _PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(_PRESETS)}")
         return GPTConfig(**_PRESETS[name])
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (0-based) has an MoE block instead of the dense MLP."""
+        return moe_layer(i, self.n_experts, self.moe_first_dense, self.moe_every)
+
+    def moe_settings(self) -> MoESettings:
+        """The MoE block's settings (``n_experts`` > 0)."""
+        ffn = self.moe_ffn or max(1, 4 * self.n_embd // self.top_k)
+        return MoESettings(n_experts=self.n_experts, top_k=self.top_k, hidden=self.n_embd, ffn=ffn,
+                           shared_ffn=self.n_shared_experts * ffn, router=self.router, renorm=self.router_renorm,
+                           aux_coef=self.moe_aux_loss_coef, bias_rate=self.moe_bias_rate,
+                           capacity_factor=self.capacity_factor)
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form (for plans, checkpoints and JSON)."""
@@ -163,12 +204,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config.moe_settings()) if moe else MLP(config)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -206,7 +247,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -225,8 +266,11 @@ class GPT(nn.Module):
             return Constant(0.0)
         if isinstance(module, nn.LayerNorm):
             return Constant(1.0)
+        moe_rule = moe_init_rule(module, attr, 0.02, 0.02 / math.sqrt(2 * self.config.n_layer))
+        if moe_rule is not None:
+            return moe_rule
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            residual = module_name.endswith(("attn.proj", "mlp.proj"))
+            residual = module_name.endswith(("attn.proj", "mlp.proj", "shared_expert.down_proj"))
             return Normal(0.0, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
         return None
 
