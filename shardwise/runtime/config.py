@@ -24,6 +24,7 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 
 
 from .compiling import check_compile
+from .config_moe import check_experts
 from .config_defaults import MICRO_BATCH_CAP, dataset_vocab, grad_accum_of, inferred_dp, resolve_batch
 from .config_ranges import check_async_tp, check_context_parallel, check_numbers, check_sequence_parallel
 from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
@@ -259,6 +260,7 @@ def validate(config: Config, *, launch: bool = True, micro_cap: int = MICRO_BATC
         raise ValueError(f"debug.nonfinite_rank = {config.debug.nonfinite_rank} must be -1 (every rank) or a rank in "
                          f"[0, {nproc}); e.g. --debug.nonfinite_rank 0")
     dp = inferred_dp(p, nproc)
+    check_experts(config, dp)
     axes = {"dp": dp, **({"cp": p.cp} if p.cp > 1 else {}), "tp": p.tp, "pp": p.pp}  # cp named where it is used
     if dp * p.cp * p.tp * p.pp != nproc:
         raise ValueError(f"{' × '.join('parallel.' + k for k in axes)} = {' × '.join(map(str, axes.values()))} = "

@@ -101,6 +101,11 @@ class ParallelConfig:
     """Context-parallel ranks: the sequence split over a ``cp`` mesh axis (ring attention; each rank holds 2 of
     2·cp chunks, so ``model.block_size`` must be divisible by 2·cp), parameters replicated over cp and gradients
     averaged over dp × cp. ``shardwise train``, ``verify``, ``predict`` and ``plan`` all take it."""
+    ep: int = 1
+    """Expert-parallel ranks (mixtures of experts): each MoE layer's experts split over ``ep`` ranks folded into
+    the data-parallel ranks (dp × cp), tokens sent to their experts by all-to-all; ep must divide dp × cp and
+    ``model.n_experts``. Dense layers keep their layout; expert gradients average over the dp × cp / ep ranks
+    that hold the same experts."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule (``shardwise schedule`` shows each): gpipe, 1f1b, interleaved (pp_chunks ≥ 2), zb-h1, …"""
     pp_microbatches: int = 0
