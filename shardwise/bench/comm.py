@@ -1,4 +1,5 @@
-"""``shardwise bench comm``: bus bandwidth of the collectives (native vs ring vs tree vs shm) and an alpha–beta fit.
+"""``shardwise bench comm``: bus bandwidth of the collectives (native vs ring vs tree vs shm) and an alpha–beta fit;
+the uneven all-to-all (native vs pairwise) with ``--ops all_to_all``.
 
 ``shardwise bench comm -n 4`` validates its flags, then starts 4 local ranks through torchrun
 (``run_local``) that re-run this module with ``--worker``. The same worker runs under any torchrun job, e.g.
@@ -11,7 +12,9 @@ barrier, then ``time.perf_counter`` around ``--iters`` back-to-back calls (with 
 around them on CUDA). The reported time is the maximum over ranks of the mean time per call (nccl-tests
 convention). Rank 0 prints the tables and writes ``--json``, ``--plot`` and ``--calibrate`` files.
 ``shm`` is measured only where it can run (every rank on one host, tensors in host memory); elsewhere it is
-left out with a note.
+left out with a note. The all-to-all runs ``native`` and ``pairwise`` (``sw.comm.all_to_all_single``); every
+rank sends ``bytes`` split unevenly: rank ``r`` gives rank ``j`` a share ``1 + (j - r) % n`` of ``n(n+1)/2``,
+so each link carries a different load and no rank's own piece is empty.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Callable
 
 import torch
 
-from .comm_report import (ALL_OPS, BENCH_OPS, PLOT_INSTALL_HINT, BenchRow, bus_factor, format_size, parse_size,
+from .comm_report import (BENCH_OPS, CHOICE_OPS, PLOT_INSTALL_HINT, BenchRow, bus_factor, format_size, parse_size,
                            power_of_two_sizes, print_table, write_json, write_plot)
+from ..comm.alltoall import A2A_ALGORITHMS
 from ..comm.calibration import fit_calibration, save_calibration
 from ..comm.ops import ALGORITHMS
 from .harness import add_launch_arguments, run_bench
@@ -37,6 +41,7 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 PATTERN = 8
 """Rank ``r`` holds ``((r + j) % PATTERN) + 1`` at element ``j``: small integers, exact in every dtype."""
 TIMEOUT_S = 300.0
+_ALL_ALGORITHMS = (*ALGORITHMS, *(a for a in A2A_ALGORITHMS if a not in ALGORITHMS))
 """Per-collective timeout inside the ranks: generous, since 4 ranks on 2 cores move 64 MiB slowly."""
 
 
@@ -72,12 +77,13 @@ def _positive(minimum: int) -> Callable[[str], int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser, what="local ranks to start")
-    parser.add_argument("--ops", type=_choices(ALL_OPS, "collective"), default=list(BENCH_OPS),
+    parser.add_argument("--ops", type=_choices(CHOICE_OPS, "collective"), default=list(BENCH_OPS),
                         help="comma-separated collectives: all_reduce,all_gather,reduce_scatter (the default), "
-                             "broadcast (from coordinate 0)")
-    parser.add_argument("--algorithms", type=_choices(ALGORITHMS, "algorithm"), default=list(ALGORITHMS),
-                        help=f"comma-separated algorithms (default: {','.join(ALGORITHMS)}; shm is left out "
-                             f"where the ranks are not on one host or use CUDA)")
+                             "broadcast (from coordinate 0), all_to_all (uneven splits)")
+    parser.add_argument("--algorithms", type=_choices(_ALL_ALGORITHMS, "algorithm"), default=list(_ALL_ALGORITHMS),
+                        help=f"comma-separated algorithms (default: {','.join(_ALL_ALGORITHMS)}; each collective "
+                             f"runs those it has: all_to_all native,pairwise, the others the rest; shm is left "
+                             f"out where the ranks are not on one host or use CUDA)")
     # --min-bytes/--max-bytes spell the same flags for torchrun command lines: torchrun's own parser takes
     # a bare --max anywhere on its line for an ambiguous abbreviation of its --max-restarts.
     parser.add_argument("--min", "--min-bytes", dest="min", type=_size, default=8,
@@ -141,8 +147,11 @@ def _expected(op: str, count: int, n: int, rank: int, device: torch.device) -> t
 
 
 def _count_for(op: str, nbytes: int, n: int, itemsize: int) -> int:
-    """Elements of the full buffer for a requested size; all-gather/reduce-scatter need a multiple of ``n``."""
+    """Elements of the full buffer for a requested size; all-gather/reduce-scatter need a multiple of ``n``,
+    the all-to-all a multiple of its shares' total ``n(n+1)/2``."""
     count = max(1, nbytes // itemsize)
+    if op == "all_to_all":
+        return max(1, count // _a2a_shares(n)) * _a2a_shares(n)
     return count if op in ("all_reduce", "broadcast") else max(n, count // n * n)
 
 
@@ -158,6 +167,35 @@ def _make_call(op: str, algorithm: str, data: torch.Tensor, mesh: object) -> Cal
     return lambda: c.reduce_scatter(data, mesh, AXIS, algorithm=algorithm)  # type: ignore[return-value]
 
 
+def _a2a_shares(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def _a2a_splits(count: int, n: int, src: int) -> list[int]:
+    """Elements rank ``src`` sends each rank: shares ``1 + (j - src) % n`` of ``count`` (uneven, none empty)."""
+    unit = count // _a2a_shares(n)
+    return [unit * (1 + (j - src) % n) for j in range(n)]
+
+
+def _a2a_case(algorithm: str, count: int, dtype: torch.dtype, mesh: object
+              ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(the all-to-all call, its exact result as float64) for ``count`` input elements per rank: element ``k``
+    of the piece from rank ``s`` holds ``((s + k) % PATTERN) + 1``, so a misplaced piece shows."""
+    from ..comm.alltoall import all_to_all_single
+
+    n, rank, device = mesh.size(AXIS), mesh.coord(AXIS), mesh.device  # type: ignore[attr-defined]
+    in_splits = _a2a_splits(count, n, rank)
+    out_splits = [_a2a_splits(count, n, j)[rank] for j in range(n)]
+    data = torch.cat([_pattern(k, rank, dtype, device) for k in in_splits])
+    out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+
+    def call() -> torch.Tensor:
+        return all_to_all_single(out, data, mesh, AXIS, out_splits=out_splits, in_splits=in_splits,  # type: ignore
+                                 algorithm=algorithm)
+
+    return call, lambda: torch.cat([_pattern(k, j, torch.float64, device) for j, k in enumerate(out_splits)])
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -171,10 +209,13 @@ def _measure(op: str, algorithm: str, count: int, dtype: torch.dtype, mesh: obje
     from ..comm.collectives import barrier
 
     n, rank, device = mesh.size(AXIS), mesh.coord(AXIS), mesh.device  # type: ignore[attr-defined]
-    data = _pattern(count // n if op == "all_gather" else count, rank, dtype, device)
-    call = _make_call(op, algorithm, data, mesh)
+    if op == "all_to_all":
+        call, expected = _a2a_case(algorithm, count, dtype, mesh)
+    else:
+        data = _pattern(count // n if op == "all_gather" else count, rank, dtype, device)
+        call, expected = _make_call(op, algorithm, data, mesh), lambda: _expected(op, count, n, rank, device)
     out = call()
-    err = float((out.to(torch.float64) - _expected(op, count, n, rank, device)).abs().max()) if args.check else 0.0
+    err = float((out.to(torch.float64) - expected()).abs().max()) if args.check else 0.0
     if op == "all_reduce":
         data.zero_()  # repeated in-place sums of the pattern would overflow float16 after a few calls
     for _ in range(args.warmup):
@@ -210,7 +251,8 @@ def bench_op(op: str, sizes: list[int], mesh: object, args: argparse.Namespace) 
     n = mesh.size(AXIS)  # type: ignore[attr-defined]
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    algorithms = runnable_algorithms(args.algorithms, mesh)
+    has = A2A_ALGORITHMS if op == "all_to_all" else ALGORITHMS
+    algorithms = runnable_algorithms([a for a in args.algorithms if a in has], mesh)
     rows, seen = [], set()
     for nbytes in sizes:
         count = _count_for(op, nbytes, n, itemsize)

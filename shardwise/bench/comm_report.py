@@ -8,7 +8,8 @@ sustain, so numbers are comparable across world sizes and against the hardware's
 
 * all-reduce: ``2(n-1)/n`` (a reduce-scatter then an all-gather, each moving ``(n-1)/n`` of the buffer);
 * all-gather and reduce-scatter: ``(n-1)/n``;
-* broadcast: 1 (every rank must receive the whole buffer once).
+* broadcast: 1 (every rank must receive the whole buffer once);
+* all-to-all: ``(n-1)/n`` (all but this rank's own piece crosses a link; ``bytes`` is one rank's input).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-__all__ = ["BenchRow", "BENCH_OPS", "ALL_OPS", "bus_factor", "parse_size", "format_size", "power_of_two_sizes",
-           "print_table", "write_json", "write_plot", "PLOT_INSTALL_HINT"]
+__all__ = ["BenchRow", "BENCH_OPS", "ALL_OPS", "CHOICE_OPS", "bus_factor", "parse_size", "format_size",
+           "power_of_two_sizes", "print_table", "write_json", "write_plot", "PLOT_INSTALL_HINT"]
 
 BENCH_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
 """What ``shardwise bench comm`` measures by default."""
 ALL_OPS: tuple[str, ...] = (*BENCH_OPS, "broadcast")
-"""What it can measure (``--ops``); ``shardwise calibrate`` measures all of them."""
+"""What ``shardwise calibrate`` measures: every collective of ``ALGORITHMS`` (native, ring, tree, shm)."""
+CHOICE_OPS: tuple[str, ...] = (*ALL_OPS, "all_to_all")
+"""What ``--ops`` accepts: those, and the uneven all-to-all (native against our pairwise one)."""
 PLOT_INSTALL_HINT = "pip install 'shardwise[plot]' (or: pip install matplotlib)"
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -38,7 +41,8 @@ class BenchRow:
     op: str
     algorithm: str
     nbytes: int
-    """Bytes of the full buffer: the all-reduced tensor, the all-gather output, the reduce-scatter input."""
+    """Bytes of the full buffer: the all-reduced tensor, the all-gather output, the reduce-scatter input, one
+    rank's all-to-all input (every rank sends as much, split unevenly)."""
     count: int
     """Elements of the full buffer."""
     dtype: str
@@ -56,11 +60,11 @@ def bus_factor(op: str, n: int) -> float:
         raise ValueError(f"world size must be >= 1, got {n}")
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
-    raise ValueError(f"unknown collective {op!r}; choose one of {list(ALL_OPS)}")
+    raise ValueError(f"unknown collective {op!r}; choose one of {list(CHOICE_OPS)}")
 
 
 def parse_size(text: str) -> int:
@@ -144,7 +148,7 @@ def write_plot(path: str | Path, rows: Sequence[BenchRow], title: str) -> None:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    ops = [op for op in ALL_OPS if any(r.op == op for r in rows)]
+    ops = [op for op in CHOICE_OPS if any(r.op == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for algo in sorted({r.algorithm for r in rows if r.op == op}):

@@ -233,3 +233,15 @@ def debug_mismatch() -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def bench_rows() -> list[tuple[str, str, int, float | None, float]]:
+    """``shardwise bench comm``'s all-to-all rows (op, algorithm, count, max error, busbw/algbw) at 3 sizes."""
+    from types import SimpleNamespace
+
+    from shardwise.bench.comm import bench_op
+
+    args = SimpleNamespace(algorithms=["native", "ring", "pairwise"], dtype="bfloat16", iters=1, warmup=0,
+                           check=True)
+    rows = bench_op("all_to_all", [64, 1024, 4096], mesh(world=-1), args)
+    return [(r.op, r.algorithm, r.count, r.max_error, r.busbw_GBps / r.algbw_GBps) for r in rows]
