@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..parallel.common.init_rules import InitRule, Normal
+from ..parallel.common.init_rules import Constant, InitRule, Normal
 from ..parallel.expert.dispatch import ExpertShard, route
 from .moe_balance import BalanceState, attach_aux, capacity_mask, sequence_aux
 
@@ -96,8 +96,8 @@ def moe_init_rule(module: nn.Module, attr: str, std: float, residual_std: float)
     """How an MoE block's own parameters start: the router and ``gate_up_proj`` N(0, ``std``), ``down_proj``
     (it writes into the residual stream) N(0, ``residual_std``); None for any other module. Like every rule,
     a function of the element only, so an expert-parallel rank draws exactly its experts' one-device values."""
-    if isinstance(module, Router) and attr == "weight":
-        return Normal(0.0, std)
+    if isinstance(module, Router):
+        return Normal(0.0, std) if attr == "weight" else Constant(0.0)  # the selection bias starts at zero
     if isinstance(module, GroupedExperts):
         return Normal(0.0, residual_std if attr == "down_proj" else std)
     return None

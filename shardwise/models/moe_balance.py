@@ -57,7 +57,7 @@ class BalanceState:
         self.reset()
 
     def reset(self) -> None:
-        self.load = torch.zeros(self.n_experts, dtype=torch.float64)
+        self.load = torch.zeros(self.n_experts, dtype=torch.float64, device="cpu")  # not meta, whatever the model
         self.dropped, self.aux, self.passes = 0, 0.0, 0
         self._aux_sum: Tensor | None = None
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ...mesh import Mesh
+from .expert_tag import is_expert_param
 from .init_rules import InitRule, block_seed, draw
 
 __all__ = ["needs_broadcast", "mark_drawn", "Source", "InitSource", "ModuleResetSource", "SliceSource", "deferred_piece", "source_of", "set_source", "ensure_sources",
@@ -56,8 +57,9 @@ _DRAWN = "_shardwise_drawn"
 
 def needs_broadcast(t: torch.Tensor) -> bool:
     """Whether replicas must copy coordinate 0's ``t``: not when it is meta (each rank reads it from its source)
-    or was drawn from one (every rank drew the same values)."""
-    return not t.is_meta and not getattr(t, _DRAWN, False)
+    or was drawn from one (every rank drew the same values), nor when it is an expert-parallel piece (each rank
+    holds other experts: ``expert_tag``)."""
+    return not t.is_meta and not getattr(t, _DRAWN, False) and not is_expert_param(t)
 
 
 def mark_drawn(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ... import comm
 from ...mesh import Mesh
+from ..common.expert_tag import is_expert_param
 from ..common.materialize import source_of
 
 __all__ = ["check_module", "check_replicas_agree", "broadcast_coalesced", "average_coalesced", "trainable"]
@@ -25,8 +26,9 @@ __all__ = ["check_module", "check_replicas_agree", "broadcast_coalesced", "avera
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every parameter that requires grad, each shared Parameter once (by identity,
-    first name wins: ``named_parameters`` already deduplicates tied weights)."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    first name wins: ``named_parameters`` already deduplicates tied weights). Expert-parallel pieces are not
+    replicas (each rank holds other experts): they are left to ``parallel/expert/grads.py``."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and not is_expert_param(p)]
 
 
 def check_module(module: object, mesh: Mesh, axis: str) -> None:
