@@ -156,9 +156,9 @@ class Router(nn.Module):
         pick = scores.detach()
         if self.s.bias_rate > 0:
             pick = pick + self.expert_bias
-        experts = pick.topk(self.s.top_k, dim=-1).indices  # ties: the lower expert id, on every layout
+        experts = pick.topk(self.s.top_k, dim=-1).indices  # the same scores give the same pick on every rank
         weights = scores.gather(1, experts)
-        if self.s.renorm and self.s.top_k > 1:
+        if self.s.renorm:  # at top_k 1 the weight is 1 (as transformers does; the Switch form: renorm off)
             weights = weights / weights.sum(-1, keepdim=True)
         return scores, experts, weights
 
