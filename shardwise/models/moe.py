@@ -132,6 +132,8 @@ def expert_matmul(x: Tensor, w: Tensor, counts: list[int], impl: str) -> Tensor:
     """``x`` (M, K) rows grouped by expert (``counts[e]`` rows each) times ``w[e]`` (N, K) transposed → (M, N).
     ``impl``: ``grouped`` (one ``F.grouped_mm``; the loop where it cannot run) or ``loop`` (one matmul per
     expert, zero-row ones included so every expert's gradient exists)."""
+    if x.dtype != w.dtype and torch.is_autocast_enabled(x.device.type):
+        w = w.to(x.dtype)  # autocast does not cover grouped_mm: the weights in the activations' dtype, as Linear
     if impl == "grouped" and grouped_mm_available(x, w) and x.size(0) > 0:
         offs = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x, w.transpose(-1, -2), offs=offs))
