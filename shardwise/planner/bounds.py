@@ -15,11 +15,13 @@ from typing import Any, NamedTuple, Sequence
 
 from .hardware import Hardware
 from .memory import local_params, rank_memory, rank_parts
+from .moe import expert_local, optimizer_elements
 from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
                             split_stages)
 from .plan import Layout
 from .step_extras import fused_optimizer, optimizer_time
-from .predict import _bucket_cap, _dp_comm, fold_transfers, shares_cores, stage_sums
+from .dp_comm import dp_comm
+from .predict import _bucket_cap, fold_transfers, shares_cores, stage_sums
 from .spec import ModelSpec
 
 __all__ = ["Option", "split_id", "option_of", "shape_of", "time_bound", "flush_bound", "rest_bounds", "memory_bounds"]
@@ -48,19 +50,23 @@ def option_of(plan: Layout, cache: dict) -> Option:
                   split_id(plan.pp_split, cache))
 
 
-def shape_of(spec: ModelSpec, tp: int, pp: int, opt: Option, cache: dict) -> tuple:
+def shape_of(spec: ModelSpec, tp: int, pp: int, opt: Option, cache: dict, ep: int = 1) -> tuple:
     """Stages, their first layer indices, each pipeline rank's stages and layers, and the largest rank's local
-    parameters and tensor count (memoised per tp, pp, chunks, split)."""
-    key = ("shape", tp, pp, opt.chunks, opt.sid)
+    parameters and tensor count (memoised per tp, pp, chunks, split, ep; its routed-expert parameters under
+    ``("experts",) + key``)."""
+    key = ("shape", tp, pp, opt.chunks, opt.sid) + ((ep,) if ep > 1 else ())
     if key not in cache:
         # ``predict.stages_of``: cut at the split, else balanced by parameters
         stages = split_at(spec.layers, opt.split) if opt.split else split_stages(spec.layers, pp * opt.chunks)
         starts = [sum(len(st) for st in stages[:i]) for i in range(len(stages))]
         ranks = [[s for s in range(len(stages)) if s % pp == r] for r in range(pp)]
         rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(pp)]
-        n_local = max(sum(local_params(layer, tp) for layer in rl) for rl in rank_layers)
+        # ``predict``'s: the largest rank's local parameters and its routed experts' (the search's cache is per ep)
+        n_local, n_expert = max((sum(local_params(layer, tp, ep) for layer in rl),
+                                 sum(expert_local(layer, tp, ep) for layer in rl)) for rl in rank_layers)
         tensors = max(len(rl) for rl in rank_layers) * 12
         cache[key] = (stages, starts, ranks, rank_layers, n_local, tensors)
+        cache[("experts",) + key] = n_expert
     return cache[key]
 
 
@@ -79,7 +85,7 @@ def flush_bound(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, per_la
     sums_key = ("sums", id(per_layer), plan.pp, opt.chunks, opt.sid)
     flush_key = ("flush_lb", sums_key, plan.dp * plan.cp, opt.schedule, opt.m)
     if flush_key not in cache:
-        stages, starts, *_ = shape_of(spec, plan.tp, plan.pp, opt, cache)
+        stages, starts, *_ = shape_of(spec, plan.tp, plan.pp, opt, cache, plan.ep)
         if sums_key not in cache:
             cache[sums_key] = stage_sums([per_layer[a:a + len(st)] for a, st in zip(starts, stages)])
         fold_key = ("fold", sums_key, plan.dp * plan.cp)
@@ -103,17 +109,20 @@ def rest_bounds(spec: ModelSpec, plan: Layout, opt: Option, hw: Hardware, runtim
                 cache: dict) -> tuple[float, float]:
     """``(optimizer seconds, least exposed data-parallel seconds)`` of a step: what the largest pipeline rank's
     parameters cost besides the flushes."""
-    _, _, _, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache)
+    _, _, _, rank_layers, n_local, tensors = shape_of(spec, plan.tp, plan.pp, opt, cache, plan.ep)
+    n_expert = cache[("experts", "shape", plan.tp, plan.pp, opt.chunks, opt.sid) + ((plan.ep,) if plan.ep > 1 else ())]
     fused = fused_optimizer(runtime, hw)
-    opt_key = ("optimizer", n_local, tensors, plan.zero_group, plan.zero_stage, fused)
+    opt_key = ("optimizer", n_local, tensors, plan.zero_group, plan.zero_stage, fused, plan.ep, n_expert)
     if opt_key not in cache:
-        cache[opt_key] = optimizer_time(plan, hw, n_local, tensors, fused=fused, multi_tensor=runtime == "shardwise")
+        cache[opt_key] = optimizer_time(plan, hw, optimizer_elements(plan, n_local, n_expert), tensors, fused=fused,
+                                        multi_tensor=runtime == "shardwise")
     # the data-parallel / ZeRO communication a step exposes at the least: with unbounded compute to hide under
     # (``_dp_comm`` only decreases as forward and backward grow)
-    dp_key = ("dp_lb", n_local, plan.zero_group, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision, len(rank_layers[0]))
+    dp_key = ("dp_lb", n_local, plan.zero_group, plan.tp, plan.zero_stage, plan.grad_accum, plan.precision,
+              len(rank_layers[0]), plan.ep, n_expert)
     if dp_key not in cache:
         units = max(len(rl) for rl in rank_layers)
-        cache[dp_key] = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units)
+        cache[dp_key] = dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", units, n_expert)
     return cache[opt_key], cache[dp_key]
 
 
@@ -124,12 +133,12 @@ def memory_bounds(spec: ModelSpec, plans: Sequence[Layout], opt: Option, hw: Har
     sets its schedule holds at the peak (``first_rank_in_flight``, what ``predict`` counts there) and with the
     fewest any schedule holds (``min(m, p)``, gpipe ``m × chunks``)."""
     plan = plans[0]
-    stages, _, ranks, rank_layers, _, _ = shape_of(spec, plan.tp, plan.pp, opt, cache)
+    stages, _, ranks, rank_layers, _, _ = shape_of(spec, plan.tp, plan.pp, opt, cache, plan.ep)
     m, pp = opt.m, plan.pp
     fewest = 1 if pp == 1 else m * opt.chunks if opt.schedule == "gpipe" else min(m * opt.chunks, pp)
     held = first_rank_in_flight(opt.schedule, pp, m, opt.chunks)
     parts_key = ("mem_parts", plan.tp, pp, opt.chunks, opt.sid, plan.micro_batch, plan.activation_checkpointing,
-                 plan.sequence_parallel, plan.precision)
+                 plan.sequence_parallel, plan.precision, plan.ep)
     memo = cache.get(parts_key)
     if memo is None:  # rank 0's parts, and its totals by (ZeRO stage, dp, sets held)
         memo = cache[parts_key] = (rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan), {})

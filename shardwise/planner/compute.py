@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from .hardware import Hardware
 from .plan import Layout
 from .layers import Gemm, Layer
+from .moe import moe_comm
 from .tp_overlap import GemmChunks, OverlapTime, layer_overlap, overlap_share
 
 __all__ = ["LayerTime", "layer_time", "act_bytes", "param_bytes", "attention_time", "io_aware_attention",
@@ -56,11 +57,18 @@ class LayerTime:
     """Exposed ring-attention communication inside F (context parallelism; ``context.ring_times``)."""
     cp_bwd: float = 0.0
     """... inside B (the recomputed forward's ring included)."""
+    ep_fwd: float = 0.0
+    """Expert-parallel all-to-alls inside F (``moe.moe_comm``; ``Layout.ep > 1``)."""
+    ep_bwd: float = 0.0
+    """... inside B (a fully recomputed forward's included)."""
 
 
-def _shape(g: Gemm, b: int, t: int) -> tuple[float, float, float, float]:
-    """``(m, n, k, batch)`` of gemm ``g`` for ``b`` sequences on one of ``t`` tensor-parallel ranks."""
+def _shape(g: Gemm, b: int, t: int, ep: int = 1) -> tuple[float, float, float, float]:
+    """``(m, n, k, batch)`` of gemm ``g`` for ``b`` sequences on one of ``t`` tensor-parallel ranks (and of ``ep``
+    expert-parallel ones: a grouped expert GEMM is ``E/ep`` experts of ``rows · b · ep / E`` rows each)."""
     m, n, k, batch = float(g.rows * b), float(g.n), float(g.k), float(g.batch)
+    if g.experts:
+        m, batch = m * ep / g.experts, batch * g.experts / ep
     if g.split == "col":
         n /= t
     elif g.split == "row":
@@ -109,9 +117,12 @@ def _gemms(layer: Layer, plan: Layout, hw: Hardware, flash: bool) -> tuple[float
     fused = io_aware_attention(flash, hw)
     cores: list[tuple[Gemm, float, float, float, float]] = []
     for g in layer.gemms:
-        m, n, k, batch = _shape(g, plan.micro_batch, plan.tp)
+        m, n, k, batch = _shape(g, plan.micro_batch, plan.tp, plan.ep)
         full_flops = 2.0 * m * n * k * batch
         flops += full_flops
+        if g.experts and plan.ep > 1 and layer.imbalance != 1.0:
+            # the most loaded expert-parallel rank's rows set the pace (``moe`` module doc); FLOPs stay the mean
+            m *= layer.imbalance
         if not g.weight and fused:
             cores.append((g, m, n, k, batch))
             attn_flops += full_flops
@@ -196,10 +207,11 @@ def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_no
         # the attention core and its softmax traffic (about two passes over the kept scores)
         recompute = (f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)) * hw.fwd_factor
     b_gemm, b_ew, w_gemm = b_gemm * hw.bwd_factor, b_ew * hw.bwd_factor, w_gemm * hw.bwd_factor
-    return LayerTime(F=F, B=b_gemm + b_ew + tp_b + recompute, W=w_gemm, recompute=recompute,
+    ep_f, ep_b = moe_comm(layer, plan, hw, act_bytes(plan))
+    return LayerTime(F=F + ep_f, B=b_gemm + b_ew + tp_b + recompute + ep_b, W=w_gemm, recompute=recompute,
                      tp_fwd=tp_f, tp_bwd=tp_b + (tp_f if recompute and plan.activation_checkpointing == "full"
                                                  else 0.0),
-                     flops_fwd=flops, flops_attn=attn_flops)
+                     flops_fwd=flops, flops_attn=attn_flops, ep_fwd=ep_f, ep_bwd=ep_b)
 
 
 def async_tp_times(layer: Layer, plan: Layout, hw: Hardware, tp_per_node: int) -> tuple[OverlapTime, OverlapTime]:
@@ -211,7 +223,7 @@ def async_tp_times(layer: Layer, plan: Layout, hw: Hardware, tp_per_node: int) -
     eb = param_bytes(plan)
 
     def chunks(g: Gemm) -> GemmChunks:
-        m, n, k, batch = _shape(g, b, t)
+        m, n, k, batch = _shape(g, b, t, plan.ep)
 
         def times(rows: float, launches: int = 1) -> tuple[float, float, float]:
             gemm = lambda a, c, d: hw.gemm_time(a, c, d, dtype=dtype, batch=batch, elem_bytes=eb)  # noqa: E731

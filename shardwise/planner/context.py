@@ -50,7 +50,7 @@ def cp_layer(layer: Layer, cp: int) -> Layer:
     return replace(layer, gemms=gemms, ew_rep=layer.ew_rep / cp, ew_tp=layer.ew_tp / cp + merge,
                    ops=layer.ops + (2 * (cp - 1) if scores else 0), act_rep=layer.act_rep / cp,
                    act_tp=layer.act_tp / cp, act_attn=layer.act_attn / cp, act_fp32=layer.act_fp32 / cp,
-                   hidden=layer.hidden // cp)
+                   hidden=layer.hidden // cp, a2a=layer.a2a / cp)
 
 
 def _ring_blocks(g: Gemm, cp: int) -> Gemm:

@@ -261,6 +261,9 @@ def layouts(spec: ModelSpec, hw: Hardware, *, devices: int, global_batch: int, p
             dp = devices // (tp * pp * cp)
             if "dp" in pins and dp != pins["dp"]:
                 continue
+            if (dp * cp) % pins.get("ep", 1):
+                _note(regions, "invalid: ep does not divide dp × cp", 1, f"ep={pins['ep']} vs dp × cp = {dp * cp}")
+                continue
             if pp > n_layers:
                 _note(regions, "invalid: more pipeline stages than the model's units (blocks, embedding, head)", 1,
                       lambda: f"pp={pp} > {spec.units_text()}")
@@ -321,16 +324,16 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
                budget: float, runtime: str, cache: dict, note: bool = True) -> float:
     """The candidates of one micro-batch size; returns the least memory floor among them. ``note``: count the
     ones over the budget in ``regions`` (``groups.LazyPool`` counted them when it bounded the group)."""
-    cp = pins.get("cp", 1)
+    cp, ep = pins.get("cp", 1), pins.get("ep", 1)
     async_tp = async_tp_of(pins, tp)
-    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
+    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
                   async_tp=async_tp, precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     least = float("inf")
     for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
         split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
         for zero in zeros:
-            plan = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch=mb, grad_accum=accum,
+            plan = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, micro_batch=mb, grad_accum=accum,
                         microbatches=(per // mb // accum) if pp > 1 else 0, schedule=schedule, chunks=chunks,
                         activation_checkpointing=ckpt, sequence_parallel=sp, async_tp=async_tp, precision=precision,
                         pp_split=split)

@@ -56,10 +56,10 @@ class Group:
 
 def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per: int, mb: int, ckpt: str, sp: bool,
                 zeros: list[int], accum: int, precision: str, runtime: str, cache: dict, cp: int = 1,
-                async_tp: bool = False) -> float:
+                async_tp: bool = False, ep: int = 1) -> float:
     """The least ``time_lb`` any plan of the group can have (module doc)."""
-    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
-                  async_tp=async_tp, precision=precision)
+    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb, activation_checkpointing=ckpt,
+                  sequence_parallel=sp, async_tp=async_tp, precision=precision)
     key = ("work", tp, mb, ckpt, sp, precision)
     if key not in cache:
         costs = layer_costs(spec, base, hw, cache)
@@ -74,14 +74,18 @@ def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per
         compute += sum(cheapest[:pp]) / pp
     rest_key = ("rest", tp, pp, dp, tuple(zeros), accum, precision, runtime)  # all the rest depends on
     if rest_key not in cache:
-        n_local = sum(local_params(layer, tp) for layer in spec.layers) / pp
+        n_local = sum(local_params(layer, tp, ep) for layer in spec.layers) / pp
         least_layers = math.ceil(len(spec.layers) / pp)
         fused = fused_optimizer(runtime, hw)
         rest = math.inf
         for z in zeros:
             plan = replace(base, zero_stage=z, grad_accum=accum)
+            # n_local: at most what optimizer_elements gives any rank (its experts count ep times under ZeRO)
             opt = optimizer_time(plan, hw, n_local, least_layers * 12, fused=fused, multi_tensor=runtime == "shardwise")
             comm = _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", least_layers)
+            if ep > 1:  # a rank's split into dense and expert parameters is unknown here: the cheaper pricing of all
+                comm = min(comm, _dp_comm(plan, hw, n_local, math.inf, math.inf, runtime == "shardwise", least_layers,
+                                          expert=True))
             rest = min(rest, opt + comm)
         cache[rest_key] = rest
     return compute + cache[rest_key]
@@ -91,7 +95,7 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
              cache: dict) -> Iterator[tuple[Option, int, list[Any]]]:
     """The group's pipeline options: ``(option, accumulation, layer costs)``."""
     precision = pins.get("precision", space.precision)
-    base = Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=pins.get("cp", 1), micro_batch=g.mb,
+    base = Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=pins.get("cp", 1), ep=pins.get("ep", 1), micro_batch=g.mb,
                   activation_checkpointing=g.ckpt, sequence_parallel=g.sp, async_tp=async_tp_of(pins, g.tp),
                   precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
@@ -105,13 +109,13 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
 
 
 def _plans(g: Group, accum: int, precision: str, made: dict[int, list[Layout]], cp: int = 1,
-           async_tp: bool = False) -> list[Layout]:
+           async_tp: bool = False, ep: int = 1) -> list[Layout]:
     """One ``Layout`` per ZeRO stage of the group with ``accum`` flushes: the fields the bounds read besides the
     pipeline option (``bounds`` module doc); memoised in ``made`` per accumulation."""
     if accum not in made:
-        made[accum] = [Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=cp, zero_stage=zero, micro_batch=g.mb, grad_accum=accum,
-                            activation_checkpointing=g.ckpt, sequence_parallel=g.sp, async_tp=async_tp,
-                            precision=precision)
+        made[accum] = [Layout(dp=g.dp, tp=g.tp, pp=g.pp, cp=cp, ep=ep, zero_stage=zero, micro_batch=g.mb,
+                              grad_accum=accum, activation_checkpointing=g.ckpt, sequence_parallel=g.sp,
+                              async_tp=async_tp, precision=precision)
                        for zero in g.zeros]
     return made[accum]
 
@@ -125,9 +129,9 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     fit = 0
     precision = pins.get("precision", space.precision)
     made: dict[int, list[Layout]] = {}
-    cp = pins.get("cp", 1)
+    cp, ep = pins.get("cp", 1), pins.get("ep", 1)
     async_tp = async_tp_of(pins, g.tp)
-    carriers = _plans(g, 1, precision, made, cp, async_tp)  # memory does not read the accumulation
+    carriers = _plans(g, 1, precision, made, cp, async_tp, ep)  # memory does not read the accumulation
     over, need, example = 0, math.inf, None  # the ones over the budget, noted once (the least need first)
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
         for i, (memory_lb, floor) in enumerate(memory_bounds(spec, carriers, opt, hw, cache)):
@@ -138,12 +142,12 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
                     need, example = min(need, memory_lb), (accum, i, opt, memory_lb)
                 continue
             fit += 1
-            plan = _plans(g, accum, precision, made, cp, async_tp)[i]
+            plan = _plans(g, accum, precision, made, cp, async_tp, ep)[i]
             best = min(best, time_bound(spec, plan, opt, hw, per_layer, runtime, cache))
     if example is not None:
         accum, i, opt, memory_lb = example
         note_over_memory(regions, g.tp, g.pp,
-                         lambda: _candidate(_plans(g, accum, precision, made, cp, async_tp)[i], opt),
+                         lambda: _candidate(_plans(g, accum, precision, made, cp, async_tp, ep)[i], opt),
                          memory_lb, count=over)
     return best, least, fit
 

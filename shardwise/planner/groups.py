@@ -74,7 +74,7 @@ class LazyPool:
                     lb = group_bound(spec, hw_d, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp, zeros=zeros,
                                      accum=min(a for _, _, a in options),
                                      precision=pins.get("precision", space.precision), runtime=runtime, cache=cache,
-                                     cp=pins.get("cp", 1), async_tp=async_tp_of(pins, tp))
+                                     cp=pins.get("cp", 1), async_tp=async_tp_of(pins, tp), ep=pins.get("ep", 1))
                     groups.append(Group(lb, len(groups), tp, pp, dp, per, mb, ckpt, sp, tuple(zeros),
                                         tuple(mbs[i + 1:]), len(options) * len(zeros)))
         groups.sort()

@@ -25,6 +25,10 @@ class Gemm:
     """A weight GEMM (backward = input gradient + weight gradient); attention cores have no weight."""
     causal: bool = False
     """A causal attention core: a fused kernel skips the masked half."""
+    experts: int = 0
+    """A grouped GEMM over ``experts`` routed experts (mixture of experts): ``rows`` are every routed token row of
+    the sequence (tokens × top_k), ``rows / experts`` per expert on average; expert parallelism gives a rank
+    ``experts / ep`` of them with ``ep`` times the rows each (``compute._shape``). 0: an ordinary GEMM."""
 
     @property
     def flops(self) -> float:
@@ -70,6 +74,18 @@ class Layer:
     largest: int = 0
     """Elements of the layer's largest parameter tensor (built whole before a rank keeps its slice: the
     construction peak); 0 = unknown, then its largest weight GEMM, else all of ``params``."""
+    expert_params: int = 0
+    """Parameters of ``params`` (and of ``tp_params``) that are routed experts': expert parallelism divides them
+    by ``ep``, and their gradients are averaged over the ``dp·cp/ep`` ranks that hold the same experts."""
+    inactive: int = 0
+    """Parameters a token does not use (the routed experts it is not sent to: ``(E - top_k)/E`` of them);
+    ``ModelSpec.active_params`` leaves them out."""
+    a2a: float = 0.0
+    """Elements one expert-parallel all-to-all dispatches per sequence (tokens × top_k × hidden); four per
+    layer and step (dispatch and combine, forward and backward; ``moe.a2a_bytes``)."""
+    imbalance: float = 1.0
+    """The most loaded expert-parallel rank's routed tokens over the mean (1.0: an ideal balance). Scales the
+    expert GEMMs and the all-to-alls of ``ep > 1`` (that rank sets the pace of every rank)."""
 
     @property
     def flops(self) -> float:

@@ -31,6 +31,7 @@ from typing import Sequence
 from .compute import act_bytes
 from .plan import Layout
 from .layers import Layer
+from .moe import expert_local
 
 __all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
            "construction_bytes"]
@@ -57,11 +58,15 @@ def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: i
                       optimizer=o * n_params / (dp if zero_stage >= 1 else 1))
 
 
-def local_params(layer: Layer, tp: int) -> float:
-    """Parameter elements of ``layer`` on one tensor-parallel rank."""
+def local_params(layer: Layer, tp: int, ep: int = 1) -> float:
+    """Parameter elements of ``layer`` on one tensor-parallel rank (holding ``1/ep`` of its routed experts)."""
     if layer.replicated:
-        return float(layer.params)
-    return layer.tp_params / tp + (layer.params - layer.tp_params)
+        whole = float(layer.params)
+    else:
+        whole = layer.tp_params / tp + (layer.params - layer.tp_params)
+    if ep > 1 and layer.expert_params:
+        whole -= expert_local(layer, tp, 1) - expert_local(layer, tp, ep)
+    return whole
 
 
 def largest_tensor(layer: Layer) -> float:
@@ -149,9 +154,14 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
     ``bucket_cap`` bytes at most. ``parts``: ``rank_parts(layers, chunk_layers, plan)`` when the caller has it
     (they do not depend on dp, ZeRO or what is in flight: the search reuses them)."""
-    n, per_chunk, transient, biggest, loss, whole, split = parts or rank_parts(layers, chunk_layers, plan)
-    # ZeRO shards over every rank that holds the same parameters: dp × cp (``Layout.zero_group``)
-    states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group)
+    n, per_chunk, transient, biggest, loss, whole, split, experts = parts or rank_parts(layers, chunk_layers, plan)
+    # ZeRO shards over every rank that holds the same parameters: dp × cp (``Layout.zero_group``); a rank's
+    # routed experts over the dp × cp / ep ranks that hold the same experts (``Layout.expert_group``)
+    states = model_state_bytes(n - experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group)
+    if experts:
+        own = model_state_bytes(experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.expert_group)
+        states = StateBytes(params=states.params + own.params, grads=states.grads + own.grads,
+                            optimizer=states.optimizer + own.optimizer)
     # ZeRO-3 reads its flat ranges straight from the sources (no full tensor in flight); tensor parallelism reads
     # a row-split matrix whole before slicing it. ZeRO allocates its gradient buffers while it is built (stage 1:
     # full buffers; 2-3: the shards), so they count too.
@@ -169,24 +179,25 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
                            construction=construction)
 
 
-RankParts = tuple[float, float, float, float, float, float, float]
+RankParts = tuple[float, float, float, float, float, float, float, float]
 """``(local parameters, mean activation bytes of one chunk × micro-batch, transient recomputation bytes,
 largest layer's local parameters, loss bytes, largest full tensor of any layer, largest full tensor of a layer
-tensor parallelism splits (0 at tp = 1))`` of one pipeline rank."""
+tensor parallelism splits (0 at tp = 1), local routed-expert parameters (of the first))`` of one pipeline rank."""
 
 
 def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], plan: Layout) -> RankParts:
     """What ``rank_memory`` needs from the layers (tp, micro-batch, recomputation, sp and precision of ``plan``)."""
     names = {layer.name for layer in layers}
-    n = sum(local_params(layer, plan.tp) - (layer.shared / (1 if layer.replicated else plan.tp)
-                                            if layer.tied in names else 0)
+    n = sum(local_params(layer, plan.tp, plan.ep) - (layer.shared / (1 if layer.replicated else plan.tp)
+                                                     if layer.tied in names else 0)
             for layer in layers)
+    experts = sum(expert_local(layer, plan.tp, plan.ep) for layer in layers)
     per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
     transient = max((layer_activation_bytes(layer, plan)[1] for layer in layers), default=0.0)
-    biggest = max((local_params(layer, plan.tp) for layer in layers), default=0.0)
+    biggest = max((local_params(layer, plan.tp, plan.ep) for layer in layers), default=0.0)
     loss = max((layer.act_fp32 / (1 if layer.replicated else plan.tp) * plan.micro_batch * 4 for layer in layers),
                default=0.0)
     whole = max((largest_tensor(layer) for layer in layers), default=0.0)
     split = max((largest_tensor(layer) for layer in layers if plan.tp > 1 and layer.tp_params and not layer.replicated),
                 default=0.0)
-    return n, sum(per_chunk) / len(per_chunk), transient, biggest, loss, whole, split
+    return n, sum(per_chunk) / len(per_chunk), transient, biggest, loss, whole, split, experts

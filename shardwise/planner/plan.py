@@ -31,6 +31,11 @@ class Layout:
     """Context-parallel ranks: each sequence split over a ``cp`` mesh axis (ring attention, 2 of ``2·cp``
     chunks per rank for causal balance); parameters are replicated over cp and gradients averaged (ZeRO sharded)
     over dp × cp. The sequence length must be divisible by ``2·cp``."""
+    ep: int = 1
+    """Expert-parallel ranks (mixtures of experts): folded into the ``dp × cp`` ranks, each of ``ep`` of them holds
+    ``1/ep`` of every MoE layer's routed experts and tokens travel to their experts by all-to-all; ``ep`` must
+    divide ``dp × cp`` (and the model's expert count, which ``predict`` checks). Expert gradients are averaged
+    (ZeRO sharded) over the ``dp × cp / ep`` ranks that hold the same experts (``expert_group``)."""
     zero_stage: int = 0
     """ZeRO stage over dp: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     micro_batch: int = 1
@@ -64,7 +69,7 @@ class Layout:
         if self.pp_split and len(self.pp_split) != self.pp * self.chunks - 1:
             raise ValueError(f"Layout.pp_split names {len(self.pp_split)} stage starts but pp × chunks = {self.pp} × "
                              f"{self.chunks} stages need {self.pp * self.chunks - 1}; give that many or none")
-        for name in ("dp", "tp", "pp", "cp", "micro_batch", "chunks"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be an int >= 1, got {value!r}")
@@ -72,6 +77,10 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Layout.{name} must be an int >= 0 (0 = inferred), got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"Layout.ep = {self.ep} must divide dp × cp = {self.dp} × {self.cp} = {self.dp * self.cp} "
+                             f"(expert parallelism is folded into the data-parallel ranks); use an ep among "
+                             f"{[d for d in range(1, self.dp * self.cp + 1) if self.dp * self.cp % d == 0]}")
         if not isinstance(self.async_tp, bool):
             raise ValueError(f"Layout.async_tp must be a bool, got {self.async_tp!r}")
         if self.activation_checkpointing is True or self.activation_checkpointing is False:
@@ -97,6 +106,11 @@ class Layout:
         """Ranks that average the gradients and over which ZeRO shards: dp × cp (cp ranks hold the same
         parameters and see different tokens of the same sequences)."""
         return self.dp * self.cp
+
+    @property
+    def expert_group(self) -> int:
+        """Ranks that hold the same experts and average (ZeRO: shard) their gradients: ``dp × cp / ep``."""
+        return self.dp * self.cp // self.ep
 
     def check_seq_len(self, seq_len: int) -> None:
         """``ValueError`` when context parallelism cannot split a sequence of ``seq_len`` tokens."""
@@ -132,8 +146,10 @@ class Layout:
 
     def describe(self) -> str:
         """One line, e.g. ``dp=8 tp=8 pp=16 zero=1 mb=1 interleaved×2 ckpt=full sp bf16`` (``cp=N`` after dp
-        when cp > 1, ``async-tp`` after ``sp`` when set)."""
-        parts = [f"dp={self.dp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"tp={self.tp}", f"pp={self.pp}"]
+        when cp > 1, then ``ep=N`` when ep > 1, ``async-tp`` after ``sp`` when set)."""
+        parts = [f"dp={self.dp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + ([f"ep={self.ep}"] if self.ep > 1
+                                                                                   else [])
+        parts += [f"tp={self.tp}", f"pp={self.pp}"]
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
         parts.append(f"mb={self.micro_batch}")
@@ -151,6 +167,8 @@ class Layout:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["pp_split"] = list(self.pp_split)
+        if self.ep == 1:
+            del data["ep"]  # a dense layout's record reads as it did before expert parallelism
         return data
 
     def dumps(self) -> str:

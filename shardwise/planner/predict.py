@@ -25,6 +25,8 @@ from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Layout
 from .spec import ModelSpec
 from .step_extras import fused_optimizer as fused_for, optimizer_time, step_syncs
+from .dp_comm import _dp_comm, dp_comm
+from .moe import check_ep, expert_local, optimizer_elements
 
 __all__ = ["Prediction", "predict"]
 
@@ -80,6 +82,7 @@ def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
         raise ValueError("async_tp needs tp > 1 (it overlaps the tensor-parallel collectives); set tp >= 2 or "
                          "async_tp = False")
     plan.check_seq_len(spec.seq_len)
+    check_ep(spec, plan)
 
 
 def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None = None) -> list[LayerTime]:
@@ -87,7 +90,7 @@ def layer_costs(spec: ModelSpec, plan: Layout, hw: Hardware, cache: dict | None 
     on: tp, micro-batch, recomputation, sequence parallelism, precision; with ``async_tp`` also the devices and
     the schedule)."""
     key = ("layers", id(hw), plan.tp, plan.micro_batch, plan.activation_checkpointing, plan.sequence_parallel,
-           plan.precision) + ((plan.cp,) if plan.cp > 1 else ())
+           plan.precision) + ((plan.cp,) if plan.cp > 1 else ()) + (("ep", plan.ep) if plan.ep > 1 else ())
     if plan.async_tp:  # the overlap also depends on the ranks sharing a host, a deferred weight gradient and
         # how the pieces are assembled (``tp_overlap.IN_PLACE_PIECES``, a module switch read at call time)
         key += ("async_tp", plan.devices, plan.pp > 1 and plan.schedule in ("zb-h1", "zb-h2"),
@@ -199,58 +202,6 @@ def _flush(plan: Layout, costs: list[list[LayerTime]], stages: list[list[Any]], 
     return flush
 
 
-def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
-             units: int = 1) -> float:
-    """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers) over the dp × cp
-    group (``Layout.zero_group``: context-parallel ranks hold the same parameters)."""
-    group = plan.zero_group
-    if group == 1:
-        return 0.0
-    per_node = min(group, max(1, hw.devices_per_node // plan.tp))
-    grad_b = 2 if plan.precision == "bf16-mixed" else 4
-    param_b = 2 if plan.precision == "bf16-mixed" else 4
-    # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest), a
-    # pipeline's the backend's own; ``sw.zero`` follows ``parallel.algorithm`` too where the run has a
-    # calibration for dp's group (the one predicted with), else (and ZeRO-1 inside a pipeline) runs our ring on
-    # a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the backend's collectives on GPUs
-    if plan.zero_stage == 0:
-        algorithm = "native" if plan.pp > 1 else "auto"
-    elif plan.pp == 1 and group in hw.collectives:
-        algorithm = "auto"  # sw.zero follows parallel.algorithm = auto where the run has this calibration
-    else:
-        algorithm = "ring" if hw.host_cores else "native"
-    coll = lambda op, nbytes: hw.collective_time(op, nbytes, group, per_node=per_node,  # noqa: E731
-                                                 algorithm=algorithm)
-    # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
-    # keeps the averaged shard it updates) and stages 1-2 all-gather the updated parameters after the step
-    reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_local * grad_b)
-    gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
-    # On a CPU host (a calibration with host_cores) gloo moves the bytes with the same cores the ranks compute
-    # on: communication takes its time from compute instead of hiding under it. Every ZeRO stage reduces its
-    # buckets during backward, as data parallelism does (a pipeline's ZeRO-1 per stage as its backward ends).
-    overlap = overlap and not hw.host_cores
-    if plan.zero_stage == 3:
-        # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
-        # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
-        # unit blocks until the slowest replica joins
-        passes = plan.grad_accum
-        # one collective per unit, each paying its own latency: at a thousand ranks a ring's (P - 1) steps cost
-        # milliseconds per call, whatever the bytes
-        fwd = units * coll("all_gather", n_local * param_b / units)
-        reduce = units * coll("reduce_scatter", n_local * grad_b / units)
-        waits = 3 * units * hw.sync_skew_s
-        if not overlap:
-            return passes * (2 * fwd + reduce + waits)
-        exposed_f = max(fwd - forward, fwd / 8)
-        exposed_b = max(fwd + reduce - backward, (fwd + reduce) / 8)
-        return passes * (exposed_f + exposed_b + waits)
-    reduce += hw.sync_skew_s  # the reduction waits for the slowest replica
-    if not overlap:
-        return reduce + gather
-    # buckets start during the last pass's backward; the last bucket (1/8 at least) cannot overlap
-    return max(reduce - backward, reduce / 8) + gather
-
-
 def block_factors(hw: Hardware) -> Hardware:
     """``hw`` with ``fwd_factor`` / ``bwd_factor`` (and ``recompute_factor`` where the file has the
     checkpointed probe) from its measured probe block (unchanged without one): the block is predicted on
@@ -309,13 +260,14 @@ def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: 
     # the bottleneck rank sets the data-parallel window and the memory
     bottleneck = max(range(plan.pp), key=lambda r: flush.busy[r])
     rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(plan.pp)]
-    n_local = max(sum(local_params(layer, plan.tp) for layer in rl) for rl in rank_layers)
+    n_local, n_expert = max((sum(local_params(layer, plan.tp, plan.ep) for layer in rl),
+                             sum(expert_local(layer, plan.tp, plan.ep) for layer in rl)) for rl in rank_layers)
     tensors = max(len(rl) for rl in rank_layers) * 12
     last_b = sum(c.B + c.W for s in ranks[bottleneck] for c in costs[s])
     last_f = sum(c.F for s in ranks[bottleneck] for c in costs[s])
     units = max(len(rl) for rl in rank_layers)
-    dp = _dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units)
-    opt = optimizer_time(plan, hardware, n_local, tensors,
+    dp = dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units, n_expert)
+    opt = optimizer_time(plan, hardware, optimizer_elements(plan, n_local, n_expert), tensors,
                          fused=fused_for(runtime, hardware) if fused_optimizer is None else fused_optimizer,
                          multi_tensor=runtime == "shardwise")
     if runtime == "shardwise":
@@ -348,6 +300,10 @@ def _assemble(spec: ModelSpec, plan: Layout, hw: Hardware, stages: list[list[Any
         cp = plan.grad_accum * m * sum(c.cp_fwd + c.cp_bwd for s in ranks[r] for c in costs[s])
         breakdown = {"compute": busy - tp - cp, "tp_comm": tp, "cp_comm": cp, **{k: v for k, v in breakdown.items()
                                                                                 if k not in ("compute", "tp_comm")}}
+    if plan.ep > 1:  # the expert-parallel all-to-alls, named apart from compute
+        ep = plan.grad_accum * m * sum(c.ep_fwd + c.ep_bwd for s in ranks[r] for c in costs[s])
+        breakdown = {"compute": breakdown["compute"] - ep, "ep_comm": ep,
+                     **{k: v for k, v in breakdown.items() if k != "compute"}}
     # FLOPs per step over all devices: forward GEMMs × (1 forward + 2 backward + 1 recomputed forward), × cp ranks
     fwd = sum(c.flops_fwd for st in costs for c in st) * plan.tp * plan.cp  # the whole model, one micro-batch
     attn = sum(c.flops_attn for st in costs for c in st) * plan.tp * plan.cp

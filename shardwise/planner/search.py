@@ -116,15 +116,18 @@ def search(spec: ModelSpec, hardware: Hardware, *, devices: int, global_batch: i
                 continue  # a short sequence for the model, and cp = 1 fits: not searched (Space.cp_attention_share)
             local = spec.for_cp(cp)
             pins_cp = {**fixed, "cp": cp} if cp > 1 or "cp" in fixed else fixed
-            cache: dict = {}
-            lazy = LazyPool.build(local, hardware, devices=devices, global_batch=global_batch, pins=pins_cp,
-                                  space=space, budget=budget, runtime=runtime, cache=cache)
-            best, n = _branch_and_bound(local, hardware, lazy, global_batch, budget, top, runtime, cache, best)
-            evaluated += n
-            pools.append((local, lazy, cache))
-            for r in lazy.regions.values():
-                _note(regions, r.reason, r.count, r.example, r.need_bytes)
-            total += lazy.total
+            # and one per expert-parallel degree (ep = 1 first; each with its own cache: costs depend on ep)
+            for ep in ep_options(spec, devices, cp, fixed):
+                pins_ep = {**pins_cp, "ep": ep} if ep > 1 or "ep" in fixed else pins_cp
+                cache: dict = {}
+                lazy = LazyPool.build(local, hardware, devices=devices, global_batch=global_batch, pins=pins_ep,
+                                      space=space, budget=budget, runtime=runtime, cache=cache)
+                best, n = _branch_and_bound(local, hardware, lazy, global_batch, budget, top, runtime, cache, best)
+                evaluated += n
+                pools.append((local, lazy, cache))
+                for r in lazy.regions.values():
+                    _note(regions, r.reason, r.count, r.example, r.need_bytes)
+                total += lazy.total
     if not best:
         _raise_infeasible(hardware, pools, global_batch, budget, runtime, devices)
     total += sum(r.count for r in regions.values() if r.reason.startswith("invalid"))
@@ -177,6 +180,22 @@ def cp_options(spec: ModelSpec, devices: int, fixed: Mapping[str, Any], space: S
     return [cp for cp in sorted(set(space.context_parallel) | {1})
             if cp == 1 or (attention and devices % (cp * pinned) == 0 and spec.seq_len % (2 * cp) == 0
                            and (not full or cp * pinned == devices))]
+
+
+def ep_options(spec: ModelSpec, devices: int, cp: int, fixed: Mapping[str, Any]) -> list[int]:
+    """The expert-parallel degrees to search at ``cp``: the pinned one, else every divisor of the model's expert
+    count that divides the ``devices / cp`` ranks (``layouts`` keeps the ``dp`` each divides); ``[1]`` for a dense
+    model. ``ValueError`` for a pin that cannot be."""
+    experts = spec.n_experts
+    if "ep" in fixed:
+        ep = fixed["ep"]
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or devices % ep:
+            raise ValueError(f"pin ep = {ep!r} must be a positive divisor of the {devices} devices")
+        if ep > 1 and (not experts or experts % ep):
+            raise ValueError(f"pin ep = {ep} must divide the model's routed experts ({experts}); pin an ep among "
+                             f"{[d for d in range(1, experts + 1) if experts % d == 0] or [1]}")
+        return [ep]
+    return [ep for ep in range(1, experts + 1) if experts % ep == 0 and (devices // cp) % ep == 0] or [1]
 
 
 def _branch_and_bound(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batch: int, budget: float, top: int,

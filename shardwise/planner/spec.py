@@ -15,10 +15,12 @@ a fused (flash) attention kernel that keeps only ``O(s)`` statistics.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from .builders import gpt_layers, llama_layers
+from .moe_builders import gpt_mlp_part, is_moe_layer, llama_mlp_part, moe_part, swap_mlp
 from .layers import Gemm, Layer
+from .hf_spec import hf_layers, read_hf, tp_divisors as hf_tp_divisors
 from .trace import trace_fields
 
 __all__ = ["Gemm", "Layer", "ModelSpec"]
@@ -44,6 +46,17 @@ class ModelSpec:
     @property
     def params(self) -> int:
         return sum(layer.params - layer.shared for layer in self.layers)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: ``params`` less the routed experts it is not sent to (equal to
+        ``params`` for a dense model)."""
+        return self.params - sum(layer.inactive for layer in self.layers)
+
+    @property
+    def n_experts(self) -> int:
+        """Routed experts per MoE layer (0: dense)."""
+        return max((g.experts for layer in self.layers for g in layer.gemms), default=0)
 
     @property
     def blocks(self) -> int:
@@ -77,6 +90,8 @@ class ModelSpec:
             return ModelSpec.gpt(**{**self.meta["args"], "seq_len": seq_len})
         if builder == "llama":
             return ModelSpec.llama(**{**self.meta["args"], "seq_len": seq_len})
+        if builder == "hf":
+            return ModelSpec.from_hf(**{**self.meta["args"], "seq_len": seq_len})
         raise ValueError(f"model spec {self.name!r} was traced at seq_len={self.seq_len}; trace it again with "
                          f"inputs of length {seq_len}")
 
@@ -84,18 +99,24 @@ class ModelSpec:
     @staticmethod
     def gpt(config: Any = None, *, n_layer: int = 0, n_embd: int = 0, n_head: int = 0, vocab_size: int = 0,
             seq_len: int = 0, block_size: int = 0, tie_weights: bool = True, bias: bool = True,
-            dropout: bool | None = None, attention: str = "flash", name: str = "gpt") -> "ModelSpec":
+            dropout: bool | None = None, attention: str = "flash", name: str = "gpt",
+            **moe: Any) -> "ModelSpec":
         """The reference GPT (``shardwise.models.gpt``) from its config or from the numbers.
 
         ``attention="unfused"`` with ``dropout=True`` is Megatron-LM's 2021 GPT (the published tables);
-        the default describes ``shardwise.models.GPT`` (fused SDPA, dropout as configured)."""
+        the default describes ``shardwise.models.GPT`` (fused SDPA, dropout as configured). ``moe``: the
+        mixture-of-experts fields of ``GPTConfig`` (``n_experts`` (0 = dense), ``top_k``, ``moe_ffn`` (0 =
+        4·n_embd / top_k), ``n_shared_experts``, ``moe_every``, ``moe_first_dense``) and ``moe_imbalance`` (the most
+        loaded expert-parallel rank's tokens over the mean, default 1.0), read from ``config`` when given."""
         if config is not None:
             n_layer, n_embd, n_head = config.n_layer, config.n_embd, config.n_head
             vocab_size, block_size = config.vocab_size, config.block_size
             tie_weights, bias = config.tie_weights, config.bias
             dropout = config.dropout > 0 if dropout is None else dropout
+            moe = {**{k: getattr(config, k) for k in _MOE_FIELDS if hasattr(config, k)}, **moe}
+        moe = _moe_args(moe, default_ffn=lambda k: max(1, 4 * n_embd // k), where="ModelSpec.gpt")
         args = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, block_size=block_size,
-                    tie_weights=tie_weights, bias=bias, dropout=bool(dropout), attention=attention, name=name)
+                    tie_weights=tie_weights, bias=bias, dropout=bool(dropout), attention=attention, name=name, **moe)
         s = seq_len or block_size
         for key, value in (("n_layer", n_layer), ("n_embd", n_embd), ("n_head", n_head),
                            ("vocab_size", vocab_size), ("seq_len", s)):
@@ -105,17 +126,19 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.gpt: n_embd ({n_embd}) must be divisible by n_head ({n_head})")
         layers = gpt_layers(n_layer=n_layer, h=n_embd, a=n_head, v=vocab_size, s=s, positions=block_size or s,
                             tie=tie_weights, bias=bias, dropout=bool(dropout), attention=attention)
+        layers = _with_moe(layers, moe, s=s, h=n_embd, dense=gpt_mlp_part(s=s, h=n_embd, bias=bias))
         return ModelSpec(name=name, seq_len=s, layers=layers, hidden=n_embd, heads=n_head, kv_heads=n_head,
-                         vocab=vocab_size, attention=attention, tp_divisors=(n_head, vocab_size),
+                         vocab=vocab_size, attention=attention,
+                         tp_divisors=(n_head, vocab_size) + _moe_widths(moe),
                          meta={"builder": "gpt", "args": {**args, "seq_len": s}})
 
     @staticmethod
     def llama(*, n_layer: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
               vocab_size: int, seq_len: int, tie_weights: bool = False, attention: str = "flash",
-              name: str = "llama") -> "ModelSpec":
+              name: str = "llama", **moe: Any) -> "ModelSpec":
         """A Llama-style decoder: RMSNorm, rotary positions (no position table), grouped-query attention with
         ``kv_heads`` key/value heads, SwiGLU MLP of width ``ffn`` (default ``8/3·hidden`` rounded up to 256),
-        no biases, untied head."""
+        no biases, untied head. ``moe``: as ``gpt`` (``moe_ffn`` 0 = ``ffn``)."""
         kv_heads = kv_heads or heads
         ffn = ffn or 256 * -(-int(8 * hidden / 3) // 256)
         for key, value in (("n_layer", n_layer), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
@@ -125,13 +148,33 @@ class ModelSpec:
         if hidden % heads or heads % kv_heads:
             raise ValueError(f"ModelSpec.llama: heads ({heads}) must divide hidden ({hidden}) and kv_heads "
                              f"({kv_heads}) must divide heads")
+        moe = _moe_args(moe, default_ffn=lambda k: ffn, where="ModelSpec.llama")
         layers = llama_layers(n_layer=n_layer, h=hidden, a=heads, kv=kv_heads, f=ffn, v=vocab_size, s=seq_len,
                               tie=tie_weights, attention=attention)
+        layers = _with_moe(layers, moe, s=seq_len, h=hidden, dense=llama_mlp_part(s=seq_len, h=hidden, ffn=ffn))
         args = dict(n_layer=n_layer, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
-                    vocab_size=vocab_size, seq_len=seq_len, tie_weights=tie_weights, attention=attention, name=name)
+                    vocab_size=vocab_size, seq_len=seq_len, tie_weights=tie_weights, attention=attention, name=name,
+                    **moe)
         return ModelSpec(name=name, seq_len=seq_len, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                         vocab=vocab_size, attention=attention, tp_divisors=(kv_heads, ffn, vocab_size),
+                         vocab=vocab_size, attention=attention,
+                         tp_divisors=(kv_heads, ffn, vocab_size) + _moe_widths(moe),
                          meta={"builder": "llama", "args": args})
+
+    @staticmethod
+    def from_hf(config: Mapping[str, Any], *, seq_len: int, attention: str = "flash", moe_imbalance: float = 1.0,
+                name: str = "") -> "ModelSpec":
+        """A Hugging Face decoder from its ``config.json`` dict (``hf_spec``: Llama-like, ``mixtral``,
+        ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``, ``deepseek_v3``) at ``seq_len`` tokens."""
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"ModelSpec.from_hf needs a positive int seq_len, got {seq_len!r}")
+        _check_imbalance(moe_imbalance, "ModelSpec.from_hf")
+        shape = read_hf(config)
+        layers = hf_layers(shape, s=seq_len, attention=attention, imbalance=moe_imbalance)
+        name = name or f"hf-{shape.model_type}"
+        args = dict(config=dict(config), attention=attention, moe_imbalance=moe_imbalance, name=name)
+        return ModelSpec(name=name, seq_len=seq_len, layers=layers, hidden=shape.hidden, heads=shape.heads,
+                         kv_heads=shape.kv_heads, vocab=shape.vocab, attention=attention,
+                         tp_divisors=hf_tp_divisors(shape), meta={"builder": "hf", "args": args})
 
     @staticmethod
     def trace(module: Any, example_inputs: Any, *, loss_fn: Any = None, name: str = "") -> "ModelSpec":
@@ -173,3 +216,53 @@ class ModelSpec:
         chosen |= {layer.tied for layer in self.layers if layer.name in chosen and layer.tied}
         layers = tuple(replace(layer, replicated=True) if layer.name in chosen else layer for layer in self.layers)
         return replace(self, layers=layers)
+
+
+_MOE_FIELDS = ("n_experts", "top_k", "moe_ffn", "n_shared_experts", "moe_every", "moe_first_dense")
+_MOE_DEFAULTS = dict(n_experts=0, top_k=2, moe_ffn=0, n_shared_experts=0, moe_every=1, moe_first_dense=0,
+                     moe_imbalance=1.0)
+
+
+def _check_imbalance(value: Any, where: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: moe_imbalance is the most loaded expert-parallel rank's tokens over the mean, "
+                         f"a number >= 1 (1.0: ideal balance), got {value!r}")
+
+
+def _moe_args(moe: dict[str, Any], *, default_ffn: Callable[[int], int], where: str) -> dict[str, Any]:
+    """The MoE keyword arguments resolved (``moe_ffn`` 0 → the default width); ``{}`` for a dense model (so
+    that a dense spec's ``meta`` is what it was). ``ValueError`` naming a bad field."""
+    unknown = sorted(set(moe) - set(_MOE_DEFAULTS))
+    if unknown:
+        raise TypeError(f"{where} got unexpected keyword argument(s) {unknown}; MoE fields: {sorted(_MOE_DEFAULTS)}")
+    args = {**_MOE_DEFAULTS, **moe}
+    if not args["n_experts"]:
+        return {}
+    for key in ("n_experts", "top_k", "moe_every"):
+        if not isinstance(args[key], int) or args[key] < 1:
+            raise ValueError(f"{where}: {key} must be a positive int for an MoE, got {args[key]!r}")
+    if args["top_k"] > args["n_experts"]:
+        raise ValueError(f"{where}: top_k ({args['top_k']}) must be <= n_experts ({args['n_experts']})")
+    _check_imbalance(args["moe_imbalance"], where)
+    return {**args, "moe_ffn": args["moe_ffn"] or default_ffn(args["top_k"])}
+
+
+def _with_moe(layers: tuple[Layer, ...], moe: dict[str, Any], *, s: int, h: int, dense: dict[str, Any]) -> tuple[Layer, ...]:
+    """``layers`` with the MLP of every MoE block (``moe_builders.is_moe_layer``) swapped for the MoE part."""
+    if not moe:
+        return layers
+    part = moe_part(s=s, h=h, n_experts=moe["n_experts"], top_k=moe["top_k"], ffn=moe["moe_ffn"],
+                    shared_ffn=moe["n_shared_experts"] * moe["moe_ffn"], imbalance=moe["moe_imbalance"])
+    out, i = [], 0
+    for layer in layers:
+        if layer.kind == "block":
+            if is_moe_layer(i, moe["n_experts"], moe["moe_first_dense"], moe["moe_every"]):
+                layer = swap_mlp(layer, dense, part)
+            i += 1
+        out.append(layer)
+    return tuple(out)
+
+
+def _moe_widths(moe: dict[str, Any]) -> tuple[int, ...]:
+    """What tensor parallelism must divide besides the dense model's: the expert width."""
+    return (moe["moe_ffn"],) if moe else ()

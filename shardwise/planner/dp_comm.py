@@ -1,0 +1,79 @@
+"""The data-parallel side of a step as ``predict`` costs it: the gradient reduction (and ZeRO's parameter
+gathers) over the ranks that hold the same parameters, exposed after what the last backward hides.
+
+With expert parallelism (``Layout.ep > 1``, ``moe`` module doc) a rank's parameters are in two groups: the dense
+ones, held by all ``dp × cp`` ranks, and its routed experts, held by the ``dp × cp / ep`` ranks of its expert
+group (``tp · ep`` apart). ``dp_comm`` prices each over its own group and adds them.
+"""
+
+from __future__ import annotations
+
+
+from .hardware import Hardware
+from .plan import Layout
+
+__all__ = ["dp_comm", "_dp_comm"]
+
+
+def dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
+            units: int = 1, n_expert: float = 0.0) -> float:
+    """Exposed seconds per step of the gradient reduction of a rank's ``n_local`` parameter elements, of which
+    ``n_expert`` are routed experts' (see module doc): ``_dp_comm`` of the dense part over ``dp × cp`` plus that
+    of the expert part over the expert group."""
+    if plan.ep == 1 or not n_expert:
+        return _dp_comm(plan, hw, n_local, backward, forward, overlap, units)
+    dense = _dp_comm(plan, hw, n_local - n_expert, backward, forward, overlap, units) if n_local > n_expert else 0.0
+    return dense + _dp_comm(plan, hw, n_expert, backward, forward, overlap, units, expert=True)
+
+
+def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
+             units: int = 1, expert: bool = False) -> float:
+    """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers) over the dp × cp
+    group (``Layout.zero_group``: context-parallel ranks hold the same parameters); ``expert``: over the expert
+    group of ``plan`` (``Layout.expert_group``, ranks ``tp · ep`` apart)."""
+    group = plan.expert_group if expert else plan.zero_group
+    if group == 1:
+        return 0.0
+    per_node = min(group, max(1, hw.devices_per_node // (plan.tp * (plan.ep if expert else 1))))
+    grad_b = 2 if plan.precision == "bf16-mixed" else 4
+    param_b = 2 if plan.precision == "bf16-mixed" else 4
+    # data parallelism's gradient all-reduce runs ``parallel.algorithm`` (auto: the calibration's fastest), a
+    # pipeline's the backend's own; ``sw.zero`` follows ``parallel.algorithm`` too where the run has a
+    # calibration for dp's group (the one predicted with), else (and ZeRO-1 inside a pipeline) runs our ring on
+    # a CPU host (gloo's own reduce-scatter is 2-3x slower there) and the backend's collectives on GPUs
+    if plan.zero_stage == 0:
+        algorithm = "native" if plan.pp > 1 else "auto"
+    elif plan.pp == 1 and group in hw.collectives and not expert:
+        algorithm = "auto"  # sw.zero follows parallel.algorithm = auto where the run has this calibration
+    else:
+        algorithm = "ring" if hw.host_cores else "native"
+    coll = lambda op, nbytes: hw.collective_time(op, nbytes, group, per_node=per_node,  # noqa: E731
+                                                 algorithm=algorithm)
+    # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
+    # keeps the averaged shard it updates) and stages 1-2 all-gather the updated parameters after the step
+    reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_local * grad_b)
+    gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
+    # On a CPU host (a calibration with host_cores) gloo moves the bytes with the same cores the ranks compute
+    # on: communication takes its time from compute instead of hiding under it. Every ZeRO stage reduces its
+    # buckets during backward, as data parallelism does (a pipeline's ZeRO-1 per stage as its backward ends).
+    overlap = overlap and not hw.host_cores
+    if plan.zero_stage == 3:
+        # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
+        # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
+        # unit blocks until the slowest replica joins
+        passes = plan.grad_accum
+        # one collective per unit, each paying its own latency: at a thousand ranks a ring's (P - 1) steps cost
+        # milliseconds per call, whatever the bytes
+        fwd = units * coll("all_gather", n_local * param_b / units)
+        reduce = units * coll("reduce_scatter", n_local * grad_b / units)
+        waits = 3 * units * hw.sync_skew_s
+        if not overlap:
+            return passes * (2 * fwd + reduce + waits)
+        exposed_f = max(fwd - forward, fwd / 8)
+        exposed_b = max(fwd + reduce - backward, (fwd + reduce) / 8)
+        return passes * (exposed_f + exposed_b + waits)
+    reduce += hw.sync_skew_s  # the reduction waits for the slowest replica
+    if not overlap:
+        return reduce + gather
+    # buckets start during the last pass's backward; the last bucket (1/8 at least) cannot overlap
+    return max(reduce - backward, reduce / 8) + gather
