@@ -29,6 +29,7 @@ from .parallel.common.mixed_precision import MixedPrecision
 from .parallel.common.compile import CompileStats, compile, compile_stats
 from .parallel.tensor.apply_plan import (ColumnParallel, ContextParallel, QKVParallel, RowParallel, SequenceParallel,
                                          VocabParallel, gpt_plan, parallelize, vocab_parallel_cross_entropy)
+from .parallel.expert.style import ExpertParallel
 from .parallel.zero.wrap import zero
 from .parallel.pipeline.build import Pipeline, pipeline
 from .parallel.auto import ParallelizePlan, Plan, auto
@@ -61,6 +62,8 @@ __all__ = [
     # tensor parallelism: styles, the GPT plan, the loss over vocabulary-split logits
     "parallelize", "ColumnParallel", "RowParallel", "VocabParallel", "QKVParallel", "SequenceParallel", "gpt_plan",
     "vocab_parallel_cross_entropy",
+    # mixtures of experts: experts split over an axis whose ranks hold the same tokens
+    "ExpertParallel",
     # ZeRO and pipelines
     "zero", "pipeline", "Pipeline",
     # context parallelism: ring attention over a sequence split along one mesh axis

@@ -5,8 +5,12 @@ ids, ``use_cache``, ``torch_dtype``, ``architectures`` ...) is ignored because i
 ``shardwise.models.llama.Llama`` computes in training. What the native model does not implement is refused
 with one line naming the field, its value and what is supported — never silently approximated:
 
-* ``model_type``: ``llama``, ``mistral``, ``qwen2`` (MoE families such as ``mixtral`` or ``qwen2_moe`` are
-  other model types and refused by name);
+* ``model_type``: the dense ``llama``, ``mistral``, ``qwen2``, ``qwen3`` and the mixtures of experts ``mixtral``
+  (every layer MoE, top-k renormalised), ``qwen2_moe`` (a shared expert with its sigmoid gate, ``norm_topk_prob``,
+  ``decoder_sparse_step``, ``mlp_only_layers``) and ``qwen3_moe`` (as qwen2_moe without the shared expert; q/k
+  RMSNorm per head as ``qwen3``); the MoE layers are ``shardwise.models.moe.MoE`` (softmax router);
+* a router with ``router_jitter_noise`` > 0 (Mixtral's training-time input noise) is refused, and so is a
+  renormalised top-1 router (its weight is always 1: the MoE block renormalises top-k > 1 only);
 * ``hidden_act``: ``silu`` (SwiGLU);
 * rotary scaling (``rope_scaling`` / ``rope_parameters``): ``default``, ``linear`` (frequencies divided by
   ``factor``) and ``llama3`` (Llama 3.1's wavelength-dependent scaling); ``partial_rotary_factor`` 1 only;
@@ -25,9 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["HFDecoderConfig", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["HFDecoderConfig", "load_hf_config", "SUPPORTED_MODEL_TYPES", "MOE_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 # Per model type: (q/k/v bias, o bias) when the file does not say (llama: ``attention_bias`` sets both; qwen2:
@@ -36,7 +41,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
     "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "qwen2_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
 }
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # sliding window only with use_sliding_window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +83,27 @@ class HFDecoderConfig:
     initializer_range: float = 0.02
     sliding_window: int | None = None
     """A window that the model type would apply (Mistral; Qwen2 with ``use_sliding_window``); None: none."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before the rotary embedding (``qwen3``, ``qwen3_moe``)."""
+    num_experts: int = 0
+    """Routed experts of an MoE layer (``num_local_experts`` in Mixtral's file); 0: a dense decoder."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    """Width of one expert (Mixtral: its ``intermediate_size``)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's shared expert (gated by a sigmoid of ``shared_expert_gate``); 0: none."""
+    norm_topk_prob: bool = False
+    """Divide the chosen top-k probabilities by their sum (Mixtral always does)."""
+    router_aux_loss_coef: float = 0.0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     source: str = ""
     """Where it was read from (for messages)."""
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is an MoE layer (HF's rule: experts on, not in ``mlp_only_layers``, and
+        ``(i + 1) % decoder_sparse_step == 0``). Pure."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +125,23 @@ class HFDecoderConfig:
             d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
         if self.model_type == "mistral":
             d["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen3", "qwen3_moe"):
+            d["attention_bias"] = self.qkv_bias
+        return {**d, **self._moe_dict()}
+
+    def _moe_dict(self) -> dict[str, Any]:
+        """The MoE fields of ``hf_dict``, under each type's own names."""
+        if self.model_type not in MOE_TYPES:
+            return {}
+        d: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok,
+                             "router_aux_loss_coef": self.router_aux_loss_coef}
+        if self.model_type == "mixtral":
+            return {**d, "num_local_experts": self.num_experts, "router_jitter_noise": 0.0}
+        d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                 norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                 mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == "qwen2_moe":
+            d.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size, qkv_bias=self.qkv_bias)
         return d
 
     def check_block_size(self, block_size: int) -> None:
@@ -138,13 +184,13 @@ def hf_config_from_dict(raw: Mapping[str, Any], *, source: str = "") -> HFDecode
     mt = raw.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{where}: model_type = {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                         f"(dense Llama-family decoders)")
+                         f"(Llama-family decoders and their mixtures of experts)")
     d = _DEFAULTS[mt]
     get = _Reader(raw, where)
     heads = get.int("num_attention_heads")
     hidden = get.int("hidden_size")
     kv = get.int("num_key_value_heads", heads)
-    head_dim = get.int("head_dim", hidden // heads if hidden % heads == 0 else 0)
+    head_dim = get.int("head_dim", d.get("head_dim") or (hidden // heads if hidden % heads == 0 else 0))
     if heads % kv:
         raise ValueError(f"{where}: num_attention_heads = {heads} must be a multiple of num_key_value_heads = {kv} "
                          f"(grouped-query attention shares each key/value head among a whole group of query heads)")
@@ -153,11 +199,10 @@ def hf_config_from_dict(raw: Mapping[str, Any], *, source: str = "") -> HFDecode
         raise ValueError(f"{where}: hidden_act = {act!r} is not supported; supported: 'silu' (SwiGLU)")
     if raw.get("pretraining_tp", 1) not in (1, None):
         raise ValueError(f"{where}: pretraining_tp = {raw['pretraining_tp']!r} is not supported; supported: 1")
-    rope = _rope(raw, where)
-    qkv_bias = bool(raw.get("attention_bias", False)) if mt != "qwen2" else True
-    o_bias = bool(raw.get("attention_bias", False)) if mt == "llama" else False
-    window = raw.get("sliding_window", d.get("sliding_window")) if mt == "mistral" else (
-        raw.get("sliding_window", 4096) if mt == "qwen2" and raw.get("use_sliding_window", False) else None)
+    rope = _rope(raw, where, d.get("rope_theta", 10000.0))
+    qkv_bias, o_bias = _biases(raw, mt)
+    window = raw.get("sliding_window", d.get("sliding_window")) if mt in ("mistral", "mixtral") else (
+        raw.get("sliding_window", 4096) if mt in _QWEN and raw.get("use_sliding_window", False) else None)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"{where}: sliding_window = {window!r} must be a positive int or null")
     dropout = get.float("attention_dropout", 0.0)
@@ -171,10 +216,58 @@ def hf_config_from_dict(raw: Mapping[str, Any], *, source: str = "") -> HFDecode
         max_position_embeddings=get.int("max_position_embeddings", d["max_position_embeddings"]),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) if mt == "llama" else False, attention_dropout=dropout,
-        initializer_range=get.float("initializer_range", 0.02), sliding_window=window, source=source)
+        initializer_range=get.float("initializer_range", 0.02), sliding_window=window,
+        qk_norm=mt in ("qwen3", "qwen3_moe"), **_moe_fields(raw, mt, get, where), source=source)
 
 
-def _rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _biases(raw: Mapping[str, Any], mt: str) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias): llama and qwen3 types' ``attention_bias`` sets both; qwen2 always has the q/k/v
+    bias, qwen2_moe as its ``qkv_bias`` says (default on); mistral and mixtral have none."""
+    flag = bool(raw.get("attention_bias", False))
+    if mt in ("llama", "qwen3", "qwen3_moe"):
+        return flag, flag
+    if mt == "qwen2":
+        return True, False
+    if mt == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True)), False
+    return flag, False
+
+
+def _moe_fields(raw: Mapping[str, Any], mt: str, get: "_Reader", where: str) -> dict[str, Any]:
+    """The MoE fields of a ``mixtral``/``qwen2_moe``/``qwen3_moe`` config (absent fields: transformers'
+    defaults); {} for a dense type."""
+    if mt not in MOE_TYPES:
+        return {}
+    mixtral = mt == "mixtral"
+    # transformers names the count either way (an attribute_map): Qwen3-MoE's save_pretrained writes num_local_experts
+    key = "num_local_experts" if raw.get("num_local_experts") is not None else "num_experts"
+    experts = get.int(key, 8 if mixtral else (60 if mt == "qwen2_moe" else 128))
+    top_k = get.int("num_experts_per_tok", 2 if mixtral else (4 if mt == "qwen2_moe" else 8))
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok = {top_k} exceeds the {experts} experts; it must be at most "
+                         f"the expert count")
+    renorm = True if mixtral else bool(raw.get("norm_topk_prob", False))
+    if renorm and top_k == 1:
+        raise ValueError(f"{where}: a renormalised top-1 router ({'mixtral' if mixtral else 'norm_topk_prob = true'}, "
+                         f"num_experts_per_tok = 1) is not supported; use num_experts_per_tok >= 2"
+                         + ("" if mixtral else " or norm_topk_prob false"))
+    jitter = get.float("router_jitter_noise", 0.0)
+    if jitter:
+        raise ValueError(f"{where}: router_jitter_noise = {jitter} is not supported (training-time input noise); "
+                         f"set it to 0.0")
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"{where}: mlp_only_layers = {only!r} must be a list of layer indices")
+    shared = get.int("shared_expert_intermediate_size", 5632) if mt == "qwen2_moe" else 0
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": renorm,
+            "moe_intermediate_size": get.int("intermediate_size" if mixtral else "moe_intermediate_size",
+                                             14336 if mixtral else (1408 if mt == "qwen2_moe" else 768)),
+            "shared_expert_intermediate_size": shared, "mlp_only_layers": tuple(sorted(set(only))),
+            "router_aux_loss_coef": get.float("router_aux_loss_coef", 0.001),
+            "decoder_sparse_step": 1 if mixtral else get.int("decoder_sparse_step", 1)}
+
+
+def _rope(raw: Mapping[str, Any], where: str, theta: float = 10000.0) -> dict[str, Any]:
     """The ``rope_*`` fields from the old (``rope_theta`` + ``rope_scaling``) or the new (``rope_parameters``)
     spelling."""
     params = raw.get("rope_parameters") or {}
@@ -189,7 +282,7 @@ def _rope(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor = {partial!r} is not supported; supported: 1.0")
-    out: dict[str, Any] = {"rope_theta": merged.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_type": kind}
+    out: dict[str, Any] = {"rope_theta": merged.get("rope_theta", raw.get("rope_theta", theta)), "rope_type": kind}
     if kind != "default":
         out["rope_factor"] = merged.get("factor")
     if kind == "llama3":
@@ -213,7 +306,8 @@ class _Reader:
         self.raw, self.where = raw, where
 
     def int(self, key: str, default: int | None = None) -> int:
-        value = self.raw.get(key, default)
+        value = self.raw.get(key)
+        value = default if value is None else value  # null in the file: the type's default, as transformers reads it
         if value is None:
             raise ValueError(f"{self.where}: the field {key!r} is missing; a Llama-family config.json gives it")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

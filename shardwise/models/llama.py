@@ -1,5 +1,5 @@
-"""A native Llama-family decoder (Llama, Mistral, Qwen2) built from a Hugging Face config, with no parallel code
-inside and no dependency on ``transformers``.
+"""A native Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE) built from a Hugging Face config, with no parallel code inside and no dependency on ``transformers``.
 
 Parameter names are Hugging Face's, so a ``state_dict`` moves between this model and ``LlamaForCausalLM`` /
 ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` with ``load_state_dict`` (the rotary table is computed, not a
@@ -7,6 +7,11 @@ buffer, exactly as HF's non-persistent ``inv_freq``)::
 
     model.embed_tokens, model.layers[i].{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
     mlp.{gate,up,down}_proj}, model.norm, lm_head
+
+An MoE layer's ``mlp`` is ``shardwise.models.moe.MoE`` (``llama_moe.py``), whose names are transformers 5's:
+``mlp.gate.weight``, ``mlp.experts.{gate_up_proj,down_proj}``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``
+(the Hub files' per-expert layout is ``checkpoint/hf_map.py``'s business). Qwen3 types add
+``self_attn.{q_norm,k_norm}`` (an RMSNorm over each head).
 
 ``lm_head.weight`` *is* ``model.embed_tokens.weight`` with ``tie_word_embeddings``. Shapes: ``b`` batch, ``t``
 sequence, ``h`` hidden, ``nh`` query heads, ``nkv`` key/value heads, ``hd`` head_dim, ``f`` intermediate,
@@ -32,6 +37,7 @@ from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import ColumnParallel, RowParallel, SequenceParallel, Style, VocabParallel
 from .hf_config import HFDecoderConfig
 from .kv_cache import KVCache, cached_attention
+from .llama_moe import feed_forward_plan, moe_block, moe_param_init
 
 __all__ = ["Llama", "RMSNorm", "rotary_tables"]
 
@@ -115,6 +121,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's hd features, before the rotary embedding
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def rotary(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(cos, sin)`` (t, hd) of the ``t`` tokens attention sees: positions ``0 .. t-1``, or the
@@ -131,8 +140,10 @@ class Attention(nn.Module):
         # projections gather the sequence that ``x`` holds a slice of.
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, t = q.size(0), q.size(1)
-        q = q.view(b, t, -1, hd).transpose(1, 2)  # (b, nh, t, hd)
-        k = k.view(b, t, -1, hd).transpose(1, 2)  # (b, nkv, t, hd)
+        q, k = q.view(b, t, -1, hd), k.view(b, t, -1, hd)
+        if self._hf.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, nh, t, hd), (b, nkv, t, hd)
         v = v.view(b, t, -1, hd).transpose(1, 2)
         # the tables in the dtype of the attention's input, as HF's (the residual stream's, under autocast too)
         cos, sin = tables if tables is not None else self.rotary(t, x.device, x.dtype)
@@ -189,14 +200,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-RMSNorm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. The attention builds its own rotary
-    tables, so a layer is a ``Tensor -> Tensor`` unit (pipeline stages, checkpointing)."""
+    tables, so a layer is a ``Tensor -> Tensor`` unit (pipeline stages, checkpointing). Layer ``i``'s ``mlp`` is
+    an MoE block where the config says so (``HFDecoderConfig.is_moe_layer``)."""
 
-    def __init__(self, c: HFDecoderConfig) -> None:
+    def __init__(self, c: HFDecoderConfig, i: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = moe_block(c) if c.is_moe_layer(i) else MLP(c)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -215,7 +227,7 @@ class DecoderStack(nn.Module):
     def __init__(self, c: HFDecoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -250,6 +262,9 @@ class Llama(nn.Module):
             return Constant(0.0)
         if isinstance(module, RMSNorm):
             return Constant(1.0)
+        moe = moe_param_init(module, attr, self.config.initializer_range)
+        if moe is not None:
+            return moe
         if isinstance(module, (nn.Linear, nn.Embedding)):
             return Normal(0.0, self.config.initializer_range)
         return None
@@ -294,7 +309,8 @@ class Llama(nn.Module):
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, Style]:
         """Megatron's pairing for this decoder: q/k/v column-parallel in whole heads (query and key/value heads
         split alike, so every rank keeps whole GQA groups), ``o_proj`` row-parallel; gate/up column, down row;
-        vocabulary-parallel embedding and head. With sequence parallelism also the RMSNorms (their weights'
+        vocabulary-parallel embedding and head; MoE layers: ``ExpertParallel`` experts over tp (``llama_moe``). With
+        sequence parallelism also the RMSNorms (their weights'
         gradients summed over tp once per layer): the q/k/v projections gather the sequence before the
         attention builds its rotary tables, so the positions are those of the whole sequence."""
         c = self.config
@@ -303,9 +319,7 @@ class Llama(nn.Module):
             "model.layers.*.self_attn.q_proj": ColumnParallel(heads=c.num_attention_heads),
             "model.layers.*.self_attn.k_proj": ColumnParallel(heads=c.num_key_value_heads),
             "model.layers.*.self_attn.v_proj": ColumnParallel(heads=c.num_key_value_heads),
-            "model.layers.*.self_attn.o_proj": RowParallel(),
-            "model.layers.*.mlp.gate_proj": ColumnParallel(), "model.layers.*.mlp.up_proj": ColumnParallel(),
-            "model.layers.*.mlp.down_proj": RowParallel()}
+            "model.layers.*.self_attn.o_proj": RowParallel(), **feed_forward_plan(c)}
         if sequence_parallel:
             plan.update({"model.layers.*.input_layernorm": SequenceParallel(),
                          "model.layers.*.post_attention_layernorm": SequenceParallel(),

@@ -13,6 +13,11 @@ contiguous run; the per-expert counts travel first (one all-to-all of ``ep × E/
 for the grouped matmul; the way back is the same in reverse, and autograd runs both all-to-alls again in
 backward (``comm.alltoall``). An expert that receives no token runs a zero-row matmul: its gradient is zero,
 never missing.
+
+Replicated tokens (``ExpertShard(..., replicated=True)``, what ``sw.ExpertParallel`` sets): every rank of the
+axis holds the same tokens (a tensor-parallel axis), so nothing travels to the experts; each rank runs only the
+assignments of its own block (the others come back as zeros) and the (N, k, h) outputs are summed over the axis
+(forward all-reduce, backward identity), the input's gradient summed in backward (the Megatron pair).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch import Tensor
 
 from ...mesh import Mesh
 
-__all__ = ["ExpertShard", "route", "regroup_index"]
+__all__ = ["ExpertShard", "route", "regroup_index", "local_ids"]
 
 ExpertsFn = Callable[[Tensor, list[int]], Tensor]
 """``experts(x, counts)``: rows of ``x`` (M, h) grouped by local expert, ``counts[j]`` rows for expert j → (M, h)."""
@@ -40,6 +45,8 @@ class ExpertShard:
     axis: str
     n_experts: int
     algorithm: str = "native"
+    replicated: bool = False
+    """Whether the ranks of ``axis`` hold the same tokens (see the module docstring) rather than different ones."""
 
     @property
     def size(self) -> int:
@@ -61,6 +68,8 @@ def route(x: Tensor, experts_of: Tensor, n_experts: int, experts: ExpertsFn,
     """Each assignment's expert output: ``x`` (N, h), ``experts_of`` (N, k) int64 expert ids (``-1``: dropped)
     → (N, k, h). ``shard``: None runs every expert here; else the experts live on ``shard``'s axis and the
     tokens travel there and back (collective over that axis: every rank must call, tokens or not)."""
+    if shard is not None and shard.replicated:
+        return _replicated(x, experts_of, experts, shard)
     n, k = experts_of.shape
     flat = experts_of.reshape(-1)  # (N·k,) assignment a is token a // k
     kept = (flat >= 0).nonzero().squeeze(1)
@@ -74,6 +83,22 @@ def route(x: Tensor, experts_of: Tensor, n_experts: int, experts: ExpertsFn,
     full = x.new_zeros(n * k, x.size(1))
     full = full.index_copy(0, order, out)  # every kept assignment written once: deterministic
     return full.view(n, k, x.size(1))
+
+
+def local_ids(experts_of: Tensor, first: int, local: int) -> Tensor:
+    """Global expert ids → ids within the block ``[first, first + local)``; ``-1`` outside it (and for ``-1``)."""
+    ids = experts_of - first
+    return torch.where((experts_of >= 0) & (ids >= 0) & (ids < local), ids, torch.full_like(ids, -1))
+
+
+def _replicated(x: Tensor, experts_of: Tensor, experts: ExpertsFn, shard: ExpertShard) -> Tensor:
+    """``route`` over an axis whose ranks hold the same ``x``: this rank's experts' outputs, summed over the
+    axis (one all-reduce of (N, k, h) forward, one of the input's gradient backward)."""
+    from ...comm.autograd import allreduce_identity, identity_allreduce  # noqa: PLC0415 (comm layer, below)
+
+    x = identity_allreduce(x, shard.mesh, shard.axis, algorithm=shard.algorithm)
+    out = route(x, local_ids(experts_of, shard.first, shard.local), shard.local, experts)
+    return allreduce_identity(out, shard.mesh, shard.axis, algorithm=shard.algorithm)
 
 
 def _across(rows: Tensor, counts: Tensor, experts: ExpertsFn, shard: ExpertShard) -> Tensor:

@@ -84,6 +84,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
     if cp:
         return _with_context(model, mesh, plan, cp, axis=axis, sequence_parallel=sequence_parallel, seed=seed,
                              algorithm=algorithm, async_tp=async_tp)
+    experts, rest = _split_experts(plan)
+    if experts:
+        return _with_experts(model, mesh, experts, rest, axis=axis, sequence_parallel=sequence_parallel, seed=seed,
+                             algorithm=algorithm, async_tp=async_tp)
     axis = axis if axis is not None else (getattr(plan, "tp_axis", None) or "tp")
     _check_call(model, mesh, axis)
     if not isinstance(async_tp, bool):
@@ -138,6 +142,32 @@ def _with_context(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], cp: d
     if rest:
         parallelize(model, mesh, rest, axis=tp_axis or "tp", **kw)  # type: ignore[arg-type]
     return context_parallel(model, mesh, style.axis)
+
+
+def _split_experts(plan: object) -> tuple[dict, object]:
+    """(the ``ExpertParallel`` entries, the rest) of a plan (``parallel/expert/style.py``)."""
+    from ..expert.style import split_plan  # noqa: PLC0415 (the expert style's module imports this package's)
+
+    return split_plan(plan) if isinstance(plan, Mapping) else ({}, plan)
+
+
+def _with_experts(model: nn.Module, mesh: Mesh, experts: dict, rest: dict, *, axis: str | None,
+                  algorithm: str, **kw: object) -> nn.Module:
+    """``parallelize`` of a plan with ``ExpertParallel`` entries (``parallel/expert/style.py``): all checked
+    before anything changes, the other styles applied, then the experts split over the same axis."""
+    from ..expert.style import apply_expert_parallel, match_experts  # noqa: PLC0415
+
+    axis = axis if axis is not None else (getattr(rest, "tp_axis", None) or "tp")
+    _check_call(model, mesh, axis)
+    if algorithm not in ALGORITHM_CHOICES:
+        raise ValueError(f"unknown algorithm {algorithm!r} for the expert-parallel collectives; choose one of "
+                         f"{list(ALGORITHM_CHOICES)}")
+    names = match_experts(model, experts, mesh.size(axis))
+    if rest:
+        parallelize(model, mesh, rest, axis=axis, algorithm=algorithm, **kw)  # type: ignore[arg-type]
+    for name in names:
+        apply_expert_parallel(model, name, mesh, axis, algorithm)
+    return model
 
 
 def _enter(ctx: TPContext) -> None:
