@@ -2,7 +2,9 @@
 
 * A Llama-family run (``model.hf_config``; the checkpoint's state holds ``hf_config``): HF's keys as they are,
   ``config.json`` = that ``hf_config`` plus ``architectures``; a tied ``lm_head.weight`` is left out (the config's
-  ``tie_word_embeddings`` ties it again, as ``save_pretrained`` does).
+  ``tie_word_embeddings`` ties it again, as ``save_pretrained`` does). Mixtures of experts (mixtral, qwen2_moe,
+  qwen3_moe) are written in the Hub's per-expert layout (``hf_experts.hub_tensors``: one 3-D weight read, its
+  experts written one by one), the selection bias ``expert_bias`` left out (not a tensor of these types).
 * A reference-GPT run: GPT-2's keys and layout (``hf_map``: Linear (out, in) → Conv1D (in, out)), zeros for the
   biases GPT-2 always has where the run's model has none (``model.bias = false``), ``config.json`` of
   ``gpt2_config_from_gpt``.
@@ -17,12 +19,15 @@ from typing import Any, Iterator
 
 import torch
 
+from .hf_experts import hub_tensors
 from .hf_map import LLAMA_TYPES, gpt2_config_from_gpt, gpt2_key
 from .sharded import Checkpoint
 
 __all__ = ["hf_export", "ARCHITECTURES"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 _GPT_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights")
 
 
@@ -55,7 +60,8 @@ def _llama(ckpt: Checkpoint) -> tuple[dict[str, Any], Iterator[tuple[str, torch.
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for key in keys:
-            yield key[len("model/"):], _finite(ckpt, key)
+            if not key.endswith(".expert_bias"):
+                yield from hub_tensors(key[len("model/"):], _finite(ckpt, key), config["model_type"])
 
     return config, tensors()
 

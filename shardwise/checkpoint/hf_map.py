@@ -1,7 +1,10 @@
 """Which Hugging Face tensor feeds which parameter, per architecture, and the config a directory describes.
 
-* ``arch="llama"`` (also ``"mistral"``, ``"qwen2"``): ``shardwise.models.llama.Llama``'s parameter names are HF's
-  (``model.embed_tokens.weight``, ``model.layers.0.self_attn.q_proj.weight``, ..., ``lm_head.weight``): identity.
+* ``arch="llama"`` (also ``"mistral"``, ``"qwen2"``, ``"qwen3"``, and the mixtures of experts ``"mixtral"``,
+  ``"qwen2_moe"``, ``"qwen3_moe"``): ``shardwise.models.llama.Llama``'s parameter names are HF's
+  (``model.embed_tokens.weight``, ``model.layers.0.self_attn.q_proj.weight``, ..., ``lm_head.weight``): identity;
+  the MoE layers' router and 3-D experts come from the Hub's per-expert tensors (``hf_experts``: each expert-
+  parallel rank reads its experts only), or from the fused 3-D keys when the directory holds those.
 * ``arch="gpt"``: the reference GPT ← a GPT-2 directory (``GPT2LMHeadModel``)::
 
       wte, wpe, ln_f                      ← transformer.wte, transformer.wpe, transformer.ln_f
@@ -31,12 +34,13 @@ import torch
 from torch import nn
 
 from ..parallel.common.materialize import set_source
+from .hf_experts import moe_source
 from .hf_read import PretrainedDir, open_pretrained
 
 __all__ = ["ARCHS", "LLAMA_TYPES", "attach_pretrained", "pretrained_config", "gpt2_key", "gpt_config_from_gpt2",
            "gpt2_config_from_gpt"]
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 ARCHS = ("gpt", *LLAMA_TYPES)
 
 _GPT2_MODULES = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
@@ -103,6 +107,11 @@ def attach_pretrained(model: nn.Module, directory: str | Path | PretrainedDir, *
         if not param.is_meta:
             raise ValueError(f"attach_pretrained: parameter {names[0]!r} is on {param.device}, not the meta device; "
                              f"build the model under `with torch.device('meta'):` so that nothing is drawn twice")
+        moe = moe_source(pretrained, names[0], arch, param.dtype, tuple(param.shape)) if kind == "llama" else None
+        if moe is not None:  # the Hub's names or per-expert layout (hf_experts)
+            set_source(param, moe[0])  # type: ignore[arg-type]
+            used.update(moe[1])
+            continue
         found = [(n, *_file_key(pretrained, kind, n)) for n in names]
         hits = [(n, k, t) for n, k, t in found if k is not None]
         if not hits:

@@ -46,10 +46,22 @@ def hf_of(m: ModelConfig) -> HFDecoderConfig | None:
 
 
 def hf_fields(hf: HFDecoderConfig) -> dict[str, Any]:
-    """The ``[model]`` fields an HF config decides (``resolve_hf`` fills them in)."""
-    return {"vocab_size": hf.vocab_size, "n_layer": hf.num_hidden_layers, "n_head": hf.num_attention_heads,
-            "n_embd": hf.hidden_size, "tie_weights": hf.tie_word_embeddings,
-            "bias": hf.qkv_bias or hf.o_bias or hf.mlp_bias, "dropout": hf.attention_dropout}
+    """The ``[model]`` fields an HF config decides (``resolve_hf`` fills them in): the shape, and for a mixture
+    of experts its MoE fields (so that ``--parallel.ep`` is checked against the real expert count), the
+    routing rules the native model applies (softmax router, no capacity limit, no selection bias) included."""
+    fields = {"vocab_size": hf.vocab_size, "n_layer": hf.num_hidden_layers, "n_head": hf.num_attention_heads,
+              "n_embd": hf.hidden_size, "tie_weights": hf.tie_word_embeddings,
+              "bias": hf.qkv_bias or hf.o_bias or hf.mlp_bias, "dropout": hf.attention_dropout,
+              "n_experts": hf.num_experts}
+    if not hf.num_experts:
+        return fields
+    ffn, shared, step = hf.moe_intermediate_size, hf.shared_expert_intermediate_size, hf.decoder_sparse_step
+    fields.update(top_k=hf.num_experts_per_tok, moe_ffn=ffn, n_shared_experts=-(-shared // ffn),
+                  router_renorm=hf.norm_topk_prob, moe_aux_loss_coef=hf.router_aux_loss_coef, router="softmax",
+                  capacity_factor=0.0, moe_bias_rate=0.0)
+    if not hf.mlp_only_layers:  # HF's (i + 1) % step == 0 is ours with step - 1 dense layers first
+        fields.update(moe_every=step, moe_first_dense=step - 1)
+    return fields
 
 
 def build_model(m: ModelConfig) -> nn.Module:
@@ -265,6 +277,19 @@ def check_tp(m: ModelConfig, tp: int) -> None:
         if n % tp:
             raise ValueError(f"parallel.tp = {tp} must divide {name} = {n} (whole heads per rank); use a tp from "
                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
+    if hf is not None and tp > 1:
+        _check_hf_tp(hf, tp)
+
+
+def _check_hf_tp(hf: HFDecoderConfig, tp: int) -> None:
+    """An HF decoder's extra tensor-parallel limits: its experts split over tp (``ExpertParallel``), and no
+    per-head q/k norm (its weight's gradient would be a partial sum over the heads' ranks)."""
+    if hf.num_experts % tp:
+        raise ValueError(f"parallel.tp = {tp} must divide num_experts = {hf.num_experts} (the MoE layers' experts "
+                         f"are split over tp); use a tp from {[d for d in range(1, hf.num_experts + 1) if hf.num_experts % d == 0]}")
+    if hf.qk_norm:
+        raise ValueError(f"parallel.tp = {tp} is not supported for model_type {hf.model_type!r} (its per-head q/k "
+                         f"RMSNorm is shared by heads on different tp ranks); use --parallel.tp 1")
 
 
 HF_REPLICABLE = {"model.embed_tokens": "embed_tokens", "lm_head": "norm"}
