@@ -47,6 +47,15 @@ class Prediction:
     """Per pipeline stage: layers, F/B/W seconds per micro-batch."""
     hardware: str = ""
     model: str = ""
+    params: int = 0
+    """The model's parameters (all experts counted)."""
+    active_params: int = 0
+    """Of which one token passes through (``ModelSpec.active_params``; equal to ``params`` for a dense model)."""
+
+    def params_text(self) -> str:
+        """``"46.7 B"`` for a dense model, ``"46.7 B total, 12.9 B active"`` for a mixture of experts."""
+        total = _count(self.params)
+        return total if self.active_params == self.params else f"{total} total, {_count(self.active_params)} active"
 
     @property
     def fits(self) -> bool:
@@ -61,7 +70,17 @@ class Prediction:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "fits": self.fits,
                 "memory": self.memory.to_json(), "breakdown": dict(self.breakdown), "dominant": self.dominant,
-                "plan": self.plan.to_json(), "stages": self.stages, "hardware": self.hardware, "model": self.model}
+                "plan": self.plan.to_json(), "stages": self.stages, "hardware": self.hardware, "model": self.model,
+                **({"params": self.params, "active_params": self.active_params}
+                   if self.active_params != self.params else {})}
+
+
+def _count(n: int) -> str:
+    """A parameter count in thousands, millions or billions (``"12.9 B"``)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
 
 
 def _check(spec: ModelSpec, plan: Layout, hw: Hardware) -> None:
@@ -325,7 +344,8 @@ def _assemble(spec: ModelSpec, plan: Layout, hw: Hardware, stages: list[list[Any
     return Prediction(plan=plan, step_time_s=step, tokens_per_s=global_batch * spec.seq_len / step,
                       tflops_per_device=hw_flops / step / plan.devices / 1e12,
                       mfu=model_flops / step / plan.devices / peak, memory=memory, breakdown=breakdown,
-                      stages=stage_rows, hardware=hw.name, model=spec.name)
+                      stages=stage_rows, hardware=hw.name, model=spec.name, params=spec.params,
+                      active_params=spec.active_params)
 
 
 def _bucket_cap(plan: Layout) -> float:

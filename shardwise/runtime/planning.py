@@ -18,10 +18,11 @@ from .config import REPLICABLE, Config, replicable, validate
 from .config_defaults import search_batch
 from .config_ranges import check_context_parallel
 from .model_build import model_spec, planner_split_names, train_split_names
+from .prediction import moe_hf_spec
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
 
-PIN_FIELDS = ("dp", "tp", "pp", "cp", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
+PIN_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
               "pp_microbatches", "pp_split", "activation_checkpointing", "replicate", "async_tp")
 """``parallel.*`` fields that pin the search (``--pin parallel.tp=8``, or given flags with ``--parallel.auto``)."""
 
@@ -37,6 +38,8 @@ def config_from_plan(plan: Layout) -> dict[str, Any]:
     out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "zero_stage": plan.zero_stage,
                            "activation_checkpointing": plan.activation_checkpointing == "full",
                            "sequence_parallel": plan.sequence_parallel, "async_tp": plan.async_tp}
+    if plan.ep > 1:  # parallel.ep (absent from a dense plan's section, which stays as it was)
+        out["ep"] = plan.ep
     if plan.pp == 1:
         out.update(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, pp_schedule="1f1b", pp_chunks=1,
                    pp_microbatches=0, pp_split=())
@@ -105,7 +108,7 @@ def _check_pin_values(pairs: Mapping[str, Any]) -> None:
         raise ValueError(f"pin parallel.zero_stage = {pairs['zero_stage']} must be 0, 1, 2 or 3")
     if "pp_schedule" in pairs and pairs["pp_schedule"] not in SCHEDULES:
         raise ValueError(f"pin parallel.pp_schedule = {pairs['pp_schedule']!r} is not one of {list(SCHEDULES)}")
-    for key in ("dp", "tp", "pp", "cp", "grad_accum", "pp_chunks", "pp_microbatches", "micro_batch"):
+    for key in ("dp", "tp", "pp", "cp", "ep", "grad_accum", "pp_chunks", "pp_microbatches", "micro_batch"):
         value = pairs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"pin parallel.{key} = {value!r} must be a whole number >= 1")
@@ -128,7 +131,7 @@ def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
             modules[REPLICABLE.get(name, name)] = value  # train's module name → the planner's layer
         elif key == "replicate":
             modules.update({REPLICABLE.get(name, name): "replicate" for name in value})
-        elif key in ("dp", "tp", "pp", "cp", "zero_stage", "grad_accum", "precision"):
+        elif key in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "grad_accum", "precision"):
             pins[key] = value
         elif key == "pp_schedule":
             pins["schedule"] = value
@@ -170,8 +173,10 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     names = replicable(cfg.model)  # module pins: train's names → the planner's layers (pins_from_flags knows the GPT's)
     if "modules" in pins:
         pins["modules"] = {names.get(name, name): value for name, value in pins["modules"].items()}
+    if not hasattr(cfg.parallel, "ep"):
+        pins.setdefault("ep", 1)  # a config without parallel.ep runs no expert parallelism
     cfg = search_batch(cfg, devices, pins)  # a global batch left unset: config_defaults.search_batch
-    result = search(model_spec(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
+    result = search(moe_hf_spec(cfg.model) or model_spec(cfg.model), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
                     memory_margin=memory_margin, top=top)
     # module pins run as parallel.replicate (train's names); a pin train cannot run is refused there
     layers = {layer: module for module, layer in names.items()}

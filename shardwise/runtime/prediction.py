@@ -18,7 +18,7 @@ from ..planner.overhead import TINY_BLOCK, autocast_factor, with_launch_cost
 from .config import Config
 from .model_build import planner_split_names
 
-__all__ = ["plan_from_config", "gpt_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware",
+__all__ = ["plan_from_config", "gpt_spec", "moe_hf_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware",
            "quick_probe_measurements", "probed_hardware", "launch_hardware", "predict_launch", "prediction_record",
            "prediction_line"]
 
@@ -35,7 +35,8 @@ _KEYS = (("Layout.schedule", "parallel.pp_schedule"), ("Layout.chunks", "paralle
 def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     """The ``Layout`` of a validated config (``validate``: ``nproc`` and ``dp`` resolved).
 
-    Field by field: ``dp``, ``cp``, ``tp``, ``pp``, ``zero_stage`` as they are; ``activation_checkpointing`` true →
+    Field by field: ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` (``parallel.ep``, 1 where the config has none),
+    ``zero_stage`` as they are; ``activation_checkpointing`` true →
     ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
     (bf16 autocast over fp32 weights); ``sequence_parallel`` and ``async_tp`` as they are.
 
@@ -58,7 +59,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     p = cfg.parallel
     dp = p.dp or p.nproc // (p.tp * p.pp * p.cp)
     fields: dict[str, Any] = dict(
-        dp=dp, cp=p.cp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, grad_accum=p.grad_accum,
+        dp=dp, cp=p.cp, tp=p.tp, pp=p.pp, ep=getattr(p, "ep", 1), zero_stage=p.zero_stage, grad_accum=p.grad_accum,
         activation_checkpointing="full" if p.activation_checkpointing else "none",
         sequence_parallel=p.sequence_parallel, async_tp=p.async_tp,
         precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
@@ -307,9 +308,29 @@ def gpt_spec(cfg: Config) -> ModelSpec:
     from .config import replicable, replicated_modules
     from .model_build import model_spec
 
-    spec = model_spec(cfg.model)
+    spec = moe_hf_spec(cfg.model) or model_spec(cfg.model)
     whole = replicated_modules(cfg)
     return spec.replicate(sorted(replicable(cfg.model)[name] for name in whole)) if whole else spec
+
+
+def moe_hf_spec(m: Any) -> ModelSpec | None:
+    """The planner's own spec of an HF mixture of experts (``model.hf_config`` of a ``model_type`` in
+    ``planner.hf_spec.MOE_TYPES``: experts, shared experts, sliding windows, MLA), read from the file's JSON at
+    ``model.block_size`` tokens; None for any other model (the GPT, a dense HF decoder)."""
+    import json
+
+    from ..planner.hf_spec import MOE_TYPES
+
+    path = getattr(m, "hf_config", "")
+    if not path:
+        return None
+    try:
+        raw = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError):
+        return None  # model_spec's reader names the problem
+    if not isinstance(raw, dict) or raw.get("model_type") not in MOE_TYPES:
+        return None
+    return ModelSpec.from_hf(raw, seq_len=m.block_size)
 
 
 def _states(memory: dict[str, Any]) -> float:
