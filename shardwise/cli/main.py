@@ -1,6 +1,6 @@
 """The ``shardwise`` command line: ``run``, ``train``, ``verify``, ``export``, ``plot``, ``generate``, ``prepare``,
 ``schedule``, ``predict``, ``plan``, ``calibrate`` (``COMMANDS``) and ``bench KIND`` for ``KIND`` in comm, dp, sbp,
-tp, pp, zero, cp, compile, planner, auto, prepare (``BENCHES``).
+tp, pp, zero, cp, compile, planner, auto, prepare, moe (``BENCHES``).
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int`` (``Command``):
 ``shardwise/cli/NAME.py`` for a command, ``shardwise/bench/KIND.py`` for a benchmark. This file only wires them
@@ -83,6 +83,8 @@ def _bench(name: str) -> Command:
         from ..bench import auto as module
     elif name == "prepare":
         from ..bench import prepare as module
+    elif name == "moe":
+        from ..bench import moe as module
     else:
         raise KeyError(name)
     return module
@@ -125,6 +127,8 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
              "planning time"),
     "prepare": (partial(_bench, "prepare"), "shardwise prepare's tokens/s and peak memory vs the tokenizers "
                 "package's encode_batch on as many cores"),
+    "moe": (partial(_bench, "moe"), "mixtures of experts: grouped experts vs a per-expert loop; expert "
+            "parallelism's step time vs transformers' on the same model and ranks"),
 }
 
 # The packages the loaders import from. An ImportError naming one of them means the command's module is not in
