@@ -2,7 +2,8 @@
 
 Wrappers (``DataParallel``, and later ZeRO and pipeline wrappers) are peeled off through ``.module``; a wrapper
 that owns sharded storage itself exposes ``full_state_dict()`` and is asked directly. Annotated tensors (see
-``sbp/params.py``: tensor-parallel shards) are gathered to their full value by boxing to B on every axis.
+``sbp/params.py``: tensor-parallel shards) are gathered to their full value by boxing to B on every axis;
+expert-parallel pieces (``parallel.expert.shard_experts``) by an all-gather of their rows over the ep axis.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.zero.expert_pieces import gather_expert
 from ..sbp.params import as_global
 
 __all__ = ["full_state_dict", "unwrap"]
@@ -42,6 +44,10 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     plain = unwrap(model)
     out: dict[str, torch.Tensor] = {}
     for key, value in plain.state_dict(keep_vars=True).items():
+        expert = gather_expert(value) if isinstance(value, torch.Tensor) else None
+        if expert is not None:  # an expert-parallel piece: the ep ranks' rows (collective over ep)
+            out[key] = expert
+            continue
         g = as_global(value) if isinstance(value, torch.Tensor) else None
         out[key] = g.full().detach() if g is not None else value.detach()
     return out

@@ -3,7 +3,9 @@
 A parameter is one of three kinds: plain (every rank holds it whole: ``B`` on every mesh axis — data
 parallelism), annotated with its global spec (``sbp.params.annotate``: tensor-parallel ``S(d)`` shards), or
 head-split (tensor-parallel QKV: ``_shardwise_heads``), stored through its (fused, nh·hd, ...) view split on
-dim 1. Optimizer state tensors shaped like their parameter share its layout; other state (Adam's ``step``)
+dim 1, or an expert-parallel piece (``parallel/common/expert_tag``: rows ``[i·E/ep, (i+1)·E/ep)`` of an (E, ...)
+expert weight), described on its own expert mesh — ``S(0)`` over ``ep``, ``B`` over the others (``edp``, ``tp``,
+``pp``) — so a checkpoint saved at one ep loads at any other through the index, as every other split does. Optimizer state tensors shaped like their parameter share its layout; other state (Adam's ``step``)
 is replicated. Keys: ``model/<state_dict key>`` and ``optim/<parameter name>/<state name>``.
 """
 
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
+from ..parallel.common.expert_tag import expert_shard_of
 from ..sbp.placement import Replicate, Split
 from ..sbp.params import spec_of
 from .flat_state import param_state
@@ -33,6 +36,9 @@ def describe(key: str, t: torch.Tensor, mesh: Mesh, local: torch.Tensor | None =
         _, axis, _fused, full_shape, view = heads[:5]  # view: see tensor.modules.shard_heads
         sbp = tuple(Split(1) if a == axis else Replicate() for a in mesh.axes)
         return Piece(key, local, view, tuple(full_shape), sbp, tuple(mesh.axes), tuple(mesh.shape), coords)
+    shard = expert_shard_of(t)
+    if shard is not None:
+        return _expert_piece(key, t, local, shard)
     spec = spec_of(t)
     if spec is not None:
         if tuple(spec.axes) != tuple(mesh.axes) or tuple(spec.mesh_shape) != tuple(mesh.shape):
@@ -41,6 +47,15 @@ def describe(key: str, t: torch.Tensor, mesh: Mesh, local: torch.Tensor | None =
         return Piece(key, local, tuple(spec.shape), tuple(spec.shape), tuple(spec.sbp), tuple(mesh.axes),
                      tuple(mesh.shape), coords)
     return replicated_piece(key, local, mesh)
+
+
+def _expert_piece(key: str, t: torch.Tensor, local: torch.Tensor, shard: object) -> Piece:
+    """An expert weight's piece (E / ep experts of ``t``'s (E, ...) tensor) on the expert mesh of ``shard``
+    (a ``parallel.expert.ExpertShard``): ``S(0)`` over its axis, ``B`` over the rest. Pure."""
+    em, axis = shard.mesh, shard.axis  # type: ignore[attr-defined]
+    full = (shard.n_experts, *t.shape[1:])  # type: ignore[attr-defined]
+    sbp = tuple(Split(0) if a == axis else Replicate() for a in em.axes)
+    return Piece(key, local, full, full, sbp, tuple(em.axes), tuple(em.shape), tuple(em.coord(a) for a in em.axes))
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

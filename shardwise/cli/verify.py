@@ -58,7 +58,7 @@ def _configs(args: argparse.Namespace) -> tuple[Config, Config, Path]:
     # one process runs the layout's batch, whatever the defaults would derive for it (config_defaults.py)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, global_batch=layout.data.global_batch))
     # the pipeline fields need pp > 1, sequence parallelism and async tensor parallelism tp > 1
-    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0, grad_accum=0,
+    single = dataclasses.replace(cfg.parallel, nproc=1, dp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, grad_accum=0,
                                  sequence_parallel=False, async_tp=False, pp_microbatches=0, pp_chunks=1,
                                  pp_split=())
     eager = dataclasses.replace(cfg.train, compile=False)  # train.compile: compiled layout vs eager one process

@@ -14,7 +14,12 @@ Every gradient element of the model is counted exactly once over all ranks (the 
   locally and gets the same norm without any dp reduction;
 * ZeRO (``sw.zero`` stages 1-3, a pipeline's ZeRO-1): this rank's averaged shard of each flat group;
 * pp: each rank its own stages; a weight tied across two pipeline ranks (embedding and head, identical summed
-  gradients after the pipeline's tied exchange) only on the lower pipeline coordinate.
+  gradients after the pipeline's tied exchange) only on the lower pipeline coordinate;
+* ep (experts of an MoE block split over the ``ep`` axis of the expert mesh, ``runtime/experts.py``): each ep
+  rank's piece is a different part of the expert weights, averaged and identical over ``edp`` and ``tp``. It counts
+  on tp coordinate 0 (replicated over tp); where the dense part is not reduced over dp (plain dp) its squares are
+  summed over ``ep`` first (``ExpertNorm``, one more all-reduce of one number); under ZeRO, whose dp reduction
+  spans ``edp × ep``, they count on edp coordinate 0 only and ride along with the dense shards.
 
 Cost per step, only when clipping is on: one fused local reduction (``torch._foreach_norm`` per tensor, fp32
 accumulation, then one sum of their squares), one ``sum`` all-reduce of one fp32 number per mesh axis whose
@@ -25,6 +30,7 @@ pp×dp with ZeRO-1: two; pp×dp×tp with ZeRO-1: three) and one host read of the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -34,7 +40,17 @@ from ..comm.collectives import all_reduce
 from ..mesh import Mesh
 from ..parallel.common.grad_norm import counted
 
-__all__ = ["counted_grads", "local_sum_of_squares", "global_norm", "clip_"]
+__all__ = ["counted_grads", "local_sum_of_squares", "global_norm", "clip_", "ExpertNorm"]
+
+
+@dataclass(frozen=True)
+class ExpertNorm:
+    """Gradient pieces whose squares are summed over ``axes`` of ``mesh`` (the expert mesh's ``ep``) before they
+    join the layout's own reduction (``clip_``'s ``axes``): expert pieces under plain data parallelism."""
+
+    count: Sequence[Tensor]
+    mesh: Mesh
+    axes: Sequence[str]
 
 
 def counted_grads(params: Iterable[nn.Parameter], mesh: Mesh, own_axes: set[str],
@@ -68,15 +84,20 @@ def global_norm(local: Tensor, mesh: Mesh, axes: Iterable[str]) -> Tensor:
 
 @torch.no_grad()
 def clip_(count: Sequence[Tensor], scale: Sequence[Tensor], mesh: Mesh, axes: Iterable[str],
-          max_norm: float) -> float:
+          max_norm: float, experts: ExpertNorm | None = None) -> float:
     """Clip to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does on one device; returns the global norm
     before clipping. ``count``: the gradient pieces this rank counts (each element of the model exactly once over
     all ranks); ``scale``: every gradient tensor the optimizer reads on this rank (scaled in place by the same
-    fp32 ``coef`` on every rank); ``axes``: those over which ranks hold different pieces. Collective over
-    ``axes`` (one all-reduce of one number each), one host read."""
+    fp32 ``coef`` on every rank); ``axes``: those over which ranks hold different pieces; ``experts``:
+    pieces first summed over their own axes (``ExpertNorm``; in ``scale`` too). Collective over ``axes`` (one
+    all-reduce of one number each, and one per axis of ``experts``), one host read."""
     if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
         raise ValueError(f"max_norm = {max_norm!r} must be a finite number > 0; e.g. clip_(..., max_norm=1.0)")
-    norm = global_norm(local_sum_of_squares(count, mesh.device), mesh, axes)[0]
+    local = local_sum_of_squares(count, mesh.device)
+    if experts is not None:
+        local = local + global_norm(local_sum_of_squares(experts.count, mesh.device), experts.mesh,
+                                    experts.axes).square()  # the ep pieces' squares, summed over ep
+    norm = global_norm(local, mesh, axes)[0]
     coef = max_norm / (norm + 1e-6)  # 0-d fp32, the expression torch evaluates
     value, factor = torch.stack([norm, coef]).tolist()  # the one host read (the trainer logs the norm)
     live = [t for t in scale if t.numel()]

@@ -8,12 +8,10 @@ sync on the last only), one optimizer step, the mean loss over dp (one all-reduc
 atomic sharded checkpoints. Collective throughout: every rank runs the same steps. On CUDA a step's loss and
 non-finite flag stay on the device until the next step is queued (``host_overlap.py``).
 
-Pipeline parallelism (``parallel.pp > 1``): the mesh is ``(pp, dp, tp)`` and the model runs as
-``sw.pipeline(..., dp_axis="dp")`` (with tp inside the stages, ZeRO-1 over dp, activation checkpointing:
-``strategy/pipeline.py``). Each of the ``grad_accum`` passes is one ``pipe.step`` over the pass's
-``micro_batch × dp`` sequences — every rank loads the same ones, each dp replica takes its contiguous slice and
-cuts it into ``pp_microbatches`` pipeline micro-batches; gradients accumulate over the passes (the loss is
-scaled by 1/grad_accum, as the plain loop does) and are averaged over dp inside each ``pipe.step``.
+Pipeline parallelism (``parallel.pp > 1``, mesh ``(pp, dp, tp)``, ``strategy/pipeline.py``): each of the
+``grad_accum`` passes is one ``pipe.step`` over the pass's ``micro_batch × dp`` sequences (every rank loads them,
+each dp replica takes its slice); gradients accumulate over the passes and average over dp in each ``pipe.step``.
+Mixtures of experts (``parallel.ep``): ``MoESteps`` (``step_support.py``) around the passes and the step.
 
 RNG: reseeded at every step from ``(train.seed, step, dp coordinate)``, so restoring the step restores it, and
 dropout differs between data-parallel replicas as it must.
@@ -48,7 +46,7 @@ from ..world import World, barrier_all, bind_to_launcher, exit_process, init, in
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, model_mismatch
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
-from .step_support import build_mesh as _build_mesh, lr_at, peer_hint, synchronizer  # tests patch _build_mesh
+from .step_support import MoESteps, build_mesh as _build_mesh, lr_at, peer_hint, synchronizer  # tests patch _build_mesh
 from .host_overlap import PendingStep, can_defer, finish_deferred, read
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
 from .strategy import Strategy, ZeroStrategy, build_optimizer, build_strategy
@@ -98,18 +96,16 @@ class Trainer:
                                dp_size=dp_size, dp_rank=dp_rank, micro_batch=p.micro_batch * p.dp // dp_size,
                                device=self.mesh.device, transform=self.split) if data.val is not None else None)
         self.evals: list[dict[str, Any]] = []
-        self.step = 0
+        self.step, self._beat_fd = 0, None
         self.last_ckpt: Path | None = None
         self.tokens_per_step = cfg.data.global_batch * cfg.model.block_size
-        self._beat_fd: int | None = None
-        self.skipped = 0  # non-finite steps skipped (train.nonfinite = skip) in this run, and in a row
-        self.skipped_in_row = 0
-        self.last_skipped = False
-        self.memory: dict[str, int] | None = None
+        # non-finite steps skipped (train.nonfinite = skip) in this run, and in a row
+        self.skipped, self.skipped_in_row, self.last_skipped = 0, 0, False
+        self.memory: dict[str, int] | None = None  # the strategy's report where fullest: after the first step
         self.activations = SavedTensorPeak()
         """Saved-for-backward bytes over the run (the activation peak a CPU has no allocator statistic for)."""
-        """The strategy's memory report (``Strategy.memory``) where it is fullest: after the first optimizer step."""
-        self.overlap = can_defer(self.strategy, self.mesh.device, cfg)  # read each step after queueing the next
+        self.moe = MoESteps(self.strategy)  # a mixture of experts' per-step calls (runtime/experts.py)
+        self.overlap = can_defer(self.strategy, self.mesh.device, cfg) and self.moe.experts is None  # MoE reads
 
     # The strategy's parts under the trainer's historical names (tests and tools read them).
     @property
@@ -154,20 +150,20 @@ class Trainer:
         lr = lr_at(self.step, cfg.optimizer, cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        t: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
         start = time.perf_counter()
         batches = self.data.next()
-        t["data"] = time.perf_counter() - start
+        t: dict[str, float] = {"fwd": 0.0, "bwd": 0.0, "comm": 0.0, "data": time.perf_counter() - start}
         if self.token_loss is not None:  # the step's counted targets over all ranks (one all-reduce over dp)
             self.token_loss.tokens = counted_targets(batches, self.mesh, self.strategy.data_shard()[0])
-        t["comm"] = 0.0
         # injected non-finite loss (debug.nonfinite_step): NaN loss, NaN gradients
         poison = cfg.debug.nonfinite_step == self.step and cfg.debug.nonfinite_rank in (-1, self.world.rank)
         # the bytes autograd keeps for backward, at their high-water mark; a GPU's allocator peak says it without
         # a Python hook per saved tensor (which would cost host time the GPU waits for at small micro-batches)
         late: dict[str, Any] = {"marks_out": []} if defer else {}  # the passes' timing marks, read with the step
+        self.moe.before(len(batches))
         with self.activations if self.mesh.device.type != "cuda" else nullcontext():
             loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss, **late)
+        self.moe.synced()  # expert pieces' gradients (before the guard and clipping read them)
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
             self.strategy.scale_param_grads(self.mesh.size("dp"))  # injected bug: the sum over dp (× cp), not the mean
@@ -185,6 +181,7 @@ class Trainer:
                 self.memory = self._memory()
         else:
             self._skip(local_loss)  # raises NonFiniteError unless train.nonfinite = skip allows this one
+        self.moe.after(not self.last_skipped)  # MoE: bias update and routing statistics (collective over dp)
         self.optimizer.zero_grad(set_to_none=True)
         sync()
         t1 = time.perf_counter()
@@ -300,7 +297,9 @@ class Trainer:
         loss, t = self._settle(p, since)
         timings.append(t)
         if writer is not None and progress is not None:
-            writer.write({**self._record(loss, t, p), **self.strategy.compiled.record()})
+            writer.write({**self._record(loss, t, p), **self.strategy.compiled.record(), **self.moe.record()})
+            for line in self.moe.warnings():  # an expert without tokens for STARVED_STEPS steps
+                progress.note(line)
             progress.update(p.step, loss, self.tokens_per_step / t["step"])
             self.strategy.compiled.note(progress, p.step)  # train.compile: a recompilation is reported, not silent
         return loss

@@ -59,6 +59,7 @@ from ..common.materialize import ensure_sources, materialize, needs_broadcast
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_replicas_agree, trainable
+from .expert_pieces import expert_rows, gather_expert
 from ..tensor.apply_plan import full_tensor, local_piece
 from .flat import FlatGroup
 from .grads import ShardGradReducer
@@ -314,7 +315,11 @@ class ZeroModel(nn.Module):
         """Full, unsharded tensors (master precision) under the unwrapped model's keys. Collective (over
         ``axis``, and over the tensor-parallel axes of the model)."""
         tensors = self.module.state_dict(keep_vars=True)
-        return {key: full_tensor(tensors[key], v) for key, v in self.local_state_dict().items()}
+        out = {}
+        for key, v in self.local_state_dict().items():
+            expert = gather_expert(tensors[key])  # an expert piece: every ep rank's rows (not in any group)
+            out[key] = expert if expert is not None else full_tensor(tensors[key], v)
+        return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """Same as ``full_state_dict()`` (collective): checkpoints load into any stage and world size."""
@@ -351,6 +356,9 @@ class ZeroModel(nn.Module):
 def _local_value(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``full`` for the tensor ``t`` (a tp-split one's shard); ``full`` as given when its
     shape is not the full shape of ``t``'s layout (then the caller's shape check names the mismatch)."""
+    rows = expert_rows(t, full)  # an expert piece (ep rows of an (E, ...) weight), not tensor-parallel
+    if rows is not None:
+        return rows
     try:
         return local_piece(t, full)
     except (RuntimeError, ValueError):  # reshape/boxing of a wrongly shaped tensor

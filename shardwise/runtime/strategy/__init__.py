@@ -8,6 +8,7 @@ import torch
 from ...mesh import Mesh
 from ..compiling import CompileWatch, compile_model
 from ..config import Config, ParallelConfig
+from ..experts import setup_experts
 from ..model_build import meta_model_for
 from .base import Strategy, build_optimizer, tensor_parallel
 from .pipeline import PipelineStrategy
@@ -31,17 +32,23 @@ def build_strategy(cfg: Config, mesh: Mesh) -> Strategy:
     """The model of ``cfg.model`` — the reference GPT, or the HF decoder of ``model.hf_config`` — run by the layout
     of ``cfg.parallel``. Built on the meta device (``meta_model_for``): each rank materialises only what its layout
     keeps, with the values one device has (same seed, or the pretrained directory's tensors) — ``cfg.parallel``: a pipeline when ``pp > 1`` (tp, ZeRO-1 and activation checkpointing inside its stages),
-    else ``sw.zero`` when ``zero_stage > 0``, else plain / ``DataParallel`` / tensor parallel. Collective (the
-    wrappers broadcast or check the weights over their axes)."""
+    else ``sw.zero`` when ``zero_stage > 0``, else plain / ``DataParallel`` / tensor parallel. A mixture of experts
+    first gets its ``Experts`` (``runtime/experts.py``: with ``parallel.ep > 1`` the expert mesh and the cut),
+    handed to the strategy as ``experts``. Collective (the wrappers broadcast or check the weights over their
+    axes; the expert mesh's groups)."""
     plain = meta_model_for(cfg)
     p = cfg.parallel
+    # MoE: the experts cut over the expert mesh (parallel.ep) before any wrapper sees the model; None if dense
+    experts = setup_experts(cfg, mesh, plain)
+    more = {"experts": experts} if experts is not None else {}
     strategy: Strategy
     if p.pp > 1:
-        strategy = PipelineStrategy(cfg, mesh, plain)
+        strategy = PipelineStrategy(cfg, mesh, plain, **more)
     elif p.zero_stage:
-        strategy = ZeroStrategy(cfg, mesh, plain)
+        strategy = ZeroStrategy(cfg, mesh, plain, experts)
     else:
-        strategy = PlainStrategy(cfg, mesh, plain)
+        strategy = PlainStrategy(cfg, mesh, plain, experts)
+    strategy.experts = experts  # type: ignore[attr-defined]  # the trainer's per-step calls (runtime/experts.py)
     if p.pp == 1:  # train.compile: last, over every wrapper (a pipeline compiles before cutting: pipeline.py)
         compile_model(cfg, strategy.plain)
     strategy.compiled = CompileWatch(strategy.plain)  # type: ignore[attr-defined]  # the trainer's reports

@@ -21,7 +21,9 @@ from ...parallel.common.autocast import compute_autocast, precision_dtype
 from ...parallel.common.materialize import ensure_sources, materialize
 from ...parallel.common.memory import memory_report
 from ..config import Config
-from ..grad_clip import clip_, counted_grads
+from ...parallel.common.expert_tag import is_expert_param
+from ..experts import Experts
+from ..grad_clip import ExpertNorm, clip_, counted_grads
 from ..nonfinite import Grad, param_grads, poisoned
 from ..data import IGNORE
 from .base import Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel
@@ -149,11 +151,14 @@ class DataParallelSteps:
 
 class PlainStrategy(DataParallelSteps):
     """Single process, ``DataParallel`` over ``dp`` and/or ``sw.parallelize`` over ``tp`` (``Strategy``).
-    Building is collective (``DataParallel`` broadcasts the weights; ``parallelize``)."""
+    ``experts`` (``parallel.ep``): ``plain``'s experts already cut over the expert mesh (``runtime/experts.py``);
+    ``DataParallel`` leaves those pieces out, the one optimizer steps them with the rest. Building is collective
+    (``DataParallel`` broadcasts the weights; ``parallelize``)."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module, experts: Experts | None = None) -> None:
         p = cfg.parallel
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
+        self.experts = experts  # parallel.ep: plain's experts already cut (build_strategy); their grads synced apart
         ensure_sources(plain)
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
         self.sum_loss = summed_loss(cfg, mesh)
@@ -180,8 +185,15 @@ class PlainStrategy(DataParallelSteps):
         locally; a tp-split parameter counts on every tp rank, a replicated one on tp coordinate 0 — so one
         all-reduce over tp (none without tp)."""
         params = list(self.plain.parameters())  # each tied parameter once
-        count = counted_grads(params, self.mesh, own_axes=set(self.mesh.axes) - {"tp"})
-        return clip_(count, [q.grad for q in params if q.grad is not None], self.mesh, ["tp"], max_norm)
+        pieces = [q for q in params if is_expert_param(q)]  # parallel.ep: summed over ep apart (grad_clip.py)
+        count = counted_grads([q for q in params if not is_expert_param(q)], self.mesh,
+                              own_axes=set(self.mesh.axes) - {"tp"})
+        extra = None
+        if pieces:
+            em = self.experts.emesh  # type: ignore[union-attr]
+            mine = [q.grad for q in pieces if q.grad is not None] if em.coord("tp") == 0 else []
+            extra = ExpertNorm(mine, em, ["ep"])
+        return clip_(count, [q.grad for q in params if q.grad is not None], self.mesh, ["tp"], max_norm, extra)
 
     def pieces(self) -> list[Piece]:
         return model_pieces(self.plain, self.mesh) + optimizer_pieces(self.plain, self.optimizer, self.mesh)

@@ -1,7 +1,9 @@
 """``ZeroStrategy``: ``sw.zero`` over ``dp`` (stages 1-3; tensor parallelism and activation checkpointing inside,
 built like the plain path). With tp > 1 ZeRO shards each tp rank's *local* (already tp-sharded) parameters over
 the dp axis only: its reduce-scatters and all-gathers run on the dp group of the rank's tp coordinate, the tp
-collectives inside forward/backward stay as they are. Gradients live in ZeRO's flat buffers; the optimizer steps
+collectives inside forward/backward stay as they are. With ``parallel.ep`` the expert pieces stay out of the flat
+groups (materialised whole with the rest, even at stage 3) and have an optimizer of their own, stepped with ZeRO's
+(``ZeroWithExperts``); their gradients are averaged by ``runtime/experts.py``. Gradients live in ZeRO's flat buffers; the optimizer steps
 this rank's shards; checkpoints hold the parameters (tp shards with tp) and the flat optimizer-state shards
 (``checkpoint/zero_layout.py``)."""
 
@@ -10,8 +12,10 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
+from ...checkpoint.layout import load_optimizer, optimizer_pieces
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pieces, zero_optimizer_pieces
 from ...mesh import Mesh
@@ -23,11 +27,12 @@ from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
 from ..grad_clip import clip_
 from ..model_build import block_names
-from ..nonfinite import Grad, flat_grads
+from ..experts import Experts
+from ..nonfinite import Grad, flat_grads, names_by_id
 from .base import build_optimizer, summed_loss, tensor_parallel
 from .plain import DataParallelSteps, checkpointed
 
-__all__ = ["ZeroStrategy", "zero_algorithm"]
+__all__ = ["ZeroStrategy", "ZeroWithExperts", "zero_algorithm"]
 
 
 def zero_algorithm(algorithm: str, mesh: Mesh) -> str | None:
@@ -42,9 +47,10 @@ def zero_algorithm(algorithm: str, mesh: Mesh) -> str | None:
 class ZeroStrategy(DataParallelSteps):
     """``sw.zero(stage=parallel.zero_stage)`` over ``dp`` (``Strategy``). Building is collective over dp."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module, experts: Experts | None = None) -> None:
         p = cfg.parallel
         self.mesh, self.autocast = mesh, precision_dtype(cfg.train.precision)
+        self.experts = experts
         module, self.loss_fn = tensor_parallel(cfg, mesh, plain)
         self.sum_loss = summed_loss(cfg, mesh)
         self.plain = checkpointed(cfg, module)
@@ -54,7 +60,11 @@ class ZeroStrategy(DataParallelSteps):
                                 optimizer=partial(build_optimizer, o=cfg.optimizer), units=units,
                                 algorithm=zero_algorithm(p.algorithm, mesh))
         self.model: ZeroModel = model
-        self.optimizer: ZeroOptimizer = optimizer
+        self.zero_optimizer: ZeroOptimizer = optimizer
+        self.expert_params = experts.params() if experts is not None else []  # in no flat group (trainable())
+        self.expert_optimizer = build_optimizer(self.expert_params, cfg.optimizer) if self.expert_params else None
+        self.optimizer: Any = (optimizer if self.expert_optimizer is None
+                               else ZeroWithExperts(optimizer, self.expert_optimizer))
 
     def grads(self) -> list[Grad]:
         """Stage 1: each group's full local buffer (after backward this rank's slice holds the averaged shard
@@ -62,9 +72,11 @@ class ZeroStrategy(DataParallelSteps):
         shards non-finite, and the flag's agreement carries it everywhere); stages 2-3: this rank's averaged
         shard of each group, the only gradient it keeps."""
         m = self.model
+        names = names_by_id(self.plain)
+        pieces = [Grad(q.grad, (names.get(id(q), "expert"),)) for q in self.expert_params if q.grad is not None]
         if m.stage == 1:
-            return flat_grads(m.groups, m.full_grads, self.plain, "ZeRO group", shard=False)
-        return flat_grads(m.groups, m.shard_grads, self.plain, "ZeRO group", shard=True)
+            return flat_grads(m.groups, m.full_grads, self.plain, "ZeRO group", shard=False) + pieces
+        return flat_grads(m.groups, m.shard_grads, self.plain, "ZeRO group", shard=True) + pieces
 
     def scale_param_grads(self, factor: float) -> None:
         """No-op: the ``sum_grads`` fault targets per-parameter gradients, which ZeRO does not keep."""
@@ -75,11 +87,18 @@ class ZeroStrategy(DataParallelSteps):
         all-reduce over dp, and one over tp with tp."""
         shards = self.model.shard_grads
         count = shard_pieces(self.model.groups, shards, self.mesh, "dp", {"dp"})
-        return clip_(count, shards, self.mesh, ["dp", "tp"], max_norm)
+        pieces = [q.grad for q in self.expert_params if q.grad is not None]
+        if pieces:  # parallel.ep: each expert piece once — the dp sum spans edp × ep, so edp coordinate 0 only
+            em = self.experts.emesh  # type: ignore[union-attr]
+            count = count + (pieces if em.coord("edp") == 0 and em.coord("tp") == 0 else [])
+        return clip_(count, [*shards, *pieces], self.mesh, ["dp", "tp"], max_norm)
 
     def pieces(self) -> list[Piece]:
-        return zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.optimizer,
-                                                                                 self.mesh)
+        out = zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.zero_optimizer,
+                                                                                self.mesh)
+        if self.expert_optimizer is not None:  # the expert pieces' per-parameter state, S(0) over ep
+            out += optimizer_pieces(self.plain, self.expert_optimizer, self.mesh)
+        return out
 
     def shared_state(self) -> dict[str, Any]:
         return zero_index_state(self.model)[0]
@@ -89,7 +108,46 @@ class ZeroStrategy(DataParallelSteps):
         return zero_index_state(self.model)[1]
 
     def load(self, ckpt: Checkpoint) -> None:
-        load_zero(ckpt, self.model, self.optimizer)
+        load_zero(ckpt, self.model, self.zero_optimizer)
+        if self.expert_optimizer is not None:
+            load_optimizer(ckpt, self.plain, self.expert_optimizer, self.mesh)
 
     def memory(self) -> dict[str, int]:
-        return memory_report(self.model, self.optimizer)
+        report = memory_report(self.model, self.zero_optimizer)
+        if self.expert_optimizer is not None:  # the experts' own optimizer state
+            report["optimizer"] += sum(v.numel() * v.element_size() for st in self.expert_optimizer.state.values()
+                                       for v in st.values() if isinstance(v, torch.Tensor))
+        return report
+
+
+class ZeroWithExperts:
+    """ZeRO's optimizer (the dense flat shards) and the experts' per-parameter one (``parallel.ep``: expert
+    pieces are in no flat group) stepped as one: what the trainer calls — ``param_groups`` (the learning rate
+    is set on every group of both), ``step``, ``zero_grad`` — and the two state dicts. The experts' state is
+    not sharded over ``edp`` (each edp replica keeps its ep piece's whole state)."""
+
+    def __init__(self, zero_opt: ZeroOptimizer, experts: torch.optim.Optimizer) -> None:
+        self.zero, self.experts = zero_opt, experts
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [*self.zero.param_groups, *self.experts.param_groups]
+
+    def step(self) -> bool:
+        """ZeRO's step (collective over dp), then the experts' (local); both skip on an fp16 overflow."""
+        stepped = self.zero.step()
+        if stepped:
+            self.experts.step()
+        self.experts.zero_grad(set_to_none=True)
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad(set_to_none)
+        self.experts.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"zero": self.zero.state_dict(), "experts": self.experts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.zero.load_state_dict(state["zero"])
+        self.experts.load_state_dict(state["experts"])
