@@ -61,7 +61,7 @@ def test_both_rotary_spellings():
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model_type": "mixtral"}, ["model_type = 'mixtral'", "llama, mistral, qwen2"]),
+    ({"model_type": "gemma"}, ["model_type = 'gemma'", "llama, mistral, qwen2"]),
     ({"model_type": None}, ["model_type = None"]),
     ({"hidden_act": "gelu"}, ["hidden_act = 'gelu'", "silu"]),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope type 'yarn'", "default, linear"]),
