@@ -143,7 +143,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, axis: st
     if algorithm == "native":
         work = dist.all_to_all_single(dst, src, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                       group=mesh.group(axis), async_op=async_op)
-        return Handle(work=work, finish=lambda: out) if async_op else out
+        # the handle keeps the (possibly temporary, made contiguous) input alive until the exchange is done
+        return Handle(work=work, finish=lambda keep=src: out) if async_op else out
 
     def job() -> torch.Tensor:
         _pairwise(dst, src, mesh, axis, out_splits, in_splits)
