@@ -255,3 +255,22 @@ def test_runtime_translates_ep_both_ways():
     assert config_from_plan(Layout(dp=4, ep=2).resolved(8))["ep"] == 2
     assert "ep" not in config_from_plan(Layout(dp=4).resolved(8))
     assert pins_from_flags(dict([parse_pin("parallel.ep=4")])) == {"ep": 4}
+
+
+def test_a_mixtral_config_file_is_predicted_with_its_experts(tmp_path):
+    import json
+
+    from shardwise.runtime.config import load_config, validate
+    from shardwise.runtime.prediction import gpt_spec, plan_from_config
+
+    cfg_json = dict(model_type="mixtral", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=1000, intermediate_size=512, num_local_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=1e6)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg_json))
+    cfg = validate(load_config(overrides={"model.hf_config": str(path), "model.block_size": 128,
+                                          "parallel.nproc": 2}))
+    spec = gpt_spec(cfg)
+    # 2 layers × 4 experts × 3 matrices of 256 × 512, top-2: half of them inactive per token
+    assert spec.n_experts == 4 and spec.params - spec.active_params == 2 * 2 * 3 * 256 * 512
+    assert plan_from_config(cfg).ep == getattr(cfg.parallel, "ep", 1)
