@@ -105,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _validate(args: argparse.Namespace) -> list[int]:
     """Check what argparse cannot check alone; return the sizes. ``ValueError`` with the fix otherwise."""
     sizes = power_of_two_sizes(args.min, args.max)
+    for op in args.ops:  # an op none of whose algorithms was asked for would print an empty table
+        has = A2A_ALGORITHMS if op == "all_to_all" else ALGORITHMS
+        if not set(args.algorithms) & set(has):
+            raise ValueError(f"--ops {op} runs {','.join(has)} but --algorithms {','.join(args.algorithms)} names "
+                             f"none of them; add one, e.g. --algorithms {','.join(args.algorithms + [has[0]])}")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401

@@ -101,3 +101,13 @@ def test_bench_comm_measures_both_all_to_alls_exactly(worlds):
         ("all_to_all", alg, c) for c in (30, 510, 2046) for alg in ("native", "pairwise")]
     assert all(err == 0 for _, _, _, err, _ in rows), rows
     assert all(f == pytest.approx(2 / 3) for *_, f in rows), rows
+
+
+def test_bench_comm_refuses_an_all_to_all_without_its_algorithms():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "comm", "-n", "2", "--ops", "all_to_all",
+                          "--algorithms", "ring,tree"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", res.stdout + res.stderr
+    assert "--ops all_to_all runs native,pairwise but --algorithms ring,tree names none of them" in res.stderr
