@@ -1,7 +1,8 @@
 """``search(spec, hardware, devices=..., global_batch=...)``: every layout of a model on a device count, ranked
 by predicted step time under a memory budget. Pure (no processes).
 
-The space (``Space``): dp × tp × pp × ZeRO stage × micro-batch × schedule (gpipe, 1f1b, interleaved with v
+The space (``Space``): dp × tp × pp (× cp, × ep for a mixture of experts: one branch and bound per degree,
+``cp_options`` / ``ep_options``) × ZeRO stage × micro-batch × schedule (gpipe, 1f1b, interleaved with v
 chunks, zb-h1, zb-h2) × activation checkpointing × sequence parallelism, each pipeline cut into stages of
 equal *predicted time* (``pp_split``), any field pinnable (``pins``). Constraints: dp × tp × pp = devices,
 tp within a node (unless pinned), tp dividing the model's heads/widths, stages ≤ layers, the batch dividing.

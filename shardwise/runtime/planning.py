@@ -184,6 +184,8 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     fields = []
     for p in result:
         f = {**config_from_plan(p.plan), "replicate": replicate}  # () too: a config file's own was not priced
+        if hasattr(cfg.parallel, "ep"):
+            f["ep"] = p.plan.ep  # ep = 1 too: a config file's own ep was not what the plan priced
         fields.append({**f, "pp_split": train_split_names(cfg.model, f["pp_split"])})
     return result, fields
 
