@@ -16,6 +16,7 @@ them, so both copies receive the same update as the single tied parameter on one
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from ... import comm
 from ...mesh import Mesh
 from ..common.autocast import check_autocast
+from ..common.expert_tag import is_expert_param
 from ..common.materialize import ensure_sources, materialize
 from ..common.grad_norm import clip_counted, counted, shard_pieces
 from ..common.mixed_precision import LossScaler
@@ -243,12 +245,21 @@ class Pipeline:
         ``factory``: e.g. ``functools.partial(torch.optim.AdamW, lr=3e-4)``."""
         if self.zero_stage != 1 or self.grad_sync is None:
             return make_inner_optimizer(factory, list(self.parameters()))
-        sync = self.grad_sync
+        sync, experts = self.grad_sync, self.expert_params()
         dtype = sync.buckets[0].grads.dtype if sync.buckets else torch.float32
         # ZeroOptimizer's stage-2 path takes gradient shards that are already averaged: DpGradSync's
         # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
-        return ZeroOptimizer(PipelineZeroGroups(sync), factory, sync.groups, self.mesh, sync.axis, stage=2,
+        # Expert-parallel parameters are in no flat group (each dp rank of an expert group holds other
+        # experts): the same inner optimizer steps them whole, after the caller's ExpertGradSync.
+        inner = factory if not experts else partial(_with_experts, factory, experts)
+        return ZeroOptimizer(PipelineZeroGroups(sync, experts), inner, sync.groups, self.mesh, sync.axis, stage=2,
                              scaler=LossScaler(None), reduce_dtype=dtype)
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """This rank's expert-parallel stage parameters (tagged by ``shard_experts``), each once, in
+        ``parameters()`` order: outside the dp buckets, their gradients are the caller's to sync over the ranks
+        holding the same experts (``parallel.expert.grads.ExpertGradSync``) after the step's last ``step``."""
+        return [q for q in self.parameters() if is_expert_param(q)]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip this step's gradients so the norm over the *whole* model is at most ``max_norm``; returns that
@@ -291,6 +302,12 @@ class Pipeline:
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
         return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
+
+
+def _with_experts(factory: Callable[..., torch.optim.Optimizer], experts: list[nn.Parameter],
+                  masters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """ZeRO-1's inner optimizer over the flat master shards and the expert parameters (same hyperparameters)."""
+    return factory(list(masters) + experts)
 
 
 def _materialized(stage: nn.Module, device: torch.device) -> nn.Module:

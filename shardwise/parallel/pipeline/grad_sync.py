@@ -21,6 +21,11 @@ of the averaged gradient; the sharded optimizer (``ZeroOptimizer`` over the same
 shard and all-gathers the parameters. Parameters shared with another pipeline rank (tied embedding/head)
 sit in their own buckets, started by ``finish`` only after the tied-gradient exchange. Every dp replica of
 one pipeline coordinate runs the same action list, so buckets start in the same order everywhere.
+
+Expert-parallel parameters (tagged by ``parallel.expert.shard_experts``) hold different experts on the dp ranks
+of one expert group: they are in no bucket (an average over dp would mix different experts); their gradients
+are summed over the ranks holding the same experts by ``parallel.expert.grads.ExpertGradSync``, which the
+caller runs after the step's last ``pipe.step`` (once per optimizer step, accumulation included).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import nn
 
 from ... import comm
 from ...mesh import Mesh
+from ..common.expert_tag import is_expert_param
 from ..zero.flat import FlatGroup
 from ..zero.grads import attach_full_grads
 from ..zero.options import default_algorithm
@@ -81,8 +87,9 @@ class DpGradSync:
         self.buckets: list[_Bucket] = []
         late_named: list[tuple[str, nn.Parameter]] = []
         for s, named in sorted(stage_params.items()):
-            kept = [(n, q) for n, q in named if q.requires_grad and id(q) not in late]
-            late_named += [(n, q) for n, q in named if q.requires_grad and id(q) in late]
+            dense = [(n, q) for n, q in named if q.requires_grad and not is_expert_param(q)]  # see module doc
+            kept = [(n, q) for n, q in dense if id(q) not in late]
+            late_named += [(n, q) for n, q in dense if id(q) in late]
             if not kept:
                 continue
             cap = max(1, cap_bytes // kept[0][1].element_size())
@@ -189,10 +196,12 @@ class DpGradSync:
 class PipelineZeroGroups:
     """``ZeroGroups`` over a pipeline's dp gradient buckets (ZeRO-1 inside ``sw.pipeline``), for
     ``ZeroOptimizer``'s stage-2 path: the shards are already averaged by ``DpGradSync.finish``. A pipeline has
-    no ``no_sync()`` (accumulation is repeated ``pipe.step`` s, each reducing), so it always syncs. Local."""
+    no ``no_sync()`` (accumulation is repeated ``pipe.step`` s, each reducing), so it always syncs.
+    ``extra``: parameters outside the buckets that the inner optimizer also steps (expert-parallel ones, with
+    their own per-parameter gradients): cleared with the buckets. Local."""
 
-    def __init__(self, sync: DpGradSync) -> None:
-        self.sync = sync
+    def __init__(self, sync: DpGradSync, extra: Sequence[nn.Parameter] = ()) -> None:
+        self.sync, self.extra = sync, list(extra)
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -220,6 +229,8 @@ class PipelineZeroGroups:
 
     def clear_grads(self) -> None:
         self.sync.zero_grads()
+        for q in self.extra:
+            q.grad = None
 
     def after_step(self) -> None:
         """No memory peak is tracked for a pipeline's optimizer."""
