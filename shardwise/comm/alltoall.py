@@ -27,6 +27,7 @@ pairwise algorithm also counts its messages.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -58,6 +59,15 @@ def choose_all_to_all(calibration: Any | None) -> str:
     return "pairwise" if no_worse and better else "native"
 
 
+def _row_counts(splits: Sequence[Any], name: str) -> list[int]:
+    """``splits`` as python ints (numpy or 0-d torch integers are fine: ``counts.tolist()`` is not required)."""
+    try:
+        return [operator.index(s) for s in splits]
+    except TypeError:
+        raise ValueError(f"all_to_all_single {name} {list(splits)} must be integer row counts; convert with "
+                         f"[int(s) for s in {name}]") from None
+
+
 def _check_splits(n: int, axis: str, out_splits: Sequence[int], in_splits: Sequence[int], algorithm: str) -> None:
     """The algorithm and the splits' lengths and values; ``ValueError`` naming the values and the fix."""
     if algorithm not in _CHOICES:
@@ -66,9 +76,9 @@ def _check_splits(n: int, axis: str, out_splits: Sequence[int], in_splits: Seque
         if len(splits) != n:
             raise ValueError(f"all_to_all_single {name} has {len(splits)} entries but axis {axis!r} has {n} "
                              f"ranks; give one row count per rank of the axis")
-        if any(not isinstance(s, int) or s < 0 for s in splits):
-            raise ValueError(f"all_to_all_single {name} {list(splits)} must be non-negative python ints "
-                             f"(row counts); convert with [int(s) for s in {name}]")
+        if any(s < 0 for s in splits):
+            raise ValueError(f"all_to_all_single {name} {list(splits)} must be non-negative row counts; a "
+                             f"rank that sends or receives nothing from a peer gives 0")
 
 
 def _check(out: torch.Tensor, inp: torch.Tensor, n: int, axis: str, out_splits: Sequence[int],
@@ -128,7 +138,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, axis: st
     device; ``in_splits`` / ``out_splits``: one row count per rank of ``axis`` (uneven, zeros allowed).
     Returns ``out`` (or a ``Handle`` whose ``wait()`` returns it). Collective over ``axis``."""
     n, me = mesh.size(axis), mesh.coord(axis)
-    in_splits, out_splits = list(in_splits), list(out_splits)
+    in_splits, out_splits = _row_counts(in_splits, "in_splits"), _row_counts(out_splits, "out_splits")
     _check(out, inp, n, axis, out_splits, in_splits, algorithm, me)
     if algorithm == "auto":
         algorithm = "native" if n < 2 else choose_all_to_all(mesh.calibration_for(n))
@@ -226,7 +236,7 @@ def all_to_all_autograd(x: torch.Tensor, mesh: Mesh, axis: str, out_splits: Sequ
     """Differentiable ``all_to_all_single``: ``x`` ``(sum(in_splits), *rest)`` -> a new
     ``(sum(out_splits), *rest)``; its gradient flows back through the reverse all-to-all. Collective over
     ``axis`` in forward and in backward (every rank of the axis must run backward through it)."""
-    out_splits, in_splits = list(out_splits), list(in_splits)
+    in_splits, out_splits = _row_counts(in_splits, "in_splits"), _row_counts(out_splits, "out_splits")
     n = mesh.size(axis)
     _check_splits(n, axis, out_splits, in_splits, algorithm)  # before forward allocates sum(out_splits) rows
     if algorithm == "auto":  # resolved once, so that backward runs what forward ran

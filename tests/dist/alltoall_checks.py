@@ -205,6 +205,9 @@ def errors() -> dict[str, str]:
                                                        algorithm="ring"),
         "row_shape": lambda: sw.comm.all_to_all_single(torch.zeros(n, 3), x, m, "dp", out_splits=ones,
                                                        in_splits=ones),
+        "float": lambda: sw.comm.all_to_all_single(out, x, m, "dp", out_splits=ones, in_splits=[1.0] * n),
+        "tensor_ints": lambda: sw.comm.all_to_all_single(out, x, m, "dp", out_splits=list(torch.tensor(ones)),
+                                                         in_splits=torch.tensor(ones).numpy().tolist()),
         "counts": lambda: sw.comm.exchange_counts(torch.zeros(n, dtype=torch.int32), m, "dp"),
         "autograd_len": lambda: sw.comm.all_to_all_autograd(x, m, "dp", ones + [1], ones),
     }

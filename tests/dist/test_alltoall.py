@@ -81,6 +81,8 @@ def test_bad_input_is_refused_before_communication(worlds, n):
         assert f"sum to {n}" in r["out_sum"] and f"{n + 2} rows" in r["out_sum"], r
         assert "non-negative" in r["negative"], r
         assert "sends itself" in r["self"], r
+        assert "must be integer row counts" in r["float"], r
+        assert r["tensor_ints"] == "no error", r  # 0-d torch integers are row counts too
         assert "'ring' is unknown" in r["algorithm"], r
         assert "contiguous torch.float32 tensor of rows [2]" in r["row_shape"], r
         assert "1-D int64" in r["counts"], r
