@@ -1,6 +1,7 @@
 """The planner against published mixture-of-experts training throughput (pure: nothing runs but the planner).
 
     python benchmarks/planner_moe_published.py [--search] [--markdown FILE] [--json FILE]
+    python benchmarks/planner_moe_published.py --a2a-check
 
 The figure compared is **tokens/s per GPU** of pre-training (global batch × sequence / step time / GPUs), at the
 published layout, on the ``h100-80g-sxm`` preset (DeepSeek-V3: an H800 made from it, see ``_h800``), bf16
@@ -153,13 +154,49 @@ def _search_lines(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def a2a_check(calibration: str = "benchmarks/hardware_cpu_4ranks.json",
+              runs: str = "benchmarks/log/alltoall_2026-11-28/*.json") -> list[str]:
+    """The planner's all-to-all (``moe.a2a_time``) on a CPU calibration of the 2-core VM against gloo's own
+    all-to-all measured there on 4 ranks (``shardwise bench comm --ops all_to_all``; median over the stored runs).
+    The bench's split is uneven (rank r gives rank j the share 1 + (j − r) % 4 of 10, so 9/10 of a rank's buffer
+    leaves it, 3/4 in the planner's even split): the planner is handed the buffer whose off-rank bytes are the
+    bench's. Shown with and without the calibration's sync skew (what a collective between pieces of compute
+    waits; the bench runs them back to back)."""
+    import glob
+    import statistics
+
+    from shardwise.planner.moe import a2a_time
+
+    hw = Hardware.load(calibration)
+    measured: dict[int, list[float]] = {}
+    for path in sorted(glob.glob(runs)):
+        for row in json.loads(Path(path).read_text())["results"]:
+            if row["op"] == "all_to_all" and row["algorithm"] == "native":
+                measured.setdefault(row["nbytes"], []).append(row["time_us"])
+    bare = dataclasses.replace(hw, sync_skew_s=0.0)
+    lines = ["| bytes per rank | measured µs (median of runs) | planner µs | planner ÷ measured | planner without "
+             "the sync skew µs | ÷ measured |", "|---|---|---|---|---|---|"]
+    for nbytes, times in sorted(measured.items()):
+        seen = statistics.median(times)
+        with_skew = a2a_time(hw, nbytes * 0.9 / 0.75, 4, 4) * 1e6
+        without = a2a_time(bare, nbytes * 0.9 / 0.75, 4, 4) * 1e6
+        lines.append(f"| {nbytes:,} | {seen:,.0f} | {with_skew:,.0f} | {with_skew / seen:.2f} | {without:,.0f} | "
+                     f"{without / seen:.2f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/planner_moe_published.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--search", action="store_true", help="also the planner's own best layout (BF16 rows)")
+    parser.add_argument("--a2a-check", action="store_true",
+                        help="only the all-to-all model against the stored 4-rank CPU measurements")
     parser.add_argument("--markdown", default=None, metavar="FILE", help="also write the tables as markdown")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.a2a_check:
+        print("\n".join(a2a_check()))
+        return 0
     results = rows(args.search)
     lines = _table(results) + _search_lines(results)
     comparable = [r["ratio"] for r in results if r["comparable"]]

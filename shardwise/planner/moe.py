@@ -10,7 +10,7 @@ expert sees every token routed to it:
   in backward, each moving ``tokens · top_k · h · dtype · (ep − 1)/ep`` bytes out of (and into) every rank
   (``a2a_bytes``); priced with the hardware's links as its other collectives are: the bytes for peers on the
   rank's node through the intra-node link, the rest through the device's NIC share, concurrently, plus one
-  link latency and the sync skew. Not overlapped with compute (Megatron-Core's default dispatcher). With
+  link latency per peer and the sync skew. Not overlapped with compute (Megatron-Core's default dispatcher). With
   ``tp > 1`` each tensor-parallel rank dispatches ``1/tp`` of the tokens (the sequence-parallel split).
   Full recomputation runs the forward's two again in backward.
 * **expert compute** per rank is its ``ep`` share: ``E/ep`` experts with ``ep`` times the rows each (the same
@@ -59,14 +59,16 @@ def a2a_time(hw: Hardware, buffer_bytes: float, size: int, per_node: int) -> flo
     ``buffer_bytes`` spread evenly over the ``size`` destinations (module doc)."""
     if size <= 1 or buffer_bytes <= 0:
         return 0.0
-    local = buffer_bytes * (min(per_node, size) - 1) / size
-    remote = buffer_bytes * (size - min(per_node, size)) / size
+    near = min(per_node, size)
+    local = buffer_bytes * (near - 1) / size
+    remote = buffer_bytes * (size - near) / size
     seconds = local / hw.intra.bus_bandwidth_Bps
-    alpha = hw.intra.alpha_s
     if remote > 0:
         seconds = max(seconds, remote / hw.inter.bus_bandwidth_Bps)
-        alpha = max(alpha, hw.inter.alpha_s)
-    return seconds + alpha + hw.sync_skew_s
+    # one link latency per peer: gloo's all-to-all of a few bytes on 4 CPU ranks took 3 of the calibration's
+    # latencies (benchmarks/planner_moe_published.py --a2a-check)
+    latency = (near - 1) * hw.intra.alpha_s + (size - near) * hw.inter.alpha_s
+    return seconds + latency + hw.sync_skew_s
 
 
 def moe_comm(layer: Layer, plan: Layout, hw: Hardware, elem_bytes: int) -> tuple[float, float]:

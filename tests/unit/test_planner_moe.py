@@ -177,13 +177,15 @@ def test_all_to_all_bytes_and_time_by_hand():
     hw = dataclasses.replace(H100, sync_skew_s=0.0)
     pred = predict(spec, Layout(dp=8, ep=8, micro_batch=2, precision="bf16"), hw, global_batch=16)
     # 4 MoE layers × 4 all-to-alls of 2 sequences × 512 tokens × top-2 rows of 512 bf16 values; 7/8 leave the
-    # rank over NVLink, plus one link latency each
-    one = a2a_bytes(2 * 512, 2, 512, 2, 8) / hw.intra.bus_bandwidth_Bps + hw.intra.alpha_s
+    # rank over NVLink, plus one link latency per peer
+    one = a2a_bytes(2 * 512, 2, 512, 2, 8) / hw.intra.bus_bandwidth_Bps + 7 * hw.intra.alpha_s
     assert pred.breakdown["ep_comm"] == pytest.approx(4 * 4 * one)
     assert pred.plan.describe().startswith("dp=8 ep=8 tp=1")
     # 16 ranks over two nodes of 8: half of the bytes leave the node through the NIC share
     two = predict(spec, Layout(dp=16, ep=8, tp=2, micro_batch=2, precision="bf16"), hw, global_batch=32)
-    wide = a2a_bytes(2 * 512, 2, 512, 2, 8) / 2 * (4 / 7) / hw.inter.bus_bandwidth_Bps + hw.inter.alpha_s
+    # (the ep group's 8 ranks are tp = 2 apart: 4 per node, 4 peers behind the NIC, 3 on the node)
+    wide = (a2a_bytes(2 * 512, 2, 512, 2, 8) / 2 * (4 / 7) / hw.inter.bus_bandwidth_Bps + 3 * hw.intra.alpha_s
+            + 4 * hw.inter.alpha_s)
     assert two.breakdown["ep_comm"] == pytest.approx(4 * 4 * wide)
 
 
@@ -194,7 +196,7 @@ def test_ep_expert_gemms_keep_their_flops_and_imbalance_slows_them():
     assert a.tflops_per_device * a.step_time_s == pytest.approx(b.tflops_per_device * b.step_time_s)
     c = predict(slow, plans[1], H100, global_batch=8)
     # the bytes of the 16 all-to-alls grow by the imbalance, their latencies do not
-    latency = 16 * (H100.intra.alpha_s + H100.sync_skew_s)
+    latency = 16 * (7 * H100.intra.alpha_s + H100.sync_skew_s)
     assert c.step_time_s > b.step_time_s
     assert c.breakdown["ep_comm"] - latency == pytest.approx(1.5 * (b.breakdown["ep_comm"] - latency))
     assert predict(slow, plans[0], H100, global_batch=8).step_time_s == pytest.approx(a.step_time_s)
