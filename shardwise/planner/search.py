@@ -234,10 +234,12 @@ def _branch_and_bound(spec: ModelSpec, hw: Hardware, lazy: LazyPool, global_batc
 
 def simplicity(plan: Layout) -> float:
     """How much machinery a plan uses (pipeline, ZeRO stage, recomputation, zero-bubble or interleaved
-    schedules, tensor parallelism): among plans predicted within the tie tolerance, the simpler one ranks first."""
+    schedules, tensor and expert parallelism): among plans predicted within the tie tolerance, the simpler one
+    ranks first."""
     schedule = {"1f1b": 0.0, "gpipe": 0.0, "zb-h1": 0.5, "zb-h2": 1.0, "interleaved": 1.0}[plan.schedule]
     return ((plan.pp > 1) + 0.25 * plan.zero_stage + (plan.activation_checkpointing != "none")
-            + (schedule if plan.pp > 1 else 0.0) + 0.5 * (plan.tp > 1) + 0.5 * plan.sequence_parallel)
+            + (schedule if plan.pp > 1 else 0.0) + 0.5 * (plan.tp > 1) + 0.5 * plan.sequence_parallel
+            + 0.25 * (plan.ep > 1))
 
 
 TIE = 0.002

@@ -276,3 +276,23 @@ def test_a_mixtral_config_file_is_predicted_with_its_experts(tmp_path):
     # 2 layers × 4 experts × 3 matrices of 256 × 512, top-2: half of them inactive per token
     assert spec.n_experts == 4 and spec.params - spec.active_params == 2 * 2 * 3 * 256 * 512
     assert plan_from_config(cfg).ep == getattr(cfg.parallel, "ep", 1)
+
+
+def test_search_finds_what_exhaustive_prediction_finds_over_ep():
+    spec = moe_llama(n_layer=3, seq_len=256)
+    space = Space(max_micro_batch=2)
+    budget = H100.memory_bytes * 0.9
+    best = math.inf
+    for ep in (1, 2, 4, 8):
+        fixed, _ = normalize_pins({"ep": ep})
+        cache: dict = {}
+        pool, _ = candidates(spec, H100, devices=8, global_batch=16, pins=fixed, space=space, budget=budget,
+                             runtime="shardwise", cache=cache)
+        for cand in pool.feasible:
+            pred = predict(spec, cand.plan, H100, global_batch=16, cache=cache)
+            if pred.memory.total <= budget:
+                best = min(best, pred.step_time_s)
+    found = search(spec, H100, devices=8, global_batch=16, space=space, top=1).best
+    # the search ranks near-ties by simplicity (search.TIE): its pick is within that of the fastest, and here that
+    # is an expert-parallel plan (ep = 1's best is ~0.9 % slower)
+    assert found.step_time_s <= best * (1 + 0.002 * 4) and found.plan.ep > 1
