@@ -135,15 +135,22 @@ def attention_width(m: ModelConfig) -> int:
 def model_spec(m: ModelConfig) -> Any:
     """The planner's analytic spec: ``ModelSpec.gpt`` or ``ModelSpec.llama`` (GQA k/v widths, three MLP matrices,
     the tied head). Approximations for an HF decoder: q/k/v and MLP biases are not counted (h-sized vectors), and
-    an explicit ``head_dim`` other than hidden / heads is priced as hidden / heads."""
+    an explicit ``head_dim`` other than hidden / heads is priced as hidden / heads; a mixture of experts is
+    priced with its MoE fields (``hf_fields``: a Qwen2-MoE shared expert as ``n_shared_experts`` whole experts)."""
     from ..planner import ModelSpec
 
     hf = hf_of(m)
     if hf is None:
         return ModelSpec.gpt(m)
+    moe = {k: v for k, v in hf_fields(hf).items() if k in _SPEC_MOE} if hf.num_experts else {}
     return ModelSpec.llama(n_layer=hf.num_hidden_layers, hidden=hf.hidden_size, heads=hf.num_attention_heads,
                            kv_heads=hf.num_key_value_heads, ffn=hf.intermediate_size, vocab_size=hf.vocab_size,
-                           seq_len=m.block_size, tie_weights=hf.tie_word_embeddings, name=f"hf-{hf.model_type}")
+                           seq_len=m.block_size, tie_weights=hf.tie_word_embeddings, name=f"hf-{hf.model_type}",
+                           **moe)
+
+
+# the MoE fields the planner's Llama table takes (an HF config's mlp_only_layers is priced as MoE layers)
+_SPEC_MOE = ("n_experts", "top_k", "moe_ffn", "n_shared_experts", "moe_every", "moe_first_dense")
 
 
 # The planner's Llama layers are ``embed_tokens``, ``layers.i``, ``norm``; the model's pipeline units are the

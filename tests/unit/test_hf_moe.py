@@ -218,13 +218,14 @@ def test_export_round_trip_through_transformers(tmp_path, case):
 
 def test_runtime_fills_the_moe_fields(tmp_path):
     from shardwise.runtime.config_schema import ModelConfig
-    from shardwise.runtime.model_build import check_tp, resolve_hf
+    from shardwise.runtime.model_build import check_tp, model_spec, resolve_hf
 
     path = tmp_path / "qwen2_moe.json"
     path.write_text(json.dumps(_hf("qwen2_moe-sparse").config.to_dict()))
     m = resolve_hf(ModelConfig(hf_config=str(path), block_size=SEQ), {})
     assert (m.n_experts, m.top_k, m.moe_ffn, m.n_shared_experts, m.router_renorm) == (8, 2, 16, 2, True)
     assert (m.moe_aux_loss_coef, m.moe_every, m.moe_first_dense) == (0.001, 2, 1)
+    assert model_spec(m).n_experts == 8  # the planner prices the experts, not a dense MLP
     with pytest.raises(ValueError, match=r"model.n_experts = 4 contradicts model.hf_config"):
         resolve_hf(ModelConfig(hf_config=str(path), block_size=SEQ), {"n_experts": 4})
     with pytest.raises(ValueError, match=r"parallel.tp = 3 must divide num_attention_heads"):
@@ -234,3 +235,14 @@ def test_runtime_fills_the_moe_fields(tmp_path):
     qwen3.write_text(json.dumps(_hf("qwen3_moe").config.to_dict()))
     with pytest.raises(ValueError, match=r"parallel.tp = 2 is not supported for model_type 'qwen3_moe'"):
         check_tp(resolve_hf(ModelConfig(hf_config=str(qwen3), block_size=SEQ), {}), 2)
+
+
+def test_cached_decoding_equals_the_full_forward():
+    from shardwise.models.generate import generate
+
+    ours = _ours(_hf("qwen2_moe-sparse"))
+    prompt = _idx()[:, :4]
+    with torch.no_grad():
+        cached = generate(ours, prompt, max_new_tokens=6, temperature=0.0, use_cache=True)
+        full = generate(ours, prompt, max_new_tokens=6, temperature=0.0, use_cache=False)
+    assert torch.equal(cached, full) and cached.shape == (2, 10)
