@@ -309,7 +309,8 @@ class Llama(nn.Module):
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, Style]:
         """Megatron's pairing for this decoder: q/k/v column-parallel in whole heads (query and key/value heads
         split alike, so every rank keeps whole GQA groups), ``o_proj`` row-parallel; gate/up column, down row;
-        vocabulary-parallel embedding and head; MoE layers: ``ExpertParallel`` experts over tp (``llama_moe``). With
+        vocabulary-parallel embedding and head; MoE layers: ``ExpertParallel`` experts over tp (``llama_moe``), unless
+        expert parallelism already split them over data-parallel ranks (then they stay whole on tp). With
         sequence parallelism also the RMSNorms (their weights'
         gradients summed over tp once per layer): the q/k/v projections gather the sequence before the
         attention builds its rotary tables, so the positions are those of the whole sequence."""
@@ -319,7 +320,9 @@ class Llama(nn.Module):
             "model.layers.*.self_attn.q_proj": ColumnParallel(heads=c.num_attention_heads),
             "model.layers.*.self_attn.k_proj": ColumnParallel(heads=c.num_key_value_heads),
             "model.layers.*.self_attn.v_proj": ColumnParallel(heads=c.num_key_value_heads),
-            "model.layers.*.self_attn.o_proj": RowParallel(), **feed_forward_plan(c)}
+            "model.layers.*.self_attn.o_proj": RowParallel(),
+            **feed_forward_plan(c, split_experts=not any(getattr(layer.mlp, "shard", None) is not None
+                                                         for layer in self.model.layers))}
         if sequence_parallel:
             plan.update({"model.layers.*.input_layernorm": SequenceParallel(),
                          "model.layers.*.post_attention_layernorm": SequenceParallel(),

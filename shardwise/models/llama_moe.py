@@ -40,19 +40,21 @@ def moe_param_init(module: nn.Module, attr: str, std: float) -> InitRule | None:
     return moe_init_rule(module, attr, std, std)
 
 
-def feed_forward_plan(c: HFDecoderConfig) -> dict[str, Style]:
+def feed_forward_plan(c: HFDecoderConfig, split_experts: bool = True) -> dict[str, Style]:
     """The tensor-parallel styles of the feed-forward parts: dense layers' gate/up column-parallel and down
     row-parallel (only when the model has dense layers: a pattern must match a module); MoE layers' experts
     ``ExpertParallel`` over the tp axis (each rank runs its ``E / tp`` experts on the tokens every tp rank holds,
-    the outputs summed) and the shared expert column/row-parallel like a dense MLP. The router and the shared
-    expert's gate stay replicated."""
+    the outputs summed) unless ``split_experts`` is false (expert parallelism over the data-parallel ranks
+    already holds a block of them: they stay whole on tp, each tp rank routing the same tokens), and the shared
+    expert column/row-parallel like a dense MLP. The router and the shared expert's gate stay replicated."""
     layers = range(c.num_hidden_layers)
     plan: dict[str, Style] = {}
     if any(not c.is_moe_layer(i) for i in layers):
         plan.update({"model.layers.*.mlp.gate_proj": ColumnParallel(), "model.layers.*.mlp.up_proj": ColumnParallel(),
                      "model.layers.*.mlp.down_proj": RowParallel()})
     if any(c.is_moe_layer(i) for i in layers):
-        plan["model.layers.*.mlp.experts"] = ExpertParallel()  # type: ignore[assignment]
+        if split_experts:
+            plan["model.layers.*.mlp.experts"] = ExpertParallel()  # type: ignore[assignment]
         if c.shared_expert_intermediate_size:
             plan.update({"model.layers.*.mlp.shared_expert.gate_proj": ColumnParallel(),
                          "model.layers.*.mlp.shared_expert.up_proj": ColumnParallel(),
