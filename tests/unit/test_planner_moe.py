@@ -296,3 +296,17 @@ def test_search_finds_what_exhaustive_prediction_finds_over_ep():
     # the search ranks near-ties by simplicity (search.TIE): its pick is within that of the fastest, and here that
     # is an expert-parallel plan (ep = 1's best is ~0.9 % slower)
     assert found.step_time_s <= best * (1 + 0.002 * 4) and found.plan.ep > 1
+
+
+def test_moe_specs_rescale_to_another_sequence_length():
+    spec = moe_llama(moe_imbalance=1.2)
+    assert spec.with_seq_len(256) == moe_llama(seq_len=256, moe_imbalance=1.2)
+    hf = ModelSpec.from_hf(_tiny_hf_dict(), seq_len=64)
+    assert hf.with_seq_len(128) == ModelSpec.from_hf(_tiny_hf_dict(), seq_len=128)
+    assert hf.with_seq_len(128).params == hf.params
+
+
+def _tiny_hf_dict():
+    return dict(model_type="qwen2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100, intermediate_size=96, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
