@@ -246,3 +246,41 @@ def test_cached_decoding_equals_the_full_forward():
         cached = generate(ours, prompt, max_new_tokens=6, temperature=0.0, use_cache=True)
         full = generate(ours, prompt, max_new_tokens=6, temperature=0.0, use_cache=False)
     assert torch.equal(cached, full) and cached.shape == (2, 10)
+
+
+def test_expert_parallel_refuses_what_it_cannot_split():
+    import shardwise as sw
+    from shardwise.parallel.expert.style import check_expert_parallel, match_experts
+
+    hf = _hf("mixtral")
+    experts = hf.model.layers[0].mlp.experts
+    with pytest.raises(ValueError, match=r"^x: ExpertParallel applies to an experts module .* got Linear"):
+        check_expert_parallel("x", torch.nn.Linear(4, 4), None, 2)
+    with pytest.raises(ValueError, match=r"^e: 4 experts do not divide over 3 ranks; .*\[1, 2, 4\]"):
+        check_expert_parallel("e", experts, hf.model.layers[0].mlp, 3)
+    with pytest.raises(ValueError, match=r"plan pattern 'model.layers.\*.moe' \(ExpertParallel\) matches no module"):
+        match_experts(hf, {"model.layers.*.moe": sw.ExpertParallel()}, 2)
+    ours = _ours(hf)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate: ExpertParallel applies to an experts module"):
+        match_experts(ours, {"model.layers.*.mlp.gate": sw.ExpertParallel()}, 1)
+    assert match_experts(ours, {"model.layers.*.mlp.experts": sw.ExpertParallel()}, 2) == [
+        "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+def test_expert_parallel_on_one_rank(one_rank_mesh):
+    import shardwise as sw
+    from shardwise.parallel.expert.style import ExpertParallelExperts
+
+    hf = _hf("qwen2_moe")
+    want = hf(_idx()).logits.detach()
+    keys = set(hf.state_dict())
+    sw.parallelize(hf, one_rank_mesh, {"model.layers.*.mlp.experts": sw.ExpertParallel()}, axis="tp")
+    assert isinstance(hf.model.layers[1].mlp.experts, ExpertParallelExperts) and set(hf.state_dict()) == keys
+    torch.testing.assert_close(hf(_idx()).logits, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"already split \(ExpertParallel\)"):
+        sw.parallelize(hf, one_rank_mesh, {"model.layers.*.mlp.experts": sw.ExpertParallel()}, axis="tp")
+    ours = _ours(_hf("mixtral"))
+    sw.parallelize(ours, one_rank_mesh, {"model.layers.*.mlp.experts": sw.ExpertParallel()}, axis="tp")
+    assert ours.model.layers[0].mlp.shard.replicated
+    with pytest.raises(ValueError, match=r"already split \(expert parallelism\)"):
+        sw.parallelize(ours, one_rank_mesh, {"model.layers.*.mlp.experts": sw.ExpertParallel()}, axis="tp")
