@@ -174,7 +174,8 @@ def _print(cfg: Any, hw: Any, result: Any, command: str, *, explain: bool) -> No
     from ..planner.units import format_bytes
 
     console = Console()
-    table = Table(title=f"shardwise plan: {result[0].model}, {cfg.parallel.nproc} × {hw.name}, global batch "
+    table = Table(title=f"shardwise plan: {result[0].model} ({result[0].params_text()} parameters), "
+                        f"{cfg.parallel.nproc} × {hw.name}, global batch "
                         f"{cfg.data.global_batch} (searched {result.candidates:,} layouts, predicted "
                         f"{result.evaluated}, {result.search_s:.2f} s)")
     for col in ("#", "plan", "step s", "TF/s/dev", "MFU", "memory / device", "dominant"):

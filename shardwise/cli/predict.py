@@ -112,7 +112,7 @@ def _summary_rows(cfg: Any, hw: Any, pred: Any) -> list[tuple[str, str]]:
             else f"NO: {format_bytes(mem.total)} > {format_bytes(mem.capacity)}; largest term: {mem.largest} "
                  f"({format_bytes(getattr(mem, mem.largest))})")
     return [("devices", f"{cfg.parallel.nproc} × {hw.name} ({hw.devices_per_node} per node)"),
-            ("plan", plan.describe()), ("global batch", batch),
+            ("model", f"{pred.params_text()} parameters"), ("plan", plan.describe()), ("global batch", batch),
             ("step time", f"{pred.step_time_s:.4g} s (dominant: {pred.dominant})"),
             ("tokens/s", f"{pred.tokens_per_s:,.0f}"), ("TF/s per device", f"{pred.tflops_per_device:.1f}"),
             ("MFU", f"{pred.mfu:.1%}"), ("fits", fits + f" (pipeline rank {mem.rank})")]
