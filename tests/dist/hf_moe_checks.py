@@ -166,3 +166,15 @@ def check_meta_from_hub(directory: str, size: int, out: str) -> int:
         with torch.no_grad():
             torch.testing.assert_close(again(x).logits, hf(x).logits, rtol=1e-5, atol=1e-6)
     return pretrained.bytes_read
+
+
+def check_auto_plan(kind: str, size: int) -> None:
+    """``sw.auto`` with the experts pinned to ``"experts"``: its plan (whatever it chose for the rest) runs
+    through ``sw.parallelize`` and trains as one device."""
+    m = mesh(tp=size)
+    model = hf_model(kind)
+    want = _train(copy.deepcopy(model), _hf_loss)
+    plan = sw.auto(model, m, (_data(0)[0],), pins={"model.layers.*.mlp.experts": "experts"})
+    assert plan["model.layers.*.mlp.experts"] == sw.ExpertParallel()
+    sw.parallelize(model, m, plan)
+    _same(_train(model, _hf_loss), want)

@@ -44,3 +44,7 @@ def test_meta_model_from_hub_reads_its_experts(worlds, tmp_path):
     total = sum(i.nbytes for i in tensors.values())
     experts = sum(i.nbytes for k, i in tensors.items() if ".experts." in k)
     assert read == [total - experts // 2] * 2, (read, total, experts)  # the dense part, and half the experts
+
+
+def test_auto_plan_with_expert_parallel(worlds):
+    worlds.get(2).run(hc.check_auto_plan, "qwen2_moe", 2, timeout=240)

@@ -284,3 +284,23 @@ def test_expert_parallel_on_one_rank(one_rank_mesh):
     assert ours.model.layers[0].mlp.shard.replicated
     with pytest.raises(ValueError, match=r"already split \(expert parallelism\)"):
         sw.parallelize(ours, one_rank_mesh, {"model.layers.*.mlp.experts": sw.ExpertParallel()}, axis="tp")
+
+
+def test_auto_offers_expert_parallel():
+    import shardwise as sw
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model("mixtral", **{**BASE, "hidden_size": 256, "intermediate_size": 1024},
+                                            num_local_experts=8)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    idx = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(0))
+    layout = sw.MeshLayout(("dp", "tp"), (1, 2))
+    plan = sw.auto(hf, layout, (idx,))
+    assert plan["model.layers.*.mlp.experts"] == sw.ExpertParallel()  # half the experts' GEMMs per rank pays
+    assert sw.ParallelizePlan.from_json(plan.to_json()).styles == plan.styles
+    kept = sw.auto(hf, layout, (idx,), pins={"model.layers.*.mlp.experts": "B"})
+    assert "model.layers.*.mlp.experts" not in kept
+    three = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("mixtral", **BASE, num_local_experts=3))
+    with pytest.raises(ValueError, match=r"its 3 experts do not divide over tp=2"):
+        sw.auto(three, layout, (_idx(),), pins={"model.layers.*.mlp.experts": "experts"})

@@ -15,6 +15,7 @@ a column layer's replicated input gets its gradient all-reduced in backward):
 | vocab    | ``nn.Embedding``          | S(0)         | any  | B     | forward: output P -> B                         |
 | vocab    | ``nn.Linear``, model output | S(0)       | B    | Sf    | backward input gradient; the loss's two (N,) all-reduces |
 | ``B``/``Sf`` | join (residual add, gating, attention core) | — | = | =  | none (all inputs must agree)                   |
+| experts  | an MoE's 3-D experts module (``expert_kind``) | S(0) (experts) | B | B | forward: output P -> B; backward: input gradient P -> B |
 
 A unit that reads the model's own input (no traced node feeds it) is offered no option needing ``Sf`` (row):
 that input is whole on every rank (``_input_rule``). A value leaving the model must be whole, except
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from ..expert.style import ExpertParallel, expert_kind
 from ..tensor.styles import ColumnParallel, QKVParallel, RowParallel, Style, VocabParallel, linear_dims, linear_layout
 from .cost import STATE_COPIES, CostModel
 from .trace import Graph, Node
@@ -47,7 +49,7 @@ KINDS = ("B", "column", "row", "vocab")
 @dataclass(frozen=True)
 class Option:
     kind: str
-    """``B``, ``column``, ``row``, ``vocab`` (units) or ``B``/``Sf`` (joins)."""
+    """``B``, ``column``, ``row``, ``vocab``, ``experts`` (units) or ``B``/``Sf`` (joins)."""
     style: Style | None
     need: str
     """What its inputs must be on tp: ``B``, ``Sf`` or ``any``."""
@@ -198,6 +200,30 @@ def _embedding(graph: Graph, node: Node, cm: CostModel) -> NodeOptions:
     return res
 
 
+def _experts(graph: Graph, node: Node, cm: CostModel) -> NodeOptions:
+    """An MoE's experts module: replicated (every rank runs every expert), or ``ExpertParallel`` (each rank its
+    ``E / tp`` experts on the same tokens: compute and weights / tp, an all-reduce of the output forward and of
+    the input gradient backward). Rows: the output's (our experts: one per assignment), times ``top_k`` for
+    transformers' (one per token; ``config.num_experts_per_tok``, else 1)."""
+    mod = node.module
+    assert mod is not None
+    n, two_f, h = mod.gate_up_proj.shape
+    k = getattr(getattr(mod, "config", None), "num_experts_per_tok", 1) if hasattr(mod, "act_fn") else 1
+    rows = math.prod(node.out_shape[:-1]) * (k if isinstance(k, int) else 1) / cm.d
+    compute = cm.gemm(rows, two_f, h) + cm.gemm(rows, h, two_f // 2)
+    pb, out_b = _param_bytes(graph, node, cm), _bytes(node.out_shape, cm)
+    res = NodeOptions([_option("B", None, "B", "B", compute, 0.0, cm.grad_allreduce(pb), STATE_COPIES * pb + out_b)])
+    if cm.t == 1:
+        return res
+    if n % cm.t:
+        res.unavailable["experts"] = f"its {n} experts do not divide over tp={cm.t}"
+        return res
+    comm = 2 * cm.reduce_over_tp(node.out_shape)
+    res.options.append(_option("experts", ExpertParallel(), "B", "B", compute / cm.t, comm,
+                               cm.grad_allreduce(pb / cm.t), STATE_COPIES * pb / cm.t + out_b))
+    return res
+
+
 def node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: CostModel) -> NodeOptions:
     """Every layout ``node`` may take under ``cm`` (the tp axis and its size), priced."""
     return _input_rule(node, _sink_rule(node, _node_options(graph, node, parents, cm)))
@@ -214,6 +240,8 @@ def _node_options(graph: Graph, node: Node, parents: dict[str, nn.Module], cm: C
         return _linear(graph, node, parents.get(node.name), cm)
     if isinstance(node.module, nn.Embedding):
         return _embedding(graph, node, cm)
+    if node.module is not None and expert_kind(node.module, parents.get(node.name)) is not None:
+        return _experts(graph, node, cm)
     pb = _param_bytes(graph, node, cm)
     res = NodeOptions([_option("B", None, "B", "B", cm.elementwise(out_b), 0.0, cm.grad_allreduce(pb),
                                STATE_COPIES * pb + out_b)])
@@ -225,7 +253,15 @@ def applicable(node: Node) -> tuple[str, ...]:
     module = node.module
     if module is not None and linear_layout(module) is not None:
         return KINDS if node.sink and isinstance(module, nn.Linear) else KINDS[:3]
-    return ("B", "vocab") if isinstance(module, nn.Embedding) else ("B",)
+    if isinstance(module, nn.Embedding):
+        return ("B", "vocab")
+    return ("B", "experts") if module is not None and _is_experts(module) else ("B",)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """3-D expert weights (``expert_kind`` without the parent: ours are recognised through it when priced)."""
+    weights = [getattr(module, w, None) for w in ("gate_up_proj", "down_proj")]
+    return all(getattr(w, "dim", lambda: 0)() == 3 for w in weights)
 
 
 def _input_rule(node: Node, res: NodeOptions) -> NodeOptions:

@@ -5,8 +5,8 @@
     pins={"lm_head": {"tp": "vocab"}}            # per mesh axis (the named axis becomes the tp axis)
     pins={"*.q_proj": sw.ColumnParallel(heads=8)}
 
-Values: ``"B"`` (alias ``"replicate"``), ``"column"``, ``"row"``, ``"vocab"``, a style object
-(ColumnParallel/QKVParallel -> column, RowParallel -> row, VocabParallel -> vocab), or a dict
+Values: ``"B"`` (alias ``"replicate"``), ``"column"``, ``"row"``, ``"vocab"``, ``"experts"``, a style object
+(ColumnParallel/QKVParallel -> column, RowParallel -> row, VocabParallel -> vocab, ExpertParallel -> experts), or a dict
 ``{axis: value}``. Patterns are ``fnmatch`` over the planned modules' names (``named_modules()``).
 Pure; bad pins raise a one-line ``ValueError`` with the fix.
 """
@@ -17,12 +17,14 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ..expert.style import ExpertParallel
 from ..tensor.styles import ColumnParallel, QKVParallel, RowParallel, Style, VocabParallel
 
 __all__ = ["Pin", "parse_pins"]
 
-_ALIASES = {"B": "B", "replicate": "B", "column": "column", "row": "row", "vocab": "vocab"}
-_STYLE_KIND = {ColumnParallel: "column", QKVParallel: "column", RowParallel: "row", VocabParallel: "vocab"}
+_ALIASES = {"B": "B", "replicate": "B", "column": "column", "row": "row", "vocab": "vocab", "experts": "experts"}
+_STYLE_KIND = {ColumnParallel: "column", QKVParallel: "column", RowParallel: "row", VocabParallel: "vocab",
+               ExpertParallel: "experts"}
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ def _one(pattern: str, value: Any, axis: str | None) -> Pin:
         return Pin(_ALIASES[value], axis, None, pattern)
     kind = _STYLE_KIND.get(type(value))
     if kind is None:
-        raise ValueError(f"pins[{pattern!r}] = {value!r}: only ColumnParallel, QKVParallel, RowParallel and "
-                         f"VocabParallel styles can be pinned (sw.auto plans without sequence parallelism)")
+        raise ValueError(f"pins[{pattern!r}] = {value!r}: only ColumnParallel, QKVParallel, RowParallel, "
+                         f"VocabParallel and ExpertParallel styles can be pinned (sw.auto plans without sequence "
+                         f"parallelism)")
     return Pin(kind, axis, value, pattern)
 
 

@@ -20,11 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from ..expert.style import ExpertParallel
 from ..tensor.styles import STYLES, ContextParallel, Style
 
 __all__ = ["ParallelizePlan", "Plan", "Row", "parse_style", "format_style", "why_replicated"]
 
-_BY_NAME = {cls.__name__: cls for cls in (*STYLES, ContextParallel)}
+_BY_NAME = {cls.__name__: cls for cls in (*STYLES, ContextParallel, ExpertParallel)}
 
 
 def format_style(style: Style) -> str:
@@ -49,7 +50,7 @@ class Row:
 
     pattern: str
     kind: str
-    """Chosen: ``B`` (replicated on the tp axis; data parallel), ``column``, ``row``, ``vocab``."""
+    """Chosen: ``B`` (replicated on the tp axis; data parallel), ``column``, ``row``, ``vocab``, ``experts``."""
     time_s: float
     """The group's own price under the chosen plan (compute + tp communication + gradient all-reduce)."""
     alternatives: tuple[tuple[str, float | None, str], ...]
@@ -105,7 +106,7 @@ class ParallelizePlan(Mapping[str, Style]):
         for pattern, style in changes.items():
             if style in ("B", "replicate"):
                 styles.pop(pattern, None)
-            elif isinstance(style, (*STYLES, ContextParallel)):
+            elif isinstance(style, (*STYLES, ContextParallel, ExpertParallel)):
                 styles[pattern] = style
             else:
                 raise ValueError(f"edit({pattern!r}: {style!r}): give a style object or 'B' (replicated)")
