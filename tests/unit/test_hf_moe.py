@@ -33,6 +33,7 @@ CASES = {
                              qkv_bias=False),
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=16, norm_topk_prob=True,
                       head_dim=16, mlp_only_layers=[1], attention_bias=True),
+    "qwen3": dict(model_type="qwen3", head_dim=8),  # dense, with the q/k norm the MoE cousin has
 }
 SEQ = 16
 
