@@ -126,7 +126,7 @@ def main() -> int:
     print(f"params: total {c['total']:,}, expert {c['expert']:,}, dense {c['dense']:,}", flush=True)
     print(" ".join(cmd[1:]), flush=True)
     rc, wall, peaks = run(cmd, out / "train.log")
-    record = {"shape": shape, "params": c, "optimizer": args.optimizer, "command": " ".join(["shardwise"] + cmd[4:]),
+    record = {"shape": shape, "params": c, "optimizer": args.optimizer, "command": " ".join(["shardwise"] + cmd[3:]),
               "rc": rc, "wall_s": wall, "sampled_peak_total_bytes": peaks["total"],
               "sampled_peak_per_process_bytes": sorted(peaks["per_process"].values(), reverse=True)}
     if rc == 0:
