@@ -9,8 +9,8 @@ with one line naming the field, its value and what is supported — never silent
   (every layer MoE, top-k renormalised), ``qwen2_moe`` (a shared expert with its sigmoid gate, ``norm_topk_prob``,
   ``decoder_sparse_step``, ``mlp_only_layers``) and ``qwen3_moe`` (as qwen2_moe without the shared expert; q/k
   RMSNorm per head as ``qwen3``); the MoE layers are ``shardwise.models.moe.MoE`` (softmax router);
-* a router with ``router_jitter_noise`` > 0 (Mixtral's training-time input noise) is refused, and so is a
-  renormalised top-1 router (its weight is always 1: the MoE block renormalises top-k > 1 only);
+* a router with ``router_jitter_noise`` > 0 (Mixtral's training-time input noise) is refused (a renormalised
+  top-1 router gives its expert weight 1, as transformers does);
 * ``hidden_act``: ``silu`` (SwiGLU);
 * rotary scaling (``rope_scaling`` / ``rope_parameters``): ``default``, ``linear`` (frequencies divided by
   ``factor``) and ``llama3`` (Llama 3.1's wavelength-dependent scaling); ``partial_rotary_factor`` 1 only;
@@ -247,10 +247,6 @@ def _moe_fields(raw: Mapping[str, Any], mt: str, get: "_Reader", where: str) -> 
         raise ValueError(f"{where}: num_experts_per_tok = {top_k} exceeds the {experts} experts; it must be at most "
                          f"the expert count")
     renorm = True if mixtral else bool(raw.get("norm_topk_prob", False))
-    if renorm and top_k == 1:
-        raise ValueError(f"{where}: a renormalised top-1 router ({'mixtral' if mixtral else 'norm_topk_prob = true'}, "
-                         f"num_experts_per_tok = 1) is not supported; use num_experts_per_tok >= 2"
-                         + ("" if mixtral else " or norm_topk_prob false"))
     jitter = get.float("router_jitter_noise", 0.0)
     if jitter:
         raise ValueError(f"{where}: router_jitter_noise = {jitter} is not supported (training-time input noise); "

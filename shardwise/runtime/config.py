@@ -302,7 +302,7 @@ def _check_strategies(config: Config) -> None:
         if not _optional_module("shardwise.parallel.tensor.apply_plan"):
             raise ValueError(f"parallel.tp = {p.tp} needs tensor parallelism, which this build lacks; "
                              f"use --parallel.tp 1")
-        check_tp(m, p.tp)
+        check_tp(m, p.tp, p.ep)
     check_sequence_parallel(config)
     check_async_tp(config)
     check_context_parallel(config)

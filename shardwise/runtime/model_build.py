@@ -274,7 +274,7 @@ def _arch(m: ModelConfig) -> str:
     return "gpt" if hf is None else hf.model_type
 
 
-def check_tp(m: ModelConfig, tp: int) -> None:
+def check_tp(m: ModelConfig, tp: int, ep: int = 1) -> None:
     """``ValueError`` when ``tp`` cannot split the model's heads (whole heads per rank; for an HF decoder also
     whole key/value heads, so that every rank keeps whole query groups)."""
     hf = hf_of(m)
@@ -285,13 +285,14 @@ def check_tp(m: ModelConfig, tp: int) -> None:
             raise ValueError(f"parallel.tp = {tp} must divide {name} = {n} (whole heads per rank); use a tp from "
                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
     if hf is not None and tp > 1:
-        _check_hf_tp(hf, tp)
+        _check_hf_tp(hf, tp, ep)
 
 
-def _check_hf_tp(hf: HFDecoderConfig, tp: int) -> None:
-    """An HF decoder's extra tensor-parallel limits: its experts split over tp (``ExpertParallel``), and no
-    per-head q/k norm (its weight's gradient would be a partial sum over the heads' ranks)."""
-    if hf.num_experts % tp:
+def _check_hf_tp(hf: HFDecoderConfig, tp: int, ep: int = 1) -> None:
+    """An HF decoder's extra tensor-parallel limits: its experts split over tp (``ExpertParallel``; with ep > 1
+    they stay whole on tp, split over ep instead), and no per-head q/k norm (its weight's gradient would be a
+    partial sum over the heads' ranks)."""
+    if ep == 1 and hf.num_experts % tp:
         raise ValueError(f"parallel.tp = {tp} must divide num_experts = {hf.num_experts} (the MoE layers' experts "
                          f"are split over tp); use a tp from {[d for d in range(1, hf.num_experts + 1) if hf.num_experts % d == 0]}")
     if hf.qk_norm:
