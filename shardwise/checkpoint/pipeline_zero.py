@@ -15,6 +15,10 @@ tensors. So the optimizer state is layout-portable both ways: a pipeline ZeRO-1 
 another pp or dp, with or without ZeRO, and any checkpoint resumes into pipeline ZeRO-1 (``load_pipeline_zero``
 cuts each group's flat shard from the per-parameter state). A tied parameter sits in a group on each of its
 two pp coordinates; both copies' states are equal, so either serves.
+
+Expert-parallel parameters (``parallel.ep``) are in no flat group: the inner optimizer steps them whole, and
+their state is saved per parameter as every layout saves it (``optim/<name>/<state>``, ``S(0)`` over ``ep`` of
+the expert mesh: ``layout.describe``), so it moves between ep sizes and layouts through the index.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import torch
 from ..parallel.pipeline.build import Pipeline
 from ..parallel.pipeline.grad_sync import DpGradSync
 from ..parallel.zero.optim import ZeroOptimizer
+from .layout import load_optimizer, optimizer_pieces
 from .pipeline_layout import load_pipeline_model
-from .sharded import Checkpoint, Piece
+from .sharded import Checkpoint, Piece, without_axis
 from .zero_layout import fill_flat_state, flat_state_pieces, group_entry, group_tag, param_state, tag_axes
 
 __all__ = ["pipeline_zero_groups", "pipeline_zero_pieces", "load_pipeline_zero"]
@@ -61,11 +66,23 @@ def pipeline_zero_groups(pipe: Pipeline) -> list[dict[str, Any]]:
 
 def pipeline_zero_pieces(pipe: Pipeline, optimizer: ZeroOptimizer) -> list[Piece]:
     """This rank's flat optimizer-state shards (``S(0)`` over dp of each group's length-L state), described
-    without the pp axis (and the tp axis, which the key names). Local."""
+    without the pp axis (and the tp axis, which the key names), and the expert parameters' own state. Local."""
     dp = _sync(pipe).axis
     drop = [pipe.axis, *tag_axes(pipe.mesh, dp, skip=[pipe.axis])]
-    return [piece for key, g in zip(_keys(pipe), _sync(pipe).groups)
+    flat = [piece for key, g in zip(_keys(pipe), _sync(pipe).groups)
             for piece in flat_state_pieces(key, g, optimizer.optimizer.state.get(g.master, {}), pipe.mesh, dp, drop)]
+    experts = [without_axis(piece, pipe.axis) for piece in optimizer_pieces(pipe.model, _Experts(pipe, optimizer),  # type: ignore[arg-type]
+                                                                            pipe.mesh)]
+    return flat + experts
+
+
+class _Experts:
+    """The expert parameters' slice of ZeRO-1's inner optimizer (its ``state`` dict itself): what
+    ``layout.optimizer_pieces`` / ``load_optimizer`` read and fill."""
+
+    def __init__(self, pipe: Pipeline, optimizer: ZeroOptimizer) -> None:
+        self.param_groups = [{"params": pipe.expert_params()}]
+        self.state = optimizer.optimizer.state
 
 
 @torch.no_grad()
@@ -77,3 +94,5 @@ def load_pipeline_zero(ckpt: Checkpoint, pipe: Pipeline, optimizer: ZeroOptimize
     names = _names(pipe)
     groups = _sync(pipe).groups
     fill_flat_state(optimizer.optimizer, groups, [[names[id(q)] for q in g.params] for g in groups], saved, fetch)
+    if pipe.expert_params():
+        load_optimizer(ckpt, pipe.model, _Experts(pipe, optimizer), pipe.mesh)  # type: ignore[arg-type]

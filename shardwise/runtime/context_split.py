@@ -7,6 +7,11 @@ tokens each: the strategies run on a mesh whose ``dp`` axis is ``dp × cp`` wide
 order as ``(dp, cp)``: ``cp`` is the inner of the two), so gradients average, ZeRO shards and losses reduce over
 both — a mean over equal local token counts is the global mean — while ``sw.context_parallel`` runs the
 attention over a second mesh with the ``cp`` axis itself.
+
+A mixture of experts' blocks are per token too, except their per-sequence rules — the balancing loss and the
+capacity count a whole sequence (``models/moe_balance.py``) — so each block gets ``sequence =
+SequenceSplit(cp mesh, "cp")``: its statistics are summed over the cp ranks first, and every layout gives one
+device's numbers. Expert parallelism folds into the same ``dp × cp`` ranks (``runtime/experts.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-
-from ..mesh import Mesh
 from torch import nn
 
+from ..mesh import Mesh
+from ..models.moe_balance import SequenceSplit, moe_blocks
 from ..parallel.context import context_parallel, shard_sequence
 from .config_schema import Config, ParallelConfig
 
@@ -69,4 +74,7 @@ def context_split(cfg: Config, model: nn.Module) -> ContextSplit | None:
         return None
     cp_mesh = Mesh(**cp_mesh_axes(p), timeout_s=cfg.train.timeout_s)
     context_parallel(model, cp_mesh, "cp")
+    split = SequenceSplit(cp_mesh, "cp")
+    for _, block in moe_blocks(model):  # balancing loss and capacity per whole sequence (module docstring)
+        block.sequence = split
     return ContextSplit(cp_mesh, pipeline=p.pp > 1, dp=p.dp)

@@ -1,14 +1,21 @@
-"""Expert parallelism inside a pipeline at the library level, against one process (rank side:
-moe_pipeline_checks.py): pp 2 × dp 2 with the experts over ep 2 inside each stage, every schedule kind, with
-gradient accumulation and ZeRO-1.
+"""Expert parallelism composed with pipelines and context parallelism, against one process.
 
-Tolerance: fp32, relative 1e-5 on every parameter (absolute on the balancing bias) after two AdamW steps."""
+* Library level (rank side: moe_pipeline_checks.py): ``sw.pipeline`` pp 2 × dp 2 with the experts over ep 2 inside
+  each stage, every schedule kind, gradient accumulation, ZeRO-1. Tolerance: fp32, relative 1e-5 on every
+  parameter (absolute on the balancing bias) after two AdamW steps.
+* Runtime (rank side: moe_pipeline_runtime_checks.py): the trainer with pp 2 × ep 2 (1f1b, zb-h1 with ZeRO-1 and
+  clipping, interleaved with the bias method, gpipe, capacity 1.0), cp 2 × ep 2 / ep 4 (ep folded into dp × cp,
+  the balancing loss and capacity per whole sequence), pp 2 × cp 2 × ep 2; checkpoints of pipeline layouts resumed
+  in others. Tolerance: logged losses relative 1e-5; parameters ‖p − p_ref‖ / ‖p_ref − p_init‖ ≤ 1e-5; routing
+  loads equal one device's; all-to-alls counted per step."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist import moe_pipeline_checks as mc
+from tests.dist import moe_pipeline_runtime_checks as rc
 
 RTOL = 1e-5
 BASE = dict(pp=2, dp=2, ep=2, m=2)
@@ -46,3 +53,91 @@ def test_balancing_loss_weight_is_visible():
     """The parity above sees a lost balancing-loss gradient or a weight 1 / m instead of 1 / (m · accum)."""
     assert mc.aux_matters({}, 0.0) > 1e-2
     assert mc.aux_matters({}, 2.0) > 1e-2
+
+
+# -- through the runtime (shardwise train's Trainer): ep with pp and with cp ----------------------------------------
+NAMES = list(rc.LAYOUTS)
+SAVED = {"pp2-ep2-zb-zero1-clip": "clip", "pp2-ep2-1f1b": "aux"}  # checkpointed at step K, resumed below
+
+
+@pytest.fixture(scope="module")
+def refs(worlds):
+    return worlds.get(1).run(rc.check_references, list(rc.MODELS), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def init():
+    """The weights every layout starts from (the seeded GPT on one device, before any step)."""
+    from shardwise.parallel.common.materialize import ensure_sources, materialize
+    from shardwise.runtime.model_build import meta_model_for
+
+    model = meta_model_for(rc.config({"parallel.nproc": "1"}))
+    ensure_sources(model)
+    materialize(model, torch.device("cpu"))
+    return {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def runs(worlds, tmp_path_factory):
+    dirs = {n: str(tmp_path_factory.mktemp(n)) for n in SAVED}
+    per_rank = worlds.get(4).run(rc.check_layouts, NAMES, dirs, timeout=500)
+    return per_rank, {n: per_rank[0][NAMES.index(n)]["checkpoint"] for n in SAVED}
+
+
+def _update_error(params: dict, ref: dict, init: dict) -> float:
+    """‖p − p_ref‖ / ‖p_ref − p_init‖ over the float tensors (AdamW at lr 0.01 moved every weight by ~0.01)."""
+    keys = [k for k in init if init[k].is_floating_point() and "expert_bias" not in k]
+    diff = sum(float((params[k] - ref[k]).pow(2).sum()) for k in keys) ** 0.5
+    return diff / sum(float((ref[k] - init[k]).pow(2).sum()) for k in keys) ** 0.5
+
+
+def _check_params(name: str, res: dict, params: dict, losses: list[float], init: dict) -> None:
+    assert sorted(res["params"]) == sorted(params), name
+    assert res["losses"] == pytest.approx(losses, rel=RTOL), (name, res["losses"], losses)
+    assert _update_error(res["params"], params, init) <= RTOL, (name, _update_error(res["params"], params, init))
+    for k in params:  # the selection bias moves by ±rate: equal, or off by a whole step
+        if "expert_bias" in k:
+            assert torch.allclose(res["params"][k], params[k], atol=1e-7), (name, k)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runtime_layout_matches_one_device(runs, refs, init, name):
+    model, parallel = rc.LAYOUTS[name]
+    ref = refs[model]
+    pp = int(parallel.get("parallel.pp", "1"))
+    zb = parallel.get("parallel.pp_schedule") == "zb-h1"
+    for rank, results in enumerate(runs[0]):
+        res = results[NAMES.index(name)]
+        _check_params(name, res, ref["params"], ref["losses"][:rc.K], init)
+        if model == "clip":  # the whole model's norm: every expert piece counted once (ep, edp, ZeRO-1's dp sum)
+            assert res["norms"] == pytest.approx(ref["norms"][:rc.K], rel=RTOL), (name, res["norms"], ref["norms"])
+        # routing statistics of this rank's blocks (named as on one device), loads summed over dp × cp; "aux" is
+        # this rank's own sequences' mean, not reduced
+        for got, want in zip(res["stats"], ref["stats"]):
+            assert got and set(got) <= set(want), (name, got.keys())
+            assert len(got) == 2 // pp  # a pipeline rank reports its own stage's block only
+            for block, row in got.items():
+                for key in ("min", "max", "cv", "dropped", "starved"):
+                    assert row[key] == pytest.approx(want[block][key], rel=RTOL, abs=1e-9), (name, block, key)
+        # all-to-alls: 5 per MoE block and pass (3 forward, 2 backward); zero-bubble's W differentiates the second
+        # stage's MoE block again (2 more per pass)
+        blocks = 2 // pp
+        extra = 2 * res["passes"] if zb and rank >= 2 else 0
+        assert res["a2a"] == [5 * blocks * res["passes"] + extra] * rc.K, (name, rank, res["a2a"])
+        ep = int(parallel["parallel.ep"])
+        assert [s[0] for s in res["experts_per_rank"]] == [4 // ep] * 2 * blocks, res["experts_per_rank"]
+
+
+RESUMES = [("pp2-ep2-gpipe-clip", "pp2-ep2-zb-zero1-clip"), ("cp2-ep2-zero1-clip", "pp2-ep2-zb-zero1-clip"),
+           ("cp2-ep2", "pp2-ep2-1f1b")]
+
+
+def test_resume_across_layouts(worlds, runs, refs, init):
+    """Step K + 1 from a pipeline checkpoint (ZeRO-1 flat groups plus the experts' own state; per-parameter state)
+    in another pipeline schedule without ZeRO, and in cp × ep layouts."""
+    pairs = [(name, runs[1][saved]) for name, saved in RESUMES]
+    per_rank = worlds.get(4).run(rc.check_resumes, pairs, timeout=300)
+    for i, (name, _) in enumerate(RESUMES):
+        ref = refs[rc.LAYOUTS[name][0]]
+        for results in per_rank:
+            _check_params(f"resume {name}", results[i], ref["params_next"], ref["losses"][rc.K:], init)

@@ -6,7 +6,8 @@ uses at an empty tensor, so after ``sw.pipeline`` a rank holds about 1/pp of the
 their ``state_dict`` keys stay). Before that, ``full_meta`` records each key's *full* shape and dtype — through
 the tensor-parallel global view for a sharded parameter — which is all a receiver needs to take its part of
 ``full_state``: each key's owner (the pp coordinate running the module) gathers it over tensor-parallel
-axes if sharded, then broadcasts it along the pipeline axis, one flat message per (owner, dtype).
+axes if sharded (an expert-parallel piece over its ep axis), then broadcasts it along the pipeline axis, one
+flat message per (owner, dtype).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch import Tensor, nn
 
 from ... import comm
 from ...mesh import Mesh
+from ..common.expert_tag import expert_shard_of
 from ..tensor.apply_plan import global_view
+from ..zero.expert_pieces import gather_expert
 
 __all__ = ["full_meta", "release_other_stages", "key_owner", "full_state"]
 
@@ -29,6 +32,9 @@ def _full_shape(value: Tensor) -> tuple[int, ...]:
     heads = getattr(value, "_shardwise_heads", None)
     if heads is not None:  # head-split QKV: the plain (out, in) shape of the unsharded weight
         return tuple(heads[3])
+    shard = expert_shard_of(value)
+    if shard is not None:  # rows of an (E, ...) expert weight
+        return (shard.n_experts, *value.shape[1:])
     g = global_view(value)
     return tuple(g.shape) if g is not None else tuple(value.shape)
 
@@ -57,7 +63,11 @@ def key_owner(keys: Iterable[str], module_owner: dict[str, int]) -> dict[str, in
 
 
 def _unsharded(value: Tensor) -> Tensor:
-    """``value`` gathered over the tensor-parallel axes it is split on (collective over those axes)."""
+    """``value`` gathered over the tensor-parallel axes it is split on, or an expert piece over its ep axis
+    (collective over those axes)."""
+    expert = gather_expert(value)
+    if expert is not None:
+        return expert
     heads = getattr(value, "_shardwise_heads", None)
     g = global_view(value)
     full = g.full().detach() if g is not None else value.detach()

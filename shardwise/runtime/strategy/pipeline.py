@@ -12,14 +12,18 @@ Hybrids (``config._check_pipeline_hybrids`` lists what stays rejected):
 * activation checkpointing: ``checkpoint=True`` (each unit keeps only its input, recomputed in backward);
 * ``train.compile``: each block compiled (``runtime/compiling.py``) before the model is cut; zero-bubble's W
   then differentiates each stage again (no weight capture inside a compiled block: ``weight_grad.py``);
-* bf16 autocast (``train.precision``): ``autocast=torch.bfloat16`` — each forward action under ``torch.autocast``.
+* bf16 autocast (``train.precision``): ``autocast=torch.bfloat16`` — each forward action under ``torch.autocast``;
+* ep (mixtures of experts): the experts are already cut over the expert mesh ``(pp, edp, ep, tp)``
+  (``runtime/experts.py``) when the model is pipelined; each stage's dp buckets and ZeRO-1 flat groups leave
+  them out (``parallel/pipeline/grad_sync.py``), the trainer syncs them over ``edp`` after the passes, narrowed
+  to this rank's stages (``StageModules``), and every pass of ``m`` micro-batches counts ``m`` balancing losses.
 """
 
 from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -35,7 +39,8 @@ from ...parallel.pipeline.build import Pipeline, pipeline
 from ...parallel.zero.optim import ZeroOptimizer
 from ..compiling import compile_model
 from ..config import Config
-from ..grad_clip import clip_, counted_grads
+from ..experts import Experts
+from ..grad_clip import ExpertNorm, clip_, counted_grads
 from ..nonfinite import Grad, flat_grads, names_by_id, poisoned
 from ..data import IGNORE
 from .base import Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel
@@ -47,7 +52,7 @@ class PipelineStrategy:
     """``sw.pipeline`` over ``pp`` with dp, tp, ZeRO-1 and activation checkpointing inside (``Strategy``).
     Building is collective only as ``sw.parallelize`` is (``sw.pipeline`` itself is pure)."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module, experts: Experts | None = None) -> None:
         p = cfg.parallel
         module, loss = tensor_parallel(cfg, mesh, plain)
         compile_model(cfg, module)  # train.compile: before the cut (the stages call the same, compiled blocks)
@@ -67,6 +72,14 @@ class PipelineStrategy:
         # follows the config's zero_stage, as it does without pp.
         self.zero1 = isinstance(self.optimizer, ZeroOptimizer)
         self.flat_buffers = p.zero_stage > 0
+        self.experts = experts
+        if experts is not None:  # grad sync, balancing-loss weight, bias and statistics: this rank's blocks only
+            experts.narrow(StageModules(self.model))
+
+    def moe_passes(self, n_batches: int) -> int:
+        """Forward/backward passes of a step of ``n_batches`` accumulation batches: each ``pipe.step`` runs one
+        per micro-batch, weighted ``1 / (micro-batches · grad_accum)`` (the loss scaling of ``passes``)."""
+        return n_batches * self.model.microbatches
 
     def data_shard(self) -> tuple[int, int]:
         """Not sharded: every rank loads each pass's ``micro_batch × dp`` sequences (``pipe.step`` slices dp
@@ -138,18 +151,25 @@ class PipelineStrategy:
         """Its stages' gradients: with ZeRO-1 each bucket's averaged shard (the optimizer's gradient; ``.grad``
         keeps the replica's own sum), else every ``param.grad`` (dp replicas identical: counted locally). A
         weight tied to another pipeline rank counts on the lower pp coordinate; one all-reduce over pp, one
-        over tp with tp, one over dp with ZeRO-1."""
+        over tp with tp, one over dp with ZeRO-1. Expert pieces (ep): each once — under ZeRO-1 on edp
+        coordinate 0 (the dp sum spans edp × ep), else summed over ep first (one more all-reduce)."""
         pipe, mesh = self.model, self.mesh
         skip = {id(q) for q, peer in pipe.tied if peer < mesh.coord(pipe.axis)}
         own = {pipe.axis, "dp"}  # each pp rank its stages; dp: ZeRO-1 shards, or identical replicas
         sync = pipe.grad_sync
+        experts = [q for q in pipe.expert_params() if q.grad is not None]
+        em = self.experts.emesh if experts and self.experts is not None else None
+        mine = [q.grad for q in experts] if em is not None and em.coord("tp") == 0 else []
         if sync is not None and sync.zero:
             scale = sync.shard_grads()
             count = shard_pieces(sync.groups, scale, mesh, sync.axis, own, skip)
-            return clip_(count, scale, mesh, [pipe.axis, "tp", sync.axis], max_norm)
-        params = list(pipe.parameters())
-        scale = [q.grad for q in params if q.grad is not None]
-        return clip_(counted_grads(params, mesh, own, skip), scale, mesh, [pipe.axis, "tp"], max_norm)
+            count += mine if em is not None and em.coord("edp") == 0 else []
+            return clip_(count, [*scale, *(q.grad for q in experts)], mesh, [pipe.axis, "tp", sync.axis], max_norm)
+        ids = {id(q) for q in pipe.expert_params()}
+        params = [q for q in pipe.parameters() if id(q) not in ids]
+        scale = [q.grad for q in pipe.parameters() if q.grad is not None]
+        extra = ExpertNorm(mine, em, ["ep"]) if em is not None else None
+        return clip_(counted_grads(params, mesh, own, skip), scale, mesh, [pipe.axis, "tp"], max_norm, extra)
 
     def pieces(self) -> list[Piece]:
         """Its own stages' tensors under the plain model's keys, and their optimizer state — per parameter, or
@@ -180,6 +200,25 @@ class PipelineStrategy:
         device = self.mesh.device
         peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else sum(counts.values())
         return {**counts, "peak": peak}
+
+
+class StageModules(nn.Module):
+    """A view of the modules a pipeline rank's stages run, under the plain model's names (``blocks.3.mlp``, not
+    the stage's ``parts``): what ``runtime/experts.py``'s per-block calls iterate (``named_modules``, and so
+    ``parameters``), so metrics and warnings name blocks as every layout does and released blocks of other
+    stages are never touched."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        super().__init__()
+        self._stages = list(pipe.stages.values())  # a plain list: not registered, no second module tree
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",  # type: ignore[override]
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        memo = set() if memo is None else memo
+        for stage in self._stages:
+            for key, module in stage.parts.items():
+                name = key.replace("/", ".")
+                yield from module.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
 
 
 def _divided(loss_fn: LossFn, n: int) -> LossFn:
