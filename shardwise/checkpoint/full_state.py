@@ -13,10 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.common.expert_tag import expert_shard_of
 from ..parallel.zero.expert_pieces import gather_expert
 from ..sbp.params import as_global
 
 __all__ = ["full_state_dict", "unwrap"]
+
+
+def _with_experts(out: dict[str, torch.Tensor], plain: nn.Module) -> dict[str, torch.Tensor]:
+    """``out`` with every expert-parallel piece a wrapper's own ``full_state_dict`` left local (one that does not
+    know experts: ``sw.parallelize``'s) replaced by its all-gather over ep. Collective over ep where needed (the
+    same keys on every rank)."""
+    for key, value in plain.state_dict(keep_vars=True).items():
+        shard = expert_shard_of(value) if isinstance(value, torch.Tensor) else None
+        if shard is not None and key in out and out[key].size(0) != shard.n_experts:
+            out[key] = gather_expert(value)  # type: ignore[assignment]
+    return out
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -36,7 +48,7 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     while True:
         custom = getattr(probe, "full_state_dict", None)
         if callable(custom):
-            return custom()
+            return _with_experts(custom(), unwrap(model))
         if hasattr(probe, "module") and isinstance(probe.module, nn.Module):
             probe = probe.module
             continue

@@ -21,7 +21,7 @@ before any strategy is built and passes the result to the strategy's constructor
    ep = 1 the experts are ordinary data-parallel parameters and it does nothing);
 3. ``after_step(model)`` after ``optimizer.step()``: the auxiliary-loss-free bias update (``update_bias``) and
    the step's routing statistics (``step_stats``), both with the loads summed over the runtime mesh's ``dp``
-   axis (the ranks whose tokens differ; tp ranks see the same tokens). Returns the statistics per MoE block
+   axis (the ranks whose tokens differ; tp ranks see the same tokens) and the balancing loss averaged over it. Returns the statistics per MoE block
    (``aux``, ``min``, ``max``, ``cv``, ``dropped``, ``starved``); ``warnings()`` then lists the experts that
    received no token for ``STARVED_STEPS`` consecutive steps (once per streak).
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import Tensor, nn
 
 from ..mesh import Mesh
@@ -103,15 +104,22 @@ class Experts:
         a few numbers per block when dp > 1)."""
         target = self.model if model is None else model
         update_bias(target, self.reduce)
+        blocks = list(moe_blocks(target))
+        # this rank's mean balancing loss per block rides along with the loads: the step's is their dp mean
+        local_aux = torch.tensor([[float(b.balance._aux_sum) / b.balance.passes
+                                   if b.balance._aux_sum is not None and b.balance.passes else 0.0]
+                                  for _, b in blocks], dtype=torch.float64).reshape(len(blocks), 1)
         loads: list[Tensor] = []
 
         def keep(table: Tensor) -> Tensor:  # step_stats' (n_blocks, E + 1) table, summed over dp
-            summed = self.reduce(table)
+            summed = self.reduce(torch.cat([table, local_aux], dim=1))
             loads.append(summed)
-            return summed
+            return summed[:, :-1]
         stats = step_stats(target, keep)
         if loads:
-            self._count_quiet([name for name, _ in moe_blocks(target)], loads[0][:, :-1])
+            self._count_quiet([name for name, _ in blocks], loads[0][:, :-2])
+            for (name, _), aux in zip(blocks, loads[0][:, -1].tolist()):
+                stats[name]["aux"] = aux / self.mesh.size("dp")
         return stats
 
     def skipped(self, model: nn.Module | None = None) -> None:

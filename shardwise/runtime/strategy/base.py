@@ -13,6 +13,7 @@ Also here: what the implementations share — the optimizer factory of the confi
 
 from __future__ import annotations
 
+import fnmatch
 from functools import partial
 from typing import Any, Callable, Protocol, Sequence
 
@@ -132,8 +133,11 @@ def tensor_parallel(cfg: Config, mesh: Mesh, plain: nn.Module) -> tuple[nn.Modul
 
     whole = replicated_modules(cfg)  # parallel.replicate: kept whole (the tied embedding and head)
     sp = cfg.parallel.sequence_parallel  # the model's plan then covers its norms (and GPT's wpe) too
+    names = [n for n, _ in plain.named_modules() if n]
+    # a pattern of the model's own plan that names nothing is left out: a mixture of experts whose every layer is
+    # MoE has no dense MLP ("blocks.*.mlp.fc"); its routers and experts stay whole on every tp rank
     plan = {pattern: style for pattern, style in plain.tensor_parallel_plan(sequence_parallel=sp).items()
-            if pattern not in whole}
+            if pattern not in whole and any(fnmatch.fnmatchcase(n, pattern) for n in names)}
     model = parallelize(plain, mesh, plan, axis="tp", seed=cfg.train.seed, sequence_parallel=sp,
                         async_tp=cfg.parallel.async_tp)  # the collectives overlapped with the matmuls
     if "lm_head" in whole:
