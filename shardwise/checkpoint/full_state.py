@@ -24,6 +24,8 @@ def _with_experts(out: dict[str, torch.Tensor], plain: nn.Module) -> dict[str, t
     """``out`` with every expert-parallel piece a wrapper's own ``full_state_dict`` left local (one that does not
     know experts: ``sw.parallelize``'s) replaced by its all-gather over ep. Collective over ep where needed (the
     same keys on every rank)."""
+    if not isinstance(plain, nn.Module):  # a wrapper without ``.module`` (``sw.pipeline``): its own dict is whole
+        return out
     for key, value in plain.state_dict(keep_vars=True).items():
         shard = expert_shard_of(value) if isinstance(value, torch.Tensor) else None
         if shard is not None and key in out and out[key].size(0) != shard.n_experts:
