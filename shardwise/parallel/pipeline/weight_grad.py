@@ -19,6 +19,12 @@ the matmul on bf16 casts, so W does too (``x`` cast to dL/dy's dtype, the produc
 accumulation — what autograd's cast backward does); a LayerNorm whose input dtype differs from its weight's uses
 the local autograd backward instead.
 
+A module that returns several tensors (an MoE router: scores, expert ids, weights) is captured by its first
+output that requires grad, when every other output reaches the module's parameters only through that one (the
+router's weights are a gather of its scores): dL/dy of that output, asked for in B, is then the total over all
+of them, so W's local backward is exact; the walk over the autograd graph that checks it is bounded. Any other
+several-output module falls back as below.
+
 When the capture is not exact (a parameter used twice in the stage, a module that owns parameters but whose
 forward did not run, e.g. a Linear whose weight a parent applies functionally) W differentiates the whole
 stage output again instead. A stage with activation checkpointing keeps no inputs (that would undo the
@@ -90,6 +96,7 @@ class WeightCapture:
         trainable = [m for m in self.modules if any(q.requires_grad for q in m.parameters(recurse=False))]
         got = [g for g in got if any(q.requires_grad for q in g[0].parameters(recurse=False))]  # not frozen
         fired = {id(m) for m, _, _ in got}
+        got = [(m, xi, _single_output(y, m, xi)) for m, xi, y in got]  # several outputs: the one W differentiates
         ok = (self.exact and len(fired) == len(got) and fired == {id(m) for m in trainable}
               and all(isinstance(y, Tensor) and y.requires_grad for _, _, y in got))
         if not ok:
@@ -98,6 +105,29 @@ class WeightCapture:
             got = [(m, None, y) for m, _, y in got]
         return out, [(Captured(m, xi, xi._version if xi is not None else 0, id(m) in self.foreign_hooks), y)
                      for m, xi, y in got]
+
+
+def _single_output(y: Any, module: nn.Module, x: Tensor | None, limit: int = 256) -> Any:
+    """``y`` itself for a tensor output; for several outputs the first that requires grad when the others reach
+    ``module``'s own parameters only through it (module docstring), else ``None`` (W falls back)."""
+    if isinstance(y, Tensor) or not isinstance(y, (tuple, list)):
+        return y
+    outs = [t for t in y if isinstance(t, Tensor) and t.requires_grad]
+    if not outs:
+        return None
+    via, own = outs[0].grad_fn, {id(q) for q in module.parameters(recurse=False)}
+    stop = {id(via), id(x.grad_fn) if x is not None and x.grad_fn is not None else 0}
+    stack, seen = [t.grad_fn for t in outs[1:]], set()
+    while stack:  # every node between the other outputs and `via` (or the module's input)
+        node = stack.pop()
+        if node is None or id(node) in stop or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)  # AccumulateGrad: a parameter reached around `via`
+        if len(seen) > limit or (var is not None and id(var) in own):
+            return None
+        stack.extend(fn for fn, _ in node.next_functions)
+    return outs[0]
 
 
 # -- closed-form weight gradients: (module, input x, dL/dy) -> [(parameter, its gradient contribution)] ----------
