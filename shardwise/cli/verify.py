@@ -4,7 +4,8 @@ Takes the same flags as ``shardwise train``. Runs the first ``--steps`` (or ``--
 process (dp = tp = 1, no ZeRO; the same global batch through more accumulation steps) and once on the
 requested layout — prints both losses side by side and exits 1 when any step differs by more than
 ``atol + rtol·|reference|``. Same seed → same weights and same samples per step (the sampler's order does not
-depend on the layout), so only floating-point summation order may differ. Pipeline layouts (``--parallel.pp``,
+depend on the layout), so only floating-point summation order may differ. A mixture of experts' layout
+(``--parallel.ep``) is compared with one process holding every expert. Pipeline layouts (``--parallel.pp``,
 with dp, tp inside the stages, ZeRO-1, activation checkpointing) are compared with the same single process
 (pp = 1, the pipeline fields reset).
 
@@ -94,6 +95,7 @@ def _describe(cfg: Config) -> str:
     zero += ", async tp" if p.async_tp else ""
     ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
     cp = f" × cp={p.cp}" if p.cp > 1 else ""
+    cp += f" (experts over ep={p.ep})" if p.ep > 1 else ""
     ckpt += ", bf16 autocast" if cfg.train.precision == "bf16" else ""
     ckpt += f", compiled ({cfg.train.compile_backend})" if cfg.train.compile else ""
     if p.pp > 1:

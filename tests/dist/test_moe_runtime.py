@@ -130,3 +130,18 @@ def test_resume_across_ep(worlds, saved, four, refs, init):
             for results in per_rank:
                 _check_run(f"resume {name}", results[i], ref, init[mc.LAYOUTS[name][0]], ref["losses"][mc.K:],
                            ref["params_next"])
+
+
+def test_starved_expert_is_warned_once_per_streak():
+    """Pure: an expert without a token for ``STARVED_STEPS`` consecutive steps gets one warning line per streak."""
+    from shardwise.runtime.experts import STARVED_STEPS, Experts
+
+    ex = Experts(torch.nn.Module(), None, None, 1)  # type: ignore[arg-type]  # no collective is reached here
+    quiet, busy = torch.tensor([[3.0, 0.0, 5.0, 8.0]]), torch.tensor([[3.0, 1.0, 5.0, 7.0]])
+    seen = []
+    for loads in [quiet] * (STARVED_STEPS - 1) + [busy] + [quiet] * (2 * STARVED_STEPS):
+        ex._count_quiet(["blocks.0.mlp"], loads)
+        seen.append(ex.warnings())
+    lines = [(i, w) for i, ws in enumerate(seen) for w in ws]
+    assert [i for i, _ in lines] == [2 * STARVED_STEPS - 1], lines  # the streak broken at step 20: warned at 40
+    assert "blocks.0.mlp expert 1" in lines[0][1] and f"{STARVED_STEPS} consecutive steps" in lines[0][1]
