@@ -27,7 +27,7 @@ from ..mesh import Mesh
 from ..models.moe import MoE
 from ..models.moe_balance import attach_aux, sequence_aux
 
-__all__ = ["peer_available", "use_peer_route"]
+__all__ = ["peer_available", "use_peer_route", "describe_peer"]
 
 
 def peer_available() -> str | None:
