@@ -48,6 +48,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (model variant, pa
     "ep2-bias": ("bias", {"parallel.ep": "2"}),
     "ep2-clip": ("clip", {"parallel.ep": "2"}),
     "ep2-zero1": ("aux", {"parallel.ep": "2", "parallel.zero_stage": "1"}),
+    "ep2-zero2": ("capacity", {"parallel.ep": "2", "parallel.zero_stage": "2"}),
     "ep2-zero3-clip": ("clip", {"parallel.ep": "2", "parallel.zero_stage": "3"}),
     "ep1-dp2": ("aux", {"parallel.ep": "1"}),
     # 4 ranks
@@ -137,3 +138,30 @@ def check_resumes(pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
 
     world = _world()
     return [resume_one_step(name, ckpt, world, mesh) for name, ckpt in pairs]
+
+
+def nonfinite_expert_grad(name: str, world: World, mesh_of: Callable[..., sw.Mesh]) -> dict[str, Any]:
+    """One step of the layout with ``train.nonfinite = skip`` whose passes leave a NaN in one expert piece's
+    gradient on the last rank only: whether this rank skipped the step and kept its weights."""
+    model, parallel = LAYOUTS[name]
+    t = _trainer(config({**MODELS[model], **parallel, "parallel.nproc": str(world.world_size),
+                         "train.nonfinite": "skip"}), world, mesh_of)
+    before = _full(t)
+    passes = t.strategy.passes
+
+    def poisoned(*args: Any, **kwargs: Any) -> Any:
+        loss = passes(*args, **kwargs)
+        if world.rank == world.world_size - 1:
+            t.strategy.experts.params()[-1].grad.view(-1)[0] = float("nan")
+        return loss
+    t.strategy.passes = poisoned  # type: ignore[method-assign]
+    t.train_step()
+    after = _full(t)
+    return {"skipped": t.last_skipped, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def check_nonfinite(names: list[str]) -> list[dict[str, Any]]:
+    from tests.dist.meshes import mesh
+
+    world = _world()
+    return [nonfinite_expert_grad(name, world, mesh) for name in names]

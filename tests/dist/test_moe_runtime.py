@@ -24,7 +24,7 @@ from tests.dist import moe_runtime_checks as mc
 
 RTOL = 1e-5
 LAYERS = 2  # every layer of SMALL is an MoE layer
-TWO = ["ep2", "ep2-capacity", "ep2-bias", "ep2-clip", "ep2-zero1", "ep2-zero3-clip", "ep1-dp2"]
+TWO = ["ep2", "ep2-capacity", "ep2-bias", "ep2-clip", "ep2-zero1", "ep2-zero2", "ep2-zero3-clip", "ep1-dp2"]
 FOUR = ["ep4", "ep2xdp2-zero1", "ep2xdp2-zero3-clip", "ep2xtp2-clip", "ep2xtp2-bias"]
 
 
@@ -145,3 +145,11 @@ def test_starved_expert_is_warned_once_per_streak():
     lines = [(i, w) for i, ws in enumerate(seen) for w in ws]
     assert [i for i, _ in lines] == [2 * STARVED_STEPS - 1], lines  # the streak broken at step 20: warned at 40
     assert "blocks.0.mlp expert 1" in lines[0][1] and f"{STARVED_STEPS} consecutive steps" in lines[0][1]
+
+
+def test_nonfinite_expert_gradient_skips_the_step_everywhere(worlds):
+    """A NaN in one expert piece's gradient on one rank only: every rank skips the step (plain and ZeRO-1)."""
+    names = ["ep2", "ep2-zero1"]
+    for results in worlds.get(2).run(mc.check_nonfinite, names, timeout=200):
+        for name, res in zip(names, results):
+            assert res == {"skipped": True, "unchanged": True}, (name, res)
