@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 __all__ = ["Captured", "WeightCapture", "weight_gradients"]
@@ -108,25 +109,28 @@ class WeightCapture:
 
 
 def _single_output(y: Any, module: nn.Module, x: Tensor | None, limit: int = 256) -> Any:
-    """``y`` itself for a tensor output; for several outputs the first that requires grad when the others reach
-    ``module``'s own parameters only through it (module docstring), else ``None`` (W falls back)."""
-    if isinstance(y, Tensor) or not isinstance(y, (tuple, list)):
+    """``y`` itself for a tensor output; for several outputs (nested too) the first that requires grad when the
+    others reach ``module``'s own parameters only through it (module docstring), else ``None`` (W falls back)."""
+    if isinstance(y, Tensor) or not isinstance(y, (tuple, list, dict)):
         return y
-    outs = [t for t in y if isinstance(t, Tensor) and t.requires_grad]
-    if not outs:
+    outs = [t for t in pytree.tree_leaves(y) if isinstance(t, Tensor) and t.requires_grad]
+    if not outs or outs[0].grad_fn is None:
         return None
-    via, own = outs[0].grad_fn, {id(q) for q in module.parameters(recurse=False)}
-    stop = {id(via), id(x.grad_fn) if x is not None and x.grad_fn is not None else 0}
-    stack, seen = [t.grad_fn for t in outs[1:]], set()
-    while stack:  # every node between the other outputs and `via` (or the module's input)
-        node = stack.pop()
-        if node is None or id(node) in stop or id(node) in seen:
+    own = {id(q) for q in module.parameters(recurse=False)}
+    # an output is (autograd node, output index): two outputs of one node (an RNN's) are different tensors
+    stop = {(id(outs[0].grad_fn), outs[0].output_nr)}
+    if x is not None and x.grad_fn is not None:
+        stop.add((id(x.grad_fn), x.output_nr))
+    stack, seen = [(t.grad_fn, t.output_nr) for t in outs[1:]], set()
+    while stack:  # every node between the other outputs and the first (or the module's input)
+        node, nr = stack.pop()
+        if node is None or (id(node), nr) in stop or id(node) in seen:
             continue
         seen.add(id(node))
-        var = getattr(node, "variable", None)  # AccumulateGrad: a parameter reached around `via`
+        var = getattr(node, "variable", None)  # AccumulateGrad: a parameter reached around the first output
         if len(seen) > limit or (var is not None and id(var) in own):
             return None
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(node.next_functions)
     return outs[0]
 
 
