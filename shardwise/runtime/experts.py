@@ -28,7 +28,7 @@ before any strategy is built and passes the result to the strategy's constructor
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +39,7 @@ from ..parallel.expert.grads import ExpertGradSync
 from ..parallel.expert.shard import expert_params, shard_experts
 from .config_schema import Config, ParallelConfig
 
-__all__ = ["STARVED_STEPS", "expert_mesh_axes", "expert_mesh", "Experts", "setup_experts", "expert_grads",
-           "expert_norm_axes"]
+__all__ = ["STARVED_STEPS", "expert_mesh_axes", "expert_mesh", "Experts", "setup_experts"]
 
 STARVED_STEPS = 20
 """Consecutive steps without a single token after which an expert is reported as starved (a warning line)."""
@@ -156,16 +155,3 @@ def setup_experts(cfg: Config, mesh: Mesh, plain: nn.Module) -> Experts | None:
         shard_experts(plain, emesh, "ep")
     return Experts(plain, mesh, emesh, ep)
 
-
-def expert_grads(experts: Experts | None) -> list[Any]:
-    """``(name, grad)`` pairs of the expert pieces (for the non-finite guard's ``Grad``s). Local."""
-    if experts is None or experts.emesh is None:
-        return []
-    names = {id(q): n for n, q in experts.model.named_parameters()}
-    return [(names.get(id(q), "expert"), q.grad) for q in experts.params() if q.grad is not None]
-
-
-def expert_norm_axes(experts: Experts | None) -> list[str]:
-    """Axes of the expert mesh over which ranks hold different expert pieces (``ep``; tp and edp replicas hold
-    the same averaged pieces). Pure."""
-    return ["ep"] if experts is not None and experts.emesh is not None and experts.ep > 1 else []

@@ -51,6 +51,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (model variant, pa
     "ep2-zero2": ("capacity", {"parallel.ep": "2", "parallel.zero_stage": "2"}),
     "ep2-zero3-clip": ("clip", {"parallel.ep": "2", "parallel.zero_stage": "3"}),
     "ep1-dp2": ("aux", {"parallel.ep": "1"}),
+    "ep2-ckpt": ("capacity", {"parallel.ep": "2", "parallel.activation_checkpointing": "true"}),
     # 4 ranks
     "ep4": ("aux", {"parallel.ep": "4"}),
     "ep2xdp2-zero1": ("aux", {"parallel.ep": "2", "parallel.zero_stage": "1"}),
