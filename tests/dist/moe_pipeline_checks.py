@@ -43,22 +43,25 @@ def _factory() -> Any:
     return partial(torch.optim.AdamW, lr=1e-2, eps=1e-4)
 
 
-def _reference(cfg: GPTConfig) -> tuple[list[float], GPT]:
-    """One process, whole batch: one backward of the batch's mean loss (balancing loss weight 1)."""
+def _reference(cfg: GPTConfig, clip: float = 0.0) -> tuple[list[float], GPT, list[float]]:
+    """One process, whole batch: one backward of the batch's mean loss (balancing loss weight 1); ``clip``: the
+    gradient norm clipped to it (and returned per step)."""
     torch.manual_seed(0)
     ref = GPT(cfg)
     opt = _factory()(ref.parameters())
-    losses = []
+    losses, norms = [], []
     for s in range(STEPS):
         x, y = _data(s, cfg.vocab_size)
         loss = lm_loss(ref(x), y)
         loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         update_bias(ref)
         step_stats(ref)
         losses.append(loss.item())
-    return losses, ref
+    return losses, ref, norms
 
 
 def _pipe(case: dict, cfg: GPTConfig) -> tuple[Any, Any, nn.Module, int]:
@@ -87,20 +90,23 @@ def run_case(case: dict) -> dict:
     experts = ExpertGradSync(pipe.expert_params(), em, "edp", m.size("dp"))
     local = nn.ModuleList(pipe.stages.values())  # the blocks this rank runs (the others are released)
     reduce = dp_reducer(m, "dp")
-    accum, losses = case.get("accum", 1), []
+    accum, losses, norms = case.get("accum", 1), [], []
     for s in range(STEPS):
         x, y = _data(s, cfg.vocab_size)
         with sw.comm.CommCounter() as counter:
             losses.append(sum(pipe.step(xa, ya) for xa, ya in zip(x.chunk(accum), y.chunk(accum))))
         experts.sync()
+        if case.get("clip"):  # each expert piece counted once (on the first rank holding it), scaled everywhere
+            norms.append(float(pipe.clip_grad_norm_(case["clip"])))
         opt.step()
         opt.zero_grad(set_to_none=True)
         update_bias(local, reduce)
         step_stats(local, reduce)
-    ref_losses, ref = _reference(cfg)
+    ref_losses, ref, ref_norms = _reference(cfg, case.get("clip", 0.0))
     in_buckets = sum(1 for g in (pipe.grad_sync.groups if pipe.grad_sync else []) for q in g.params
                      if getattr(q, "_shardwise_expert", None) is not None)
     return {"err": _param_err(pipe, ref, em), "losses": losses, "ref": ref_losses, "in_buckets": in_buckets,
+            "norms": norms, "ref_norms": ref_norms,
             "n_experts": len(pipe.expert_params()), "a2a": counter.count("all_to_all", axis="ep")}
 
 
@@ -128,8 +134,8 @@ def aux_matters(case: dict, factor: float) -> float:
     ``1 / m`` instead of ``1 / (m · accum)`` with accum 2). Parity at 1e-5 can only see such a bug if this is large."""
     kw = case.get("model", {})
     coef = _config(**kw).moe_aux_loss_coef
-    _, right = _reference(_config(**kw))
-    _, wrong = _reference(_config(**{**kw, "moe_aux_loss_coef": coef * factor}))
+    _, right, _ = _reference(_config(**kw))
+    _, wrong, _ = _reference(_config(**{**kw, "moe_aux_loss_coef": coef * factor}))
     other = dict(wrong.named_parameters())
     with torch.no_grad():
         return max(float((q - other[n]).abs().max() / q.abs().max()) for n, q in right.named_parameters()

@@ -20,7 +20,7 @@ from tests.dist import moe_pipeline_runtime_checks as rc
 RTOL = 1e-5
 BASE = dict(pp=2, dp=2, ep=2, m=2)
 CASES = [
-    dict(BASE, schedule="1f1b", accum=2),
+    dict(BASE, schedule="1f1b", accum=2, clip=0.05),  # well below the gradient norm: clipping bites
     # zero-bubble: the balancing loss's gradient enters at the block output in B (into dL/dscores), the router
     # weight's gradient comes in W
     dict(BASE, schedule="zb-h1", accum=2),
@@ -28,7 +28,7 @@ CASES = [
     dict(BASE, schedule="interleaved", chunks=2, accum=2),
     dict(BASE, schedule="zb-h1", zero=1, accum=2, model=dict(moe_bias_rate=0.01, moe_aux_loss_coef=0.0,
                                                              router="sigmoid")),
-    dict(BASE, schedule="1f1b", zero=1, model=dict(capacity_factor=1.0)),
+    dict(BASE, schedule="1f1b", zero=1, clip=0.05, model=dict(capacity_factor=1.0)),
 ]
 
 
@@ -43,6 +43,7 @@ def test_moe_pipeline_equals_one_process(worlds, case):
         assert r["in_buckets"] == 0 and r["n_experts"] == 2, r  # one MoE block per rank, outside the dp buckets
         for got, want in zip(r["losses"], r["ref"]):
             assert abs(got - want) <= RTOL * abs(want), (r["losses"], r["ref"])
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=RTOL) and len(r["norms"]) == (2 if "clip" in case else 0)
         # per MoE block and micro-batch: 3 all-to-alls forward (counts, tokens out and back), 2 in backward —
         # zero-bubble included: its W runs each module's local backward (the router captured by its scores,
         # weight_grad.py), not the stage's whole backward again, which would repeat the token all-to-alls

@@ -38,7 +38,7 @@ from .executor import Interpreter, run_actions
 from .evaluate import evaluate, micro_batches
 from .actions import Action
 from .schedules import get_schedule
-from .grad_sync import DpGradSync, PipelineZeroGroups
+from .grad_sync import DpGradSync, PipelineZeroGroups, expert_counted
 from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
 from .batching import normalize_example
@@ -264,20 +264,22 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip this step's gradients so the norm over the *whole* model is at most ``max_norm``; returns that
         norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` on one device. Call after ``step`` and
-        before the optimizer step. Collective over every mesh axis (one all-reduce of one number each)."""
+        before the optimizer step (and, with experts, after their ``ExpertGradSync``). Collective over every mesh
+        axis (one all-reduce of one number each)."""
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         own = {self.axis} | ({self.dp_axis} if self.dp_axis else set())
         skip = {id(q) for q, peer in self.tied if peer < self.mesh.coord(self.axis)}  # the lower coordinate counts
-        sync = self.grad_sync
+        sync, experts = self.grad_sync, [q for q in self.expert_params() if q.grad is not None]
         if sync is not None and sync.zero:  # ZeRO-1: every replica holds the averaged shard of each bucket
-            scale = sync.shard_grads()
+            scale = sync.shard_grads() + [q.grad for q in experts]
             count = shard_pieces(sync.groups, scale, self.mesh, sync.axis, own, skip)
         else:  # every dp replica holds the same averaged gradients: coordinate 0 counts them
             scale = [q.grad for q in self.parameters() if q.grad is not None]
             first = self.dp_axis is None or self.mesh.coord(self.dp_axis) == 0
-            count = [q.grad for q in self.parameters() if q.grad is not None and first
+            count = [q.grad for q in self.parameters() if q.grad is not None and first and not is_expert_param(q)
                      and counted(q, self.mesh, own, skip)]
+        count += [q.grad for q in experts if expert_counted(q, self.axis)]  # after the caller's ExpertGradSync
         return clip_counted(count, scale, mesh=self.mesh, max_norm=max_norm, norm_type=norm_type)
 
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -37,12 +37,20 @@ from torch import nn
 
 from ... import comm
 from ...mesh import Mesh
-from ..common.expert_tag import is_expert_param
+from ..common.expert_tag import expert_shard_of, is_expert_param
 from ..zero.flat import FlatGroup
 from ..zero.grads import attach_full_grads
 from ..zero.options import default_algorithm
 
-__all__ = ["DpGradSync", "PipelineZeroGroups", "plan_stage_buckets"]
+__all__ = ["DpGradSync", "PipelineZeroGroups", "plan_stage_buckets", "expert_counted"]
+
+
+def expert_counted(q: nn.Parameter, pp_axis: str) -> bool:
+    """Whether this rank counts the expert piece ``q``'s gradient in a whole-model norm (after its
+    ``ExpertGradSync``): on coordinate 0 of every axis of its expert mesh but the expert axis and the pipeline
+    axis — the ranks that hold the same experts hold the same averaged gradient. Pure."""
+    shard = expert_shard_of(q)
+    return all(a in (shard.axis, pp_axis) or shard.mesh.coord(a) == 0 for a in shard.mesh.axes)
 
 
 def plan_stage_buckets(numels: Sequence[int], cap_elems: int) -> list[list[int]]:
