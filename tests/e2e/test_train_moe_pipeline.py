@@ -22,14 +22,17 @@ FLAGS = ["--data.global_batch", "8", "--parallel.micro_batch", "2", "--optimizer
 
 
 def _train(cwd: Path, name: str, *flags: str) -> Path:
-    proc = cli(cwd, "train", *FLAGS, "--train.name", name, *flags, timeout=240)
+    val = cwd / "val.txt"  # a validation pass at the last step: forward only, the experts' all-to-alls included
+    val.write_text("the validation text of a mixture of experts, forward only. " * 40)
+    proc = cli(cwd, "train", *FLAGS, "--train.name", name, "--train.eval_every", "2", "--data.val_path", str(val),
+               *flags, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return cwd / "runs" / name
 
 
-def _records(run: Path) -> dict[int, dict]:
+def _records(run: Path, kind: str | None = None) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "kind" not in r}
+    return {r["step"]: r for r in rows if r.get("kind") == kind}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,8 @@ def test_pp2_ep2_trains_like_one_process(runs):
         assert list(stats) == ["blocks.0.mlp"], stats
         for key in ("min", "max", "dropped", "starved"):
             assert stats["blocks.0.mlp"][key] == want[step]["moe"]["blocks.0.mlp"][key], (step, key)
+    evals = _records(pp, "eval")
+    assert list(evals) == [2] and evals[2]["val_loss"] == pytest.approx(_records(one, "eval")[2]["val_loss"], rel=1e-5)
 
 
 def test_pp2_ep2_export_equals_one_process(runs, tmp_path):
