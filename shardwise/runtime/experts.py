@@ -21,9 +21,11 @@ before any strategy is built and passes the result to the strategy's constructor
    ep = 1 the experts are ordinary data-parallel parameters and it does nothing);
 3. ``after_step(model)`` after ``optimizer.step()``: the auxiliary-loss-free bias update (``update_bias``) and
    the step's routing statistics (``step_stats``), both with the loads summed over the runtime mesh's ``dp``
-   axis (the ranks whose tokens differ; tp ranks see the same tokens) and the balancing loss averaged over it. Returns the statistics per MoE block
-   (``aux``, ``min``, ``max``, ``cv``, ``dropped``, ``starved``); ``warnings()`` then lists the experts that
-   received no token for ``STARVED_STEPS`` consecutive steps (once per streak).
+   axis (the ranks whose tokens differ; tp ranks see the same tokens) and the balancing loss averaged over it.
+   Returns the statistics per MoE block (``aux``, ``min``, ``max``, ``cv``, ``dropped``, ``starved``);
+   ``warnings()`` then lists the experts that received no token for ``STARVED_STEPS`` consecutive steps (once
+   per streak). The trainer logs them in each step's metrics record under ``moe``; its logged ``loss`` is the
+   LM loss alone (the balancing loss only enters the gradients, and ``moe.*.aux`` reports it).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (model variant, pa
     "ep2xdp2-zero3-clip": ("clip", {"parallel.ep": "2", "parallel.zero_stage": "3"}),
     "ep2xtp2-clip": ("clip", {"parallel.ep": "2", "parallel.tp": "2"}),
     "ep2xtp2-bias": ("bias", {"parallel.ep": "2", "parallel.tp": "2"}),
+    "ep2xtp2-zero3": ("aux", {"parallel.ep": "2", "parallel.tp": "2", "parallel.zero_stage": "3"}),
 }
 
 

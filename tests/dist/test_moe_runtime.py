@@ -26,7 +26,7 @@ RTOL = 1e-5
 LAYERS = 2  # every layer of SMALL is an MoE layer
 TWO = ["ep2", "ep2-capacity", "ep2-bias", "ep2-clip", "ep2-zero1", "ep2-zero2", "ep2-zero3-clip", "ep1-dp2",
        "ep2-ckpt"]
-FOUR = ["ep4", "ep2xdp2-zero1", "ep2xdp2-zero3-clip", "ep2xtp2-clip", "ep2xtp2-bias"]
+FOUR = ["ep4", "ep2xdp2-zero1", "ep2xdp2-zero3-clip", "ep2xtp2-clip", "ep2xtp2-bias", "ep2xtp2-zero3"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def init():
     return out
 
 
-def _update_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+def _update_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                  init: dict[str, torch.Tensor]) -> float:
     keys = [k for k in init if init[k].is_floating_point() and "expert_bias" not in k]
     diff = math.sqrt(sum(float((params[k] - ref[k]).pow(2).sum()) for k in keys))
     moved = math.sqrt(sum(float((ref[k] - init[k]).pow(2).sum()) for k in keys))
@@ -100,8 +101,8 @@ def _check(names: list[str], per_rank: list[list[dict]], refs: dict, init: dict,
 
 @pytest.fixture(scope="module")
 def saved(worlds, tmp_path_factory, refs, init):
-    """The 2-rank layouts against one device; ep2 and ep2-bias also checkpoint their step K (resumed below)."""
-    dirs = {n: str(tmp_path_factory.mktemp(n)) for n in ("ep2", "ep2-bias") if n in TWO}
+    """The 2-rank layouts against one device; ep2, ep2-bias and ep2-zero1 also checkpoint their step K."""
+    dirs = {n: str(tmp_path_factory.mktemp(n)) for n in ("ep2", "ep2-bias", "ep2-zero1")}
     per_rank = worlds.get(2).run(mc.check_layouts, TWO, dirs, timeout=400)
     return per_rank, {n: per_rank[0][TWO.index(n)]["checkpoint"] for n in dirs}
 
@@ -122,9 +123,11 @@ def test_four_rank_layouts_match_one_device(four, refs, init):
 
 
 def test_resume_across_ep(worlds, saved, four, refs, init):
-    """Step K + 1 from a checkpoint of another ep: ep 2 → ep 4 and ep 2 → ep 2 × tp 2 (bias method: the bias
-    buffer too) on 4 ranks; ep 4 → ep 2 and ep 4 → ep 1 on 2 ranks."""
-    cases = {4: [("ep4", saved[1]["ep2"]), ("ep2xtp2-bias", saved[1]["ep2-bias"])],
+    """Step K + 1 from a checkpoint of another layout: ep 2 → ep 4, ep 2 → ep 2 × tp 2 (bias method: the bias
+    buffer too), ep 2 → ep 2 × tp 2 with ZeRO-3 and ep 2 with ZeRO-1 → ep 4 (the experts' own optimizer state)
+    on 4 ranks; ep 4 → ep 2 and ep 4 → ep 1 on 2 ranks."""
+    cases = {4: [("ep4", saved[1]["ep2"]), ("ep2xtp2-bias", saved[1]["ep2-bias"]),
+                 ("ep2xtp2-zero3", saved[1]["ep2"]), ("ep4", saved[1]["ep2-zero1"])],
              2: [("ep2", four[1]), ("ep1-dp2", four[1])]}
     for n, pairs in cases.items():
         per_rank = worlds.get(n).run(mc.check_resumes, pairs, timeout=300)
