@@ -111,13 +111,13 @@ def test_runtime_layout_matches_one_device(runs, refs, init, name):
         _check_params(name, res, ref["params"], ref["losses"][:rc.K], init)
         if model == "clip":  # the whole model's norm: every expert piece counted once (ep, edp, ZeRO-1's dp sum)
             assert res["norms"] == pytest.approx(ref["norms"][:rc.K], rel=RTOL), (name, res["norms"], ref["norms"])
-        # routing statistics of this rank's blocks (named as on one device), loads summed over dp × cp; "aux" is
-        # this rank's own sequences' mean, not reduced
+        # routing statistics of this rank's blocks (named as on one device): loads summed, the balancing loss
+        # averaged over dp × cp
         for got, want in zip(res["stats"], ref["stats"]):
             assert got and set(got) <= set(want), (name, got.keys())
             assert len(got) == 2 // pp  # a pipeline rank reports its own stage's block only
             for block, row in got.items():
-                for key in ("min", "max", "cv", "dropped", "starved"):
+                for key in ("aux", "min", "max", "cv", "dropped", "starved"):
                     assert row[key] == pytest.approx(want[block][key], rel=RTOL, abs=1e-9), (name, block, key)
         # all-to-alls: 5 per MoE block and pass (3 forward, 2 backward), zero-bubble schedules too
         blocks = 2 // pp
