@@ -2,10 +2,10 @@
 matmul (``F.grouped_mm``, ``GroupedExperts.impl = "grouped"``) against one matmul per expert (``"loop"``), in
 this process, at several expert counts with the tokens, hidden and expert widths fixed.
 
-A third row, ``loop-unbind``, is the loop written so that its backward stays linear in the experts: the weights
-are unbound once (``unbind(0)``, whose backward stacks the per-expert gradients once) instead of indexed per
-expert (``w[e]``, whose backward writes a full (E, ., .) zero gradient per expert and adds them up: quadratic in
-the expert count). It is not what the model runs; it shows how much of the speed-up is that effect.
+A third row, ``loop-indexed``, is the per-expert loop as transformers' experts module writes it: each expert's
+weight indexed (``w[e]``), whose backward writes a full (E, ., .) zero gradient per expert and adds them up
+(quadratic in the expert count). The model's own loop (``"loop"``) unbinds the weights once (``unbind(0)``: its
+backward stacks the per-expert gradients once), so it stays linear.
 
 Every implementation runs the same block (same weights, same input, same output gradient): the router, the
 token permutation and the weighted sum are shared, only the expert matmuls differ. Rounds interleave the two,
@@ -27,7 +27,7 @@ from ..models.moe import MoE, MoESettings, grouped_mm_available
 
 __all__ = ["measure_grouped", "grouped_rows"]
 
-IMPLS = ("loop", "loop-unbind", "grouped")
+IMPLS = ("loop", "loop-indexed", "grouped")
 
 
 def _block(n_experts: int, top_k: int, hidden: int, ffn: int) -> MoE:
@@ -40,9 +40,9 @@ def _block(n_experts: int, top_k: int, hidden: int, ffn: int) -> MoE:
     return block
 
 
-def _unbind_experts(experts: torch.nn.Module, x: Tensor, counts: list[int]) -> Tensor:
-    """``GroupedExperts.forward`` as a loop over unbound weights: ``x`` (M, h) grouped by expert → (M, h)."""
-    gate_up, down = experts.gate_up_proj.unbind(0), experts.down_proj.unbind(0)
+def _indexed_experts(experts: torch.nn.Module, x: Tensor, counts: list[int]) -> Tensor:
+    """``GroupedExperts.forward`` as a loop over indexed weights: ``x`` (M, h) grouped by expert → (M, h)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
     outs = []
     for e, piece in enumerate(torch.split(x, counts, dim=0)):
         gate, up = (piece @ gate_up[e].t()).chunk(2, dim=-1)
@@ -54,8 +54,8 @@ def _use(block: MoE, impl: str) -> None:
     """Point the block's experts at ``impl`` (an instance attribute: the class default stays as it is)."""
     experts = block.experts
     experts.__dict__.pop("forward", None)
-    if impl == "loop-unbind":
-        experts.forward = lambda x, counts: _unbind_experts(experts, x, counts)
+    if impl == "loop-indexed":
+        experts.forward = lambda x, counts: _indexed_experts(experts, x, counts)
         experts.impl = "loop"
     else:
         experts.impl = impl
@@ -105,8 +105,8 @@ def _one_shape(n_experts: int, tokens: int, top_k: int, hidden: int, ffn: int, *
                                        for lo, gr in zip(times[base], times["grouped"])) for base in IMPLS[:2]}
     w = block.experts.gate_up_proj
     return {"experts": n_experts, "tokens": tokens, "top_k": top_k, "hidden": hidden, "ffn": ffn,
-            "rows_per_expert": tokens * top_k / n_experts, "loop_ms": ms["loop"], "loop_unbind_ms": ms["loop-unbind"],
-            "grouped_ms": ms["grouped"], "speedup": speedup["loop"], "speedup_vs_unbind": speedup["loop-unbind"],
+            "rows_per_expert": tokens * top_k / n_experts, "loop_ms": ms["loop"], "loop_indexed_ms": ms["loop-indexed"],
+            "grouped_ms": ms["grouped"], "speedup": speedup["loop"], "speedup_vs_indexed": speedup["loop-indexed"],
             "max_rel_diff": diff,
             "grouped_mm": grouped_mm_available(x.detach().view(-1, hidden), w.detach())}
 
@@ -114,7 +114,7 @@ def _one_shape(n_experts: int, tokens: int, top_k: int, hidden: int, ffn: int, *
 def measure_grouped(experts: list[int], *, tokens: int, top_k: int, hidden: int, ffn: int, warmup: int = 2,
                     steps: int = 3, repeats: int = 5) -> list[dict[str, Any]]:
     """One row per expert count: median fwd+bwd ms of each implementation, the paired speed-ups of grouped over
-    loop and over loop-unbind, the largest relative difference of outputs and gradients to the loop's, whether ``F.grouped_mm`` ran (else both loop)."""
+    loop and over loop-indexed, the largest relative difference of outputs and gradients to the loop's, whether ``F.grouped_mm`` ran (else both loop)."""
     return [_one_shape(e, tokens, top_k, hidden, ffn, warmup=warmup, steps=steps, repeats=repeats) for e in experts]
 
 
@@ -122,11 +122,11 @@ def grouped_rows(rows: list[dict[str, Any]], threads: int) -> str:
     """The table printed for part (a)."""
     head = (f"(a) one MoE block, forward + backward, {rows[0]['tokens']} tokens, top_k {rows[0]['top_k']}, "
             f"hidden {rows[0]['hidden']}, expert width {rows[0]['ffn']}, {threads} threads")
-    lines = [head, f"{'experts':>8}{'rows/exp':>10}{'loop ms':>10}{'unbind ms':>11}{'grouped ms':>12}"
-                   f"{'vs loop':>9}{'vs unbind':>11}{'rel diff':>10}"]
+    lines = [head, f"{'experts':>8}{'rows/exp':>10}{'loop ms':>10}{'indexed ms':>11}{'grouped ms':>12}"
+                   f"{'vs loop':>9}{'vs indexed':>11}{'rel diff':>10}"]
     for r in rows:
         note = "" if r["grouped_mm"] else "  (grouped_mm unavailable: all loop)"
-        lines.append(f"{r['experts']:>8}{r['rows_per_expert']:>10.0f}{r['loop_ms']:>10.1f}{r['loop_unbind_ms']:>11.1f}"
-                     f"{r['grouped_ms']:>12.1f}{r['speedup']:>8.2f}x{r['speedup_vs_unbind']:>10.2f}x"
+        lines.append(f"{r['experts']:>8}{r['rows_per_expert']:>10.0f}{r['loop_ms']:>10.1f}{r['loop_indexed_ms']:>11.1f}"
+                     f"{r['grouped_ms']:>12.1f}{r['speedup']:>8.2f}x{r['speedup_vs_indexed']:>10.2f}x"
                      f"{r['max_rel_diff']:>10.1e}{note}")
     return "\n".join(lines)

@@ -138,7 +138,8 @@ def expert_matmul(x: Tensor, w: Tensor, counts: list[int], impl: str) -> Tensor:
         offs = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x, w.transpose(-1, -2), offs=offs))
     pieces = torch.split(x, counts, dim=0)
-    return torch.cat([piece @ w[e].t() for e, piece in enumerate(pieces)], dim=0)
+    # unbind, not w[e]: an indexed slice's backward writes a whole (E, N, K) zero gradient per expert (E² work)
+    return torch.cat([piece @ we.t() for we, piece in zip(w.unbind(0), pieces)], dim=0)
 
 
 class Router(nn.Module):
