@@ -10,6 +10,7 @@ and the gathered final parameters (``sw.full_state_dict``: experts all-gathered 
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +39,7 @@ MODELS: dict[str, dict[str, str]] = {  # routing variants, each with its own one
     "capacity": {"model.capacity_factor": "1.0"},
     "bias": {"model.moe_bias_rate": "0.01", "model.moe_aux_loss_coef": "0.0", "model.router": "sigmoid"},
     "clip": {"optimizer.clip_grad_norm": "0.05"},  # well below the gradient norm (~1-3): clipping bites
+    "mixtral": {"model.hf_config": "mixtral"},
 }
 
 PP = {"parallel.pp": "2", "parallel.ep": "2"}  # 4 ranks: (pp, dp) = (2, 2), ep over each stage's dp ranks
@@ -53,11 +55,35 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (model variant, pa
     "cp2-ep2-zero1-clip": ("clip", {"parallel.cp": "2", "parallel.ep": "2", "parallel.zero_stage": "1"}),
     # dp 1: ep over the cp ranks, inside each pipeline stage
     "pp2-cp2-ep2-capacity": ("capacity", {**PP, "parallel.cp": "2"}),
+    # the Hugging Face decoder's MoE layers
+    "hf-pp2-ep2-zb": ("mixtral", {**PP, "parallel.pp_schedule": "zb-h1"}),
+    "hf-cp2-ep2": ("mixtral", {"parallel.cp": "2", "parallel.ep": "2"}),
 }
 
 
+MIXTRAL = dict(model_type="mixtral", vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4,
+               router_aux_loss_coef=0.05, max_position_embeddings=64)
+"""A Hugging Face mixture of experts (``model.hf_config``): the Llama-family decoder with shardwise's MoE blocks."""
+
+
+def _hf_config() -> str:
+    if not _HF:
+        path = Path(tempfile.mkdtemp()) / "config.json"
+        path.write_text(json.dumps(MIXTRAL))
+        _HF.append(str(path))
+    return _HF[0]
+
+
+_HF: list[str] = []
+
+
 def config(overrides: dict[str, str]) -> Any:
-    return validate(load_config(overrides={**SMALL, **overrides, "data.path": _text_file()}))
+    base = dict(SMALL)
+    if overrides.get("model.hf_config") == "mixtral":  # the HF config sets the shape: no model.* flags
+        base = {k: v for k, v in SMALL.items() if not k.startswith("model.")}
+        overrides = {**overrides, "model.hf_config": _hf_config()}
+    return validate(load_config(overrides={**base, **overrides, "data.path": _text_file()}))
 
 
 def _trainer(cfg: Any, world: World, mesh_of: Callable[..., sw.Mesh], run_dir: Path | None = None
@@ -87,11 +113,12 @@ def _steps(t: trainer_mod.Trainer, n: int) -> dict[str, Any]:
 def run_reference(model: str, world: World, mesh_of: Callable[..., sw.Mesh]) -> dict[str, Any]:
     """One device, ``K + 1`` steps of the variant: losses, statistics, the parameters after ``K`` and ``K + 1``."""
     t = _trainer(config({**MODELS[model], "parallel.nproc": "1"}), world, mesh_of)
+    init = _full(t)
     first = _steps(t, K)
     at_k = _full(t)
     last = _steps(t, 1)
     return {"losses": first["losses"] + last["losses"], "stats": first["stats"] + last["stats"], "params": at_k,
-            "params_next": _full(t), "norms": first["norms"] + last["norms"]}
+            "params_next": _full(t), "norms": first["norms"] + last["norms"], "init": init}
 
 
 def run_layout(name: str, world: World, mesh_of: Callable[..., sw.Mesh], save_to: str = "") -> dict[str, Any]:

@@ -5,8 +5,8 @@
   parameter (absolute on the balancing bias) after two AdamW steps.
 * Runtime (rank side: moe_pipeline_runtime_checks.py): the trainer with pp 2 × ep 2 (1f1b, zb-h1 with ZeRO-1 and
   clipping, interleaved with the bias method, gpipe, capacity 1.0), cp 2 × ep 2 / ep 4 (ep folded into dp × cp,
-  the balancing loss and capacity per whole sequence), pp 2 × cp 2 × ep 2; checkpoints of pipeline layouts resumed
-  in others. Tolerance: logged losses relative 1e-5; parameters ‖p − p_ref‖ / ‖p_ref − p_init‖ ≤ 1e-5; routing
+  the balancing loss and capacity per whole sequence), pp 2 × cp 2 × ep 2, a Hugging Face mixtral under
+  pp 2 × ep 2 (zb-h1) and cp 2 × ep 2; checkpoints of pipeline layouts resumed in others. Tolerance: logged losses relative 1e-5; parameters ‖p − p_ref‖ / ‖p_ref − p_init‖ ≤ 1e-5; routing
   loads equal one device's; all-to-alls counted per step."""
 
 from __future__ import annotations
@@ -67,18 +67,6 @@ def refs(worlds):
 
 
 @pytest.fixture(scope="module")
-def init():
-    """The weights every layout starts from (the seeded GPT on one device, before any step)."""
-    from shardwise.parallel.common.materialize import ensure_sources, materialize
-    from shardwise.runtime.model_build import meta_model_for
-
-    model = meta_model_for(rc.config({"parallel.nproc": "1"}))
-    ensure_sources(model)
-    materialize(model, torch.device("cpu"))
-    return {k: v.detach().float() for k, v in model.state_dict().items()}
-
-
-@pytest.fixture(scope="module")
 def runs(worlds, tmp_path_factory):
     dirs = {n: str(tmp_path_factory.mktemp(n)) for n in SAVED}
     per_rank = worlds.get(4).run(rc.check_layouts, NAMES, dirs, timeout=500)
@@ -102,9 +90,10 @@ def _check_params(name: str, res: dict, params: dict, losses: list[float], init:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_runtime_layout_matches_one_device(runs, refs, init, name):
+def test_runtime_layout_matches_one_device(runs, refs, name):
     model, parallel = rc.LAYOUTS[name]
     ref = refs[model]
+    init = ref["init"]
     pp = int(parallel.get("parallel.pp", "1"))
     for rank, results in enumerate(runs[0]):
         res = results[NAMES.index(name)]
@@ -130,7 +119,7 @@ RESUMES = [("pp2-ep2-gpipe-clip", "pp2-ep2-zb-zero1-clip"), ("cp2-ep2-zero1-clip
            ("cp2-ep2", "pp2-ep2-1f1b")]
 
 
-def test_resume_across_layouts(worlds, runs, refs, init):
+def test_resume_across_layouts(worlds, runs, refs):
     """Step K + 1 from a pipeline checkpoint (ZeRO-1 flat groups plus the experts' own state; per-parameter state)
     in another pipeline schedule without ZeRO, and in cp × ep layouts."""
     pairs = [(name, runs[1][saved]) for name, saved in RESUMES]
@@ -138,4 +127,4 @@ def test_resume_across_layouts(worlds, runs, refs, init):
     for i, (name, _) in enumerate(RESUMES):
         ref = refs[rc.LAYOUTS[name][0]]
         for results in per_rank:
-            _check_params(f"resume {name}", results[i], ref["params_next"], ref["losses"][rc.K:], init)
+            _check_params(f"resume {name}", results[i], ref["params_next"], ref["losses"][rc.K:], ref["init"])
