@@ -110,7 +110,12 @@ def run_layout(name: str, world: World, mesh_of: Callable[..., sw.Mesh], save_to
                  Path(save_to) if save_to else None)
     out = _steps(t, K)
     out["params"] = _full(t)
-    out["experts_per_rank"] = [tuple(q.shape) for q in t.strategy.experts.params()] if t.strategy.experts else []
+    pieces = t.strategy.experts.params() if t.strategy.experts else []
+    out["experts_per_rank"] = [tuple(q.shape) for q in pieces]
+    opt = getattr(t.strategy, "expert_optimizer", None)  # ZeRO: the experts' own optimizer
+    out["expert_numel"] = sum(q.numel() for q in pieces)
+    out["expert_state_numel"] = (sum(v.numel() for st in opt.state.values() for k, v in st.items() if k == "exp_avg")
+                                 if opt is not None else None)
     if save_to:
         out["checkpoint"] = str(t.save())
     return out

@@ -12,7 +12,9 @@ back and out again; three more with activation checkpointing, which recomputes t
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,26 +111,41 @@ def saved(worlds, tmp_path_factory, refs, init):
 
 def test_two_rank_layouts_match_one_device(saved, refs, init):
     _check(TWO, saved[0], refs, init, 2)
+    for results in saved[0]:  # ep 2 = dp under ZeRO: no edp replica to share the experts' Adam state with
+        res = results[TWO.index("ep2-zero1")]
+        assert res["expert_state_numel"] == res["expert_numel"] > 0, res
 
 
 @pytest.fixture(scope="module")
 def four(worlds, tmp_path_factory, refs, init):
-    """The 4-rank layouts; ep4 checkpoints its step K."""
-    per_rank = worlds.get(4).run(mc.check_layouts, FOUR, {"ep4": str(tmp_path_factory.mktemp("ep4"))}, timeout=500)
-    return per_rank, per_rank[0][FOUR.index("ep4")]["checkpoint"]
+    """The 4-rank layouts; ep4 and ep2xdp2-zero1 (the experts' optimizer state sharded over edp) checkpoint
+    their step K."""
+    dirs = {n: str(tmp_path_factory.mktemp(n)) for n in ("ep4", "ep2xdp2-zero1")}
+    per_rank = worlds.get(4).run(mc.check_layouts, FOUR, dirs, timeout=500)
+    return per_rank, {n: per_rank[0][FOUR.index(n)]["checkpoint"] for n in dirs}
 
 
 def test_four_rank_layouts_match_one_device(four, refs, init):
     _check(FOUR, four[0], refs, init, 4)
+    for results in four[0]:  # ep 2 × edp 2 under ZeRO: each edp rank keeps half its experts' Adam state
+        res = results[FOUR.index("ep2xdp2-zero1")]
+        assert abs(res["expert_state_numel"] - res["expert_numel"] / 2) <= 1, res["expert_state_numel"]
+    index = json.loads((Path(four[1]["ep2xdp2-zero1"]) / "index.json").read_text())
+    for c in (0, 1):
+        entry = index["tensors"][f"zero/experts.ep{c}/exp_avg"]
+        assert entry["axes"] == ["edp", "tp"] and entry["sbp"] == "S(0),B", entry
 
 
 def test_resume_across_ep(worlds, saved, four, refs, init):
     """Step K + 1 from a checkpoint of another layout: ep 2 → ep 4, ep 2 → ep 2 × tp 2 (bias method: the bias
-    buffer too), ep 2 → ep 2 × tp 2 with ZeRO-3 and ep 2 with ZeRO-1 → ep 4 (the experts' own optimizer state)
-    on 4 ranks; ep 4 → ep 2 and ep 4 → ep 1 on 2 ranks."""
+    buffer too), ep 2 → ep 2 × tp 2 with ZeRO-3, ep 2 with ZeRO-1 → ep 4 (the experts' own optimizer state),
+    ep 2 → ep 2 × edp 2 with ZeRO-1 (the experts' state sharded over edp) and that layout onto itself, on 4 ranks;
+    ep 4 → ep 2 and ep 4 → ep 1, ep 2 × edp 2 ZeRO-1 → ep 2 and → ep 2 ZeRO-1 (edp 1), on 2 ranks."""
     cases = {4: [("ep4", saved[1]["ep2"]), ("ep2xtp2-bias", saved[1]["ep2-bias"]),
-                 ("ep2xtp2-zero3", saved[1]["ep2"]), ("ep4", saved[1]["ep2-zero1"])],
-             2: [("ep2", four[1]), ("ep1-dp2", four[1])]}
+                 ("ep2xtp2-zero3", saved[1]["ep2"]), ("ep4", saved[1]["ep2-zero1"]),
+                 ("ep2xdp2-zero1", saved[1]["ep2"]), ("ep2xdp2-zero1", four[1]["ep2xdp2-zero1"])],
+             2: [("ep2", four[1]["ep4"]), ("ep1-dp2", four[1]["ep4"]), ("ep2", four[1]["ep2xdp2-zero1"]),
+                 ("ep2-zero1", four[1]["ep2xdp2-zero1"])]}
     for n, pairs in cases.items():
         per_rank = worlds.get(n).run(mc.check_resumes, pairs, timeout=300)
         for i, (name, _) in enumerate(pairs):

@@ -3,7 +3,8 @@ built like the plain path). With tp > 1 ZeRO shards each tp rank's *local* (alre
 the dp axis only: its reduce-scatters and all-gathers run on the dp group of the rank's tp coordinate, the tp
 collectives inside forward/backward stay as they are. With ``parallel.ep`` the expert pieces stay out of the flat
 groups (materialised whole with the rest, even at stage 3) and have an optimizer of their own, stepped with ZeRO's
-(``ZeroWithExperts``); their gradients are averaged by ``runtime/experts.py``. Gradients live in ZeRO's flat buffers; the optimizer steps
+(``ZeroWithExperts``, ``zero_experts.py``: its state sharded over edp when edp > 1); their gradients are averaged by
+``runtime/experts.py``. Gradients live in ZeRO's flat buffers; the optimizer steps
 this rank's shards; checkpoints hold the parameters (tp shards with tp) and the flat optimizer-state shards
 (``checkpoint/zero_layout.py``)."""
 
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...checkpoint.layout import load_optimizer, optimizer_pieces
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pieces, zero_optimizer_pieces
 from ...mesh import Mesh
@@ -30,6 +30,7 @@ from ..model_build import block_names
 from ..experts import Experts
 from ..nonfinite import Grad, flat_grads, names_by_id
 from .base import build_optimizer, summed_loss, tensor_parallel
+from .zero_experts import ZeroWithExperts, expert_optimizer
 from .plain import DataParallelSteps, checkpointed
 
 __all__ = ["ZeroStrategy", "ZeroWithExperts", "zero_algorithm"]
@@ -62,7 +63,8 @@ class ZeroStrategy(DataParallelSteps):
         self.model: ZeroModel = model
         self.zero_optimizer: ZeroOptimizer = optimizer
         self.expert_params = experts.params() if experts is not None else []  # in no flat group (trainable())
-        self.expert_optimizer = build_optimizer(self.expert_params, cfg.optimizer) if self.expert_params else None
+        self.expert_optimizer = expert_optimizer(self.expert_params, self.plain,
+                                                 experts.emesh if experts is not None else None, cfg.optimizer)
         self.optimizer: Any = (optimizer if self.expert_optimizer is None
                                else ZeroWithExperts(optimizer, self.expert_optimizer))
 
@@ -96,21 +98,27 @@ class ZeroStrategy(DataParallelSteps):
     def pieces(self) -> list[Piece]:
         out = zero_model_pieces(self.model, self.mesh) + zero_optimizer_pieces(self.model, self.zero_optimizer,
                                                                                 self.mesh)
-        if self.expert_optimizer is not None:  # the expert pieces' per-parameter state, S(0) over ep
-            out += optimizer_pieces(self.plain, self.expert_optimizer, self.mesh)
+        if self.expert_optimizer is not None:  # the expert pieces' state (zero_experts.py)
+            out += self.expert_optimizer.pieces()
         return out
 
     def shared_state(self) -> dict[str, Any]:
-        return zero_index_state(self.model)[0]
+        shared = zero_index_state(self.model)[0]
+        if self.expert_optimizer is not None and self.expert_optimizer.rank_groups():
+            shared["zero_groups_per_rank"] = True  # the experts' flat groups are listed in the rank files
+        return shared
 
     def rank_state(self) -> dict[str, Any]:
-        """With tp: this rank's flat groups (each tp coordinate's hold its own tp pieces)."""
-        return zero_index_state(self.model)[1]
+        """With tp: this rank's flat groups (each tp coordinate's hold its own tp pieces); with experts sharded
+        over edp, their flat group too."""
+        own = zero_index_state(self.model)[1]
+        extra = self.expert_optimizer.rank_groups() if self.expert_optimizer is not None else []
+        return {**own, "zero_groups": [*own.get("zero_groups", []), *extra]} if extra else own
 
     def load(self, ckpt: Checkpoint) -> None:
         load_zero(ckpt, self.model, self.zero_optimizer)
         if self.expert_optimizer is not None:
-            load_optimizer(ckpt, self.plain, self.expert_optimizer, self.mesh)
+            self.expert_optimizer.load(ckpt)
 
     def memory(self) -> dict[str, int]:
         report = memory_report(self.model, self.zero_optimizer)
@@ -119,35 +127,3 @@ class ZeroStrategy(DataParallelSteps):
                                        for v in st.values() if isinstance(v, torch.Tensor))
         return report
 
-
-class ZeroWithExperts:
-    """ZeRO's optimizer (the dense flat shards) and the experts' per-parameter one (``parallel.ep``: expert
-    pieces are in no flat group) stepped as one: what the trainer calls — ``param_groups`` (the learning rate
-    is set on every group of both), ``step``, ``zero_grad`` — and the two state dicts. The experts' state is
-    not sharded over ``edp`` (each edp replica keeps its ep piece's whole state)."""
-
-    def __init__(self, zero_opt: ZeroOptimizer, experts: torch.optim.Optimizer) -> None:
-        self.zero, self.experts = zero_opt, experts
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [*self.zero.param_groups, *self.experts.param_groups]
-
-    def step(self) -> bool:
-        """ZeRO's step (collective over dp), then the experts' (local); both skip on an fp16 overflow."""
-        stepped = self.zero.step()
-        if stepped:
-            self.experts.step()
-        self.experts.zero_grad(set_to_none=True)
-        return stepped
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero.zero_grad(set_to_none)
-        self.experts.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"zero": self.zero.state_dict(), "experts": self.experts.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.zero.load_state_dict(state["zero"])
-        self.experts.load_state_dict(state["experts"])
