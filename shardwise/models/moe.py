@@ -235,7 +235,9 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             y = y + shared
         aux = sequence_aux(scores.view(b, t, -1), experts.view(b, t, -1), s.n_experts, self.sequence)
-        self.balance.record(experts, kept, aux)
-        if s.aux_coef > 0 and self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        if training:  # loads of training passes only: validation and generation leave the step's counts alone
+            self.balance.record(experts, kept, aux)
+        if s.aux_coef > 0 and training:
             y = attach_aux(y, aux * s.aux_coef, self.balance)
         return y.view(b, t, h)

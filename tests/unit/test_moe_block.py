@@ -142,3 +142,15 @@ def test_gpt_layers_and_errors():
                       ({"moe_first_dense": 4}, "leaves no MoE layer")]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             GPTConfig(n_layer=4, n_experts=4, **kw)
+
+
+def test_validation_and_no_grad_passes_leave_the_loads_alone():
+    m = _block()
+    x = torch.randn(2, 4, 32)
+    m(x).sum().backward()
+    load = m.balance.load.clone()
+    with torch.no_grad():
+        m(x)
+    m.eval()
+    m(x)
+    assert torch.equal(m.balance.load, load) and m.balance.passes == 1
