@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..mesh import Mesh
@@ -121,7 +122,23 @@ class Experts:
             self._count_quiet([name for name, _ in blocks], loads[0][:, :-2])
             for (name, _), aux in zip(blocks, loads[0][:, -1].tolist()):
                 stats[name]["aux"] = aux / self.mesh.size("dp")
-        return stats
+        return self._over_stages(stats)
+
+    def _over_stages(self, stats: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """With a pipeline each rank holds its stages' blocks: every rank gets all stages' statistics and
+        starvation warnings (one object all-gather over pp per step), so rank 0's record covers the model."""
+        if "pp" not in self.mesh.axes or self.mesh.size("pp") == 1:
+            return stats
+        every: list[tuple[dict[str, dict[str, float]], list[str]] | None] = [None] * self.mesh.size("pp")
+        dist.all_gather_object(every, (stats, self._warnings), group=self.mesh.group("pp"))
+        merged: dict[str, dict[str, float]] = {}
+        warnings: list[str] = []
+        for part in every:
+            if part is not None:
+                merged.update(part[0])
+                warnings += [w for w in part[1] if w not in warnings]
+        self._warnings = warnings
+        return dict(sorted(merged.items(), key=lambda kv: _block_order(kv[0])))
 
     def skipped(self, model: nn.Module | None = None) -> None:
         """A step dropped by the non-finite guard: its counts are cleared without a bias update. Local."""
@@ -157,3 +174,7 @@ def setup_experts(cfg: Config, mesh: Mesh, plain: nn.Module) -> Experts | None:
         shard_experts(plain, emesh, "ep")
     return Experts(plain, mesh, emesh, ep)
 
+
+def _block_order(name: str) -> tuple:
+    """``blocks.10.mlp`` after ``blocks.9.mlp``: numeric parts compared as numbers."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))

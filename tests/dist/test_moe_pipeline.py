@@ -100,11 +100,10 @@ def test_runtime_layout_matches_one_device(runs, refs, name):
         _check_params(name, res, ref["params"], ref["losses"][:rc.K], init)
         if model == "clip":  # the whole model's norm: every expert piece counted once (ep, edp, ZeRO-1's dp sum)
             assert res["norms"] == pytest.approx(ref["norms"][:rc.K], rel=RTOL), (name, res["norms"], ref["norms"])
-        # routing statistics of this rank's blocks (named as on one device): loads summed, the balancing loss
-        # averaged over dp × cp
+        # routing statistics of every block (named as on one device; a pipeline rank gathers the other stages'):
+        # loads summed, the balancing loss averaged over dp × cp
         for got, want in zip(res["stats"], ref["stats"]):
-            assert got and set(got) <= set(want), (name, got.keys())
-            assert len(got) == 2 // pp  # a pipeline rank reports its own stage's block only
+            assert list(got) == list(want), (name, got.keys())
             for block, row in got.items():
                 for key in ("aux", "min", "max", "cv", "dropped", "starved"):
                     assert row[key] == pytest.approx(want[block][key], rel=RTOL, abs=1e-9), (name, block, key)
