@@ -90,6 +90,11 @@ def _gpt_names(cfg: dict[str, Any]) -> list[str]:
 
 def _gpt(ckpt: Checkpoint) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
     cfg = _gpt_config(ckpt)
+    experts = int(ckpt.state.get("config", {}).get("model", {}).get("n_experts", 0) or 0)
+    if experts:
+        raise ValueError(f"checkpoint {ckpt.path}: a reference GPT with experts (model.n_experts = {experts}) "
+                         f"has no Hugging Face model type; export it with --format safetensors, or train an HF MoE "
+                         f"type (--model.hf_config of a mixtral, qwen2_moe or qwen3_moe config) to export --format hf")
     held = set(ckpt.keys("model/"))
     names = _gpt_names(cfg)
     expected = {f"model/{n}" for n in names}

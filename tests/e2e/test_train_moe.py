@@ -78,3 +78,10 @@ def test_verify_takes_parallel_ep(tmp_path):
     proc = cli(tmp_path, "verify", *FLAGS, "--parallel.ep", "2", "--parallel.nproc", "2", "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ep=2" in proc.stdout and "OK: 2 steps agree" in proc.stdout, proc.stdout
+
+
+def test_hf_export_of_a_gpt_with_experts_is_refused_in_one_line(ep2_run, tmp_path, capsys):
+    assert cli_main(["export", str(ep2_run), "--format", "hf", "--out", str(tmp_path / "hf")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.n_experts = 4" in err[0] and "--format safetensors" in err[0], err
+    assert not (tmp_path / "hf").exists()
