@@ -17,15 +17,13 @@ losses of the first two steps are compared (same weights, same tokens: equal up 
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..mesh import Mesh
 from ..models.moe import MoE
-from ..models.moe_balance import attach_aux, sequence_aux
 
 __all__ = ["peer_available", "use_peer_route", "describe_peer"]
 
@@ -56,26 +54,6 @@ def _hf_experts(block: MoE) -> nn.Module:
     return hf
 
 
-def _peer_forward(block: MoE, dispatch: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor) -> Tensor:
-    """``MoE.forward`` (dropless) with the expert part done by ``dispatch(x (N, h), ids (N, k), weights (N, k))``
-    → the weighted sum (N, h). ``x`` (b, t, h) → (b, t, h)."""
-    s = block.settings
-    b, t, h = x.shape
-    flat = x.reshape(b * t, h)
-    scores, experts, weights = block.gate(flat)
-    y = dispatch(flat, experts, weights).to(x.dtype)
-    if s.shared_ffn:
-        shared = block.shared_expert(flat)
-        if s.shared_gate:
-            shared = torch.sigmoid(block.shared_expert_gate(flat)) * shared
-        y = y + shared
-    aux = sequence_aux(scores.view(b, t, -1), experts.view(b, t, -1), s.n_experts, block.sequence)
-    block.balance.record(experts, experts, aux)
-    if s.aux_coef > 0 and block.training and torch.is_grad_enabled():
-        y = attach_aux(y, aux * s.aux_coef, block.balance)
-    return y.view(b, t, h)
-
-
 def use_peer_route(model: nn.Module, mesh: Mesh, ep_axis: str, one_axis: str) -> int:
     """Route every (already sharded) MoE block of ``model`` through transformers' ``AllToAllEP`` over ``ep_axis``
     of ``mesh``; ``one_axis``: an axis of size 1 (transformers' tensor-parallel mesh: no tp here). Returns the
@@ -91,7 +69,7 @@ def use_peer_route(model: nn.Module, mesh: Mesh, ep_axis: str, one_axis: str) ->
             if module.settings.capacity_factor > 0:
                 raise ValueError("the transformers route is dropless: use capacity_factor 0 in the comparison")
             dispatch = AllToAllEP(_hf_experts(module), ep_mesh, tp_mesh)
-            module.forward = functools.partial(_peer_forward, module, dispatch)  # type: ignore[method-assign]
+            module.routed = dispatch  # the rest of the block (router, shared expert, balancing loss) is ours
             n += 1
     return n
 

@@ -206,6 +206,9 @@ class MoE(nn.Module):
 
     shard: ExpertShard | None = None
     sequence: Any = None
+    routed: Any = None
+    """None, or another expert path ``routed(x (N, h), experts (N, k), weights (N, k)) → (N, h)`` (the weighted
+    sum) in place of ``route``: ``shardwise bench moe`` plugs a peer's dispatch in here."""
 
     def __init__(self, s: MoESettings) -> None:
         super().__init__()
@@ -227,8 +230,11 @@ class MoE(nn.Module):
         if s.capacity_factor > 0:
             keep = capacity_mask(experts.view(b, t, s.top_k), s.n_experts, s.capacity_factor, self.sequence)
             kept = torch.where(keep.view(b * t, s.top_k), experts, torch.full_like(experts, -1))
-        outs = route(flat, kept, s.n_experts, self.experts, self.shard)  # (N, k, h)
-        y = (outs * weights.unsqueeze(-1).to(outs.dtype)).sum(1)  # slot order: the same sum on every layout
+        if self.routed is not None:
+            y = self.routed(flat, kept, weights).to(x.dtype)
+        else:
+            outs = route(flat, kept, s.n_experts, self.experts, self.shard)  # (N, k, h)
+            y = (outs * weights.unsqueeze(-1).to(outs.dtype)).sum(1)  # slot order: the same sum on every layout
         if s.shared_ffn:
             shared = self.shared_expert(flat)
             if s.shared_gate:
