@@ -240,10 +240,10 @@ class MoE(nn.Module):
             if s.shared_gate:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             y = y + shared
-        aux = sequence_aux(scores.view(b, t, -1), experts.view(b, t, -1), s.n_experts, self.sequence)
-        training = self.training and torch.is_grad_enabled()
-        if training:  # loads of training passes only: validation and generation leave the step's counts alone
+        if self.training and torch.is_grad_enabled():
+            # training passes only: validation and generation neither count loads nor pay the loss's reductions
+            aux = sequence_aux(scores.view(b, t, -1), experts.view(b, t, -1), s.n_experts, self.sequence)
             self.balance.record(experts, kept, aux)
-        if s.aux_coef > 0 and training:
-            y = attach_aux(y, aux * s.aux_coef, self.balance)
+            if s.aux_coef > 0:
+                y = attach_aux(y, aux * s.aux_coef, self.balance)
         return y.view(b, t, h)
