@@ -22,6 +22,8 @@ from typing import Callable, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
+from .allocator import bound_retention
+
 __all__ = ["World", "init", "shutdown", "exit_process", "barrier_all", "env_flag", "bind_to_launcher", "LAUNCHER_PID",
            "on_teardown", "interrupted"]
 
@@ -62,6 +64,8 @@ def init(*, backend: Backend | None = None, timeout_s: float = 60.0, init_method
     down while the interpreter is still whole, without communicating: shardwise's own transports stop, the
     process groups are destroyed and gloo's worker threads are let finish (``_at_exit``). Exit code, traceback
     and the user's own ``atexit`` handlers are untouched. ``shutdown()`` does the same explicitly, with a barrier.
+    On CPU (gloo) it also bounds what glibc keeps of freed tensors (``allocator.bound_retention``; opt out with
+    ``SHARDWISE_MALLOC=keep``).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
@@ -78,6 +82,8 @@ def init(*, backend: Backend | None = None, timeout_s: float = 60.0, init_method
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which this machine does not have; use backend='gloo'")
     device = torch.device("cpu")
+    if backend == "gloo" and env_flag("SHARDWISE_MALLOC") != "keep":
+        bound_retention()  # CPU ranks: freed tensors go back to the system (allocator.py)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

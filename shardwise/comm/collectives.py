@@ -234,9 +234,12 @@ def _cumsum(sizes: Sequence[int]) -> list[int]:
 
 def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", dim: int = 0,
                    algorithm: str = "native", async_op: bool = False,
-                   piece_bytes: int = DEFAULT_PIECE_BYTES) -> torch.Tensor | Handle:
+                   piece_bytes: int = DEFAULT_PIECE_BYTES, scratch: bool = False) -> torch.Tensor | Handle:
     """Reduce ``t`` across ``axis`` and return this rank's shard along ``dim`` (rows per ``shard_sizes``).
-    ``t`` is not modified. Conjugate of ``all_gather``. Collective."""
+    ``t`` is not modified, unless ``scratch``: then the caller gives ``t`` up (a contiguous tensor it will not
+    read again) and the reduction works in it instead of a copy — no ``t``-sized temporary, which for ZeRO's
+    unit gradients is the difference between one and two unit-sized buffers per reduction in flight (the shard
+    returned may be a view of ``t``). Conjugate of ``all_gather``. Collective."""
     check_algorithm(algorithm, ALGORITHM_CHOICES, "reduce_scatter")
     check_op(op, t.dtype)
     algorithm = resolve_algorithm(algorithm, mesh, axis, "reduce_scatter", t.numel() * t.element_size(), t.dtype)
@@ -255,14 +258,15 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", d
         return out.movedim(0, dim) if t.dim() > 0 and dim not in (0, -t.dim()) else out
 
     if algorithm == "shm":  # reads the input in place (a copy only when the caller may change it meanwhile)
-        group, src = _shm_group(mesh, axis, t), x.reshape(-1).clone() if async_op else x.reshape(-1)
+        group = _shm_group(mesh, axis, t)
+        src = x.reshape(-1).clone() if async_op and not scratch else x.reshape(-1)
 
         def shm_job() -> torch.Tensor:
             if group is None:
                 return shaped(src.clone())
             return shaped(group.reduce_scatter(src, op, offsets, piece_bytes))
         return _run(mesh, axis, shm_job, async_op)
-    buf = x.reshape(-1).clone()
+    buf = x.reshape(-1) if scratch and x.is_contiguous() else x.reshape(-1).clone()
     if algorithm == "native":
         return _native_reduce_scatter(buf, rows, inner, i, op, mesh.group(axis), async_op, shaped)
     link = link_for(mesh, axis)

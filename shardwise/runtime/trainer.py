@@ -64,12 +64,13 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, world: World, *, resuming: bool = False) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
-        self.bare_runtime = peak_memory_bytes(world.device)
-        """The process peak before anything is built (torch and shardwise imported): the summary's baseline."""
         p = cfg.parallel
         calibration = mesh_calibrations(p, world.device, world.rank, world.world_size)
         self.mesh = _build_mesh(p, cfg.train.timeout_s, calibration)
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
+        self.bare_runtime = peak_memory_bytes(world.device)
+        """The process peak before anything is built (torch and shardwise imported, the mesh's process groups
+        made): the summary's baseline."""
         built = time.perf_counter()
         # a resume's weights come from its checkpoint: model.pretrained (kept in the config: where the run began)
         # is not read again

@@ -38,9 +38,10 @@ from .flat import FlatGroup
 
 __all__ = ["ShardGradReducer", "attach_full_grads"]
 
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 1
 """Reduce-scatters a backward keeps outstanding (see ``_launch``): one communicating while the next group's
-gradients are computed, as FSDP's two in-flight limit."""
+gradients are computed and filled in. Each holds its group's flat gradient (stage 3: a unit) until waited for;
+one is enough to hide the reduction behind the next group's backward, and a second would add a unit of memory."""
 
 # What a stage-1 view holds for its parameter (``ShardGradReducer._state``).
 EMPTY, LOCAL, AVERAGED = 0, 1, 2
@@ -81,11 +82,17 @@ class ShardGradReducer:
         # Stage 1 writes the averaged shard into the buffer's slice when the dtypes allow it.
         self._in_slice = [b.dtype == reduce_dtype for b in full_grads] if full_grads is not None else []
         self._state = [[EMPTY] * len(g.params) for g in groups]
-        # Persistent shard buffers (hi - lo,) wherever the shard does not live in a full buffer's slice.
-        self._shards: list[torch.Tensor | None] = [
-            None if (full_grads is not None and self._in_slice[k]) else
-            torch.zeros(g.hi - g.lo, dtype=reduce_dtype, device=mesh.device) for k, g in enumerate(groups)]
+        # Shard buffers (hi - lo,) wherever the shard does not live in a full buffer's slice ("apart"): allocated
+        # by the first reduction after a step and released by ``clear`` (the step consumed them), so between steps
+        # and through the forward no gradient memory is held, and in backward the shards grow as the activations
+        # are freed instead of on top of them (FSDP2's sharded gradients, set to None by zero_grad, likewise).
+        self._apart = [not (full_grads is not None and self._in_slice[k]) for k in range(len(groups))]
+        self._shards: list[torch.Tensor | None] = [None] * len(groups)
         self._reduced = [False] * len(groups)  # group reduced since the last clear()
+        # Stages 2-3: group k's (L,) flat gradient of the running backward, filled parameter by parameter as each
+        # gradient is ready (that ``param.grad`` is dropped at once), so a group's gradient exists about once
+        # while it is produced, not as its ``param.grad`` s plus a flat copy made at launch.
+        self._flat: list[torch.Tensor | None] = [None] * len(groups)
         self.sync = True
         """Whether the current backward reduces (set at forward time from ``no_sync``)."""
         self.unreduced = False
@@ -107,6 +114,7 @@ class ShardGradReducer:
         self.next_launch = 0
         self.handles: list[tuple[int, comm.Handle]] = []
         self.callback_queued = False
+        self._flat = [None] * len(self.groups)  # a backward that raised leaves no half-filled flat gradient
 
     def prepare_forward(self, sync: bool) -> None:
         """Called at each forward with grad enabled: records the ``no_sync`` state for its backward and
@@ -136,6 +144,8 @@ class ShardGradReducer:
             return
         self.ready[k][j] = True
         self.pending[k] -= 1
+        if self.sync and self.full is None:
+            self._absorb(k, j)
         if not self.sync:
             # Nothing to reduce, but the group's backward is over: stage 3 may free its parameters.
             self.unreduced = True
@@ -145,6 +155,32 @@ class ShardGradReducer:
         if self.overlap:
             while self.next_launch < len(self.groups) and self.pending[self.next_launch] == 0:
                 self._launch(self.next_launch)
+
+    @torch.no_grad()
+    def _absorb(self, k: int, j: int) -> None:
+        """Stages 2-3, a synchronised backward: copy ``params[j].grad`` (this backward's, plus what ``no_sync``
+        backwards accumulated) into group k's flat gradient and drop it."""
+        group = self.groups[k]
+        flat = self._flat[k]
+        if flat is None:  # (L,) every element written once: by a gradient here or zeroed at launch
+            flat = self._flat[k] = torch.empty(group.layout.total, dtype=self.reduce_dtype, device=self.mesh.device)
+        p, off, n = group.params[j], group.layout.offsets[j], group.layout.numels[j]
+        if p.grad is not None:
+            flat[off:off + n].copy_(p.grad.reshape(-1))
+            p.grad = None
+        else:
+            flat[off:off + n].zero_()
+
+    def _take_flat(self, k: int) -> torch.Tensor:
+        """Group k's flat gradient for its reduction: what ``_absorb`` filled, with zeros where a parameter got
+        no gradient in this backward (unused, or accumulated only under ``no_sync``: then its ``param.grad``)."""
+        group = self.groups[k]
+        for j in range(len(group.params)):
+            if not self.ready[k][j]:
+                self._absorb(k, j)
+        flat, self._flat[k] = self._flat[k], None
+        assert flat is not None
+        return flat
 
     @torch.no_grad()
     def _adopt(self, k: int, j: int) -> None:
@@ -174,11 +210,13 @@ class ShardGradReducer:
             buf = self.full[k]
             flat = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
         else:
-            # (L,) full gradient of the group, zeros where unused; each param.grad dropped once copied (stage 2's
-            # point: no full-size gradient survives its reduction)
-            flat = group.flat_grads(self.reduce_dtype, release=True)
+            # (L,) full gradient of the group, zeros where unused; each param.grad was dropped once copied (stage
+            # 2's point: no full-size gradient survives its reduction)
+            flat = self._take_flat(k)
+        # The flat gradient is ours (stages 2-3) or the full buffer that the shard is written back into (stage 1):
+        # the reduction may work in it (no copy).
         handle = comm.reduce_scatter(flat, self.mesh, self.axis, op="avg", algorithm=self.algorithm,
-                                     async_op=True)
+                                     async_op=True, scratch=self.full is None or flat is not self.full[k])
         assert isinstance(handle, comm.Handle)
         self.handles.append((k, handle))
         # Bound the reductions in flight: each holds its group's full flat gradient (stage 3: a unit) until it
@@ -211,9 +249,12 @@ class ShardGradReducer:
         g = self.groups[k]
         first, self._reduced[k] = not self._reduced[k], True
         held = self._shards[k]
-        if held is not None:
-            # Stages 2-3 add each backward's average (the first one after a step is copied: no zeroing);
-            # stage 1 kept apart replaces it (its full buffer holds the whole local sum).
+        if self._apart[k]:
+            # Stages 2-3 add each backward's average (the first one after a step is copied into a new buffer:
+            # ``shard`` may be a view of the whole flat gradient, which must not stay alive); stage 1 kept apart
+            # replaces it (its full buffer holds the whole local sum).
+            if held is None:
+                held = self._shards[k] = torch.empty(g.hi - g.lo, dtype=self.reduce_dtype, device=shard.device)
             held.copy_(shard) if first or self.full is not None else held.add_(shard)
         else:
             buf = self.full[k]
@@ -232,21 +273,24 @@ class ShardGradReducer:
         reduced since the last ``clear``). Local."""
         g = self.groups[k]
         held = self._shards[k]
-        if held is None:  # stage 1, in the full buffer's slice
+        if not self._apart[k]:  # stage 1, in the full buffer's slice
             return self.full[k][g.lo:g.hi] if self._reduced[k] else self.full[k].new_zeros(g.hi - g.lo)  # type: ignore[index]
-        return held if self._reduced[k] else held.zero_()
+        if held is None or not self._reduced[k]:  # nothing reduced since the last clear: zeros (a new tensor)
+            return torch.zeros(g.hi - g.lo, dtype=self.reduce_dtype, device=self.mesh.device)
+        return held
 
     def held_shards(self) -> list[torch.Tensor]:
-        """The persistent shard buffers apart from the full buffers (for memory reports). Local."""
+        """The shard buffers apart from the full buffers that exist now (for memory reports). Local."""
         return [s for s in self._shards if s is not None]
 
     @torch.no_grad()
     def clear(self) -> None:
-        """Forget every gradient (a step consumed them, or ``zero_grad``): ``param.grad = None`` and nothing
-        is zeroed — the next backward overwrites the buffers. Local."""
+        """Forget every gradient (a step consumed them, or ``zero_grad``): ``param.grad = None``, the shard buffers
+        apart are released and nothing is zeroed — the next backward overwrites the full buffers. Local."""
         for k, g in enumerate(self.groups):
             for p in g.params:
                 p.grad = None
             self._state[k] = [EMPTY] * len(g.params)
+        self._shards = [None] * len(self.groups)  # released: the next backward allocates what it reduces
         self._reduced = [False] * len(self.groups)
         self.unreduced = False
