@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "shardwise"
 
 LAYERS: dict[str, int] = {
-    "mesh": 0, "world": 0, "allocator": 0, "comm": 1, "sbp": 2, "parallel": 3, "checkpoint": 4, "models": 4, "schedules": 4,
+    "mesh": 0, "world": 0, "allocator": -1, "comm": 1, "sbp": 2, "parallel": 3, "checkpoint": 4, "models": 4, "schedules": 4,
     "planner": 5, "data": 5,
     "runtime": 6, "bench": 7, "testing": 7, "cli": 8,
 }
