@@ -236,10 +236,8 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", d
                    algorithm: str = "native", async_op: bool = False,
                    piece_bytes: int = DEFAULT_PIECE_BYTES, scratch: bool = False) -> torch.Tensor | Handle:
     """Reduce ``t`` across ``axis`` and return this rank's shard along ``dim`` (rows per ``shard_sizes``).
-    ``t`` is not modified, unless ``scratch``: then the caller gives ``t`` up (a contiguous tensor it will not
-    read again) and the reduction works in it instead of a copy — no ``t``-sized temporary, which for ZeRO's
-    unit gradients is the difference between one and two unit-sized buffers per reduction in flight (the shard
-    returned may be a view of ``t``). Conjugate of ``all_gather``. Collective."""
+    ``t`` is not modified, unless ``scratch``: the caller gives ``t`` up and the reduction works in it, not in a
+    ``t``-sized copy (the shard may be a view of ``t``). Conjugate of ``all_gather``. Collective."""
     check_algorithm(algorithm, ALGORITHM_CHOICES, "reduce_scatter")
     check_op(op, t.dtype)
     algorithm = resolve_algorithm(algorithm, mesh, axis, "reduce_scatter", t.numel() * t.element_size(), t.dtype)
