@@ -256,8 +256,7 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, *, op: str = "sum", d
         return out.movedim(0, dim) if t.dim() > 0 and dim not in (0, -t.dim()) else out
 
     if algorithm == "shm":  # reads the input in place (a copy only when the caller may change it meanwhile)
-        group = _shm_group(mesh, axis, t)
-        src = x.reshape(-1).clone() if async_op and not scratch else x.reshape(-1)
+        group, src = _shm_group(mesh, axis, t), x.reshape(-1).clone() if async_op and not scratch else x.reshape(-1)
 
         def shm_job() -> torch.Tensor:
             if group is None:
