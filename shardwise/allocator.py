@@ -13,9 +13,10 @@ a 302M GPT under ZeRO-3 over 4 CPU ranks (RESULTS, "Memory").
 ``bound_retention()`` fixes the threshold at ``THRESHOLD_BYTES`` (fixing it also stops the moving) and trims
 the heap top at that size: every tensor of 128 KiB or more gets its own mapping and is returned when freed,
 so the resident set follows the live tensors. The cost is a page fault per 4 KiB page of each new large
-tensor (the kernel zero-fills it), a few per cent of a CPU step; CUDA ranks are unaffected (device memory is
-the caching allocator's). ``sw.init`` calls it on CPU; ``SHARDWISE_MALLOC=keep`` (``env_flag``) leaves glibc's
-defaults. ``retained_bytes()`` says how much free memory the heap holds now (``mallinfo2``), for the ledger.
+tensor (the kernel zero-fills it): 10-25 % of a CPU step where activations are 0.1-1 MiB each (RESULTS,
+"Memory"); CUDA ranks are unaffected (device memory is the caching allocator's). ``sw.init`` calls it on CPU;
+``SHARDWISE_MALLOC=keep`` (``env_flag``) leaves glibc's defaults (speed over memory), ``SHARDWISE_MALLOC=BYTES``
+sets another threshold. ``retained_bytes()`` says how much free memory the heap holds now (``mallinfo2``), for the ledger.
 Nothing here exists on other C libraries (musl, macOS): both functions then do nothing and return 0/False.
 """
 

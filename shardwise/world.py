@@ -82,8 +82,9 @@ def init(*, backend: Backend | None = None, timeout_s: float = 60.0, init_method
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which this machine does not have; use backend='gloo'")
     device = torch.device("cpu")
-    if backend == "gloo" and env_flag("SHARDWISE_MALLOC") != "keep":
-        bound_retention()  # CPU ranks: freed tensors go back to the system (allocator.py)
+    malloc = env_flag("SHARDWISE_MALLOC")
+    if backend == "gloo" and malloc != "keep":  # CPU ranks: freed tensors go back to the system (allocator.py)
+        bound_retention(*([int(malloc)] if malloc.isdigit() else []))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

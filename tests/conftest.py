@@ -25,6 +25,10 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None or sys.dont_write
 # and the oversubscribed OpenMP threads spin against each other (a third of the suite's time on 2 cores). Set
 # before torch is imported here, and inherited by every subprocess; a value given in the environment is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite checks values, not resident memory: its ranks keep glibc's default heap (fast reuse of freed blocks)
+# instead of the bounded retention sw.init sets on CPU ranks (shardwise/allocator.py), which costs a page fault per
+# page of every large tensor. Tests of memory itself set SHARDWISE_MALLOC for their own ranks.
+os.environ.setdefault("SHARDWISE_MALLOC", "keep")
 
 from shardwise.testing.local_world import LocalWorld  # noqa: E402
 
