@@ -74,6 +74,10 @@ def memory_report(model: nn.Module, opt: Any = None) -> dict[str, int]:
         else:
             tensors = _plain_tensors(model, opt)
     counts = storage_bytes({c: tensors[c] for c in CATEGORIES})
+    # sw.zero releases its gradient shards when a step consumes them: its last step's counts, noted just before
+    last = getattr(probe, "last_step_bytes", None)
+    if isinstance(last, dict):
+        counts = {c: max(counts[c], int(last.get(c, 0))) for c in CATEGORIES}
     total = sum(counts.values())
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cuda":

@@ -126,6 +126,7 @@ class ZeroModel(nn.Module):
         self._reducer: ShardGradReducer | None = None
         self._launch_pos: list[int] = []  # group k is the reducer's group _launch_pos[k]
         self._stage3: Stage3Runtime | None = None
+        self.last_step_bytes: dict[str, int] = {}
         if stage == 3:
             self._build_stage3(named, units, prefetch, overlap)
         else:
@@ -280,7 +281,10 @@ class ZeroModel(nn.Module):
         self._zero_grads()
 
     def after_step(self) -> None:
-        """Note the model-state memory peak after an optimizer step."""
+        """Note the model-state memory peak after an optimizer step, and the bytes of the gradient shards while
+        they still exist (``last_step_bytes``: the step releases them next)."""
+        held = self._reducer.held_shards() if self._reducer is not None else []
+        self.last_step_bytes = storage_bytes({"grads": held})
         self._note_peak(self._optimizer)
 
     def memory_tensors(self, opt: ZeroOptimizer | None = None) -> dict[str, list[torch.Tensor]]:
