@@ -68,9 +68,11 @@ class Trainer:
         calibration = mesh_calibrations(p, world.device, world.rank, world.world_size)
         self.mesh = _build_mesh(p, cfg.train.timeout_s, calibration)
         barrier_all()  # every rank started: from here on, the short timeout measures the work, not the start
+        import torch._dynamo  # noqa: F401  (every torch.optim optimizer imports it when built: ~75 MiB resident)
         self.bare_runtime = peak_memory_bytes(world.device)
-        """The process peak before anything is built (torch and shardwise imported, the mesh's process groups
-        made): the summary's baseline."""
+        """The process peak before anything is built (torch and shardwise imported — with ``torch._dynamo``, which
+        building any ``torch.optim`` optimizer imports, so that it counts as runtime, not model — and the mesh's
+        process groups made): the summary's baseline."""
         built = time.perf_counter()
         # a resume's weights come from its checkpoint: model.pretrained (kept in the config: where the run began)
         # is not read again
