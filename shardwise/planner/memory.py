@@ -50,9 +50,22 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: int) -> StateBytes:
-    """Bytes of parameters, gradients and AdamW state for ``n_params`` elements on one rank of ``dp``."""
-    p, g, o = _PER_ELEMENT[precision]
+_STATE = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
+"""Optimizer-state bytes per fp32 parameter element (``Layout.optimizer``); ``bf16-mixed`` adds its 4-byte master."""
+
+
+def optimizer_bytes_per_element(precision: str, optimizer: str = "adamw") -> int:
+    """Bytes of optimizer state per parameter element: the moments of ``optimizer`` plus, with ``bf16-mixed``, the
+    fp32 master copy (AdamW: 8 in fp32 and bf16 autocast, 12 in bf16-mixed — the ZeRO paper's K)."""
+    return _STATE[optimizer] + (4 if precision == "bf16-mixed" else 0)
+
+
+def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: int,
+                      optimizer: str = "adamw") -> StateBytes:
+    """Bytes of parameters, gradients and optimizer state (AdamW unless ``optimizer`` says otherwise) for
+    ``n_params`` elements on one rank of ``dp``."""
+    p, g, _ = _PER_ELEMENT[precision]
+    o = optimizer_bytes_per_element(precision, optimizer)
     return StateBytes(params=p * n_params / (dp if zero_stage >= 3 else 1),
                       grads=g * n_params / (dp if zero_stage >= 2 else 1),
                       optimizer=o * n_params / (dp if zero_stage >= 1 else 1))
@@ -116,11 +129,13 @@ class MemoryBreakdown:
     construction: float = 0.0
     """Peak while the model is built and loaded, before training (``construction_bytes``): the kept parameters
     plus the one full tensor in flight."""
+    apart: float = 0.0
+    """Bytes of the gradient and activation terms that are never live at once (``_apart``): subtracted."""
 
     @property
     def training(self) -> float:
-        """The training peak: the sum of the five terms."""
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        """The training peak: the sum of the five terms, less what of them is never live at once (``apart``)."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers - self.apart
 
     @property
     def total(self) -> float:
@@ -143,7 +158,7 @@ class MemoryBreakdown:
     def to_json(self) -> dict[str, float | int | str | bool]:
         return {"total_bytes": self.total, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
-                "training_bytes": self.training, "construction": self.construction,
+                "training_bytes": self.training, "construction": self.construction, "apart": self.apart,
                 "capacity_bytes": self.capacity, "largest": self.largest, "pipeline_rank": self.rank}
 
 
@@ -157,26 +172,45 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     n, per_chunk, transient, biggest, loss, whole, split, experts = parts or rank_parts(layers, chunk_layers, plan)
     # ZeRO shards over every rank that holds the same parameters: dp × cp (``Layout.zero_group``); a rank's
     # routed experts over the dp × cp / ep ranks that hold the same experts (``Layout.expert_group``)
-    states = model_state_bytes(n - experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group)
+    states = model_state_bytes(n - experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group,
+                               optimizer=plan.optimizer)
     if experts:
-        own = model_state_bytes(experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.expert_group)
+        own = model_state_bytes(experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.expert_group,
+                                optimizer=plan.optimizer)
         states = StateBytes(params=states.params + own.params, grads=states.grads + own.grads,
                             optimizer=states.optimizer + own.optimizer)
     # ZeRO-3 reads its flat ranges straight from the sources (no full tensor in flight); tensor parallelism reads
-    # a row-split matrix whole before slicing it. ZeRO allocates its gradient buffers while it is built (stage 1:
-    # full buffers; 2-3: the shards), so they count too.
+    # a row-split matrix whole before slicing it.
     sliced = 0.0 if plan.zero_stage >= 3 and plan.zero_group > 1 else split
-    kept = states.params + (states.grads if plan.zero_stage >= 1 else 0.0)
+    # Persistent gradient buffers exist from the start (ZeRO-1's, data parallelism's buckets); ZeRO-2/3 allocate
+    # their shards in the first backward
+    persistent = plan.zero_stage == 1 or (plan.zero_stage == 0 and plan.zero_group > 1 and plan.pp == 1)
+    kept = states.params + (states.grads if persistent else 0.0)
     construction = construction_bytes(kept, in_flight=sliced, precision=plan.precision)
     activations = in_flight * per_chunk + transient
-    buffers = min(bucket_cap, n * _PER_ELEMENT[plan.precision][1])  # buckets hold at most all the gradients
+    grad_bytes = _PER_ELEMENT[plan.precision][1]
+    buffers = min(bucket_cap, n * grad_bytes)  # buckets hold at most all the gradients
     if plan.precision == "bf16":
         buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
     if plan.zero_stage == 3:
-        buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)  # current + prefetched unit
+        # the current and the prefetched unit's parameters, and two units' flat gradients: the one filling and the
+        # one whose reduce-scatter is in flight (parallel/zero/grads.py, MAX_IN_FLIGHT = 1)
+        buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4) + 2 * biggest * grad_bytes
+    elif plan.zero_stage == 2:
+        buffers += min(bucket_cap, n * grad_bytes)  # the bucket filling besides the one in flight
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank,
-                           construction=construction)
+                           construction=construction, apart=_apart(plan, activations, states.grads))
+
+
+def _apart(plan: Layout, activations: float, grads: float) -> float:
+    """Bytes of gradients and activations never live at once. Where the gradients are allocated in backward and
+    released by the step — ZeRO-2/3 (shards) and a rank without data-parallel buckets (``param.grad`` from
+    autograd) — backward frees the activations as it produces the gradients, so the two peak at opposite ends
+    of it and only the larger counts. Persistent gradient buffers (data parallelism's buckets, ZeRO-1) and a
+    pipeline (gradients accumulate while other micro-batches' activations wait) hold both."""
+    released = plan.zero_stage >= 2 or (plan.zero_stage == 0 and plan.zero_group == 1)
+    return min(activations, grads) if released and plan.pp == 1 else 0.0
 
 
 RankParts = tuple[float, float, float, float, float, float, float, float]

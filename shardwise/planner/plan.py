@@ -18,6 +18,9 @@ __all__ = ["Layout", "Plan", "SCHEDULES", "CHECKPOINTING", "PRECISIONS"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 CHECKPOINTING = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+OPTIMIZERS = ("adamw", "sgd-momentum", "sgd")
+"""What the optimizer keeps per parameter element: AdamW two moments, SGD with momentum one buffer, plain SGD
+nothing (``planner/memory.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +63,9 @@ class Layout:
     precision: str = "fp32"
     """``fp32``; ``bf16``: autocast over fp32 weights (what ``shardwise train`` runs); ``bf16-mixed``: bf16
     weights and gradients with fp32 master copies in the optimizer (ZeRO/Megatron accounting 2 + 2 + 12)."""
+    optimizer: str = "adamw"
+    """The optimizer's state per parameter (``OPTIMIZERS``): ``adamw`` (8 bytes in fp32), ``sgd-momentum`` (4),
+    ``sgd`` (none); the fp32 master copy of ``bf16-mixed`` comes on top of each."""
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_split, str):
@@ -86,7 +92,7 @@ class Layout:
         if self.activation_checkpointing is True or self.activation_checkpointing is False:
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         for name, allowed in (("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
-                              ("precision", PRECISIONS)):
+                              ("precision", PRECISIONS), ("optimizer", OPTIMIZERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Layout.{name} = {getattr(self, name)!r} is not one of {list(allowed)}")
         if self.zero_stage not in (0, 1, 2, 3):

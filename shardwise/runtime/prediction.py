@@ -36,7 +36,8 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     """The ``Layout`` of a validated config (``validate``: ``nproc`` and ``dp`` resolved).
 
     Field by field: ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` (``parallel.ep``, 1 where the config has none),
-    ``zero_stage`` as they are; ``activation_checkpointing`` true →
+    ``zero_stage`` as they are; ``optimizer`` from ``optimizer.name`` (SGD with ``beta1`` > 0 keeps a momentum
+    buffer); ``activation_checkpointing`` true →
     ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
     (bf16 autocast over fp32 weights); ``sequence_parallel`` and ``async_tp`` as they are.
 
@@ -62,7 +63,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
         dp=dp, cp=p.cp, tp=p.tp, pp=p.pp, ep=getattr(p, "ep", 1), zero_stage=p.zero_stage, grad_accum=p.grad_accum,
         activation_checkpointing="full" if p.activation_checkpointing else "none",
         sequence_parallel=p.sequence_parallel, async_tp=p.async_tp,
-        precision=_PRECISION.get(cfg.train.precision, cfg.train.precision),
+        precision=_PRECISION.get(cfg.train.precision, cfg.train.precision), optimizer=_optimizer(cfg),
         schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1,
         pp_split=planner_split_names(cfg.model, tuple(p.pp_split)) if p.pp > 1 else ())
     if p.pp == 1:
@@ -82,6 +83,14 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
         for ours, theirs in _KEYS:
             text = text.replace(ours, theirs)
         raise ValueError(text) from None
+
+
+def _optimizer(cfg: Config) -> str:
+    """``Layout.optimizer`` of the config: AdamW, or SGD with (``optimizer.beta1`` > 0: the momentum) or without a
+    momentum buffer."""
+    if cfg.optimizer.name == "sgd":
+        return "sgd-momentum" if cfg.optimizer.beta1 > 0 else "sgd"
+    return "adamw"
 
 
 def local_calibration(device: str, nproc: int) -> Path | None:
