@@ -1,0 +1,132 @@
+"""The memory floor of a layout: per rank, the bytes its math needs and nothing the implementation adds.
+
+Terms (bytes on one rank; Ψ = the rank's local parameter elements after tensor and pipeline parallelism,
+``d`` = the ZeRO group, dp × cp):
+
+=============  =====================================================================================================
+``params``     p·Ψ, divided by d under ZeRO-3 (p = 4, or 2 in bf16-mixed: ``planner/memory.py``'s table)
+``grads``      g·Ψ, divided by d under ZeRO-2/3 (g as p)
+``optimizer``  (state + master)·Ψ, divided by d under ZeRO ≥ 1: state 0 (SGD), 4 (SGD with momentum), 8 (AdamW);
+               master 4 in bf16-mixed
+``gathered``   ZeRO-3 only: the current and the prefetched unit, 2 × the largest unit's Ψ in the compute dtype
+               (a tied embedding is one unit, held while it is used, so it is at most that largest unit)
+``activations`` what the schedule keeps for backward: in-flight micro-batches × one chunk's saved bytes (the
+               planner's per-layer model, with the layout's recomputation), plus one layer's recomputed set
+``logits``     the fp32 logits of one micro-batch (the loss's input and its gradient)
+``comm``       communication buffers the code holds besides the above: ZeRO-2, the bucket filling and
+               ``MAX_IN_FLIGHT`` buckets reducing; ZeRO-3, the same count of units' flat gradients; a pipeline,
+               one activation message received and one sent (data parallelism's buckets *are* the gradients)
+=============  =====================================================================================================
+
+``apart``: where gradients are allocated in backward and freed by the step, they and the activations peak at
+opposite ends of backward (``planner/memory.py``'s ``_apart``): the smaller is subtracted from the total.
+Pure: plain numbers from the planner's layer tables; nothing runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .context import local_spec
+from .hardware import PRESETS, Hardware
+from .layers import Layer
+from .compute import act_bytes
+from .memory import _PER_ELEMENT, _apart, model_state_bytes, rank_parts
+from .plan import Layout
+from .spec import ModelSpec
+
+__all__ = ["Floor", "rank_floor", "layout_floor", "MAX_IN_FLIGHT", "TERMS"]
+
+MAX_IN_FLIGHT = 1
+"""Reductions a ZeRO-2/3 backward keeps outstanding besides the group filling (``parallel/zero/grads.py``'s
+constant of the same name; a unit test holds them equal)."""
+
+TERMS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "comm")
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The floor of one pipeline rank, by term (bytes; see module docstring)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+    logits: float
+    comm: float
+    apart: float = 0.0
+    rank: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in TERMS) - self.apart
+
+    @property
+    def largest(self) -> str:
+        """The name of the largest term."""
+        return max(TERMS, key=lambda k: getattr(self, k))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in TERMS}, "apart": self.apart, "total": self.total,
+                "largest": self.largest, "pipeline_rank": self.rank}
+
+
+def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Layout, *,
+               bucket_bytes: float = 25 * 2**20, boundary: float = 0.0, rank: int = 0) -> Floor:
+    """The floor of one pipeline rank holding ``layers`` (its chunks' in ``chunk_layers``) with ``in_flight``
+    chunk activation sets kept at the peak (the schedule simulator's count). ``bucket_bytes``: ZeRO-2's bucket
+    cap; ``boundary``: bytes of one activation message between stages (0 without a pipeline)."""
+    n, per_chunk, transient, biggest, loss, _, _, experts = rank_parts(layers, chunk_layers, plan)
+    states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group,
+                               optimizer=plan.optimizer)
+    if experts and plan.expert_group != plan.zero_group:  # routed experts shard over their own group
+        own = model_state_bytes(experts, precision=plan.precision, zero_stage=plan.zero_stage,
+                                dp=plan.expert_group, optimizer=plan.optimizer)
+        dense = model_state_bytes(n - experts, precision=plan.precision, zero_stage=plan.zero_stage,
+                                  dp=plan.zero_group, optimizer=plan.optimizer)
+        states = type(states)(dense.params + own.params, dense.grads + own.grads, dense.optimizer + own.optimizer)
+    p_bytes, g_bytes, _ = _PER_ELEMENT[plan.precision]
+    sharded = plan.zero_group > 1
+    gathered = 2 * biggest * p_bytes if plan.zero_stage >= 3 and sharded else 0.0
+    comm = 0.0
+    if plan.zero_stage == 2 and sharded:
+        comm = (1 + MAX_IN_FLIGHT) * min(bucket_bytes, n * g_bytes)
+    elif plan.zero_stage >= 3 and sharded:
+        comm = (1 + MAX_IN_FLIGHT) * biggest * g_bytes
+    if plan.pp > 1:
+        comm += 2 * boundary
+    activations = in_flight * per_chunk + transient
+    return Floor(params=states.params, grads=states.grads, optimizer=states.optimizer, gathered=gathered,
+                 activations=activations, logits=loss, comm=comm, apart=_apart(plan, activations, states.grads),
+                 rank=rank)
+
+
+def layout_floor(spec: ModelSpec, plan: Layout, *, global_batch: int, hardware: Hardware | None = None,
+                 bucket_bytes: float = 25 * 2**20) -> list[Floor]:
+    """The floor of every pipeline rank of ``plan`` (one entry without a pipeline). The schedule's in-flight
+    micro-batches come from the planner's simulator on ``hardware`` (default: a preset; the count depends on the
+    schedule, barely on the speeds). ``ValueError`` as ``predict`` when the plan does not fit the model."""
+    from .predict import _check, _flush, _hardware_for, layer_costs, stages_of  # the planner's own steps
+
+    hw = hardware or PRESETS["h100-80g-sxm"]
+    plan = plan.resolved(global_batch)
+    _check(spec, plan, hw)
+    spec = local_spec(spec, plan, None)
+    hw = _hardware_for(hw, plan.devices, None)
+    stages = stages_of(spec, plan)
+    per_layer = layer_costs(spec, plan, hw)
+    starts = [sum(len(st) for st in stages[:i]) for i in range(len(stages))]
+    costs = [per_layer[a:a + len(st)] for a, st in zip(starts, stages)]
+    in_flight = _flush(plan, costs, stages, hw, blocking=False, cache=None).in_flight if plan.pp > 1 else [1]
+    ranks = [[s for s in range(len(stages)) if s % plan.pp == r] for r in range(plan.pp)]
+    boundary = plan.micro_batch * spec.seq_len * spec.hidden * act_bytes(plan) / (plan.tp if plan.sequence_parallel else 1)
+    out = []
+    for r, owned in enumerate(ranks):
+        chunk_layers = [stages[s] for s in owned]
+        layers = [layer for chunk in chunk_layers for layer in chunk]
+        out.append(rank_floor(layers, chunk_layers, int(in_flight[r]), plan, bucket_bytes=bucket_bytes,
+                              boundary=boundary, rank=r))
+    return out
+
