@@ -121,3 +121,7 @@ def test_stage3_keeps_few_units_gathered(worlds):
         # the rest unit, the unit in use and the one being prefetched: never the whole model
         assert res["max_resident"] == 3, res
         assert res["after_backward"] == 0, res  # everything freed when backward ends
+        # gradients: each parameter's copied into its unit's flat and dropped at once; one unit filling and one
+        # reducing at most; the averaged shards live from backward to the step, which releases them
+        assert res["grads_left"] == 0 and res["max_flats"] <= 2 and res["in_flight"] == 1, res
+        assert res["shards_after_backward"] == 5 and res["shards_after_step"] == 0, res

@@ -368,9 +368,21 @@ def check_stage3_residency() -> dict[str, Any]:
         original_start(k)
         resident()
     runtime.ensure, runtime.start = ensure, start  # type: ignore[method-assign]
+    reducer = model._reducer
+    flats: list[int] = []  # unit-sized flat gradients alive at each launch: filling + reducing
+    original_launch = reducer._launch
+
+    def launch(k: int) -> None:
+        original_launch(k)
+        flats.append(sum(f is not None for f in reducer._flat) + len(reducer.handles))
+    reducer._launch = launch  # type: ignore[method-assign]
     x, y = (_local(t, m) for t in batch("gpt", 0))
     loss_of("gpt", model, x, y).backward()
     after_backward = sum(g.gathered for g in model.groups)
+    grads_left = sum(p.grad is not None for p in model.module.parameters())
+    shards = len(reducer.held_shards())
     optim.step()
     return {"max_resident": max(seen), "calls": calls["ensure"], "groups": len(model.groups),
-            "after_backward": after_backward}
+            "after_backward": after_backward, "max_flats": max(flats), "grads_left": grads_left,
+            "shards_after_backward": shards, "shards_after_step": len(reducer.held_shards()),
+            "in_flight": reducer.peak_in_flight}
