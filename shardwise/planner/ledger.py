@@ -36,13 +36,16 @@ from .memory import _PER_ELEMENT, _apart, model_state_bytes, rank_parts
 from .plan import Layout
 from .spec import ModelSpec
 
-__all__ = ["Floor", "rank_floor", "layout_floor", "MAX_IN_FLIGHT", "TERMS"]
+__all__ = ["Floor", "rank_floor", "layout_floor", "phase_floors", "MAX_IN_FLIGHT", "TERMS", "PHASES"]
 
 MAX_IN_FLIGHT = 1
 """Reductions a ZeRO-2/3 backward keeps outstanding besides the group filling (``parallel/zero/grads.py``'s
 constant of the same name; a unit test holds them equal)."""
 
 TERMS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "comm")
+PHASES = ("construction", "forward", "backward", "forward+backward", "step", "save", "eval")
+"""The phases of a run the ledger measures (``runtime/memory_ledger.py``); a pipeline's interleaved forward and
+backward passes are one phase, ``forward+backward``."""
 
 
 @dataclass(frozen=True)
@@ -130,3 +133,23 @@ def layout_floor(spec: ModelSpec, plan: Layout, *, global_batch: int, hardware: 
                               boundary=boundary, rank=r))
     return out
 
+
+
+def persistent_grads(plan: Layout) -> bool:
+    """Whether the rank's gradients live in buffers that persist between steps (data parallelism's buckets,
+    ZeRO-1's flat groups), rather than being allocated in backward and freed by the step."""
+    return plan.zero_stage == 1 or (plan.zero_stage == 0 and plan.zero_group > 1 and plan.pp == 1)
+
+
+def phase_floors(floor: Floor, plan: Layout) -> dict[str, float]:
+    """The floor of each phase (``PHASES``), from the terms live in it: construction holds the parameters (and
+    persistent gradient buffers); forward adds the optimizer state, the gathered units and the activations;
+    backward and a pipeline's forward+backward hold the whole floor; the step holds the model states; a save
+    and an evaluation the model states less released gradients (an evaluation: one micro-batch's logits)."""
+    kept = floor.grads if persistent_grads(plan) else 0.0
+    states = floor.params + kept + floor.optimizer
+    return {"construction": floor.params + kept,
+            "forward": states + floor.gathered + floor.activations + floor.logits,
+            "backward": floor.total, "forward+backward": floor.total,
+            "step": floor.params + floor.grads + floor.optimizer,
+            "save": states, "eval": states + floor.gathered + floor.logits}

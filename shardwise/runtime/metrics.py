@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import torch
 
 from ..planner.units import format_bytes  # re-exported: the one binary-unit formatter of every printed size
+from .ledger_report import ledger_row
 
 __all__ = ["MetricsWriter", "ProgressReporter", "flops_per_token", "peak_flops", "peak_memory_bytes",
            "resident_peak_bytes", "read_metrics", "append_record", "summary_record", "format_bytes"]
@@ -214,6 +215,7 @@ def summary_record(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = 
             "bare_runtime_bytes": [r.get("bare_runtime_bytes") for r in ranks],
             "measured_construction_peak_bytes": [r.get("construction_peak_bytes") for r in ranks],
             "construction_s": [r.get("construction_s") for r in ranks],
+            "memory_ledger": [r.get("memory_ledger") for r in ranks],  # per rank (runtime/memory_ledger.py)
             "pretrained_bytes_read": [r.get("pretrained_bytes_read") for r in ranks],
             "final_val_loss": head.get("val_loss"), "eval_s": head.get("eval_s"),
             **({"compile_s": [r.get("compile_s") for r in ranks], "recompiles": [r.get("recompiles") for r in ranks]}
@@ -307,7 +309,7 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
                  ("checkpoint", str(head["checkpoint"])), ("metrics", str(run_dir / "metrics.jsonl"))):
         table.add_row(k, v)
     record = summary_record(cfg, run_dir, prediction)
-    for k, v in _comparison_rows(record or {}):
+    for k, v in _comparison_rows(record or {}) + [row for row in [ledger_row(ranks)] if row is not None]:
         table.add_row(k, v)
     if "compile_s" in head:  # train.compile: what compiling cost, and whether anything recompiled
         table.add_row("torch.compile", compile_row(head))

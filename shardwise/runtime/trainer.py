@@ -46,6 +46,7 @@ from ..world import World, barrier_all, bind_to_launcher, exit_process, init, in
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, model_mismatch
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
+from .memory_ledger import PhaseMeter, activation_peak, fullest, ledger, rank_floor_of, strategy_memory
 from .step_support import MoESteps, build_mesh as _build_mesh, lr_at, peer_hint, synchronizer  # tests patch _build_mesh
 from .host_overlap import PendingStep, can_defer, finish_deferred, read
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
@@ -73,6 +74,7 @@ class Trainer:
         """The process peak before anything is built (torch and shardwise imported — with ``torch._dynamo``, which
         building any ``torch.optim`` optimizer imports, so that it counts as runtime, not model — and the mesh's
         process groups made): the summary's baseline."""
+        self.meter = PhaseMeter(world.device, begin="construction")  # the ledger's peak per phase (memory_ledger.py)
         built = time.perf_counter()
         # a resume's weights come from its checkpoint: model.pretrained (kept in the config: where the run began)
         # is not read again
@@ -81,7 +83,9 @@ class Trainer:
         self.split = context_split(cfg, self.strategy.plain)  # parallel.cp > 1: ring attention, sequence chunks
         self.construction_s = time.perf_counter() - built
         """Seconds building the layout: materialising this rank's pieces (drawn, or read from model.pretrained)."""
-        self.construction_peak = peak_memory_bytes(self.mesh.device)
+        self.construction_peak = self.meter.close()
+        if hasattr(self.strategy, "phase"):  # passes that mark their own forward and backward (strategy/plain.py)
+            self.strategy.phase = self.meter.begin  # type: ignore[attr-defined]
         """The process peak once the layout is built, before the first step (construction and loading)."""
         data = open_data(cfg)  # memory maps of a prepared dataset; small files and the generated corpus in memory
         dp_size, dp_rank = self.strategy.data_shard()  # a pipeline loads all of dp's sequences: not sharded
@@ -164,15 +168,18 @@ class Trainer:
         # a Python hook per saved tensor (which would cost host time the GPU waits for at small micro-batches)
         late: dict[str, Any] = {"marks_out": []} if defer else {}  # the passes' timing marks, read with the step
         self.moe.before(len(batches))
+        if not hasattr(self.strategy, "phase"):  # a pipeline interleaves forward and backward: one phase
+            self.meter.begin("forward+backward")
         with self.activations if self.mesh.device.type != "cuda" else nullcontext():
             loss_sum = self.strategy.passes(batches, t, sync, poison=poison, loss_fn=self.token_loss, **late)
         self.moe.synced()  # expert pieces' gradients (before the guard and clipping read them)
+        self.meter.begin("step")  # clipping, the optimizer step, zero_grad
         t0 = time.perf_counter()
         if cfg.debug.bug == "sum_grads":
             self.strategy.scale_param_grads(self.mesh.size("dp"))  # injected bug: the sum over dp (× cp), not the mean
         if defer:
             return finish_deferred(self.strategy, self.mesh, loss_sum, self.strategy.grads(), step=self.step, lr=lr,
-                                   t=t, marks=late["marks_out"])
+                                   t=t, marks=late["marks_out"])  # the next phase's begin closes "step"
         local_loss = loss_sum if isinstance(loss_sum, torch.Tensor) else torch.tensor(loss_sum, device=self.mesh.device)
         self.grad_norm = float("nan")  # the step's norm before clipping (logged with clipping on; NaN: skipped)
         if self._finite(local_loss):  # collective: every rank takes the same branch
@@ -181,12 +188,13 @@ class Trainer:
                 self.grad_norm = self.strategy.clip_grad_norm(cfg.optimizer.clip_grad_norm)
             self.optimizer.step()
             if self.memory is None:  # the first step: parameters, gradients and optimizer state all live
-                self.memory = self._memory()
+                self.memory = strategy_memory(self.strategy)
         else:
             self._skip(local_loss)  # raises NonFiniteError unless train.nonfinite = skip allows this one
         self.moe.after(not self.last_skipped)  # MoE: bias update and routing statistics (collective over dp)
         self.optimizer.zero_grad(set_to_none=True)
         sync()
+        self.meter.end()
         t1 = time.perf_counter()
         value = self.strategy.mean_loss(loss_sum)  # collective over dp (a pipeline's loss is already the mean)
         t2 = time.perf_counter()
@@ -225,6 +233,7 @@ class Trainer:
 
     def save(self) -> Path:
         """Atomic sharded checkpoint of the current step. Collective over the whole mesh."""
+        self.meter.begin("save")
         state: dict[str, Any] = {"step": self.step, "data": self.data.state_dict(), "config": self.cfg.to_dict(),
                                  "aliases": tied_aliases(self.plain)}
         hf = hf_of(self.cfg.model)
@@ -236,7 +245,7 @@ class Trainer:
         self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,
                                          rank_state=rank_state, keep=self.cfg.train.keep_checkpoints,
                                          crash_before_rename=self.cfg.debug.crash_in_save == self.step)
-        return self.last_ckpt
+        return self.last_ckpt  # the next phase's begin (or the ledger) closes "save"
 
     def run(self, *, save: bool = True) -> dict[str, Any]:
         """Train from ``self.step`` to ``train.steps``; checkpoints every ``ckpt_every`` and at the end."""
@@ -278,6 +287,7 @@ class Trainer:
     def _evaluate(self, writer: MetricsWriter | None, progress: ProgressReporter | None) -> None:
         """A validation pass (``validation.py``), written to the metrics and the progress line. Collective."""
         assert self.val is not None
+        self.meter.begin("eval")
         record = evaluate(self.strategy, self.plain, self.val, self.step)
         self.evals.append(record)
         if writer is not None and progress is not None:
@@ -317,13 +327,6 @@ class Trainer:
                 **({"grad_norm": self.grad_norm} if self.cfg.optimizer.clip_grad_norm > 0 else {}),
                 **({"host_wait_s": t["host_wait"]} if "host_wait" in t else {})}
 
-    def _memory(self) -> dict[str, int]:
-        """``Strategy.memory`` (local); a report that fails must not fail the run: then empty."""
-        try:
-            return {k: int(v) for k, v in self.strategy.memory().items()}
-        except Exception:  # noqa: BLE001 - a measurement only
-            return {}
-
     def _summary(self, loss: float, timings: list[dict[str, float]], steps: int, wall: float) -> dict[str, Any]:
         # Medians over the steps after the first two (allocator warm-up, bucket rebuild): robust to the
         # pauses of a shared machine, which a mean would charge to the framework.
@@ -331,11 +334,12 @@ class Trainer:
         step_s = statistics.median(t["step"] for t in steady) if steady else 0.0
         outside = [t["step"] - t["fwd"] - t["bwd"] - t["opt"] - t["comm"] for t in steady]
         overhead = statistics.median(outside) if outside else 0.0
-        memory = _fullest(self.memory or {}, self._memory())  # the strategy's report: model states and peak
+        # the strategy's report: model states and peak (on CUDA the run's: the meter resets the allocator's mark)
+        memory = fullest(self.memory or {}, strategy_memory(self.strategy), self.meter)
         return {"rank": self.world.rank, "final_loss": loss, "steps": steps, "wall_s": wall,
                 "tokens_per_s": self.tokens_per_step / step_s if step_s else 0.0,
                 "wall_tokens_per_s": steps * self.tokens_per_step / wall if wall else 0.0,
-                "step_s": step_s, "overhead_s": overhead, "peak_memory": peak_memory_bytes(self.mesh.device),
+                "step_s": step_s, "overhead_s": overhead, "peak_memory": self.meter.whole_peak(),
                 "device": str(self.mesh.device), "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                 "skipped_steps": self.skipped, "memory": memory, "bare_runtime_bytes": self.bare_runtime,
                 "construction_peak_bytes": self.construction_peak, "construction_s": self.construction_s,
@@ -343,20 +347,10 @@ class Trainer:
                 "val_loss": self.evals[-1]["val_loss"] if self.evals else None,
                 "eval_s": statistics.median(e["eval_s"] for e in self.evals) if self.evals else None,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
-                "activation_peak_bytes": self._activation_peak(memory),
+                "activation_peak_bytes": activation_peak(self.meter, memory, self.activations.peak),
+                "memory_ledger": ledger(self.meter, self.bare_runtime, rank_floor_of(self.cfg, self.mesh.coord("pp")
+                                        if self.cfg.parallel.pp > 1 else 0), self.activations.peak),
                 **self.strategy.compiled.summary(timings[0]["step"] if timings else None, step_s)}
-
-    def _activation_peak(self, memory: dict[str, int]) -> int:
-        """Saved-tensor high-water mark (CPU); on a GPU the allocator's peak beyond the model states."""
-        if self.mesh.device.type != "cuda":
-            return self.activations.peak
-        states = sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))
-        return max(0, peak_memory_bytes(self.mesh.device) - states)
-
-
-def _fullest(first: dict[str, int], last: dict[str, int]) -> dict[str, int]:
-    """Two memory reports merged: the first step's categories (gradients were live then), the higher peak."""
-    return {**last, **first, "peak": max(first.get("peak", 0), last.get("peak", 0))} if first or last else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

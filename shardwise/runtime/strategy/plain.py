@@ -44,7 +44,8 @@ def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
 
 def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: Callable[[], None],
                device: torch.device, autocast: torch.dtype | None = None,
-               marks_out: list[tuple[Any, Any, Any]] | None = None) -> torch.Tensor:
+               marks_out: list[tuple[Any, Any, Any]] | None = None,
+               phase: Callable[[str], None] | None = None) -> torch.Tensor:
     """``len(batches)`` forward/backward passes, each loss scaled by ``1/len(batches)``; gradient sync on the
     last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). ``autocast``: forward and
     loss under ``torch.autocast`` in that dtype (``train.precision``; backward outside it, as autograd wants).
@@ -55,16 +56,21 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
     phases would stop the host from queueing the next kernels while the GPU works: it made a 124M GPT's step
     on an H200 24 % longer at one micro-batch and 81 % longer at eight (benchmarks/RESULTS.md, "On one GPU").
     ``marks_out``: no wait at all — the marks go there, ``t`` is left alone, and the caller turns them into
-    times once the step's work is done (``host_overlap.py``: the step read one step late)."""
+    times once the step's work is done (``host_overlap.py``: the step read one step late). ``phase``: called with
+    ``"forward"`` and ``"backward"`` as each begins (the memory ledger's phase meter, ``runtime/memory_ledger.py``)."""
     loss_sum = torch.zeros((), device=device)
     marks: list[tuple[Any, Any, Any]] = []  # (before forward, after forward, after backward) per pass
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         with model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext():
             m0 = _mark(device, sync)
+            if phase is not None:
+                phase("forward")
             with compute_autocast(device, autocast):
                 loss = loss_fn(model(x), y) / len(batches)
             m1 = _mark(device, sync)
+            if phase is not None:
+                phase("backward")
             loss.backward()
             marks.append((m0, m1, _mark(device, sync)))
         loss_sum += loss.detach()
@@ -114,6 +120,8 @@ class DataParallelSteps:
     """The cross-entropy summed over counted targets (``base.summed_loss``): validation and loss-masked data."""
     autocast: torch.dtype | None = None
     """``train.precision``'s autocast dtype (None: fp32); set by the subclass from the config."""
+    phase: Callable[[str], None] | None = None
+    """Called as each pass's forward and backward begin (the trainer's memory ledger); None: nothing."""
 
     def data_shard(self) -> tuple[int, int]:
         return self.mesh.size("dp"), self.mesh.coord("dp")
@@ -122,7 +130,7 @@ class DataParallelSteps:
                loss_fn: LossFn | None = None, marks_out: list[tuple[Any, Any, Any]] | None = None) -> torch.Tensor:
         loss = loss_fn or self.loss_fn
         return accumulate(self.model, poisoned(loss) if poison else loss, batches, t, sync, self.mesh.device,
-                          self.autocast, marks_out)
+                          self.autocast, marks_out, self.phase)
 
     def eval_sums(self, batches: Batches) -> tuple[float, int]:
         """Forward only over this rank's shard of the validation batches: ``(Σ cross-entropy, counted targets)``

@@ -1,0 +1,240 @@
+"""The measured side of the memory ledger: a peak per phase of the run, next to the layout's floor.
+
+``PhaseMeter`` resets the high-water mark when a phase begins and reads it when the phase ends: on CPU ranks
+the resident set's ``VmHWM`` (``/proc/self/status``), reset by writing ``5`` to ``/proc/self/clear_refs``; on
+CUDA the caching allocator's ``max_memory_allocated``, reset by ``reset_peak_memory_stats``; where neither
+resets (no ``/proc``), one whole-run peak and no phases. Each reset first folds the mark it clears into the
+whole-run peak, so the run's peak stays what ``peak_memory_bytes`` reported before phases existed. Cost: a
+file read and a write per phase on a CPU (tens of microseconds), two allocator calls on CUDA; no tensor hooks.
+
+Allocator slack (CPU): the bytes glibc holds free inside its arenas (``mallinfo2().fordblks``), read at the end
+of each phase — memory the process freed that stays in its resident set (until glibc trims it); None on
+allocators without ``mallinfo2`` (musl, macOS).
+
+``ledger`` turns a meter, the floor (``planner/ledger.py``) and the bare runtime into the rank's
+``memory_ledger`` JSON: per phase the peak above the bare runtime, its floor and what exceeds it, named.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import sys
+from typing import Any
+
+import torch
+
+
+__all__ = ["PhaseMeter", "allocator_slack", "ledger", "rank_floor_of", "fullest", "strategy_memory",
+           "activation_peak"]
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+EXCESS_NAMES = {"construction": "construction temporaries (a full tensor being sliced)",
+                "forward": "forward temporaries (gathered units, casts, messages)",
+                "backward": "gradient buffers and backward temporaries",
+                "forward+backward": "pipeline buffers and gradients",
+                "step": "optimizer temporaries", "save": "the save's gather", "eval": "evaluation temporaries"}
+"""What a phase's excess over its floor is, once allocator slack and activations above the model are named."""
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2() -> Any:
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def allocator_slack() -> int | None:
+    """Bytes glibc's malloc holds free in its arenas now (``mallinfo2().fordblks``); None where unavailable."""
+    return int(_MALLINFO2().fordblks) if _MALLINFO2 is not None else None
+
+
+def _vm_hwm() -> int:
+    """``VmHWM`` of ``/proc/self/status`` in bytes (``metrics.resident_peak_bytes`` without its fallback: this
+    module only reads it where ``/proc`` exists)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _proc() -> bool:
+    try:
+        return _vm_hwm() > 0
+    except OSError:
+        return False
+
+
+def _can_clear() -> bool:
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PhaseMeter:
+    """Per-phase peaks of this process (see module docstring). ``begin(phase)`` ends the open phase and starts
+    ``phase``; ``end()`` closes it. A phase met again (every step's forward) keeps its highest peak. Local."""
+
+    def __init__(self, device: torch.device, *, begin: str | None = None) -> None:
+        self.device = device
+        self.mode = "cuda" if device.type == "cuda" else ("rss" if _can_clear() else "whole")
+        self._fallback = device.type != "cuda" and not _proc()
+        self.peaks: dict[str, int] = {}
+        self.slack: dict[str, int] = {}
+        self.rise: dict[str, int] = {}
+        """Per phase the most it grew above what the process held when it began (peak - start)."""
+        self._start = 0
+        self.whole = self._read()
+        self.current: str | None = None
+        if begin is not None:
+            self.begin(begin)
+
+    def _read(self) -> int:
+        if self.mode == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self._fallback:  # no /proc: getrusage's peak, which nothing resets (KiB on Linux, bytes on macOS)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return int(rss if sys.platform == "darwin" else rss * 1024)
+        return _vm_hwm()
+
+    def _reset(self) -> None:
+        self.whole = max(self.whole, self._read())  # the mark about to be cleared still counts for the run
+        if self.mode == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.mode == "rss":
+            with open(_CLEAR_REFS, "w") as f:
+                f.write("5")
+
+    def begin(self, phase: str) -> None:
+        """Close the open phase, reset the high-water mark and open ``phase``."""
+        self.end()
+        self._reset()
+        self._start = self._read() if self.mode != "whole" else 0  # right after a reset: what is held now
+        self.current = phase
+
+    def end(self) -> None:
+        """Close the open phase (if any): its peak, and on a CPU the allocator's slack now."""
+        if self.current is None:
+            return
+        peak = self._read()
+        self.whole = max(self.whole, peak)
+        if self.mode != "whole":  # without a reset every "phase" would be the run's peak so far
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
+            self.rise[self.current] = max(self.rise.get(self.current, 0), peak - self._start)
+            slack = allocator_slack() if self.mode == "rss" else None
+            if slack is not None:
+                self.slack[self.current] = max(self.slack.get(self.current, 0), slack)
+        self.current = None
+
+    def close(self) -> int:
+        """``end()``, then the whole-run peak so far."""
+        self.end()
+        return self.whole_peak()
+
+    def whole_peak(self) -> int:
+        """The process's peak over the whole run so far (every phase, and between them)."""
+        return max(self.whole, self._read())
+
+
+def rank_floor_of(cfg: Any, pp_rank: int) -> tuple[dict[str, Any], dict[str, float]] | None:
+    """``(floor JSON, floor per phase)`` of this rank's layout (``planner/ledger.py``), or None where the planner
+    cannot price the model or layout (the ledger then shows the measured side only). Pure."""
+    from ..planner.ledger import layout_floor, phase_floors
+    from .prediction import gpt_spec, plan_from_config
+
+    try:
+        plan = plan_from_config(cfg, train_passes=True)
+        floors = layout_floor(gpt_spec(cfg), plan, global_batch=cfg.data.global_batch,
+                              bucket_bytes=cfg.parallel.bucket_cap_mb * 2**20)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError):
+        return None
+    floor = floors[min(pp_rank, len(floors) - 1)]
+    return floor.to_json(), phase_floors(floor, plan.resolved(cfg.data.global_batch))
+
+
+def _named(phase: str, excess: int, slack: int | None, activations_over: int, rise: int) -> list[tuple[str, int]]:
+    """A phase's excess over its floor, named: allocator slack first, then activations above the model (passes
+    only), then the phase's own temporaries (``EXCESS_NAMES``: at most what the phase rose by, ``rise``), and
+    what is left was held before the phase began (runtime pages and caches grown since the bare runtime, memory
+    an earlier phase left behind)."""
+    out, left = [], excess
+    own = max(0, rise - (activations_over if "ward" in phase else 0))
+    for name, amount in (("allocator slack", slack or 0),
+                         ("activations above the model", activations_over if "ward" in phase else 0),
+                         (EXCESS_NAMES.get(phase, phase), own)):
+        take = min(left, max(0, amount))
+        if take:
+            out.append((name, take))
+            left -= take
+    if left > 0:
+        out.append(("held before the phase", left))
+    return out
+
+
+def ledger(meter: PhaseMeter, bare: int, floor: tuple[dict[str, Any], dict[str, float]] | None,
+           activation_peak: int = 0) -> dict[str, Any]:
+    """This rank's ``memory_ledger`` (bytes; peaks above the bare runtime ``bare``): ``floor`` (terms and total,
+    or None), ``phases`` (per phase ``peak``, ``rise`` above its start, ``floor``, ``excess`` as ``[name, bytes]`` pairs, ``slack``),
+    ``whole_peak``, ``ratio`` (whole-run peak / floor), ``peak_phase`` and ``biggest_excess`` ``[phase, name,
+    bytes]``. ``activation_peak``: the saved-for-backward high-water mark measured (CPU), 0 if unknown."""
+    meter.end()  # the last phase (the final save) closes here
+    terms, per_phase = floor if floor is not None else (None, {})
+    act_over = max(0, activation_peak - int(terms["activations"])) if terms and activation_peak else 0
+    phases: dict[str, Any] = {}
+    for name, peak in meter.peaks.items():
+        above, want = max(0, peak - bare), per_phase.get(name)
+        slack = meter.slack.get(name)
+        rise = meter.rise.get(name, 0)
+        excess = _named(name, max(0, above - int(want)), slack, act_over, rise) if want is not None else []
+        phases[name] = {"peak": above, "rise": rise, "floor": int(want) if want is not None else None, "slack": slack,
+                        "excess": [[n, b] for n, b in excess]}
+    whole = max(0, meter.whole_peak() - bare)
+    peak_phase = max(phases, key=lambda k: phases[k]["peak"]) if phases else None
+    worst = max(((p, n, b) for p, v in phases.items() for n, b in v["excess"]), key=lambda e: e[2], default=None)
+    total = terms["total"] if terms else None
+    return {"mode": meter.mode, "bare_runtime": bare, "floor": terms, "phases": phases, "whole_peak": whole,
+            "ratio": whole / total if total else None, "peak_phase": peak_phase,
+            "biggest_excess": list(worst) if worst else None}
+
+
+def fullest(first: dict[str, int], last: dict[str, int], meter: PhaseMeter | None = None) -> dict[str, int]:
+    """Two memory reports merged: the first step's categories (gradients were live then), the higher peak; on
+    CUDA ``meter``'s whole-run peak (the meter resets the allocator's mark the reports read at each phase)."""
+    if not (first or last):
+        return {}
+    peak = max(first.get("peak", 0), last.get("peak", 0))
+    if meter is not None and meter.mode == "cuda":
+        peak = meter.whole_peak()
+    return {**last, **first, "peak": peak}
+
+
+def strategy_memory(strategy: Any) -> dict[str, int]:
+    """``Strategy.memory`` (local); a report that fails must not fail the run: then empty."""
+    try:
+        return {k: int(v) for k, v in strategy.memory().items()}
+    except Exception:  # noqa: BLE001 - a measurement only
+        return {}
+
+
+def activation_peak(meter: PhaseMeter, memory: dict[str, int], saved_peak: int) -> int:
+    """Saved-tensor high-water mark ``saved_peak`` (CPU); on a GPU the allocator's run peak beyond the model
+    states of ``memory``."""
+    if meter.mode != "cuda":
+        return saved_peak
+    states = sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))
+    return max(0, meter.whole_peak() - states)
