@@ -13,9 +13,12 @@ from shardwise import allocator
 # A fragmenting pattern: one 1 MiB tensor freed first (glibc then raises its mmap threshold to 1 MiB), then 96
 # tensors of 512 KiB, each followed by a small one that stays alive so that freed blocks sit below live ones
 # (never at the heap's top, where glibc would trim them); the big ones are freed. Prints the resident growth.
+# The module is loaded from its file alone: importing the whole package first leaves glibc's heap in a state where
+# this small pattern happens not to fragment, which would hide what the test is after.
 PATTERN = """
-import sys, torch
-from shardwise import allocator
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("allocator", sys.argv[2])
+allocator = importlib.util.module_from_spec(spec); spec.loader.exec_module(allocator)
 if sys.argv[1] == "bound":
     assert allocator.bound_retention()
 def rss():
@@ -34,8 +37,8 @@ glibc = pytest.mark.skipif(allocator._glibc() is None, reason="glibc only (Linux
 
 
 def _growth(mode: str) -> tuple[int, int]:
-    out = subprocess.run([sys.executable, "-c", PATTERN, mode], capture_output=True, text=True, timeout=120,
-                         check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", PATTERN, mode, allocator.__file__], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
     return int(out[0]), int(out[1])
 
 
