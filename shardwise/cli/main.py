@@ -1,6 +1,6 @@
 """The ``shardwise`` command line: ``run``, ``train``, ``verify``, ``export``, ``plot``, ``generate``, ``prepare``,
 ``schedule``, ``predict``, ``plan``, ``calibrate`` (``COMMANDS``) and ``bench KIND`` for ``KIND`` in comm, dp, sbp,
-tp, pp, zero, cp, compile, planner, auto, prepare, moe (``BENCHES``).
+tp, pp, zero, cp, compile, planner, auto, prepare, moe, memory (``BENCHES``).
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int`` (``Command``):
 ``shardwise/cli/NAME.py`` for a command, ``shardwise/bench/KIND.py`` for a benchmark. This file only wires them
@@ -85,6 +85,8 @@ def _bench(name: str) -> Command:
         from ..bench import prepare as module
     elif name == "moe":
         from ..bench import moe as module
+    elif name == "memory":
+        from ..bench import memory as module
     else:
         raise KeyError(name)
     return module
@@ -127,6 +129,8 @@ BENCHES: dict[str, tuple[Callable[[], Command], str]] = {
              "planning time"),
     "prepare": (partial(_bench, "prepare"), "shardwise prepare's tokens/s and peak memory vs the tokenizers "
                 "package's encode_batch on as many cores"),
+    "memory": (partial(_bench, "memory"), "each layout's whole-run peak against its memory floor (the ledger): "
+               "ratio, phase of the peak, biggest named excess"),
     "moe": (partial(_bench, "moe"), "mixtures of experts: grouped experts vs a per-expert loop; expert "
             "parallelism's step time vs transformers' on the same model and ranks"),
 }

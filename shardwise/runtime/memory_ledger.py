@@ -30,12 +30,13 @@ __all__ = ["PhaseMeter", "allocator_slack", "ledger", "rank_floor_of", "fullest"
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 
-EXCESS_NAMES = {"construction": "construction temporaries (a full tensor being sliced)",
-                "forward": "forward temporaries (gathered units, casts, messages)",
-                "backward": "gradient buffers and backward temporaries",
-                "forward+backward": "pipeline buffers and gradients",
+EXCESS_NAMES = {"construction": "construction temporaries", "forward": "forward temporaries",
+                "backward": "gradient buffers", "forward+backward": "pipeline buffers and gradients",
                 "step": "optimizer temporaries", "save": "the save's gather", "eval": "evaluation temporaries"}
-"""What a phase's excess over its floor is, once allocator slack and activations above the model are named."""
+"""What a phase's own rise above its floor is, once allocator slack and activations above the model are named:
+construction, a full tensor being sliced and initialisation buffers; forward, gathered units, casts and messages
+beyond the floor's; backward, full gradients before their reduction and autograd's temporaries; step, the
+optimizer's intermediate tensors; save, the pieces gathered or copied for writing."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -205,7 +206,9 @@ def ledger(meter: PhaseMeter, bare: int, floor: tuple[dict[str, Any], dict[str, 
                         "excess": [[n, b] for n, b in excess]}
     whole = max(0, meter.whole_peak() - bare)
     peak_phase = max(phases, key=lambda k: phases[k]["peak"]) if phases else None
-    worst = max(((p, n, b) for p, v in phases.items() for n, b in v["excess"]), key=lambda e: e[2], default=None)
+    named = [(p, n, b) for p, v in phases.items() for n, b in v["excess"]]
+    # what a phase held on entry belongs to an earlier one: named only when nothing else exceeds
+    worst = max([e for e in named if e[1] != "held before the phase"] or named, key=lambda e: e[2], default=None)
     total = terms["total"] if terms else None
     return {"mode": meter.mode, "bare_runtime": bare, "floor": terms, "phases": phases, "whole_peak": whole,
             "ratio": whole / total if total else None, "peak_phase": peak_phase,
