@@ -113,6 +113,7 @@ def layout_row(run: dict[str, Any]) -> dict[str, Any]:
     return {"layout": run["layout"], "rank": rank, "floor": floor.get("total"), "floor_largest": floor.get("largest"),
             "floor_terms": floor, "peak": book.get("whole_peak"), "ratio": book.get("ratio"),
             "peak_phase": book.get("peak_phase"), "biggest_excess": book.get("biggest_excess"),
+            "held": book.get("held_on_entry"),
             "phases": book.get("phases")}
 
 
@@ -136,7 +137,8 @@ def render(rows: list[dict[str, Any]], title: str) -> Any:
         table.add_row(r["layout"], f"{_mib(r['floor'])} ({r['floor_largest'] or 'n/a'})",
                       f"{_mib(r['peak'])} (r{r['rank']})", f"{r['ratio']:.2f}" if r.get("ratio") else "n/a",
                       r.get("peak_phase") or "n/a",
-                      f"{_mib(excess[2])} MiB {excess[1]} ({excess[0]})" if excess else "none")
+                      (f"{_mib(excess[2])} MiB {excess[1]} ({excess[0]})" if excess else "none")
+                      + (f"; {_mib(r['held'])} MiB held on entry" if r.get("held") else ""))
     return table
 
 

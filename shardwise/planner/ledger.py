@@ -36,7 +36,7 @@ from .memory import _PER_ELEMENT, _apart, model_state_bytes, rank_parts
 from .plan import Layout
 from .spec import ModelSpec
 
-__all__ = ["Floor", "rank_floor", "layout_floor", "phase_floors", "MAX_IN_FLIGHT", "TERMS", "PHASES"]
+__all__ = ["Floor", "rank_floor", "layout_floor", "phase_floors", "phase_allocations", "MAX_IN_FLIGHT", "TERMS", "PHASES"]
 
 MAX_IN_FLIGHT = 1
 """Reductions a ZeRO-2/3 backward keeps outstanding besides the group filling (``parallel/zero/grads.py``'s
@@ -153,3 +153,16 @@ def phase_floors(floor: Floor, plan: Layout) -> dict[str, float]:
             "backward": floor.total, "forward+backward": floor.total,
             "step": floor.params + floor.grads + floor.optimizer,
             "save": states, "eval": states + floor.gathered + floor.logits}
+
+
+def phase_allocations(floor: Floor, plan: Layout) -> dict[str, float]:
+    """Of each phase's floor, the bytes the phase itself allocates in a steady step (what its rise above its
+    start may hold without exceeding the floor): construction its whole floor; forward the gathered units, the
+    activations and the logits; backward the released gradients and the communication buffers; a pipeline's
+    forward+backward both; the step nothing (the optimizer state is allocated once, in the first step); a save
+    nothing; an evaluation its gathered units and logits."""
+    released = 0.0 if persistent_grads(plan) else floor.grads
+    forward = floor.gathered + floor.activations + floor.logits
+    return {"construction": phase_floors(floor, plan)["construction"], "forward": forward,
+            "backward": released + floor.comm, "forward+backward": forward + released + floor.comm,
+            "step": 0.0, "save": 0.0, "eval": floor.gathered + floor.logits}

@@ -23,4 +23,6 @@ def ledger_row(ranks: list[dict[str, Any]]) -> tuple[str, str] | None:
     if book.get("biggest_excess"):
         phase, name, amount = book["biggest_excess"]
         text += f"; biggest excess {format_bytes(amount)} {name} ({phase})"
+    if book.get("held_on_entry"):
+        text += f"; {format_bytes(book['held_on_entry'])} held on entry to {book['peak_phase']}"
     return "memory ledger", text

@@ -39,6 +39,12 @@ beyond the floor's; backward, full gradients before their reduction and autograd
 optimizer's intermediate tensors; save, the pieces gathered or copied for writing."""
 
 
+HELD = "held on entry"
+"""The part of a phase's excess it did not allocate itself: what the process held when the phase began beyond
+the floor — runtime pages and caches grown since the bare runtime (the first forward loads autograd's and the
+kernels' code), memory an earlier phase left behind."""
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -98,7 +104,8 @@ class PhaseMeter:
         self.peaks: dict[str, int] = {}
         self.slack: dict[str, int] = {}
         self.rise: dict[str, int] = {}
-        """Per phase the most it grew above what the process held when it began (peak - start)."""
+        """Per phase how far its last occurrence grew above what the process held when it began (peak - start):
+        a steady step's, not the first's (which also allocates the optimizer state and warms the runtime up)."""
         self._start = 0
         self.whole = self._read()
         self.current: str | None = None
@@ -136,7 +143,7 @@ class PhaseMeter:
         self.whole = max(self.whole, peak)
         if self.mode != "whole":  # without a reset every "phase" would be the run's peak so far
             self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
-            self.rise[self.current] = max(self.rise.get(self.current, 0), peak - self._start)
+            self.rise[self.current] = peak - self._start
             slack = allocator_slack() if self.mode == "rss" else None
             if slack is not None:
                 self.slack[self.current] = max(self.slack.get(self.current, 0), slack)
@@ -152,10 +159,10 @@ class PhaseMeter:
         return max(self.whole, self._read())
 
 
-def rank_floor_of(cfg: Any, pp_rank: int) -> tuple[dict[str, Any], dict[str, float]] | None:
-    """``(floor JSON, floor per phase)`` of this rank's layout (``planner/ledger.py``), or None where the planner
+def rank_floor_of(cfg: Any, pp_rank: int) -> tuple[dict[str, Any], dict[str, float], dict[str, float]] | None:
+    """``(floor JSON, floor per phase, what of it each phase allocates)`` of this rank's layout (``planner/ledger.py``), or None where the planner
     cannot price the model or layout (the ledger then shows the measured side only). Pure."""
-    from ..planner.ledger import layout_floor, phase_floors
+    from ..planner.ledger import layout_floor, phase_allocations, phase_floors
     from .prediction import gpt_spec, plan_from_config
 
     try:
@@ -165,16 +172,17 @@ def rank_floor_of(cfg: Any, pp_rank: int) -> tuple[dict[str, Any], dict[str, flo
     except (ValueError, TypeError, KeyError, ZeroDivisionError):
         return None
     floor = floors[min(pp_rank, len(floors) - 1)]
-    return floor.to_json(), phase_floors(floor, plan.resolved(cfg.data.global_batch))
+    resolved = plan.resolved(cfg.data.global_batch)
+    return floor.to_json(), phase_floors(floor, resolved), phase_allocations(floor, resolved)
 
 
-def _named(phase: str, excess: int, slack: int | None, activations_over: int, rise: int) -> list[tuple[str, int]]:
+def _named(phase: str, excess: int, slack: int | None, activations_over: int, own: int) -> list[tuple[str, int]]:
     """A phase's excess over its floor, named: allocator slack first, then activations above the model (passes
-    only), then the phase's own temporaries (``EXCESS_NAMES``: at most what the phase rose by, ``rise``), and
-    what is left was held before the phase began (runtime pages and caches grown since the bare runtime, memory
-    an earlier phase left behind)."""
+    only), then the phase's own temporaries (``EXCESS_NAMES``: at most ``own``, what the phase rose by beyond
+    what of the floor it allocates itself), and what is left was held before the phase began (runtime pages and
+    caches grown since the bare runtime, memory an earlier phase left behind)."""
     out, left = [], excess
-    own = max(0, rise - (activations_over if "ward" in phase else 0))
+    own = max(0, own - (activations_over if "ward" in phase else 0))
     for name, amount in (("allocator slack", slack or 0),
                          ("activations above the model", activations_over if "ward" in phase else 0),
                          (EXCESS_NAMES.get(phase, phase), own)):
@@ -183,34 +191,38 @@ def _named(phase: str, excess: int, slack: int | None, activations_over: int, ri
             out.append((name, take))
             left -= take
     if left > 0:
-        out.append(("held before the phase", left))
+        out.append((HELD, left))
     return out
 
 
-def ledger(meter: PhaseMeter, bare: int, floor: tuple[dict[str, Any], dict[str, float]] | None,
+def ledger(meter: PhaseMeter, bare: int, floor: tuple[dict[str, Any], dict[str, float], dict[str, float]] | None,
            activation_peak: int = 0) -> dict[str, Any]:
     """This rank's ``memory_ledger`` (bytes; peaks above the bare runtime ``bare``): ``floor`` (terms and total,
-    or None), ``phases`` (per phase ``peak``, ``rise`` above its start, ``floor``, ``excess`` as ``[name, bytes]`` pairs, ``slack``),
-    ``whole_peak``, ``ratio`` (whole-run peak / floor), ``peak_phase`` and ``biggest_excess`` ``[phase, name,
-    bytes]``. ``activation_peak``: the saved-for-backward high-water mark measured (CPU), 0 if unknown."""
+    or None), ``phases`` (per phase ``peak``, ``rise`` above its start, ``floor``, ``excess`` as ``[name, bytes]``
+    pairs, ``slack``), ``whole_peak``, ``ratio`` (whole-run peak / floor), ``peak_phase``, ``held_on_entry`` (of
+    the peak's phase: ``HELD``) and ``biggest_excess`` ``[phase, name, bytes]`` (``HELD`` only when nothing else
+    exceeds). ``activation_peak``: the saved-for-backward high-water mark measured (CPU), 0 if unknown."""
     meter.end()  # the last phase (the final save) closes here
-    terms, per_phase = floor if floor is not None else (None, {})
+    terms, per_phase, allocs = floor if floor is not None else (None, {}, {})
     act_over = max(0, activation_peak - int(terms["activations"])) if terms and activation_peak else 0
     phases: dict[str, Any] = {}
     for name, peak in meter.peaks.items():
         above, want = max(0, peak - bare), per_phase.get(name)
         slack = meter.slack.get(name)
         rise = meter.rise.get(name, 0)
-        excess = _named(name, max(0, above - int(want)), slack, act_over, rise) if want is not None else []
+        own = rise - int(allocs.get(name, 0))
+        excess = _named(name, max(0, above - int(want)), slack, act_over, own) if want is not None else []
         phases[name] = {"peak": above, "rise": rise, "floor": int(want) if want is not None else None, "slack": slack,
                         "excess": [[n, b] for n, b in excess]}
     whole = max(0, meter.whole_peak() - bare)
     peak_phase = max(phases, key=lambda k: phases[k]["peak"]) if phases else None
     named = [(p, n, b) for p, v in phases.items() for n, b in v["excess"]]
     # what a phase held on entry belongs to an earlier one: named only when nothing else exceeds
-    worst = max([e for e in named if e[1] != "held before the phase"] or named, key=lambda e: e[2], default=None)
+    worst = max([e for e in named if e[1] != HELD] or named, key=lambda e: e[2], default=None)
     total = terms["total"] if terms else None
+    held = dict((n, b) for n, b in phases[peak_phase]["excess"]).get(HELD, 0) if peak_phase else 0
     return {"mode": meter.mode, "bare_runtime": bare, "floor": terms, "phases": phases, "whole_peak": whole,
+            "held_on_entry": held,
             "ratio": whole / total if total else None, "peak_phase": peak_phase,
             "biggest_excess": list(worst) if worst else None}
 
