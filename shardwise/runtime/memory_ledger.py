@@ -7,8 +7,8 @@ resets (no ``/proc``), one whole-run peak and no phases. Each reset first folds 
 whole-run peak, so the run's peak stays what ``peak_memory_bytes`` reported before phases existed. Cost: a
 file read and a write per phase on a CPU (tens of microseconds), two allocator calls on CUDA; no tensor hooks.
 
-Allocator slack (CPU): the bytes glibc holds free inside its arenas (``mallinfo2().fordblks``), read at the end
-of each phase — memory the process freed that stays in its resident set (until glibc trims it); None on
+Allocator slack (CPU): the bytes glibc holds free inside its arenas (``mallinfo2().fordblks``, read by
+``allocator.retained_bytes``) at the end of each phase — memory the process freed that stays in its resident set (until glibc trims it); None on
 allocators without ``mallinfo2`` (musl, macOS).
 
 ``ledger`` turns a meter, the floor (``planner/ledger.py``) and the bare runtime into the rank's
@@ -17,18 +17,19 @@ allocators without ``mallinfo2`` (musl, macOS).
 
 from __future__ import annotations
 
-import ctypes
 import resource
 import sys
 from typing import Any
 
 import torch
 
+from ..allocator import _glibc, retained_bytes
 
 __all__ = ["PhaseMeter", "allocator_slack", "ledger", "rank_floor_of", "fullest", "strategy_memory",
            "activation_peak"]
 
 _CLEAR_REFS = "/proc/self/clear_refs"
+_GLIBC = _glibc() is not None and hasattr(_glibc(), "mallinfo2")  # retained_bytes() is 0 elsewhere: unknown
 
 EXCESS_NAMES = {"construction": "construction temporaries", "forward": "forward temporaries",
                 "backward": "gradient buffers", "forward+backward": "pipeline buffers and gradients",
@@ -38,33 +39,16 @@ construction, a full tensor being sliced and initialisation buffers; forward, ga
 beyond the floor's; backward, full gradients before their reduction and autograd's temporaries; step, the
 optimizer's intermediate tensors; save, the pieces gathered or copied for writing."""
 
-
 HELD = "held on entry"
 """The part of a phase's excess it did not allocate itself: what the process held when the phase began beyond
 the floor — runtime pages and caches grown since the bare runtime (the first forward loads autograd's and the
 kernels' code), memory an earlier phase left behind."""
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo2() -> Any:
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):  # not glibc >= 2.33
-        return None
-    fn.restype = _MallInfo2
-    return fn
-
-
-_MALLINFO2 = _mallinfo2()
-
-
 def allocator_slack() -> int | None:
-    """Bytes glibc's malloc holds free in its arenas now (``mallinfo2().fordblks``); None where unavailable."""
-    return int(_MALLINFO2().fordblks) if _MALLINFO2 is not None else None
+    """Bytes glibc's malloc holds free in its arenas now (``allocator.retained_bytes``); None on other C
+    libraries (musl, macOS), where it is not known."""
+    return retained_bytes() if _GLIBC else None
 
 
 def _vm_hwm() -> int:
