@@ -14,7 +14,8 @@ Terms (bytes on one rank; Ψ = the rank's local parameter elements after tensor 
                planner's per-layer model, with the layout's recomputation), plus one layer's recomputed set
 ``logits``     the fp32 logits of one micro-batch (the loss's input and its gradient)
 ``comm``       communication buffers the code holds besides the above: ZeRO-2, the bucket filling and
-               ``MAX_IN_FLIGHT`` buckets reducing; ZeRO-3, the same count of units' flat gradients; a pipeline,
+               ``MAX_IN_FLIGHT`` buckets reducing; ZeRO-3, the same count of units' flat gradients (either at most
+               all of the rank's gradients, g·Ψ: fewer groups than that exist); a pipeline,
                one activation message received and one sent (data parallelism's buckets *are* the gradients)
 =============  =====================================================================================================
 
@@ -94,10 +95,11 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     sharded = plan.zero_group > 1
     gathered = 2 * biggest * p_bytes if plan.zero_stage >= 3 and sharded else 0.0
     comm = 0.0
+    # a group filling and MAX_IN_FLIGHT reducing, never more than all of the rank's gradients (one group then)
     if plan.zero_stage == 2 and sharded:
-        comm = (1 + MAX_IN_FLIGHT) * min(bucket_bytes, n * g_bytes)
+        comm = min(n * g_bytes, (1 + MAX_IN_FLIGHT) * bucket_bytes)
     elif plan.zero_stage >= 3 and sharded:
-        comm = (1 + MAX_IN_FLIGHT) * biggest * g_bytes
+        comm = min(n * g_bytes, (1 + MAX_IN_FLIGHT) * biggest * g_bytes)
     if plan.pp > 1:
         comm += 2 * boundary
     activations = in_flight * per_chunk + transient

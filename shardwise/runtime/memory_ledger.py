@@ -184,8 +184,8 @@ def ledger(meter: PhaseMeter, bare: int, floor: tuple[dict[str, Any], dict[str, 
     """This rank's ``memory_ledger`` (bytes; peaks above the bare runtime ``bare``): ``floor`` (terms and total,
     or None), ``phases`` (per phase ``peak``, ``rise`` above its start, ``floor``, ``excess`` as ``[name, bytes]``
     pairs, ``slack``), ``whole_peak``, ``ratio`` (whole-run peak / floor), ``peak_phase``, ``held_on_entry`` (of
-    the peak's phase: ``HELD``) and ``biggest_excess`` ``[phase, name, bytes]`` (``HELD`` only when nothing else
-    exceeds). ``activation_peak``: the saved-for-backward high-water mark measured (CPU), 0 if unknown."""
+    the peak's phase: ``HELD``) and ``biggest_excess`` ``[phase, name, bytes]``: the peak phase's largest named
+    excess (``HELD`` only when nothing else exceeds). ``activation_peak``: the saved-for-backward high-water mark measured (CPU), 0 if unknown."""
     meter.end()  # the last phase (the final save) closes here
     terms, per_phase, allocs = floor if floor is not None else (None, {}, {})
     act_over = max(0, activation_peak - int(terms["activations"])) if terms and activation_peak else 0
@@ -200,10 +200,10 @@ def ledger(meter: PhaseMeter, bare: int, floor: tuple[dict[str, Any], dict[str, 
                         "excess": [[n, b] for n, b in excess]}
     whole = max(0, meter.whole_peak() - bare)
     peak_phase = max(phases, key=lambda k: phases[k]["peak"]) if phases else None
-    named = [(p, n, b) for p, v in phases.items() for n, b in v["excess"]]
-    # what a phase held on entry belongs to an earlier one: named only when nothing else exceeds
-    worst = max([e for e in named if e[1] != HELD] or named, key=lambda e: e[2], default=None)
     total = terms["total"] if terms else None
+    # what makes the peak: the peak phase's own excess (what it held on entry is an earlier phase's, named apart)
+    named = [(peak_phase, n, b) for n, b in phases[peak_phase]["excess"]] if peak_phase else []
+    worst = max([e for e in named if e[1] != HELD] or named, key=lambda e: e[2], default=None)
     held = dict((n, b) for n, b in phases[peak_phase]["excess"]).get(HELD, 0) if peak_phase else 0
     return {"mode": meter.mode, "bare_runtime": bare, "floor": terms, "phases": phases, "whole_peak": whole,
             "held_on_entry": held,
