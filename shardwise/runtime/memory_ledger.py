@@ -25,7 +25,7 @@ import torch
 
 from ..allocator import _glibc, retained_bytes
 
-__all__ = ["PhaseMeter", "allocator_slack", "ledger", "rank_floor_of", "fullest", "strategy_memory",
+__all__ = ["PhaseMeter", "allocator_slack", "ledger", "rank_ledger", "rank_floor_of", "fullest", "strategy_memory",
            "activation_peak"]
 
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -153,7 +153,7 @@ def rank_floor_of(cfg: Any, pp_rank: int) -> tuple[dict[str, Any], dict[str, flo
         plan = plan_from_config(cfg, train_passes=True)
         floors = layout_floor(gpt_spec(cfg), plan, global_batch=cfg.data.global_batch,
                               bucket_bytes=cfg.parallel.bucket_cap_mb * 2**20)
-    except (ValueError, TypeError, KeyError, ZeroDivisionError):
+    except Exception:  # noqa: BLE001 - a model or layout the planner cannot price must not fail the run
         return None
     floor = floors[min(pp_rank, len(floors) - 1)]
     resolved = plan.resolved(cfg.data.global_batch)
@@ -237,3 +237,12 @@ def activation_peak(meter: PhaseMeter, memory: dict[str, int], saved_peak: int) 
         return saved_peak
     states = sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))
     return max(0, meter.whole_peak() - states)
+
+
+def rank_ledger(meter: PhaseMeter, bare: int, cfg: Any, pp_rank: int, activation_peak: int) -> dict[str, Any]:
+    """``ledger`` of this rank with its floor (``rank_floor_of``); a ledger that fails must not fail the run:
+    then the error, in one line. Local."""
+    try:
+        return ledger(meter, bare, rank_floor_of(cfg, pp_rank), activation_peak)
+    except Exception as exc:  # noqa: BLE001 - a measurement only
+        return {"error": f"{type(exc).__name__}: {exc}"}

@@ -46,7 +46,7 @@ from ..world import World, barrier_all, bind_to_launcher, exit_process, init, in
 from ..parallel.common.saved_memory import SavedTensorPeak
 from .model_build import hf_of, model_mismatch
 from .metrics import MetricsWriter, ProgressReporter, peak_memory_bytes
-from .memory_ledger import PhaseMeter, activation_peak, fullest, ledger, rank_floor_of, strategy_memory
+from .memory_ledger import PhaseMeter, activation_peak, fullest, rank_ledger, strategy_memory
 from .step_support import MoESteps, build_mesh as _build_mesh, lr_at, peer_hint, synchronizer  # tests patch _build_mesh
 from .host_overlap import PendingStep, can_defer, finish_deferred, read
 from .nonfinite import NonFiniteError, agree, failure_message, first_nonfinite, local_flag
@@ -348,8 +348,8 @@ class Trainer:
                 "eval_s": statistics.median(e["eval_s"] for e in self.evals) if self.evals else None,
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
                 "activation_peak_bytes": activation_peak(self.meter, memory, self.activations.peak),
-                "memory_ledger": ledger(self.meter, self.bare_runtime, rank_floor_of(self.cfg, self.mesh.coord("pp")
-                                        if self.cfg.parallel.pp > 1 else 0), self.activations.peak),
+                "memory_ledger": rank_ledger(self.meter, self.bare_runtime, self.cfg, self.mesh.coord("pp")
+                                             if self.cfg.parallel.pp > 1 else 0, self.activations.peak),
                 **self.strategy.compiled.summary(timings[0]["step"] if timings else None, step_s)}
 
 
