@@ -83,15 +83,17 @@ class PhaseMeter:
 
     def __init__(self, device: torch.device, *, begin: str | None = None) -> None:
         self.device = device
-        self.mode = "cuda" if device.type == "cuda" else ("rss" if _can_clear() else "whole")
         self._fallback = device.type != "cuda" and not _proc()
+        self.mode = "cuda" if device.type == "cuda" else "whole"
+        self.whole = self._read()  # before the probe below clears the mark
+        if self.mode == "whole" and _can_clear():
+            self.mode = "rss"
         self.peaks: dict[str, int] = {}
         self.slack: dict[str, int] = {}
         self.rise: dict[str, int] = {}
         """Per phase how far its last occurrence grew above what the process held when it began (peak - start):
         a steady step's, not the first's (which also allocates the optimizer state and warms the runtime up)."""
         self._start = 0
-        self.whole = self._read()
         self.current: str | None = None
         if begin is not None:
             self.begin(begin)
