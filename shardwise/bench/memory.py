@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     parser.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per pass and rank (default 2)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "bf16-mixed"), default="fp32", help="default fp32")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw",
+                        help="adamw (default), sgd (no momentum: no state), sgd-momentum (0.9)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="train.precision: fp32 (default) or bf16 autocast over fp32 weights")
     parser.add_argument("--steps", type=int, default=3, help="training steps per layout (default 3)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
 
@@ -77,7 +79,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     return ["--model.n_layer", str(args.layers), "--model.n_embd", str(args.hidden), "--model.n_head",
             str(args.heads), "--model.vocab_size", str(args.vocab), "--model.block_size", str(args.seq),
             "--data.global_batch", str(args.batch), "--parallel.micro_batch", str(args.micro_batch),
-            "--optimizer.name", args.optimizer, "--train.precision", args.precision]
+            "--optimizer.name", "adamw" if args.optimizer == "adamw" else "sgd", "--train.precision", args.precision,
+            *(["--optimizer.beta1", "0" if args.optimizer == "sgd" else "0.9"] if args.optimizer != "adamw" else [])]
 
 
 def run_layout(name: str, model_flags: list[str], steps: int, root: Path) -> dict[str, Any]:

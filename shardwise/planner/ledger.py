@@ -10,6 +10,8 @@ Terms (bytes on one rank; Ψ = the rank's local parameter elements after tensor 
                master 4 in bf16-mixed
 ``gathered``   ZeRO-3 only: the current and the prefetched unit, 2 × the largest unit's Ψ in the compute dtype
                (a tied embedding is one unit, held while it is used, so it is at most that largest unit)
+``casts``      bf16 autocast only: the 2-byte copies of the weights its GEMMs read, kept for backward (2·Ψ; under
+               ZeRO-3 those of the two gathered units)
 ``activations`` what the schedule keeps for backward: in-flight micro-batches × one chunk's saved bytes (the
                planner's per-layer model, with the layout's recomputation), plus one layer's recomputed set
 ``logits``     the fp32 logits of one micro-batch (the loss's input and its gradient)
@@ -43,7 +45,7 @@ MAX_IN_FLIGHT = 1
 """Reductions a ZeRO-2/3 backward keeps outstanding besides the group filling (``parallel/zero/grads.py``'s
 constant of the same name; a unit test holds them equal)."""
 
-TERMS = ("params", "grads", "optimizer", "gathered", "activations", "logits", "comm")
+TERMS = ("params", "grads", "optimizer", "gathered", "casts", "activations", "logits", "comm")
 PHASES = ("construction", "forward", "backward", "forward+backward", "step", "save", "eval")
 """The phases of a run the ledger measures (``runtime/memory_ledger.py``); a pipeline's interleaved forward and
 backward passes are one phase, ``forward+backward``."""
@@ -57,6 +59,7 @@ class Floor:
     grads: float
     optimizer: float
     gathered: float
+    casts: float
     activations: float
     logits: float
     comm: float
@@ -94,6 +97,9 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     p_bytes, g_bytes, _ = _PER_ELEMENT[plan.precision]
     sharded = plan.zero_group > 1
     gathered = 2 * biggest * p_bytes if plan.zero_stage >= 3 and sharded else 0.0
+    # bf16 autocast keeps a 2-byte copy of each weight a GEMM read, for backward: of the gathered units only under
+    # ZeRO-3, of every local weight otherwise
+    casts = 0.0 if plan.precision != "bf16" else 2 * (2 * biggest if gathered else n)
     comm = 0.0
     # a group filling and MAX_IN_FLIGHT reducing, never more than all of the rank's gradients (one group then)
     if plan.zero_stage == 2 and sharded:
@@ -104,7 +110,7 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
         comm += 2 * boundary
     activations = in_flight * per_chunk + transient
     return Floor(params=states.params, grads=states.grads, optimizer=states.optimizer, gathered=gathered,
-                 activations=activations, logits=loss, comm=comm, apart=_apart(plan, activations, states.grads),
+                 casts=casts, activations=activations, logits=loss, comm=comm, apart=_apart(plan, activations, states.grads),
                  rank=rank)
 
 
@@ -151,7 +157,7 @@ def phase_floors(floor: Floor, plan: Layout) -> dict[str, float]:
     kept = floor.grads if persistent_grads(plan) else 0.0
     states = floor.params + kept + floor.optimizer
     return {"construction": floor.params + kept,
-            "forward": states + floor.gathered + floor.activations + floor.logits,
+            "forward": states + floor.gathered + floor.casts + floor.activations + floor.logits,
             "backward": floor.total, "forward+backward": floor.total,
             "step": floor.params + floor.grads + floor.optimizer,
             "save": states, "eval": states + floor.gathered + floor.logits}
@@ -164,7 +170,7 @@ def phase_allocations(floor: Floor, plan: Layout) -> dict[str, float]:
     forward+backward both; the step nothing (the optimizer state is allocated once, in the first step); a save
     nothing; an evaluation its gathered units and logits."""
     released = 0.0 if persistent_grads(plan) else floor.grads
-    forward = floor.gathered + floor.activations + floor.logits
+    forward = floor.gathered + floor.casts + floor.activations + floor.logits
     return {"construction": phase_floors(floor, plan)["construction"], "forward": forward,
             "backward": released + floor.comm, "forward+backward": forward + released + floor.comm,
             "step": 0.0, "save": 0.0, "eval": floor.gathered + floor.logits}

@@ -12,7 +12,8 @@ import pytest
 from tests.e2e.runs import cli
 
 TINY = ["--data.global_batch", "8", "--parallel.micro_batch", "2", "--train.steps", "2", "--train.log_every", "1"]
-MODEL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "256", "--seq", "32", "--steps", "2"]
+MODEL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "256", "--seq", "32", "--steps", "2",
+         "--optimizer", "sgd"]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def test_bench_memory_prints_each_layout_and_a_refused_ones_error(tmp_path):
     # ZeRO-3 over 2 shards parameters, gradients and optimizer state: its floor's model states are half dp's
     states = lambda r: sum(r["floor_terms"][k] for k in ("params", "grads", "optimizer"))  # noqa: E731
     assert states(rows["zero3-dp2"]) == pytest.approx(states(rows["dp2"]) / 2)
+    assert rows["dp2"]["floor_terms"]["optimizer"] == 0  # SGD without momentum keeps no state
 
 
 def test_bench_memory_refuses_a_bad_layout_name_in_one_line(tmp_path):

@@ -135,3 +135,10 @@ def test_what_a_phase_did_not_allocate_was_held_on_entry():
                                {"forward": 500.0}, {"forward": 80.0}))
     assert book["phases"]["forward"]["excess"] == [["forward temporaries", 20], [HELD, 380]]
     assert book["held_on_entry"] == 380 and book["biggest_excess"] == ["forward", "forward temporaries", 20]
+
+
+def test_bf16_autocast_keeps_a_2_byte_copy_of_each_weight_or_of_the_gathered_units():
+    (plain,) = floor(dp=2, precision="bf16")
+    (zero3,) = floor(dp=2, zero_stage=3, precision="bf16")
+    assert plain.casts == 2 * PSI and zero3.casts == 2 * 2 * BLOCK
+    assert floor(dp=2)[0].casts == 0
