@@ -208,9 +208,10 @@ def _apart(plan: Layout, activations: float, grads: float) -> float:
     released by the step — ZeRO-2/3 (shards) and a rank without data-parallel buckets (``param.grad`` from
     autograd) — backward frees the activations as it produces the gradients, so the two peak at opposite ends
     of it and only the larger counts. Persistent gradient buffers (data parallelism's buckets, ZeRO-1) and a
-    pipeline (gradients accumulate while other micro-batches' activations wait) hold both."""
+    pipeline (gradients accumulate while other micro-batches' activations wait) hold both; so does gradient
+    accumulation (``grad_accum`` > 1: the first passes' gradients wait through the later passes' forwards)."""
     released = plan.zero_stage >= 2 or (plan.zero_stage == 0 and plan.zero_group == 1)
-    return min(activations, grads) if released and plan.pp == 1 else 0.0
+    return min(activations, grads) if released and plan.pp == 1 and plan.grad_accum <= 1 else 0.0
 
 
 RankParts = tuple[float, float, float, float, float, float, float, float]
