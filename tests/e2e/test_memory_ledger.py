@@ -29,7 +29,11 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name,passes", [("dp", ["forward", "backward"]), ("pp", ["forward+backward"])])
 def test_each_rank_has_every_phase_and_a_ratio(runs, name, passes):
     for rank in (0, 1):
-        book = json.loads((runs / name / "ranks" / f"rank{rank:05d}.json").read_text())["memory_ledger"]
+        summary = json.loads((runs / name / "ranks" / f"rank{rank:05d}.json").read_text())
+        book = summary["memory_ledger"]
+        # the run's peak survives the per-phase resets: every phase's peak is inside it
+        assert summary["peak_memory"] - book["bare_runtime"] <= book["whole_peak"]
+        assert book["whole_peak"] >= max(p["peak"] for p in book["phases"].values())
         assert book["mode"] == "rss"
         assert set(book["phases"]) == {"construction", *passes, "step", "save"}
         assert book["floor"]["total"] > 0 and book["ratio"] == pytest.approx(book["whole_peak"] / book["floor"]["total"])

@@ -142,3 +142,20 @@ def test_bf16_autocast_keeps_a_2_byte_copy_of_each_weight_or_of_the_gathered_uni
     (zero3,) = floor(dp=2, zero_stage=3, precision="bf16")
     assert plain.casts == 2 * PSI and zero3.casts == 2 * 2 * BLOCK
     assert floor(dp=2)[0].casts == 0
+
+
+def test_on_cuda_the_meter_resets_the_allocators_mark_per_phase(monkeypatch):
+    state = {"allocated": 100, "peak": 500}  # a fake allocator: the mark before the meter started was 500
+
+    def reset(device=None):
+        state["peak"] = state["allocated"]
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    meter = PhaseMeter(torch.device("cuda", 0), begin="forward")
+    state["allocated"], state["peak"] = 100, 300  # forward peaks at 300 and frees back to 100
+    meter.begin("step")
+    meter.end()
+    assert meter.mode == "cuda" and meter.peaks == {"forward": 300, "step": 100}
+    assert meter.rise == {"forward": 200, "step": 0} and meter.slack == {}
+    assert meter.whole_peak() == 500  # the mark cleared by the first reset still counts for the run
