@@ -145,6 +145,11 @@ class PhaseMeter:
                 self.slack[self.current] = max(self.slack.get(self.current, 0), slack)
         self.current = None
 
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_status_fd", -1), getattr(self, "_clear_fd", -1)):
+            if fd >= 0:
+                os.close(fd)
+
     def close(self) -> int:
         """``end()``, then the whole-run peak so far."""
         self.end()
