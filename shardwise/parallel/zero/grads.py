@@ -11,8 +11,9 @@ step accumulate, as in plain PyTorch. Stage 1 and stages 2-3 differ only in what
 
 * stage 1 (``full_grads`` given: one persistent flat buffer per group, ``param.grad`` are views of it while
   gradients accumulate): the averaged shard is written into the buffer's own slice ``[lo, hi)``, so no
-  shard-sized memory is added; the buffer outside the slice keeps this backward's local gradients until the
-  next backward or step overwrites them. ``param.grad`` is ``None`` after a synchronised backward. A later
+  shard-sized memory is added; the reduction works in the buffer itself (no bucket-sized copy), so outside
+  the slice it holds scratch — partial sums no one reads as gradients — until the next backward or step
+  overwrites it. ``param.grad`` is ``None`` after a synchronised backward. A later
   backward before the step accumulates on top: a parameter whose view holds the averaged slice contributes
   ``N * average`` (its share of the sum) plus its new gradient, so the next reduce-scatter averages the whole
   accumulation. Where the reduce dtype differs from the buffer's (``MixedPrecision(reduce_dtype=...)``) the
@@ -213,10 +214,11 @@ class ShardGradReducer:
             # (L,) full gradient of the group, zeros where unused; each param.grad was dropped once copied (stage
             # 2's point: no full-size gradient survives its reduction)
             flat = self._take_flat(k)
-        # The flat gradient is ours (stages 2-3) or the full buffer that the shard is written back into (stage 1):
-        # the reduction may work in it (no copy).
+        # The flat gradient is ours (stages 2-3, or stage 1's cast) or stage 1's full buffer, whose part outside
+        # this rank's slice is not read again as gradients (``_store`` marks those parameters EMPTY): either way
+        # the reduction may work in it, without a bucket-sized copy.
         handle = comm.reduce_scatter(flat, self.mesh, self.axis, op="avg", algorithm=self.algorithm,
-                                     async_op=True, scratch=self.full is None or flat is not self.full[k])
+                                     async_op=True, scratch=True)
         assert isinstance(handle, comm.Handle)
         self.handles.append((k, handle))
         # Bound the reductions in flight: each holds its group's full flat gradient (stage 3: a unit) until it

@@ -17,8 +17,8 @@ master (``mixed_precision=MixedPrecision()``): ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N`
 What stage 1 keeps: full parameters (``B``), one persistent full gradient buffer per bucket (4Ψ in fp32,
 ``param.grad`` are views of it while gradients accumulate) and the optimizer state of this rank's shard
 only. The averaged gradient shard of a synchronised backward is written into the gradient buffer's own
-slice (no extra memory; ``param.grad`` is ``None`` afterwards and the rest of the buffer holds that
-backward's local gradients until the next backward or step overwrites it); only with
+slice (no extra memory; ``param.grad`` is ``None`` afterwards and the rest of the buffer holds the
+reduction's scratch until the next backward or step overwrites it); only with
 ``MixedPrecision(reduce_dtype=...)`` different from the compute dtype is the shard kept apart, from the
 backward to the step (``4Ψ/N`` more in that dtype). Stage 2 frees each bucket's full gradients as soon as
 its reduce-scatter starts and keeps only the shard.
@@ -251,7 +251,7 @@ class ZeroModel(nn.Module):
     @property
     def full_grads(self) -> list[torch.Tensor]:
         """Stage 1: each group's full gradient buffer; after a synchronised backward its slice ``[lo, hi)``
-        holds the averaged shard and the rest this backward's local gradients (see the module docstring);
+        holds the averaged shard and the rest the reduction's scratch (see the module docstring);
         else empty."""
         return list(self._full_grads)
 

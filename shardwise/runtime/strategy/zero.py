@@ -69,9 +69,9 @@ class ZeroStrategy(DataParallelSteps):
                                else ZeroWithExperts(optimizer, self.expert_optimizer))
 
     def grads(self) -> list[Grad]:
-        """Stage 1: each group's full local buffer (after backward this rank's slice holds the averaged shard
-        and the rest this replica's own gradients: a non-finite element on any replica makes the averaged
-        shards non-finite, and the flag's agreement carries it everywhere); stages 2-3: this rank's averaged
+        """Stage 1: each group's full buffer (after backward this rank's slice holds the averaged shard and the
+        rest the reduction's partial sums: a non-finite element on any replica makes the averaged shards
+        non-finite, and the flag's agreement carries it everywhere); stages 2-3: this rank's averaged
         shard of each group, the only gradient it keeps."""
         m = self.model
         names = names_by_id(self.plain)
