@@ -14,7 +14,7 @@ import math
 from typing import Any, NamedTuple, Sequence
 
 from .hardware import Hardware
-from .memory import local_params, rank_memory, rank_parts
+from .memory import local_params, rank_memory, rank_parts, runtime_bytes
 from .moe import expert_local, optimizer_elements
 from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
                             split_stages)
@@ -147,11 +147,12 @@ def memory_bounds(spec: ModelSpec, plans: Sequence[Layout], opt: Option, hw: Har
     for plan in plans:
         pair = []
         for sets in (held, fewest):
-            key = (plan.zero_stage, plan.zero_group, sets)
+            key = (plan.zero_stage, plan.zero_group, sets, plan.grad_accum, plan.optimizer)
             total = totals.get(key)
             if total is None:
                 total = totals[key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan,
-                                                  hw.memory_bytes, bucket_cap=_bucket_cap(plan), parts=parts).total
+                                                  hw.memory_bytes, bucket_cap=_bucket_cap(plan), parts=parts,
+                                                  runtime=runtime_bytes(hw.kind)).total
             pair.append(total)
         out.append((pair[0], pair[1]))
     return out

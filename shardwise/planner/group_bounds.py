@@ -131,9 +131,10 @@ def group_least(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], s
     made: dict[int, list[Layout]] = {}
     cp, ep = pins.get("cp", 1), pins.get("ep", 1)
     async_tp = async_tp_of(pins, g.tp)
-    carriers = _plans(g, 1, precision, made, cp, async_tp, ep)  # memory does not read the accumulation
     over, need, example = 0, math.inf, None  # the ones over the budget, noted once (the least need first)
     for opt, accum, per_layer in _options(spec, hw, g, pins, space, cache):
+        # memory reads the accumulation: gradients released in backward overlap the activations only without it
+        carriers = _plans(g, accum, precision, made, cp, async_tp, ep)
         for i, (memory_lb, floor) in enumerate(memory_bounds(spec, carriers, opt, hw, cache)):
             least = min(least, floor)
             if memory_lb > budget:

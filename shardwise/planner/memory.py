@@ -34,7 +34,7 @@ from .layers import Layer
 from .moe import expert_local
 
 __all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
-           "construction_bytes"]
+           "construction_bytes", "runtime_bytes", "CPU_RUNTIME_BYTES", "optimizer_bytes_per_element"]
 
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
 
@@ -131,11 +131,15 @@ class MemoryBreakdown:
     plus the one full tensor in flight."""
     apart: float = 0.0
     """Bytes of the gradient and activation terms that are never live at once (``_apart``): subtracted."""
+    runtime: float = 0.0
+    """What the runtime itself grows by once training runs (``runtime_bytes``): 0 where not modelled."""
 
     @property
     def training(self) -> float:
-        """The training peak: the sum of the five terms, less what of them is never live at once (``apart``)."""
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers - self.apart
+        """The training peak: the sum of the five terms and the runtime's growth, less what of them is never live
+        at once (``apart``)."""
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.runtime
+                - self.apart)
 
     @property
     def total(self) -> float:
@@ -159,12 +163,26 @@ class MemoryBreakdown:
         return {"total_bytes": self.total, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
                 "training_bytes": self.training, "construction": self.construction, "apart": self.apart,
+                "runtime": self.runtime,
                 "capacity_bytes": self.capacity, "largest": self.largest, "pipeline_rank": self.rank}
+
+
+CPU_RUNTIME_BYTES = 24 * 2**20
+"""What a CPU rank's process grows by once it trains, beyond its bare runtime (torch and shardwise imported,
+``torch._dynamo`` too, the mesh made) and its tensors: kernel code and workspaces paging in on first use, thread
+pools, Python's heap. Fitted: the median of peak − floor over the nine layouts of ``shardwise bench memory``'s
+default GPT (4 × 256, where it dominates: 16-29 MiB); judged on the 85M and 302M GPTs' layouts (RESULTS,
+"Memory down to the floor"). A GPU's caching allocator does not count it: 0 there."""
+
+
+def runtime_bytes(kind: str) -> float:
+    """The runtime's growth for a ``Hardware.kind`` (``cpu``: ``CPU_RUNTIME_BYTES``; else not modelled, 0)."""
+    return CPU_RUNTIME_BYTES if kind == "cpu" else 0.0
 
 
 def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Layout,
                 capacity: float, *, bucket_cap: float, rank: int = 0,
-                parts: "RankParts | None" = None) -> MemoryBreakdown:
+                parts: "RankParts | None" = None, runtime: float = 0.0) -> MemoryBreakdown:
     """Memory of one pipeline rank holding ``layers`` (its chunks' layers in ``chunk_layers``), with
     ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
     ``bucket_cap`` bytes at most. ``parts``: ``rank_parts(layers, chunk_layers, plan)`` when the caller has it
@@ -200,7 +218,8 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
         buffers += min(bucket_cap, n * grad_bytes)  # the bucket filling besides the one in flight
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank,
-                           construction=construction, apart=_apart(plan, activations, states.grads))
+                           construction=construction, apart=_apart(plan, activations, states.grads),
+                           runtime=runtime)
 
 
 def _apart(plan: Layout, activations: float, grads: float) -> float:

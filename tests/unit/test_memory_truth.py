@@ -172,3 +172,33 @@ def test_the_resident_peak_is_this_programs_own_not_the_launchers():
     del block
     if sys.platform.startswith("linux"):
         assert own < inherited and own > 0
+
+
+def test_the_optimizer_sets_the_state_bytes():
+    n = 1000.0
+    assert model_state_bytes(n, precision="fp32", zero_stage=0, dp=1).optimizer == 8000  # AdamW: m and v
+    assert model_state_bytes(n, precision="fp32", zero_stage=0, dp=1, optimizer="sgd").optimizer == 0
+    assert model_state_bytes(n, precision="fp32", zero_stage=1, dp=4, optimizer="sgd-momentum").optimizer == 1000
+    assert model_state_bytes(n, precision="bf16-mixed", zero_stage=0, dp=1, optimizer="sgd").optimizer == 4000  # master
+
+
+def test_released_gradients_and_activations_peak_apart_only_without_accumulation():
+    psi = sum(layer.params for layer in BIG_VOCAB.layers)
+    one = _pred(BIG_VOCAB, dp=4, zero_stage=3).memory  # ZeRO-3, one pass: the smaller of the two is not added
+    assert one.apart == pytest.approx(min(one.activations, 4 * psi / 4)) and one.apart > 0
+    assert one.training == pytest.approx(one.params + one.grads + one.optimizer + one.activations + one.buffers
+                                         - one.apart)
+    two = predict(BIG_VOCAB, Layout(dp=4, zero_stage=3, micro_batch=1, grad_accum=2), A100, global_batch=8).memory
+    assert two.apart == 0  # the first pass's gradient shards wait through the second forward
+    assert _pred(BIG_VOCAB, dp=4, zero_stage=1).memory.apart == 0  # ZeRO-1's persistent buffers
+    assert _pred(BIG_VOCAB, dp=1).memory.apart > 0  # one rank, no buckets: autograd's gradients
+
+
+def test_a_cpu_rank_adds_its_runtime_growth_and_a_gpu_does_not():
+    from shardwise.planner.memory import CPU_RUNTIME_BYTES
+
+    cpu = dataclasses.replace(A100, kind="cpu")
+    p = Layout(dp=4, zero_stage=3, micro_batch=1)
+    on_cpu, on_gpu = (predict(BIG_VOCAB, p, hw, global_batch=4).memory for hw in (cpu, A100))
+    assert on_gpu.runtime == 0 and on_cpu.runtime == CPU_RUNTIME_BYTES
+    assert on_cpu.training - on_gpu.training == pytest.approx(CPU_RUNTIME_BYTES)
