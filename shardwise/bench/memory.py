@@ -4,8 +4,9 @@ Trains a small GPT (``--layers``, ``--hidden``, ``--heads``, ``--vocab``, ``--se
 ``--precision``, ``--steps``) under every layout of ``--layouts`` with ``shardwise train`` (one subprocess each,
 one after another) and reads each rank's ``memory_ledger`` (``runtime/memory_ledger.py``): the floor of the
 layout (``planner/ledger.py``), the whole-run peak above the bare runtime, their ratio, the phase of the peak and
-the biggest named excess — of the worst rank (highest ratio). A layout the runtime refuses shows its one-line
-error in its row; the others still run.
+the biggest named excess — of the worst rank (highest ratio) — and the planner's prediction of the whole-run
+peak (the launch's ``prediction`` record: the floor plus what the runtime adds) against the highest rank's
+peak. A layout the runtime refuses shows its one-line error in its row; the others still run.
 
 Layouts are named by their axes, joined by ``-``: ``dpN``, ``tpN``, ``ppN`` and ``zeroK`` (ZeRO stage K over
 dp), e.g. ``zero3-dp2-tp2``; the rank count is the product of the axes. The default list (``default_layouts``,
@@ -100,7 +101,18 @@ def run_layout(name: str, model_flags: list[str], steps: int, root: Path) -> dic
         line = (said or lines or [f"exit {proc.returncode}"])[-1]
         return {"layout": name, "error": line.removeprefix("shardwise train: ").removeprefix("error: ")}
     ranks = [json.loads(f.read_text()) for f in sorted((out / "ranks").glob("rank*.json"))]
-    return {"layout": name, "ranks": ranks}
+    return {"layout": name, "ranks": ranks, "predicted": _predicted_peak(out / "metrics.jsonl")}
+
+
+def _predicted_peak(metrics: Path) -> float | None:
+    """The planner's whole-run peak of the run's most loaded rank (its launch prediction), or None."""
+    if not metrics.is_file():
+        return None
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "prediction":
+            return record.get("peak_memory_bytes")
+    return None
 
 
 def layout_row(run: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +125,12 @@ def layout_row(run: dict[str, Any]) -> dict[str, Any]:
         return {"layout": run["layout"], "error": "no rank wrote a summary"}
     rank, book = max(books, key=lambda rb: (rb[1].get("ratio") or 0.0, rb[1].get("whole_peak", 0)))
     floor = book.get("floor") or {}
+    # the planner predicts the most loaded rank's whole-run peak (construction included): against the highest peak
+    top = max((b.get("whole_peak") or 0 for _, b in books), default=0)
+    predicted = run.get("predicted")
+    error = predicted / top - 1 if predicted and top else None
     return {"layout": run["layout"], "rank": rank, "floor": floor.get("total"), "floor_largest": floor.get("largest"),
+            "predicted": predicted, "highest_peak": top, "predicted_error": error,
             "floor_terms": floor, "peak": book.get("whole_peak"), "ratio": book.get("ratio"),
             "peak_phase": book.get("peak_phase"), "biggest_excess": book.get("biggest_excess"),
             "held": book.get("held_on_entry"),
@@ -130,15 +147,17 @@ def render(rows: list[dict[str, Any]], title: str) -> Any:
 
     table = Table(title=title)
     for col in ("layout", "floor MiB (largest term)", "peak MiB above bare (worst rank)", "peak/floor",
-                "phase of peak", "biggest named excess"):
+                "predicted MiB (vs highest peak)", "phase of peak", "biggest named excess"):
         table.add_column(col)
     for r in rows:
         if "error" in r:
-            table.add_row(r["layout"], f"refused: {r['error']}", "", "", "", "")
+            table.add_row(r["layout"], f"refused: {r['error']}", "", "", "", "", "")
             continue
         excess = r.get("biggest_excess")
+        error = r.get("predicted_error")
         table.add_row(r["layout"], f"{_mib(r['floor'])} ({r['floor_largest'] or 'n/a'})",
                       f"{_mib(r['peak'])} (r{r['rank']})", f"{r['ratio']:.2f}" if r.get("ratio") else "n/a",
+                      f"{_mib(r.get('predicted'))} ({error:+.1%})" if error is not None else "n/a",
                       r.get("peak_phase") or "n/a",
                       (f"{_mib(excess[2])} MiB {excess[1]} ({excess[0]})" if excess else "none")
                       + (f"; {_mib(r['held'])} MiB held on entry" if r.get("held") else ""))
