@@ -93,7 +93,7 @@ def _describe(cfg: Config) -> str:
     zero = f", ZeRO-{p.zero_stage}" if p.zero_stage else ""
     zero += ", sequence parallel" if p.sequence_parallel else ""
     zero += ", async tp" if p.async_tp else ""
-    ckpt = ", activation checkpointing" if p.activation_checkpointing else ""
+    ckpt = f", {p.activation_checkpointing} activation checkpointing" if p.activation_checkpointing != "none" else ""
     cp = f" × cp={p.cp}" if p.cp > 1 else ""
     cp += f" (experts over ep={p.ep})" if p.ep > 1 else ""
     ckpt += ", bf16 autocast" if cfg.train.precision == "bf16" else ""

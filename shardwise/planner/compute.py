@@ -204,8 +204,9 @@ def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_no
         # really adds (``recompute_factor``: 1 on the presets)
         recompute = compute_f * hw.recompute_factor + tp_f
     elif plan.activation_checkpointing == "selective" and layer.kind == "block":
-        # the attention core and its softmax traffic (about two passes over the kept scores)
-        recompute = (f_attn + hw.memory_time(2 * layer.act_attn / t * b * act_bytes(plan), 2)) * hw.fwd_factor
+        # everything but the weight GEMMs (parallel/common/selective.py): the attention core, the elementwise
+        # passes (norms, activation, residuals, softmax) and the block's tensor-parallel collectives
+        recompute = (f_attn + f_ew) * hw.fwd_factor + tp_f
     b_gemm, b_ew, w_gemm = b_gemm * hw.bwd_factor, b_ew * hw.bwd_factor, w_gemm * hw.bwd_factor
     ep_f, ep_b = moe_comm(layer, plan, hw, act_bytes(plan))
     return LayerTime(F=F + ep_f, B=b_gemm + b_ew + tp_b + recompute + ep_b, W=w_gemm, recompute=recompute,

@@ -59,9 +59,9 @@ class Space:
 
     @staticmethod
     def runnable() -> "Space":
-        """What ``shardwise train`` runs: recomputation none or full, no sequence parallelism; context
+        """What ``shardwise train`` runs: recomputation none, full or selective, no sequence parallelism; context
         parallelism where it pays (``cp_attention_share``), as ``Space()`` searches it."""
-        return Space(checkpointing=("none", "full"), sequence_parallel=(False,))
+        return Space(checkpointing=("none", "full", "selective"), sequence_parallel=(False,))
 
 
 @dataclass
@@ -286,8 +286,8 @@ def variants(spec: ModelSpec, *, tp: int, pp: int, dp: int, per: int, pins: dict
     zeros = space.pipeline_zero_stages if pp > 1 else space.zero_stages
     zeros = [z for z in _options("zero_stage", list(zeros), pins) if dp > 1 or z == 0]
     ckpts = _options("activation_checkpointing", list(space.checkpointing), pins)
-    if not any(layer.act_attn for layer in spec.layers):
-        ckpts = [c for c in ckpts if c != "selective"] or ckpts  # nothing for selective recomputation to drop
+    if not any(layer.kind == "block" for layer in spec.layers):
+        ckpts = [c for c in ckpts if c == "none"] or ckpts  # no block to recompute
     sps = [s for s in _options("sequence_parallel", list(space.sequence_parallel), pins) if tp > 1 or not s]
     mbs = [mb for mb in _options("micro_batch", [m for m in divisors(per) if m <= space.max_micro_batch], pins)
            if per % mb == 0]

@@ -58,7 +58,8 @@ class Layer:
     act_tp: float = 0.0
     """Activation elements kept for backward, split by tp."""
     act_attn: float = 0.0
-    """Attention-core elements (softmax/dropout, ``O(s²)``), split by tp; selective recomputation drops them."""
+    """Attention-core elements (softmax/dropout, ``O(s²)``), split by tp; selective recomputation drops them (with
+    every other activation but the weight GEMMs' outputs)."""
     act_fp32: float = 0.0
     """Elements kept in fp32 whatever the precision (e.g. log-softmax of the loss), split by tp."""
     hidden: int = 0

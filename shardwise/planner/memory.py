@@ -109,8 +109,21 @@ def layer_activation_bytes(layer: Layer, plan: Layout) -> tuple[float, float]:
     if plan.activation_checkpointing == "full":
         kept = layer.hidden * b * eb / (t if plan.sequence_parallel else 1)  # the block's input only
         return kept, full
-    kept = full - layer.act_attn / t * b * eb  # selective: the attention core is recomputed
-    return kept, layer.act_attn / t * b * eb
+    # selective (parallel/common/selective.py): the weight GEMMs' outputs are kept, with the block's input;
+    # everything else (attention core, norms, activation function, residuals) is recomputed
+    kept = min(full, (layer.hidden / (t if plan.sequence_parallel else 1) + _gemm_outputs(layer, t)) * b * eb)
+    return kept, full - kept
+
+
+def _gemm_outputs(layer: Layer, t: int) -> float:
+    """Elements per sequence the weight GEMMs of ``layer`` write on one tensor-parallel rank (a column split
+    writes ``n / t`` columns, a head split ``batch / t`` products; a row split writes the whole output, partial
+    until it is reduced)."""
+    total = 0.0
+    for g in layer.gemms:
+        if g.weight:
+            total += g.rows * g.n * g.batch / (t if g.split in ("col", "heads") else 1)
+    return total
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ class Layout:
     chunks: int = 1
     """Model chunks per pipeline rank (``interleaved``)."""
     activation_checkpointing: str = "none"
-    """``none``, ``full`` (keep each layer's input, recompute the layer) or ``selective`` (recompute only the
-    attention core, Korthikanti et al. 2022)."""
+    """``none``, ``full`` (keep each layer's input, recompute the layer) or ``selective`` (keep the weight GEMMs'
+    outputs, recompute the attention core and the elementwise operations: Korthikanti et al. 2022's idea)."""
     sequence_parallel: bool = False
     async_tp: bool = False
     """Tensor-parallel communication overlapped with the matmuls (``parallel.async_tp``): each collective cut

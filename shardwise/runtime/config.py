@@ -22,13 +22,12 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
            "Config", "PRESETS", "load_config", "parse_overrides", "apply_overrides", "config_from_dict",
            "validate", "default_nproc", "describe_fields", "read_config_file"]
 
-
 from .compiling import check_compile
 from .config_moe import check_experts
 from .config_defaults import MICRO_BATCH_CAP, dataset_vocab, grad_accum_of, inferred_dp, resolve_batch
 from .config_ranges import check_async_tp, check_context_parallel, check_numbers, check_sequence_parallel
-from .config_schema import (PRESETS, Config, DataConfig, DebugConfig, ModelConfig, OptimizerConfig,  # noqa: F401
-                            ParallelConfig, TrainConfig, describe_fields)
+from .config_schema import (OLD_SPELLINGS, PRESETS, Config, DataConfig, DebugConfig, ModelConfig,  # noqa: F401
+                            OptimizerConfig, ParallelConfig, TrainConfig, describe_fields)
 from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
 
 
@@ -49,10 +48,13 @@ def _unknown(kind: str, name: str, choices: Sequence[str]) -> ValueError:
     return ValueError(f"unknown {kind} {name!r}; {hint}valid: {', '.join(sorted(choices))}")
 
 
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Check/convert one value (from TOML or a string flag) to the field's type."""
     if typing.get_origin(typ) is Literal:
         choices = typing.get_args(typ)
+        value = OLD_SPELLINGS.get(key, {}).get(value.lower() if isinstance(value, str) else value, value)
         if value not in choices:
             raise ValueError(f"{key} = {value!r} is not allowed; choose one of {list(choices)}")
         return value
@@ -86,11 +88,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return tuple(items)
         raise ValueError(f"{key} must be a list of names, got {value!r}; e.g. --{key} blocks.2,ln_f")
     name = getattr(typ, "__name__", str(typ))
-    raise ValueError(f"{key} must be a {name}, got {value!r}; e.g. --{key} {_example(typ)}")
-
-
-def _example(typ: Any) -> str:
-    return {bool: "true", int: "2", float: "0.001", str: "NAME"}.get(typ, "VALUE")
+    example = {bool: "true", int: "2", float: "0.001", str: "NAME"}.get(typ, "VALUE")
+    raise ValueError(f"{key} must be a {name}, got {value!r}; e.g. --{key} {example}")
 
 
 def config_from_dict(tree: Mapping[str, Any], base: Config | None = None) -> Config:

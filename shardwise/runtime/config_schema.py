@@ -82,6 +82,11 @@ class OptimizerConfig:
     it, foreach otherwise. The three agree to rounding (fused may differ in the last bits)."""
 
 
+OLD_SPELLINGS: dict[str, dict[Any, str]] = {"parallel.activation_checkpointing": {  # it was a bool
+    True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none"}}
+"""Values a field accepted before it became a choice, and what they mean now (``config._coerce``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How the job is laid out over ranks: mesh ``(dp, tp)`` of ``nproc`` processes, ``(pp, dp, tp)`` with pp > 1."""
@@ -126,8 +131,10 @@ class ParallelConfig:
     grad_accum is given)."""
     grad_accum: int = 0
     """Forward/backward passes per step (pp > 1: pipeline steps); 0 = global_batch / (micro_batch × dp)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of storing them: ``full`` keeps only each block's input,
+    ``selective`` keeps the weight matmuls' outputs and recomputes the rest (attention core, norms, activation
+    function). ``true``/``false`` (the old boolean) mean full/none."""
     sequence_parallel: bool = False
     """Sequence parallelism inside tensor parallelism (Megatron): outside the column→row pairs the activations
     (norms, residuals, dropout) hold 1/tp of the sequence; needs tp > 1."""
@@ -148,6 +155,11 @@ class ParallelConfig:
     conjugates) run as tp chunks on a ring, a chunk's transfer hidden under another chunk's matmul; without it
     the row layer's all-reduce runs in max(tp, 2) pieces, each under the next piece's matmul, and the column
     layer's backward all-reduce under its weight-gradient matmul. Needs tp > 1."""
+
+    def __post_init__(self) -> None:
+        # the field was a bool: True/False (Python configs, saved runs) still mean full/none
+        if isinstance(self.activation_checkpointing, bool):
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,8 +59,9 @@ def _remedies(cfg: Config, largest: str) -> str:
     elif p.tp == 1 and p.pp == 1:
         out.append("--parallel.tp or --parallel.pp > 1 (splits the model)")
     if largest == "activations":
-        if not p.activation_checkpointing:
-            out.append("--parallel.activation_checkpointing true")
+        if p.activation_checkpointing != "full":
+            out.append("--parallel.activation_checkpointing " + ("full" if p.activation_checkpointing == "selective"
+                                                                   else "selective (or full)"))
         if p.micro_batch > 1:
             out.append(f"a smaller --parallel.micro_batch (now {p.micro_batch})")
     out.append("a smaller model")

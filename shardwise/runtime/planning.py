@@ -29,14 +29,11 @@ PIN_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch", "grad_a
 
 def config_from_plan(plan: Layout) -> dict[str, Any]:
     """The ``parallel`` section (field → value) that makes ``shardwise train`` run ``plan``; ``ValueError``
-    naming what train cannot run (selective recomputation, bf16-mixed)."""
-    if plan.activation_checkpointing == "selective":
-        raise ValueError(f"plan {plan.describe()}: shardwise train has no selective recomputation; search with "
-                         f"Space.runnable()")
+    naming what train cannot run (bf16-mixed)."""
     if plan.precision == "bf16-mixed":
         raise ValueError(f"plan {plan.describe()}: shardwise train runs fp32 or bf16 autocast, not bf16-mixed")
     out: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "zero_stage": plan.zero_stage,
-                           "activation_checkpointing": plan.activation_checkpointing == "full",
+                           "activation_checkpointing": plan.activation_checkpointing,
                            "sequence_parallel": plan.sequence_parallel, "async_tp": plan.async_tp}
     if plan.ep > 1:  # parallel.ep (absent from a dense plan's section, which stays as it was)
         out["ep"] = plan.ep
@@ -70,7 +67,13 @@ def parse_pin(text: str) -> tuple[str, Any]:
     value: Any = raw.strip()
     if name in ("pp_split", "replicate"):
         value = tuple(v for v in value.split(",") if v)
-    elif name in ("activation_checkpointing", "async_tp"):
+    elif name == "activation_checkpointing":
+        modes = {"none": "none", "full": "full", "selective": "selective", "true": "full", "false": "none",
+                 "1": "full", "0": "none"}
+        if value.lower() not in modes:
+            raise ValueError(f"--pin {text!r}: {name} is none, full or selective")
+        value = modes[value.lower()]
+    elif name == "async_tp":
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"--pin {text!r}: {name} is true or false")
         value = value.lower() in ("true", "1")
@@ -142,7 +145,7 @@ def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
         elif key == "pp_split":
             pins["pp_split"] = tuple(value)
         elif key == "activation_checkpointing":
-            pins[key] = "full" if value else "none"
+            pins[key] = value if isinstance(value, str) else "full" if value else "none"
         elif key == "async_tp" and value:  # false pins nothing: the search prices async_tp only when asked
             pins[key] = True
     if "micro_batch" in pairs:

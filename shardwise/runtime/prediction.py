@@ -37,8 +37,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
 
     Field by field: ``dp``, ``cp``, ``tp``, ``pp``, ``ep`` (``parallel.ep``, 1 where the config has none),
     ``zero_stage`` as they are; ``optimizer`` from ``optimizer.name`` (SGD with ``beta1`` > 0 keeps a momentum
-    buffer); ``activation_checkpointing`` true →
-    ``"full"`` (every block recomputed); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
+    buffer); ``activation_checkpointing`` as it is (``none``, ``full``, ``selective``); ``train.precision`` ``fp32``/``bf16`` → the same plan precision
     (bf16 autocast over fp32 weights); ``sequence_parallel`` and ``async_tp`` as they are.
 
     The batch with pp = 1: ``micro_batch`` sequences per pass, ``grad_accum`` passes (0: inferred by
@@ -61,7 +60,7 @@ def plan_from_config(cfg: Config, *, train_passes: bool = False) -> Layout:
     dp = p.dp or p.nproc // (p.tp * p.pp * p.cp)
     fields: dict[str, Any] = dict(
         dp=dp, cp=p.cp, tp=p.tp, pp=p.pp, ep=getattr(p, "ep", 1), zero_stage=p.zero_stage, grad_accum=p.grad_accum,
-        activation_checkpointing="full" if p.activation_checkpointing else "none",
+        activation_checkpointing=p.activation_checkpointing,
         sequence_parallel=p.sequence_parallel, async_tp=p.async_tp,
         precision=_PRECISION.get(cfg.train.precision, cfg.train.precision), optimizer=_optimizer(cfg),
         schedule=p.pp_schedule if p.pp > 1 else "1f1b", chunks=p.pp_chunks if p.pp > 1 else 1,

@@ -47,10 +47,9 @@ def test_a_plan_maps_to_the_train_config_that_runs_it(plan: Layout):
 def test_config_from_plan_refuses_what_train_cannot_run():
     assert config_from_plan(Layout(tp=2, sequence_parallel=True))["sequence_parallel"] is True
     assert config_from_plan(Layout(tp=2))["sequence_parallel"] is False
-    for plan, word in ((Layout(activation_checkpointing="selective"), "selective"),
-                       (Layout(precision="bf16-mixed"), "bf16-mixed")):
-        with pytest.raises(ValueError, match=word):
-            config_from_plan(plan)
+    assert config_from_plan(Layout(activation_checkpointing="selective"))["activation_checkpointing"] == "selective"
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        config_from_plan(Layout(precision="bf16-mixed"))
 
 
 def test_sequence_parallel_round_trips_and_auto_refuses_it():

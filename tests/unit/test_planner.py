@@ -59,7 +59,9 @@ def test_korthikanti_activation_formulas():
     cases = {("none", False, 1): s * b * h * (34 + 5 * a * s / h),
              ("none", False, t): s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
              ("none", True, t): s * b * h * (34 / t + 5 * a * s / (h * t)),
-             ("selective", True, t): s * b * h * 34 / t,
+             # ours keeps the weight GEMMs' outputs and the block's input (sequence-split): qkv 3h/t, proj h (the
+             # row-parallel output before its reduce-scatter), fc 4h/t, fc_proj h, input h/t; at 2 bytes
+             ("selective", True, t): 2 * s * b * (8 * h / t + 2 * h),
              ("full", False, t): 2 * s * b * h}
     for (ckpt, sp, tp), want in cases.items():
         plan = Layout(tp=tp, micro_batch=b, activation_checkpointing=ckpt, sequence_parallel=sp, precision="bf16")

@@ -27,6 +27,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from torch.utils._pytree import tree_flatten
+
+from .selective import check_attention, check_mode, checkpoint_kwargs, selective_context
+
 __all__ = ["checkpoint_layers", "remove_checkpointing", "checkpointed_modules", "activation_memory",
            "checkpoint_report", "ActivationReport", "Policy"]
 
@@ -37,13 +41,18 @@ Policy = Callable[[str, nn.Module], bool]
 # storage object keeps it alive, so a freed address cannot be reused and then mistaken for a duplicate.
 _METER: contextvars.ContextVar[dict[int, torch.UntypedStorage] | None] = contextvars.ContextVar(
     "sw_activation_meter", default=None)
+# The caches of selective checkpointing's saving contexts opened under the active meter ({op: {i: outputs}}).
+_CACHES: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("sw_selective_caches", default=[])
 
 
 class _CheckpointedForward:
-    """Instance-level ``forward`` of a checkpointed module (class-level forward is left alone)."""
+    """Instance-level ``forward`` of a checkpointed module (class-level forward is left alone). ``mode``: ``full``
+    (the module keeps only its inputs) or ``selective`` (``selective.py``: only the attention core is
+    recomputed)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, mode: str = "full") -> None:
         self.module = module
+        self.mode = mode
         self.enabled = True
         self.body: Callable[..., Any] | None = None
         """What runs under the checkpoint instead of the class forward (``sw.compile``: the compiled forward)."""
@@ -59,7 +68,19 @@ class _CheckpointedForward:
             for value in (*args, *kwargs.values()):
                 if isinstance(value, torch.Tensor):
                     _count(meter, value)
-        return checkpoint(original, self.module, *args, use_reentrant=False, **kwargs)
+        how = checkpoint_kwargs(self.mode)
+        if meter is not None and how:  # selective: the outputs it keeps sit in the policy's cache, not in autograd
+            how = {"context_fn": lambda: _metered(meter, selective_context())}
+        return checkpoint(original, self.module, *args, use_reentrant=False, **how, **kwargs)
+
+
+def _metered(meter: dict[int, torch.UntypedStorage], contexts: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Selective checkpointing's contexts with the saving one's cache registered with ``meter``: what it caches
+    in forward is what the block keeps for backward (``activation_memory`` counts it when the forward is over)."""
+    store = getattr(contexts[0], "storage", None)
+    if store is not None:
+        _CACHES.get().append(store)
+    return contexts
 
 
 def _unbound(body: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,14 +108,22 @@ def _select(model: nn.Module, policy: Policy | None) -> list[tuple[str, nn.Modul
     return outer
 
 
-def checkpoint_layers(model: nn.Module, *, every: int = 1, policy: Policy | None = None) -> nn.Module:
+def checkpoint_layers(model: nn.Module, *, every: int = 1, policy: Policy | None = None,
+                      mode: str = "full") -> nn.Module:
     """Checkpoint the selected modules of ``model`` in place and return ``model``.
 
     Selection: ``policy(name, module)`` if given, else every element of any ``nn.ModuleList`` named
     ``blocks``; a module nested inside a selected one is skipped. ``every=k`` keeps the selected modules
-    at positions 0, k, 2k, … (in module order). Raises ``ValueError`` when ``every < 1``, when nothing is
-    selected, or when a selected module is already checkpointed (call ``remove_checkpointing`` first).
+    at positions 0, k, 2k, … (in module order). ``mode``: ``"full"`` (each selected module keeps only its
+    inputs and recomputes the rest in backward) or ``"selective"`` (only its attention core is recomputed, every
+    other activation is kept: ``selective.py``; each selected module must contain an attention module). Raises
+    ``ValueError`` when ``every < 1``, for another mode, when nothing is selected, when a selective block has no
+    attention, or when a selected module is already checkpointed (call ``remove_checkpointing`` first).
     """
+    mode = check_mode(mode)
+    if mode == "none":
+        raise ValueError("checkpoint_layers(mode='none') would checkpoint nothing; call it with mode='full' or "
+                         "'selective', or do not call it")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"every must be a positive int (checkpoint every k-th block), got {every!r}; e.g. every=1 "
                          f"(every block) or every=2")
@@ -108,10 +137,12 @@ def checkpoint_layers(model: nn.Module, *, every: int = 1, policy: Policy | None
     if twice:
         raise ValueError(f"modules {twice} are already checkpointed; checkpoint_layers was applied twice — "
                          "call remove_checkpointing(model) first to change the selection")
+    if mode == "selective":
+        check_attention(selected[::every])
     for name, module in selected[::every]:
         # nn.Module.__setattr__ stores a plain callable in the instance __dict__, shadowing the class
         # forward; parameters and submodules are untouched, so names and state_dict keys stay the same.
-        module.forward = _CheckpointedForward(module)
+        module.forward = _CheckpointedForward(module, mode)
     return model
 
 
@@ -163,12 +194,19 @@ def activation_memory(model: nn.Module, fn: Callable[[], Any]) -> int:
         _count(meter, t)
         return t
 
-    token = _METER.set(meter)
+    token, caches = _METER.set(meter), _CACHES.set([])
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = fn()  # held until counted: its graph owns the saved tensors
+        for store in _CACHES.get():
+            for outputs in store.values():
+                for t in tree_flatten(list(outputs.values()))[0]:
+                    t = getattr(t, "val", t)  # torch wraps each cached output (its version counter checked)
+                    if isinstance(t, torch.Tensor):
+                        _count(meter, t)
     finally:
         _METER.reset(token)
+        _CACHES.reset(caches)
     total = sum(storage.nbytes() for ptr, storage in meter.items() if ptr not in params)
     del result, meter
     return total

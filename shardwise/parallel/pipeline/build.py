@@ -30,6 +30,7 @@ from ..common.autocast import check_autocast
 from ..common.expert_tag import is_expert_param
 from ..common.materialize import ensure_sources, materialize
 from ..common.grad_norm import clip_counted, counted, shard_pieces
+from ..common.selective import check_attention, check_mode
 from ..common.mixed_precision import LossScaler
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from ...comm.shm_p2p import shm_link_for
@@ -55,7 +56,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh: Mesh, axis: str, *, microbatches: int, schedule: str,
                  loss_fn: Callable[[Any, Tensor], Tensor] | None, split: Sequence[str] | None, chunks: int,
-                 dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool = False,
+                 dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool | str = False,
                  bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int | None = None,
                  recv_before_send: bool | None = None, autocast: torch.dtype | None = None,
                  transport: str = "auto", example_inputs: Any = None) -> None:
@@ -86,8 +87,11 @@ class Pipeline:
         self._key_owner = key_owner(self._meta, modules)  # a tied key: its first stage's coordinate
         self.released_bytes = release_other_stages(model, self.stages.values()) if release else 0
         """Bytes of other stages' parameters and buffers freed on this rank at construction."""
+        mode = check_mode(checkpoint)
+        if mode == "selective":
+            check_attention([(f"the model ({type(model).__name__})", model)])
         for stage in self.stages.values():
-            stage.checkpoint = checkpoint
+            stage.checkpoint = mode
         self.zero_stage = zero_stage
         self.transport = transport
         """As requested: ``native``, ``shm`` or ``auto`` (``used_transport`` says what runs, from the first step)."""
@@ -349,7 +353,7 @@ def _tied_parameters(stages: list[Any], p: int, me: int) -> list[tuple[nn.Parame
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
              loss_fn: Callable[[Any, Tensor], Tensor] | None = None, split: Sequence[str] | None = None,
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
-             checkpoint: bool = False, bucket_cap_mb: float = 25, release: bool = True,
+             checkpoint: bool | str = False, bucket_cap_mb: float = 25, release: bool = True,
              recv_ahead: int | None = None, recv_before_send: bool | None = None,
              autocast: torch.dtype | None = None, transport: str = "auto", example_inputs: Any = None) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
@@ -365,7 +369,9 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     ``bucket_cap_mb``: gradient bytes per dp reduction (MB = 2**20 bytes). ``release``: free the parameters
     and buffers of the stages other ranks run (default), so each rank keeps ~1/pp of the model; ``model``
     itself is then no longer usable as a whole (use ``sw.full_state_dict(pipe)``).
-    ``checkpoint``: activation checkpointing per unit (each block keeps only its input; recomputed in backward).
+    ``checkpoint``: activation checkpointing per unit — ``True``/``"full"`` (each block keeps only its input;
+    recomputed in backward) or ``"selective"`` (each unit with attention keeps its weight matmuls' outputs and
+    recomputes the rest); ``False``/``"none"`` for none.
     ``recv_ahead``: post each receive at least this many of the rank's compute actions before the one that
     consumes it; ``recv_before_send``: also before the action the rank runs when the message is sent (in the
     schedule's unit-cost simulation), so the transfer overlaps compute instead of stalling the receiver

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..common.selective import checkpoint_kwargs, has_attention
 from .capture import Graph, Node, Ref, capture, refs_in, walk
 from .made import Made
 from .stage import balance_by_params
@@ -79,8 +80,9 @@ class GraphStage(nn.Module):
         # original qualified names (dots -> '/': module names cannot hold dots); original keys via owned_names
         self.parts = nn.ModuleDict({n.replace(".", "/"): m for n, m in modules.items()})
         self.capture_device = device_of_capture
-        self.checkpoint = False
-        """Activation checkpointing: each leaf module call keeps only its inputs, recomputed in backward."""
+        self.checkpoint = "none"
+        """Activation checkpointing (``none``, ``full``, ``selective``): each leaf module call keeps only its inputs,
+        recomputed in backward (``selective``: a leaf with attention keeps its weight matmuls' outputs too)."""
 
     @property
     def n_send(self) -> int:
@@ -142,10 +144,12 @@ class _Runner:
         if node.op == "call":
             return node.target(*args, **kwargs)
         module = self.stage.parts[node.target.replace(".", "/")]
-        if self.stage.checkpoint and torch.is_grad_enabled() and any(
+        mode = self.stage.checkpoint
+        if mode != "none" and torch.is_grad_enabled() and (mode == "full" or has_attention(module)) and any(
                 isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_flatten((args, kwargs))[0]):
             made = {id(self.made[r.index]): r.index for r in _made_in((node.args, node.kwargs))}
-            return checkpoint(_Recompute(module, self.stage.graph, made), *args, use_reentrant=False, **kwargs)
+            return checkpoint(_Recompute(module, self.stage.graph, made), *args, use_reentrant=False,
+                              **checkpoint_kwargs(mode), **kwargs)
         return module(*args, **kwargs)
 
 

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..common.selective import checkpoint_kwargs, has_attention
+
 __all__ = ["Unit", "PipelineCuttable", "Stage", "model_units", "balance_by_params", "resolve_split", "build_stages"]
 
 
@@ -143,15 +145,19 @@ class Stage(nn.Module):
         # Registered under the original qualified names (dots -> '/' since module names cannot hold dots), so
         # parameters() finds them; original keys come from ``owned_names``.
         self.parts = nn.ModuleDict({name.replace(".", "/"): m for u in units for name, m in u.modules})
-        self.checkpoint = False
-        """Activation checkpointing: each unit keeps only its input and recomputes its activations in backward
-        (``torch.utils.checkpoint``, non-reentrant: recomputed inside the same backward, hooks fire once)."""
+        self.checkpoint = "none"
+        """Activation checkpointing (``none``, ``full``, ``selective``): ``full``, each unit keeps only its input and
+        recomputes its activations in backward (``torch.utils.checkpoint``, non-reentrant: recomputed inside the
+        same backward, hooks fire once); ``selective``, each unit with an attention module keeps its weight
+        matmuls' outputs and recomputes the rest (``parallel/common/selective.py``)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        mode = self.checkpoint
         for u in self.units:
             # float inputs only: the embedding unit's token ids have nothing to recompute from
-            if self.checkpoint and torch.is_grad_enabled() and x.is_floating_point():
-                x = checkpoint(u.fn, x, use_reentrant=False)
+            if (mode != "none" and torch.is_grad_enabled() and x.is_floating_point()
+                    and (mode == "full" or any(has_attention(m) for _, m in u.modules))):
+                x = checkpoint(u.fn, x, use_reentrant=False, **checkpoint_kwargs(mode))
             else:
                 x = u.fn(x)
         return x

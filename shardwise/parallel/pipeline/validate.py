@@ -37,9 +37,9 @@ def check_hybrid(mesh: Mesh, axis: str, dp_axis: str | None, zero_stage: Any, ch
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a number > 0 (MB of gradients per dp reduction), got "
                          f"{bucket_cap_mb!r}; the default is 25")
-    if not isinstance(checkpoint, bool):
-        raise TypeError(f"checkpoint must be True or False (recompute each unit's activations in backward), "
-                        f"got {checkpoint!r}")
+    if not isinstance(checkpoint, bool) and checkpoint not in ("none", "full", "selective"):
+        raise TypeError(f"checkpoint must be True or False (recompute each unit's activations in backward), or "
+                        f"'none', 'full' or 'selective' (keep the weight matmuls' outputs), got {checkpoint!r}")
 
 
 def check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn: Callable | None, chunks: int,

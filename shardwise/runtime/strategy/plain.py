@@ -32,13 +32,15 @@ __all__ = ["PlainStrategy", "DataParallelSteps", "accumulate", "dp_mean", "check
 
 
 def checkpointed(cfg: Config, model: nn.Module) -> nn.Module:
-    """``model`` with activation checkpointing per block when ``parallel.activation_checkpointing``. Local."""
-    if cfg.parallel.activation_checkpointing:
+    """``model`` with activation checkpointing per block (``parallel.activation_checkpointing``: ``full`` or
+    ``selective``; ``none`` leaves it). Local."""
+    mode = cfg.parallel.activation_checkpointing
+    if mode != "none":
         from ...parallel.common.activation_checkpointing import checkpoint_layers
         from ..model_build import block_names
 
         blocks = set(block_names(model))  # blocks.i of the GPT, model.layers.i of an HF decoder
-        checkpoint_layers(model, policy=lambda name, _: name in blocks)
+        checkpoint_layers(model, policy=lambda name, _: name in blocks, mode=mode)
     return model
 
 
