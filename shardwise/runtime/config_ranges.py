@@ -7,7 +7,7 @@ import math
 
 from .config_schema import Config
 
-__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel", "check_async_tp"]
+__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel", "check_async_tp", "check_selective"]
 
 
 def check_numbers(config: Config) -> None:
@@ -53,6 +53,18 @@ def check_async_tp(config: Config) -> None:
     if p.async_tp and p.tp < 2:
         raise ValueError(f"parallel.async_tp = true overlaps tensor-parallel communication with the matmuls, but "
                          f"parallel.tp = {p.tp}; use --parallel.tp 2 (or more), or --parallel.async_tp false")
+
+
+def check_selective(config: Config) -> None:
+    """``parallel.activation_checkpointing = selective`` in a pipeline needs a schedule without split backward:
+    zero-bubble's weight-gradient pass differentiates each stage again, which torch's selective checkpoint
+    forbids."""
+    p = config.parallel
+    if p.activation_checkpointing == "selective" and p.pp > 1 and p.pp_schedule.startswith("zb"):
+        raise ValueError(f"parallel.activation_checkpointing = selective with parallel.pp_schedule = {p.pp_schedule!r}: "
+                         f"its weight-gradient pass differentiates each stage a second time, which torch's selective "
+                         f"checkpoint forbids; use --parallel.activation_checkpointing full, or --parallel.pp_schedule "
+                         f"1f1b (or interleaved, gpipe)")
 
 
 def check_context_parallel(config: Config) -> None:

@@ -40,7 +40,7 @@ def test_auto_with_a_pin_chooses_trains_and_matches_the_hand_written_layout(tmp_
     flags = ["--parallel.pp", "2", "--parallel.pp_schedule", plan["schedule"], "--parallel.pp_chunks", str(plan["chunks"]),
              "--parallel.micro_batch", str(plan["micro_batch"] * plan["microbatches"]),
              "--parallel.pp_microbatches", str(plan["microbatches"]), "--parallel.zero_stage", str(plan["zero_stage"]),
-             "--parallel.activation_checkpointing", "true" if plan["activation_checkpointing"] == "full" else "false"]
+             "--parallel.activation_checkpointing", plan["activation_checkpointing"]]
     if plan["pp_split"]:
         flags += ["--parallel.pp_split", ",".join(plan["pp_split"])]
     hand = cli(tmp_path, "train", *TINY, *flags, "--train.name", "hand")

@@ -192,10 +192,19 @@ def test_pp2_times_tp2_trains_like_one_process_and_its_checkpoint_changes_layout
     assert Checkpoint(there).index["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
 
 
-def test_pp2_with_activation_checkpointing_trains_like_one_process(runs, tmp_path):
+@pytest.mark.parametrize("mode, schedule", [("true", "zb-h1"), ("selective", "1f1b")])
+def test_pp2_with_activation_checkpointing_trains_like_one_process(runs, tmp_path, mode, schedule):
     one, _ = runs  # zb-h1: checkpointed units recomputed for B, weight gradients from W
-    run = train(tmp_path, "ppck", "--parallel.pp", "2", "--parallel.activation_checkpointing", "true",
-                "--parallel.pp_schedule", "zb-h1", "--train.steps", "3", "--train.ckpt_every", "0")
+    run = train(tmp_path, "ppck", "--parallel.pp", "2", "--parallel.activation_checkpointing", mode,
+                "--parallel.pp_schedule", schedule, "--train.steps", "3", "--train.ckpt_every", "0")
+    assert_close_losses(losses(run), losses(one), [1, 2, 3])
+
+
+def test_selective_checkpointing_under_zero3_and_tp_trains_like_one_process(runs, tmp_path):
+    one, _ = runs  # ZeRO-3 re-gathers each unit for its backward, where the recomputation runs; tp's collectives rerun
+    run = train(tmp_path, "selz3", "--parallel.nproc", "4", "--parallel.tp", "2", "--parallel.zero_stage", "3",
+                "--parallel.micro_batch", "4", "--parallel.activation_checkpointing", "selective",
+                "--train.steps", "3", "--train.ckpt_every", "0")
     assert_close_losses(losses(run), losses(one), [1, 2, 3])
 
 

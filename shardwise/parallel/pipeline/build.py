@@ -30,7 +30,6 @@ from ..common.autocast import check_autocast
 from ..common.expert_tag import is_expert_param
 from ..common.materialize import ensure_sources, materialize
 from ..common.grad_norm import clip_counted, counted, shard_pieces
-from ..common.selective import check_attention, check_mode
 from ..common.mixed_precision import LossScaler
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from ...comm.shm_p2p import shm_link_for
@@ -46,7 +45,7 @@ from .batching import normalize_example
 from .capture import Graph
 from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
-from .validate import check_args, check_hybrid, check_keys
+from .validate import check_args, check_hybrid, check_keys, checkpoint_mode
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -87,9 +86,7 @@ class Pipeline:
         self._key_owner = key_owner(self._meta, modules)  # a tied key: its first stage's coordinate
         self.released_bytes = release_other_stages(model, self.stages.values()) if release else 0
         """Bytes of other stages' parameters and buffers freed on this rank at construction."""
-        mode = check_mode(checkpoint)
-        if mode == "selective":
-            check_attention([(f"the model ({type(model).__name__})", model)])
+        mode = checkpoint_mode(model, checkpoint, schedule, self.schedule.split_backward)
         for stage in self.stages.values():
             stage.checkpoint = mode
         self.zero_stage = zero_stage

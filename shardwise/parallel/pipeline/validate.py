@@ -8,10 +8,11 @@ from typing import Any, Callable
 from torch import nn
 
 from ...mesh import Mesh
+from ..common.selective import check_attention, check_mode
 from .schedules import SCHEDULES, _did_you_mean
 from .stage import Stage
 
-__all__ = ["check_args", "check_hybrid", "check_keys"]
+__all__ = ["check_args", "check_hybrid", "check_keys", "checkpoint_mode"]
 
 
 def check_keys(model: nn.Module, stages: list[Stage]) -> None:
@@ -61,3 +62,18 @@ def check_args(mesh: Mesh, axis: str, microbatches: int, schedule: str, loss_fn:
                         "for a model that returns its own loss, e.g. given labels=)")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {loss_fn!r}")
+
+
+def checkpoint_mode(model: nn.Module, checkpoint: Any, schedule: str, split_backward: bool) -> str:
+    """The activation checkpointing mode of ``checkpoint`` (``True``/``False`` mean full/none). ``selective`` needs
+    attention in the model and a schedule without split backward: zero-bubble's weight-gradient pass
+    differentiates each stage a second time, which torch's selective checkpoint forbids."""
+    mode = check_mode(checkpoint)
+    if mode == "selective":
+        check_attention([(f"the model ({type(model).__name__})", model)])
+        if split_backward:
+            raise ValueError(f"selective activation checkpointing with schedule {schedule!r}: its weight-gradient "
+                             f"pass differentiates each stage a second time, which torch's selective checkpoint "
+                             f"forbids; use checkpoint='full' (--parallel.activation_checkpointing full) or a "
+                             f"schedule without split backward (1f1b, interleaved, gpipe)")
+    return mode
