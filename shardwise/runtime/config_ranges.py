@@ -7,7 +7,8 @@ import math
 
 from .config_schema import Config
 
-__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel", "check_async_tp", "check_selective"]
+__all__ = ["check_numbers", "check_sequence_parallel", "check_context_parallel", "check_async_tp", "check_selective",
+           "check_offload"]
 
 
 def check_numbers(config: Config) -> None:
@@ -53,6 +54,24 @@ def check_async_tp(config: Config) -> None:
     if p.async_tp and p.tp < 2:
         raise ValueError(f"parallel.async_tp = true overlaps tensor-parallel communication with the matmuls, but "
                          f"parallel.tp = {p.tp}; use --parallel.tp 2 (or more), or --parallel.async_tp false")
+
+
+def check_offload(config: Config) -> None:
+    """``parallel.offload`` moves ZeRO's optimizer (and stage 3's parameter) shards to host memory: it needs ZeRO
+    (``params``: stage 3) and is not wired into pipelines."""
+    p = config.parallel
+    if p.offload == "none":
+        return
+    if p.zero_stage == 0:
+        raise ValueError(f"parallel.offload = {p.offload} moves ZeRO's shards to host memory, but parallel.zero_stage = 0; "
+                         f"use --parallel.zero_stage 1, 2 or 3 (params: 3), or --parallel.offload none")
+    if p.offload == "params" and p.zero_stage != 3:
+        raise ValueError(f"parallel.offload = params moves ZeRO-3's parameter shards to host memory, but "
+                         f"parallel.zero_stage = {p.zero_stage} keeps whole parameters; use --parallel.zero_stage 3, "
+                         f"or --parallel.offload optimizer")
+    if p.pp > 1:
+        raise ValueError(f"parallel.offload = {p.offload} with parallel.pp = {p.pp} is not supported (a pipeline's "
+                         f"optimizer is not offloaded); use --parallel.offload none, or --parallel.pp 1")
 
 
 def check_selective(config: Config) -> None:

@@ -131,6 +131,10 @@ class ParallelConfig:
     grad_accum is given)."""
     grad_accum: int = 0
     """Forward/backward passes per step (pp > 1: pipeline steps); 0 = global_batch / (micro_batch × dp)."""
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """ZeRO offload: ``optimizer`` keeps the fp32 master weights and optimizer state in host memory and steps there
+    (ZeRO 1-3); ``params`` (ZeRO-3) also the parameter shards, copied to the device for each gather. On CPU ranks
+    the host is the device: the same numbers and bytes."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward instead of storing them: ``full`` keeps only each block's input,
     ``selective`` keeps the weight matmuls' outputs and recomputes the rest (attention core, norms, activation

@@ -256,10 +256,17 @@ def activation_peak(meter: PhaseMeter, memory: dict[str, int], saved_peak: int) 
     return max(0, meter.whole_peak() - states)
 
 
-def rank_ledger(meter: PhaseMeter, bare: int, cfg: Any, pp_rank: int, activation_peak: int) -> dict[str, Any]:
-    """``ledger`` of this rank with its floor (``rank_floor_of``); a ledger that fails must not fail the run:
-    then the error, in one line. Local."""
+def rank_ledger(meter: PhaseMeter, bare: int, cfg: Any, pp_rank: int, activation_peak: int,
+                memory: dict[str, int] | None = None) -> dict[str, Any]:
+    """``ledger`` of this rank with its floor (``rank_floor_of``) and, with ``parallel.offload``, where its model
+    states live (``placement``: bytes in host memory and on the device; on CPU ranks both are the one memory). A
+    ledger that fails must not fail the run: then the error, in one line. Local."""
     try:
-        return ledger(meter, bare, rank_floor_of(cfg, pp_rank), activation_peak)
+        book = ledger(meter, bare, rank_floor_of(cfg, pp_rank), activation_peak)
+        if memory and "offloaded" in memory:
+            states = sum(memory.get(k, 0) for k in ("params", "grads", "optimizer"))
+            book["placement"] = {"host": memory["offloaded"], "device": max(0, states - memory["offloaded"]),
+                                 "offload": cfg.parallel.offload}
+        return book
     except Exception as exc:  # noqa: BLE001 - a measurement only
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -349,7 +349,7 @@ class Trainer:
                 "model_state_bytes": sum(memory.get(k, 0) for k in ("params", "grads", "optimizer")),
                 "activation_peak_bytes": activation_peak(self.meter, memory, self.activations.peak),
                 "memory_ledger": rank_ledger(self.meter, self.bare_runtime, self.cfg, self.mesh.coord("pp")
-                                             if self.cfg.parallel.pp > 1 else 0, self.activations.peak),
+                                             if self.cfg.parallel.pp > 1 else 0, self.activations.peak, memory),
                 **self.strategy.compiled.summary(timings[0]["step"] if timings else None, step_s)}
 
 

@@ -25,6 +25,9 @@ def _matrix(n: int) -> list[tuple]:
         cfgs += [("uneven", "sgd", stage, "accum") for stage in (1, 2, 3)]
         cfgs += [("gpt-ckpt", "adamw", stage, "ckpt") for stage in (1, 2, 3)]
         cfgs += [("gpt", "adamw", 3, "units"), ("gpt", "sgd", 2, "serial"), ("gpt", "sgd", 3, "serial")]
+        # offload (host == device on CPU ranks: the same numbers), with clipping and accumulation
+        cfgs += [("gpt", "adamw", stage, "offload") for stage in (1, 2, 3)] + [("gpt", "adamw", 3, "offload-params"),
+                                                                            ("gpt", "sgd", 3, "offload-accum")]
     return cfgs
 
 
@@ -103,6 +106,8 @@ def test_bad_input(worlds):
     assert out["algorithm"].startswith("ValueError") and "'fast'" in out["algorithm"] and "ring" in out["algorithm"]
     assert out["unit-name"].startswith("ValueError") and "blocks.9" in out["unit-name"]
     assert out["unit-container"].startswith("ValueError") and "ModuleList" in out["unit-container"]
+    assert out["offload-params-stage2"].startswith("ValueError") and "use stage=3" in out["offload-params-stage2"]
+    assert out["offload-unknown"].startswith("ValueError") and "'disk'" in out["offload-unknown"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

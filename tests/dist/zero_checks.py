@@ -159,13 +159,15 @@ def check_parity(configs: list[tuple]) -> list[dict[str, Any]]:
     """``(kind, opt, stage, variant)`` with variant plain | clip | accum. Final params vs the reference."""
     out = []
     for kind, opt, stage, variant in configs:
-        clip = 0.05 if variant == "clip" else None
-        micro = 2 if variant == "accum" else 1
+        clip = 0.05 if variant in ("clip", "offload") else None
+        micro = 2 if variant.endswith("accum") else 1
         ref, ref_norms = cached_reference(kind.replace("-ckpt", ""), opt, STEPS, clip=clip, micro=micro)
         # "units": the tied wte/lm_head as units of their own -> shared, so they move to the rest unit
         kw: dict[str, Any] = {"units": [["wte"], ["blocks.0", "blocks.1"], ["ln_f"], ["lm_head"]]} if variant == "units" else {}
         if variant == "serial":  # no overlap of reductions with backward, no prefetch of units
             kw = {"overlap": False, "prefetch": False}
+        if variant.startswith("offload"):
+            kw = {"offload": "params" if variant == "offload-params" else "optimizer"}
         model, _, norms, phases = train_zero(kind, opt, stage, STEPS, clip=clip, micro=micro, **kw)
         res = compare(sw.full_state_dict(model), ref)
         res["cfg"] = (kind, opt, stage, variant)
@@ -174,7 +176,7 @@ def check_parity(configs: list[tuple]) -> list[dict[str, Any]]:
             want = expected_counts(model, stage)
             res["counts_ok"] = all({k: ph[k] for k in want} == want for ph in phases)
             res["phases"] = phases[-1]
-        if variant == "accum":  # the no_sync micro-batch's backward reduces nothing
+        if variant.endswith("accum"):  # the no_sync micro-batch's backward reduces nothing
             res["quiet"] = all("reduce_scatter" not in ph["backward0"] for ph in phases)
         res["groups"] = len(model.groups)
         res["group_names"] = [g.names for g in model.groups]
@@ -287,6 +289,8 @@ def check_bad_input() -> dict[str, str]:
     out["algorithm"] = _error(lambda: sw.zero(build("uneven"), m, stage=1, optimizer=sgd, algorithm="fast"))
     out["unit-name"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, units=[["blocks.9"]]))
     out["unit-container"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, units=[["blocks"]]))
+    out["offload-params-stage2"] = _error(lambda: sw.zero(build("gpt"), m, stage=2, optimizer=sgd, offload="params"))
+    out["offload-unknown"] = _error(lambda: sw.zero(build("gpt"), m, stage=3, optimizer=sgd, offload="disk"))
     return out
 
 

@@ -31,6 +31,7 @@ from ... import comm
 from ...comm.ops import shard_offsets, shard_sizes
 from ...mesh import Mesh
 from ..common.materialize import ModuleResetSource, read_flat, swap_in
+from .offload import to_host
 
 __all__ = ["FlatLayout", "flat_layout", "FlatGroup"]
 
@@ -92,7 +93,8 @@ class FlatGroup:
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter], mesh: Mesh, axis: str, *,
-                 compute_dtype: torch.dtype, sharded_params: bool, algorithm: str = "native") -> None:
+                 compute_dtype: torch.dtype, sharded_params: bool, algorithm: str = "native",
+                 offload: str | None = None) -> None:
         assert params, "a flat group holds at least one parameter"
         self.names, self.params = names, params
         self.mesh, self.axis, self.algorithm = mesh, axis, algorithm
@@ -101,6 +103,7 @@ class FlatGroup:
         self.lo, self.hi = self.layout.shard(mesh.coord(axis))
         self.compute_dtype = compute_dtype
         self.sharded_params = sharded_params
+        self.offload = offload  # "optimizer" / "params": master (and shard) in host memory (offload.py)
         device, master_dtype = mesh.device, params[0].dtype
         if sharded_params:
             self._init_sharded(device, master_dtype)
@@ -115,8 +118,10 @@ class FlatGroup:
                 self.master = nn.Parameter(shard if same else exact[self.lo:self.hi].clone())
                 self.shard = self.master.detach() if same else shard
             else:
-                # Alias the full buffer where dtypes agree: the optimizer then updates the model in place.
-                self.master = nn.Parameter(self.full[self.lo:self.hi] if same else exact[self.lo:self.hi].clone())
+                # Alias the full buffer where dtypes agree: the optimizer then updates the model in place (offloaded:
+                # a host copy on an accelerator; on a CPU mesh the same alias).
+                master = self.full[self.lo:self.hi] if same else exact[self.lo:self.hi].clone()
+                self.master = nn.Parameter(to_host(master, device) if offload else master)
                 self.shard = self.full[self.lo:self.hi]
         self.gathered = True
         self._point_params()
@@ -132,8 +137,12 @@ class FlatGroup:
         same = self.compute_dtype == master_dtype
         # (L,) of uninitialised memory, released at once: pages never touched, so no resident bytes (CPU)
         self.full = torch.empty(self.layout.total, dtype=self.compute_dtype, device=device)
-        self.master = nn.Parameter(exact)  # (hi - lo,) a fresh tensor (cat)
-        self.shard = self.master.detach() if same else exact.to(self.compute_dtype)
+        self.master = nn.Parameter(to_host(exact, device) if self.offload else exact)  # (hi - lo,) fresh (cat)
+        if self.offload == "params" or not self.offload:  # the compute shard lives with the master
+            self.shard = self.master.detach() if same else to_host(exact.to(self.compute_dtype), device) \
+                if self.offload else exact.to(self.compute_dtype)
+        else:  # offloaded optimizer: the compute shard stays on the device
+            self.shard = exact if same else exact.to(self.compute_dtype)
         for i, p in enumerate(self.params):
             if p.is_meta:  # a real (empty) tensor in its place, the same object: ``.data`` can point at ``full``
                 swap_in(p, nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=device),
@@ -161,7 +170,8 @@ class FlatGroup:
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.layout.total * self.full.element_size())
-        handle = comm.all_gather(self.shard, self.mesh, self.axis, sizes=list(self.layout.shard_sizes),
+        src = self.shard.to(self.full.device, non_blocking=True)  # offloaded parameters: to the device first
+        handle = comm.all_gather(src, self.mesh, self.axis, sizes=list(self.layout.shard_sizes),
                                  algorithm=self.algorithm, async_op=True, out=self.full)
         assert isinstance(handle, comm.Handle)
         return handle

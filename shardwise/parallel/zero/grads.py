@@ -73,11 +73,13 @@ class ShardGradReducer:
     def __init__(self, groups: list[FlatGroup], mesh: Mesh, axis: str, *, reduce_dtype: torch.dtype,
                  algorithm: str = "native", overlap: bool = True, full_grads: list[torch.Tensor] | None = None,
                  on_launched: Callable[[int], None] | None = None,
-                 on_backward_end: Callable[[], None] | None = None) -> None:
+                 on_backward_end: Callable[[], None] | None = None,
+                 on_stored: Callable[[int], None] | None = None) -> None:
         self.groups = groups
         self.mesh, self.axis, self.reduce_dtype, self.overlap = mesh, axis, reduce_dtype, overlap
         self.algorithm = algorithm
         self.on_launched, self.on_backward_end = on_launched, on_backward_end
+        self.on_stored = on_stored  # after group k's averaged shard is stored (offload copies it to the host)
         self.full = full_grads
         self._views = [g.views(b) for g, b in zip(groups, full_grads)] if full_grads is not None else []
         # Stage 1 writes the averaged shard into the buffer's slice when the dtypes allow it.
@@ -268,6 +270,8 @@ class ShardGradReducer:
                 if inside:  # a parameter across the slice's edge: its part outside holds no average
                     buf[off:max(off, g.lo)].zero_()
                     buf[min(off + n, g.hi):off + n].zero_()
+        if self.on_stored is not None:
+            self.on_stored(k)
 
     # -- what the optimizer reads -----------------------------------------------------------------------
     def shard(self, k: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..common.grad_norm import clip_counted, shard_pieces
 from ..common.mixed_precision import LossScaler
 from .flat import FlatGroup
 from .groups import ZeroGroups
+from .offload import GradientToHost
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "make_inner_optimizer"]
 
@@ -52,11 +53,14 @@ class ZeroOptimizer:
     """Returned by ``sw.zero``; drives the inner optimizer on the shards (see module docstring)."""
 
     def __init__(self, owner: ZeroGroups, factory: Any, groups: list[FlatGroup], mesh: Mesh, axis: str, *,
-                 stage: int, scaler: LossScaler, reduce_dtype: torch.dtype) -> None:
+                 stage: int, scaler: LossScaler, reduce_dtype: torch.dtype,
+                 to_host: GradientToHost | None = None) -> None:
         self._owner = owner  # its no_sync state and gradient buffers (``ZeroGroups``: public accessors only)
         self.groups, self.mesh, self.axis, self.stage = groups, mesh, axis, stage
         self.scaler, self.reduce_dtype = scaler, reduce_dtype
         self.optimizer = make_inner_optimizer(factory, [g.master for g in groups])
+        self.to_host = to_host
+        """Offload: the gradient shards' copies into the host masters' ``.grad`` (``offload.py``), or None."""
         self._ready = False  # master.grad holds this step's averaged, unscaled gradients
         self._overflow = False
 
@@ -97,7 +101,13 @@ class ZeroOptimizer:
         if self._ready:
             return
         shards = list(self._owner.shard_grads)
+        if self.to_host is not None:
+            self.to_host.wait()  # the copies started as each shard was stored (offload: overlapped with backward)
         for g, shard in zip(self.groups, shards):
+            if shard.device != g.master.device:  # offloaded: into the host buffer (started in backward, or now)
+                if g.master.grad is None or id(g) not in self.to_host.copied:  # type: ignore[union-attr]
+                    g.master.grad = shard.to(device=g.master.device, dtype=g.master.dtype)
+                continue
             g.master.grad = shard if shard.dtype == g.master.dtype else shard.to(g.master.dtype)
             if self.scaler.scale != 1.0:
                 g.master.grad.div_(self.scaler.scale)
@@ -155,6 +165,8 @@ class ZeroOptimizer:
         self._owner.clear_grads()
         for g in self.groups:
             g.master.grad = None
+        if self.to_host is not None:
+            self.to_host.copied.clear()
         self._ready = False
         self._owner.set_grads_prepared(False)
 

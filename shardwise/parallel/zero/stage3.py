@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from ... import comm
 from .flat import FlatGroup
 
-__all__ = ["default_units", "Stage3Runtime"]
+__all__ = ["default_units", "Stage3Runtime", "unit_module"]
 
 
 def default_units(model: nn.Module) -> list[list[str]]:
@@ -135,3 +135,19 @@ class Stage3Runtime:
             if k - 1 >= self.first:
                 self.start(k - 1)
         return hook
+
+
+def unit_module(model: nn.Module, name: str) -> nn.Module:
+    """The module ``name`` of a stage-3 unit; ``ValueError`` when there is none, or it is a container that is never
+    called (its hooks would never gather)."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"stage-3 unit names a module {name!r} that the model does not have; use names "
+                         f"from model.named_modules(), e.g. 'blocks.0'") from None
+    if type(module).forward is nn.Module.forward:
+        # Units are gathered by forward hooks; a container (ModuleList/ModuleDict) is never called.
+        raise ValueError(f"stage-3 unit module {name!r} is a {type(module).__name__}, which is never called, "
+                         f"so its hooks would never gather it; list the modules inside it, e.g. "
+                         f"[['{name}.0'], ['{name}.1'], ...]")
+    return module

@@ -64,15 +64,17 @@ from ..tensor.apply_plan import full_tensor, local_piece
 from .flat import FlatGroup
 from .grads import ShardGradReducer
 from .optim import OptimizerFactory, ZeroOptimizer
+from .offload import GradientToHost, Offload, check_offload
 from .options import Algorithm, check_inputs, default_algorithm
-from .stage3 import Stage3Runtime, default_units
+from .stage3 import Stage3Runtime, default_units, unit_module
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
 
 def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactory, axis: str = "dp",
          mixed_precision: MixedPrecision | None = None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
          units: Sequence[Sequence[str]] | None = None, prefetch: bool = True,
-         overlap: bool = True, algorithm: Algorithm | None = None) -> tuple["ZeroModel", ZeroOptimizer]:
+         overlap: bool = True, algorithm: Algorithm | None = None,
+         offload: Offload | None = None) -> tuple["ZeroModel", ZeroOptimizer]:
     """Wrap ``model`` for ZeRO ``stage`` over ``axis`` and build ``optimizer(shard_params)`` on this rank's
     shards. Returns ``(model, opt)``; use ``opt`` instead of an optimizer over ``model.parameters()``.
 
@@ -82,14 +84,16 @@ def zero(model: nn.Module, mesh: Mesh, *, stage: int, optimizer: OptimizerFactor
     remaining parameters form one more unit). ``prefetch``: gather the next unit while the current one
     computes. ``overlap``: start a group's reduce-scatter as soon as its gradients are ready (else all when
     backward ends). ``algorithm``: ``native | ring | tree | shm | auto`` for the reduce-scatters and all-gathers
-    (``None``: ``default_algorithm``). Collective (every rank of the axis calls it with the same model
-    structure and options).
+    (``None``: ``default_algorithm``). ``offload``: ``"optimizer"`` keeps the fp32 master shards and the optimizer
+    state in host memory and steps there; ``"params"`` (stage 3) also the parameter shards (``offload.py``; on a
+    CPU mesh the same numbers and bytes as without). Collective (every rank of the axis calls it with the same
+    model structure and options).
     """
     wrapped = ZeroModel(model, mesh, axis=axis, stage=stage, mixed_precision=mixed_precision,
                         bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, units=units,
-                        prefetch=prefetch, overlap=overlap, algorithm=algorithm)
+                        prefetch=prefetch, overlap=overlap, algorithm=algorithm, offload=offload)
     opt = ZeroOptimizer(wrapped, optimizer, wrapped.groups, mesh, axis, stage=stage, scaler=wrapped.scaler,
-                        reduce_dtype=wrapped.reduce_dtype)
+                        reduce_dtype=wrapped.reduce_dtype, to_host=wrapped.to_host)
     wrapped._optimizer = opt
     return wrapped, opt
 
@@ -100,10 +104,13 @@ class ZeroModel(nn.Module):
     def __init__(self, module: nn.Module, mesh: Mesh, *, axis: str, stage: int,
                  mixed_precision: MixedPrecision | None, bucket_cap_mb: float, first_bucket_mb: float,
                  units: Sequence[Sequence[str]] | None, prefetch: bool, overlap: bool,
-                 algorithm: Algorithm | None = None) -> None:
+                 algorithm: Algorithm | None = None, offload: Offload | None = None) -> None:
         check_inputs(module, mesh, axis, stage, bucket_cap_mb, first_bucket_mb, mixed_precision, algorithm)
+        check_offload(offload, stage)
         super().__init__()
         self.module, self.mesh, self.axis, self.stage = module, mesh, axis, stage
+        self.offload = offload
+        self.to_host = GradientToHost(mesh.device) if offload else None
         self.mixed_precision = mixed_precision
         # A meta-device model: each rank draws what it keeps from the same sources (stage 3: its flat shards
         # only), so only tensors that were already real need coordinate 0's values.
@@ -141,7 +148,8 @@ class ZeroModel(nn.Module):
     # -- construction -----------------------------------------------------------------------------------
     def _group(self, named: list[tuple[str, nn.Parameter]], sharded: bool) -> FlatGroup:
         return FlatGroup([n for n, _ in named], [p for _, p in named], self.mesh, self.axis,
-                         compute_dtype=self.compute_dtype, sharded_params=sharded, algorithm=self.algorithm)
+                         compute_dtype=self.compute_dtype, sharded_params=sharded, algorithm=self.algorithm,
+                         offload=self.offload)
 
     def _build_stage12(self, named: list[tuple[str, nn.Parameter]], cap_mb: float, first_mb: float,
                        overlap: bool) -> None:
@@ -161,7 +169,14 @@ class ZeroModel(nn.Module):
         self._reducer = ShardGradReducer(launch, self.mesh, self.axis, reduce_dtype=self.reduce_dtype,
                                          algorithm=self.algorithm, overlap=overlap,
                                          full_grads=self._full_grads or None,
-                                         on_launched=on_launched, on_backward_end=on_end)
+                                         on_launched=on_launched, on_backward_end=on_end,
+                                         on_stored=self._stored if self.to_host is not None else None)
+
+    def _stored(self, k: int) -> None:
+        """Offload: group k (launch order) has its averaged shard: start its copy to the host master's grad."""
+        r = self._reducer
+        assert r is not None and self.to_host is not None
+        self.to_host.stored(r.groups[k], r.groups[k].master, r.shard(k))
 
     def _build_stage3(self, named: list[tuple[str, nn.Parameter]], units: Sequence[Sequence[str]] | None,
                       prefetch: bool, overlap: bool) -> None:
@@ -169,7 +184,7 @@ class ZeroModel(nn.Module):
         owners: dict[int, set[int]] = {}
         unit_modules = []
         for k, unit in enumerate(names):
-            mods = [_submodule(self.module, n) for n in unit]
+            mods = [unit_module(self.module, n) for n in unit]
             unit_modules.append(mods)
             for m in mods:
                 for p in m.parameters():
@@ -287,6 +302,16 @@ class ZeroModel(nn.Module):
         self.last_step_bytes = storage_bytes({"grads": held})
         self._note_peak(self._optimizer)
 
+    def offloaded_tensors(self, opt: ZeroOptimizer | None = None) -> list[torch.Tensor]:
+        """The tensors ``offload`` keeps in host memory: the master shards and the optimizer state (with
+        ``params``, the compute shards too); empty without offload. On a CPU mesh host and device are one
+        memory: these are the bytes an accelerator would hold on its host. Local."""
+        if not self.offload:
+            return []
+        out = [g.master for g in self.groups] + ([g.shard for g in self.groups] if self.offload == "params" else [])
+        return out + [v for s in (opt.optimizer.state.values() if opt is not None else [])
+                      for v in s.values() if isinstance(v, torch.Tensor)]
+
     def memory_tensors(self, opt: ZeroOptimizer | None = None) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank keeps for the model state, by category (for ``sw.memory_report``)."""
         managed = {id(p) for g in self.groups for p in g.params}
@@ -371,17 +396,3 @@ def _local_value(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 def _gather_master(g: FlatGroup) -> torch.Tensor:
     return comm.all_gather(g.master.detach(), g.mesh, g.axis, sizes=list(g.layout.shard_sizes))  # type: ignore[return-value]
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module:
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        raise ValueError(f"stage-3 unit names a module {name!r} that the model does not have; use names "
-                         f"from model.named_modules(), e.g. 'blocks.0'") from None
-    if type(module).forward is nn.Module.forward:
-        # Units are gathered by forward hooks; a container (ModuleList/ModuleDict) is never called.
-        raise ValueError(f"stage-3 unit module {name!r} is a {type(module).__name__}, which is never called, "
-                         f"so its hooks would never gather it; list the modules inside it, e.g. "
-                         f"[['{name}.0'], ['{name}.1'], ...]")
-    return module

@@ -21,7 +21,7 @@ from ...checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pi
 from ...mesh import Mesh
 from ...parallel.common.autocast import precision_dtype
 from ...parallel.common.grad_norm import shard_pieces
-from ...parallel.common.memory import memory_report
+from ...parallel.common.memory import memory_report, storage_bytes
 from ...parallel.zero.wrap import ZeroModel, zero
 from ...parallel.zero.optim import ZeroOptimizer
 from ..config import Config
@@ -59,7 +59,8 @@ class ZeroStrategy(DataParallelSteps):
         units = [[name] for name in block_names(self.plain)] or None
         model, optimizer = zero(self.plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
                                 optimizer=partial(build_optimizer, o=cfg.optimizer), units=units,
-                                algorithm=zero_algorithm(p.algorithm, mesh))
+                                algorithm=zero_algorithm(p.algorithm, mesh),
+                                offload=None if p.offload == "none" else p.offload)
         self.model: ZeroModel = model
         self.zero_optimizer: ZeroOptimizer = optimizer
         self.expert_params = experts.params() if experts is not None else []  # in no flat group (trainable())
@@ -122,6 +123,8 @@ class ZeroStrategy(DataParallelSteps):
 
     def memory(self) -> dict[str, int]:
         report = memory_report(self.model, self.zero_optimizer)
+        if self.model.offload:  # parallel.offload: the bytes kept in host memory (on CPU ranks, the same memory)
+            report["offloaded"] = storage_bytes({"host": self.model.offloaded_tensors(self.zero_optimizer)})["host"]
         if self.expert_optimizer is not None:  # the experts' own optimizer state
             report["optimizer"] += sum(v.numel() * v.element_size() for st in self.expert_optimizer.state.values()
                                        for v in st.values() if isinstance(v, torch.Tensor))
