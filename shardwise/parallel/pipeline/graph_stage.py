@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..common.selective import checkpoint_kwargs, has_attention
+from ..common.selective import check_mode, checkpoint_kwargs, has_attention
 from .capture import Graph, Node, Ref, capture, refs_in, walk
 from .made import Made
 from .stage import balance_by_params
@@ -144,7 +144,7 @@ class _Runner:
         if node.op == "call":
             return node.target(*args, **kwargs)
         module = self.stage.parts[node.target.replace(".", "/")]
-        mode = self.stage.checkpoint
+        mode = check_mode(self.stage.checkpoint)  # True/False, as the attribute once was, mean full/none
         if mode != "none" and torch.is_grad_enabled() and (mode == "full" or has_attention(module)) and any(
                 isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_flatten((args, kwargs))[0]):
             made = {id(self.made[r.index]): r.index for r in _made_in((node.args, node.kwargs))}

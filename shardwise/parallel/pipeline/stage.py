@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..common.selective import checkpoint_kwargs, has_attention
+from ..common.selective import check_mode, checkpoint_kwargs, has_attention
 
 __all__ = ["Unit", "PipelineCuttable", "Stage", "model_units", "balance_by_params", "resolve_split", "build_stages"]
 
@@ -152,7 +152,7 @@ class Stage(nn.Module):
         matmuls' outputs and recomputes the rest (``parallel/common/selective.py``)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        mode = self.checkpoint
+        mode = check_mode(self.checkpoint)  # True/False, as the attribute once was, mean full/none
         for u in self.units:
             # float inputs only: the embedding unit's token ids have nothing to recompute from
             if (mode != "none" and torch.is_grad_enabled() and x.is_floating_point()
