@@ -5,12 +5,18 @@ rank's rows out of a full tensor, and a full state dict gathers them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...comm.collectives import all_gather
 from ..common.expert_tag import expert_shard_of
+from ..tensor.apply_plan import local_piece
 
-__all__ = ["expert_rows", "gather_expert"]
+if TYPE_CHECKING:
+    from .flat import FlatGroup
+
+__all__ = ["expert_rows", "gather_expert", "local_value", "gather_master"]
 
 
 def expert_rows(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor | None:
@@ -31,3 +37,20 @@ def gather_expert(t: torch.Tensor) -> torch.Tensor | None:
     if shard.size == 1:
         return t.detach().clone()
     return all_gather(t.detach().contiguous(), shard.mesh, shard.axis, dim=0)  # type: ignore[return-value]
+
+
+def local_value(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` for the tensor ``t`` (a tp-split one's shard); ``full`` as given when its
+    shape is not the full shape of ``t``'s layout (then the caller's shape check names the mismatch)."""
+    rows = expert_rows(t, full)  # an expert piece (ep rows of an (E, ...) weight), not tensor-parallel
+    if rows is not None:
+        return rows
+    try:
+        return local_piece(t, full)
+    except (RuntimeError, ValueError):  # reshape/boxing of a wrongly shaped tensor
+        return full
+
+
+def gather_master(g: "FlatGroup") -> torch.Tensor:
+    """Every rank's master shard of group ``g`` concatenated: ``(L,)`` in master precision. Collective over its axis."""
+    return all_gather(g.master.detach(), g.mesh, g.axis, sizes=list(g.layout.shard_sizes))  # type: ignore[return-value]

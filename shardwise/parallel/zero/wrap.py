@@ -52,15 +52,14 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from ... import comm
 from ...mesh import Mesh
 from ..common.buckets import default_order, plan_buckets
 from ..common.materialize import ensure_sources, materialize, needs_broadcast
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..data.replicas import broadcast_coalesced, check_replicas_agree, trainable
-from .expert_pieces import expert_rows, gather_expert
-from ..tensor.apply_plan import full_tensor, local_piece
+from .expert_pieces import gather_expert, gather_master, local_value
+from ..tensor.apply_plan import full_tensor
 from .flat import FlatGroup
 from .grads import ShardGradReducer
 from .optim import OptimizerFactory, ZeroOptimizer
@@ -278,6 +277,13 @@ class ZeroModel(nn.Module):
         return [self._reducer.shard(j) for j in self._launch_pos]
 
     @property
+    def reduce_every_pass(self) -> bool:
+        """Stages 2-3: a training loop should reduce every backward of an accumulated step rather than run the
+        earlier ones under ``no_sync`` — that keeps whole local gradients until the last, the memory these stages
+        exist to save (each reduction adds into the shards instead: one reduce-scatter per pass)."""
+        return self.stage >= 2
+
+    @property
     def syncing(self) -> bool:
         """False inside ``no_sync()``."""
         return self._sync
@@ -334,7 +340,7 @@ class ZeroModel(nn.Module):
         parameter, the whole tensor otherwise), each flat group gathered over ``axis``. Collective over it."""
         value: dict[int, torch.Tensor] = {}
         for g in self.groups:
-            full = _gather_master(g)  # (L,): every dp shard of the group
+            full = gather_master(g)  # (L,): every dp shard of the group
             for p, v in zip(g.params, g.views(full)):
                 value[id(p)] = v.clone()
         return {key: value[id(t)] if id(t) in value else t.detach().clone()
@@ -369,7 +375,7 @@ class ZeroModel(nn.Module):
         for g in self.groups:
             values = []
             for name, p, shape in zip(g.names, g.params, g.shapes):
-                v = _local_value(p, state_dict[by_id[id(p)]]) if id(p) in by_id else None
+                v = local_value(p, state_dict[by_id[id(p)]]) if id(p) in by_id else None
                 if v is None or tuple(v.shape) != tuple(shape):
                     raise ValueError(f"parameter {name!r}: expected shape {tuple(shape)} (this rank's piece), got "
                                      f"{None if v is None else tuple(v.shape)}")
@@ -378,21 +384,5 @@ class ZeroModel(nn.Module):
         managed = {id(p) for g in self.groups for p in g.params}
         for k, t in keys.items():
             if id(t) not in managed and k in state_dict:
-                t.copy_(_local_value(t, state_dict[k]))
+                t.copy_(local_value(t, state_dict[k]))
         return None
-
-
-def _local_value(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``full`` for the tensor ``t`` (a tp-split one's shard); ``full`` as given when its
-    shape is not the full shape of ``t``'s layout (then the caller's shape check names the mismatch)."""
-    rows = expert_rows(t, full)  # an expert piece (ep rows of an (E, ...) weight), not tensor-parallel
-    if rows is not None:
-        return rows
-    try:
-        return local_piece(t, full)
-    except (RuntimeError, ValueError):  # reshape/boxing of a wrongly shaped tensor
-        return full
-
-
-def _gather_master(g: FlatGroup) -> torch.Tensor:
-    return comm.all_gather(g.master.detach(), g.mesh, g.axis, sizes=list(g.layout.shard_sizes))  # type: ignore[return-value]

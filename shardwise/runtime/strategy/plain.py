@@ -49,7 +49,8 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
                marks_out: list[tuple[Any, Any, Any]] | None = None,
                phase: Callable[[str], None] | None = None) -> torch.Tensor:
     """``len(batches)`` forward/backward passes, each loss scaled by ``1/len(batches)``; gradient sync on the
-    last only (earlier ones inside ``model.no_sync()`` where the wrapper has one). ``autocast``: forward and
+    last only (earlier ones inside ``model.no_sync()`` where the wrapper has one), except where the wrapper
+    says ``reduce_every_pass`` (ZeRO-2/3: gradients kept whole across passes would undo their sharding). ``autocast``: forward and
     loss under ``torch.autocast`` in that dtype (``train.precision``; backward outside it, as autograd wants).
     This rank's loss of the step (fp32). Collective as the wrapper's synchronised backward is.
 
@@ -64,7 +65,8 @@ def accumulate(model: Any, loss_fn: LossFn, batches: Batches, t: Timings, sync: 
     marks: list[tuple[Any, Any, Any]] = []  # (before forward, after forward, after backward) per pass
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
-        with model.no_sync() if (not last and hasattr(model, "no_sync")) else nullcontext():
+        quiet = not last and hasattr(model, "no_sync") and not getattr(model, "reduce_every_pass", False)
+        with model.no_sync() if quiet else nullcontext():
             m0 = _mark(device, sync)
             if phase is not None:
                 phase("forward")
