@@ -185,13 +185,17 @@ def _options(name: str, default: list[Any], fixed: dict[str, Any]) -> list[Any]:
 
 
 def _schedule_options(pp: int, per: int, mb: int, space: Space, fixed: dict[str, Any],
-                      n_layers: int) -> list[tuple[str, int, int]]:
-    """(schedule, chunks, grad_accum) for a pipeline over ``per`` sequences per replica in micro-batches of mb."""
+                      n_layers: int, ckpt: str = "none") -> list[tuple[str, int, int]]:
+    """(schedule, chunks, grad_accum) for a pipeline over ``per`` sequences per replica in micro-batches of mb.
+    Selective recomputation runs under no zero-bubble schedule (their second, weight-gradient backward over a
+    stage is what torch's selective checkpoint forbids; the runtime refuses the pair)."""
     if pp == 1:
         return [("1f1b", 1, per // mb)]
     out = []
     total = per // mb  # micro-batches per replica per step
     for schedule in _options("schedule", list(space.schedules), fixed):
+        if ckpt == "selective" and schedule.startswith("zb"):
+            continue
         if schedule != "interleaved" and fixed.get("chunks", 1) > 1:
             continue  # several chunks per rank: only the interleaved schedule runs them
         chunk_opts = _options("chunks", list(space.chunks), fixed) if schedule == "interleaved" else [1]
@@ -330,7 +334,7 @@ def _expand_mb(spec: ModelSpec, hw: Hardware, pool: Pool, regions: dict, *, tp: 
                   async_tp=async_tp, precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
     least = float("inf")
-    for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
+    for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers), ckpt):
         split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
         for zero in zeros:
             plan = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, micro_batch=mb, grad_accum=accum,

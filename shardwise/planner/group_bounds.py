@@ -99,7 +99,7 @@ def _options(spec: ModelSpec, hw: Hardware, g: Group, pins: dict[str, Any], spac
                   activation_checkpointing=g.ckpt, sequence_parallel=g.sp, async_tp=async_tp_of(pins, g.tp),
                   precision=precision)
     per_layer = layer_costs(spec, base, hw, cache)
-    for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers)):
+    for schedule, chunks, accum in _schedule_options(g.pp, g.per, g.mb, space, pins, len(spec.layers), g.ckpt):
         key = ("split and id", g.tp, g.mb, g.ckpt, g.sp, g.pp * chunks)
         if key not in cache:
             split = _split(spec, per_layer, g.pp * chunks, space, pins, cache, key=(g.tp, g.mb, g.ckpt, g.sp))

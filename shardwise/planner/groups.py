@@ -68,7 +68,7 @@ class LazyPool:
             per = global_batch // dp
             for ckpt, sp, mbs, zeros in variants(spec, tp=tp, pp=pp, dp=dp, per=per, pins=pins, space=space):
                 for i, mb in enumerate(mbs):
-                    options = _schedule_options(pp, per, mb, space, pins, len(spec.layers))
+                    options = _schedule_options(pp, per, mb, space, pins, len(spec.layers), ckpt)
                     if not options or not zeros:
                         continue
                     lb = group_bound(spec, hw_d, tp=tp, pp=pp, dp=dp, per=per, mb=mb, ckpt=ckpt, sp=sp, zeros=zeros,

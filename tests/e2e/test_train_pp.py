@@ -204,8 +204,8 @@ def test_selective_checkpointing_under_zero3_and_tp_trains_like_one_process(runs
     one, _ = runs  # ZeRO-3 re-gathers each unit for its backward, where the recomputation runs; tp's collectives rerun
     run = train(tmp_path, "selz3", "--parallel.nproc", "4", "--parallel.tp", "2", "--parallel.zero_stage", "3",
                 "--parallel.micro_batch", "4", "--parallel.activation_checkpointing", "selective",
-                "--train.steps", "3", "--train.ckpt_every", "0")
-    assert_close_losses(losses(run), losses(one), [1, 2, 3])
+                "--train.steps", "2", "--train.ckpt_every", "0")
+    assert_close_losses(losses(run), losses(one), [1, 2])
 
 
 def test_pp2_times_dp2_zero1_trains_like_one_process_and_resumes_at_pp1(runs, tmp_path):
