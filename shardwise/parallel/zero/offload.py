@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Offload", "OFFLOADS", "check_offload", "host_device", "to_host", "GradientToHost"]
+__all__ = ["Offload", "OFFLOADS", "check_offload", "to_host", "GradientToHost"]
 
 Offload = Literal["optimizer", "params"]
 OFFLOADS = ("optimizer", "params")
@@ -40,10 +40,6 @@ def check_offload(offload: object, stage: object) -> None:
     if offload == "params" and stage != 3:
         raise ValueError(f"offload = 'params' moves ZeRO-3's parameter shards to host memory, but stage = {stage!r} "
                          f"keeps whole parameters on every rank; use stage=3, or offload='optimizer'")
-
-
-def host_device() -> torch.device:
-    return torch.device("cpu")
 
 
 def to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
