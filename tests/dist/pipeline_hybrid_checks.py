@@ -55,7 +55,8 @@ def _build(case: dict):
                                sequence_parallel=sp)
         loss_fn = partial(vocab_parallel_cross_entropy, mesh=m, axis="tp")
     pipe = sw.pipeline(model, m, "pp", microbatches=case["m"], schedule=case["schedule"], loss_fn=loss_fn,
-                       dp_axis="dp" if "dp" in case["axes"] else None, zero_stage=case.get("zero", 0),
+                       chunks=case.get("chunks", 1), dp_axis="dp" if "dp" in case["axes"] else None,
+                       zero_stage=case.get("zero", 0),
                        checkpoint=case.get("ckpt", False), bucket_cap_mb=case.get("cap_mb", 25))
     return m, pipe
 
@@ -63,18 +64,21 @@ def _build(case: dict):
 def _run_case(case: dict) -> dict:
     m, pipe = _build(case)
     opt = pipe.build_optimizer(_factory(case))
-    losses, step_counts, opt_counts, in_backward, norms = [], [], [], [], []
+    losses, step_counts, opt_counts, in_backward, norms, held = [], [], [], [], [], []
     for idx, tgt in _batches():
         with sw.comm.CommCounter() as c:
             for x, y in _pieces(case, idx, tgt):
                 losses.append(pipe.step(x, y))
-        step_counts.append({op: c.count(op, axis="dp") for op in ("all_reduce", "reduce_scatter")}
+        step_counts.append({op: c.count(op, axis="dp") for op in ("all_reduce", "reduce_scatter", "all_gather")}
                            | {"rs_ring": c.count("reduce_scatter", axis="dp", algorithm="ring"),
                               "rs_bytes": c.bytes("reduce_scatter", axis="dp"),
                               "ar_bytes": c.bytes("all_reduce", axis="dp")})
         in_backward.append(pipe.grad_sync.launched_in_backward if pipe.grad_sync else 0)
         if "clip" in case:
             norms.append(float(pipe.clip_grad_norm_(case["clip"])))
+        sync = pipe.grad_sync  # what lives between the passes and the optimizer step (ZeRO-2/3: shards only)
+        held.append({"full_grads": sum(g.numel() for g in sync.full_grads) if sync else 0,
+                     "param_numel": sum(q.numel() for q in pipe.parameters())})
         with sw.comm.CommCounter() as c:
             opt.step()
         opt_counts.append(c.count("all_gather", axis="dp", algorithm="ring"))
@@ -99,6 +103,10 @@ def _run_case(case: dict) -> dict:
         "local_bytes": sum(q.numel() * q.element_size() for q in local),
         "state_numel": state_numel,
         "dp": m.size("dp") if "dp" in m.axes else 1,
+        "held": held,
+        "n_groups": len(pipe.grad_sync.groups) if pipe.grad_sync else 0,
+        "group_numel": sum(g.layout.total for g in pipe.grad_sync.groups) if pipe.grad_sync else 0,
+        "shard_numel": sum(g.hi - g.lo for g in pipe.grad_sync.groups) if pipe.grad_sync else 0,
     }
 
 
@@ -122,7 +130,7 @@ def check_stage_checkpointing() -> dict:
 
 _BAD = {
     "zero_without_dp": dict(zero_stage=1),
-    "zero_stage_2": dict(zero_stage=2, dp_axis="dp"),
+    "zero_stage_4": dict(zero_stage=4, dp_axis="dp"),
     "checkpoint_not_bool": dict(checkpoint="yes"),
     "bucket_cap_zero": dict(bucket_cap_mb=0, dp_axis="dp"),
 }

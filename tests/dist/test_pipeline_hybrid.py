@@ -98,7 +98,7 @@ def test_stage_checkpointing_keeps_less(worlds):
 
 BAD = {
     "zero_without_dp": "dp_axis is None",
-    "zero_stage_2": "zero_stage must be 0 or 1",
+    "zero_stage_4": "zero_stage must be 0, 1, 2 or 3",
     "checkpoint_not_bool": "checkpoint must be True or False (recompute each unit's activations in backward), or "
                            "'none', 'full' or 'selective'",
     "bucket_cap_zero": "bucket_cap_mb must be a number > 0",

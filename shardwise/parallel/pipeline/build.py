@@ -46,6 +46,7 @@ from .capture import Graph
 from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
 from .validate import check_args, check_hybrid, check_keys, checkpoint_mode
+from .zero3 import PipelineStage3, shared_parameters, unit_plans
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -62,7 +63,7 @@ class Pipeline:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks, graph=example_inputs is not None)
         check_transport(transport, mesh.device.type)
         check_autocast(autocast)
-        check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb)
+        check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb, graph=example_inputs is not None)
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
@@ -100,16 +101,35 @@ class Pipeline:
                                        loss_fn=loss_fn, autocast=autocast,
                                        n_values={s.index: getattr(s, "n_send", 1) for s in self.all_stages})
         self.grad_sync: DpGradSync | None = None
+        self.zero3: PipelineStage3 | None = None
+        """ZeRO-3 (``zero_stage=3`` with dp > 1): gathers and frees the units as the schedule runs (``zero3.py``)."""
         if dp_axis is not None and mesh.size(dp_axis) > 1:
-            self.grad_sync = DpGradSync(self._stage_params(), mesh, dp_axis, zero=zero_stage == 1,
-                                        late={id(q) for q, _ in self.tied}, cap_bytes=int(bucket_cap_mb * 2**20))
+            self._build_grad_sync(mesh, dp_axis, zero_stage, bucket_cap_mb)
         self.interpreter.grad_sync = self.grad_sync
+        self.interpreter.zero3 = self.zero3
         self.last_peak_held = 0
         """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
         self.last_events: list[tuple[Action, float, float]] = []
         """After ``step``: this rank's compute actions with host-clock start and end (see ``timeline``)."""
         self._evaluator: Interpreter | None = None  # evaluate's forward-only interpreter, built on first use
         self._eval_actions: tuple[Action, ...] = ()
+
+    def _build_grad_sync(self, mesh: Mesh, dp_axis: str, zero_stage: int, bucket_cap_mb: float) -> None:
+        """The dp gradient buckets; ZeRO-3: one sharded group per unit, and the runtime that gathers them."""
+        late = {id(q) for q, _ in self.tied}
+        owners: dict[int, list[int]] = {}
+
+        def plan(s: int, kept: list[nn.Parameter]) -> list[list[int]]:
+            entries, owners[s] = unit_plans(self.stages[s], kept)
+            return entries
+
+        if zero_stage == 3:
+            late |= shared_parameters(self.stages)  # used by two units of this rank: held through the step
+        self.grad_sync = DpGradSync(self._stage_params(), mesh, dp_axis, zero=zero_stage > 0, stage=zero_stage,
+                                    late=late, cap_bytes=int(bucket_cap_mb * 2**20),
+                                    units=plan if zero_stage == 3 else None)
+        if zero_stage == 3:
+            self.zero3 = PipelineStage3(self.grad_sync, self.stages, owners)
 
     # -- training ------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> float:
@@ -124,6 +144,8 @@ class Pipeline:
         self._choose_transport()
         if self.grad_sync is not None:
             self.grad_sync.begin_step()
+        if self.zero3 is not None:
+            self.zero3.hold()
         before = {id(p): (p.grad.clone() if p.grad is not None else None) for p, _ in self.tied}
         state = run_actions(self.interpreter, self.actions, inputs, targets)  # type: ignore[arg-type]
         self.last_peak_held = state.peak_held
@@ -131,6 +153,8 @@ class Pipeline:
         self._sum_tied_grads(before)
         if self.grad_sync is not None:
             self.grad_sync.finish()  # tied buckets start now; the others started inside the schedule
+        if self.zero3 is not None:
+            self.zero3.release()
         return self._mean_loss(state.losses)
 
     def evaluate(self, *args: Any, loss_fn: Callable[[Any, Tensor], Tensor] | None = None, **kwargs: Any) -> float:
@@ -244,17 +268,18 @@ class Pipeline:
         ``zero_stage=1``, a ``ZeroOptimizer`` running ``factory`` on this rank's dp shard of each gradient
         bucket (optimizer state 1/dp; ``step()`` all-gathers the updated parameters over dp, collective).
         ``factory``: e.g. ``functools.partial(torch.optim.AdamW, lr=3e-4)``."""
-        if self.zero_stage != 1 or self.grad_sync is None:
+        if self.zero_stage == 0 or self.grad_sync is None:
             return make_inner_optimizer(factory, list(self.parameters()))
         sync, experts = self.grad_sync, self.expert_params()
-        dtype = sync.buckets[0].grads.dtype if sync.buckets else torch.float32
+        dtype = sync.buckets[0].dtype if sync.buckets else torch.float32
         # ZeroOptimizer's stage-2 path takes gradient shards that are already averaged: DpGradSync's
         # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
         # Expert-parallel parameters are in no flat group (each dp rank of an expert group holds other
         # experts): the same inner optimizer steps them whole, after the caller's ExpertGradSync.
         inner = factory if not experts else partial(_with_experts, factory, experts)
-        return ZeroOptimizer(PipelineZeroGroups(sync, experts), inner, sync.groups, self.mesh, sync.axis, stage=2,
-                             scaler=LossScaler(None), reduce_dtype=dtype)
+        # stages 1-2 all-gather the updated parameters after the step; stage 3 gathers each unit as it next runs
+        return ZeroOptimizer(PipelineZeroGroups(sync, experts), inner, sync.groups, self.mesh, sync.axis,
+                             stage=3 if self.zero_stage == 3 else 2, scaler=LossScaler(None), reduce_dtype=dtype)
 
     def expert_params(self) -> list[nn.Parameter]:
         """This rank's expert-parallel stage parameters (tagged by ``shard_experts``), each once, in
@@ -304,6 +329,9 @@ class Pipeline:
         """The whole model's tensors under the original ``state_dict`` keys, on every rank. Collective along
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
+        if self.zero3 is not None:  # ZeRO-3: every unit gathered over dp meanwhile (collective over dp)
+            with self.zero3.gathered():
+                return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
         return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
 
 

@@ -65,15 +65,19 @@ def evaluate(pipe: Any, args: tuple, kwargs: dict, loss_fn: Callable[[Any, Tenso
     inputs, targets = micro_batches(pipe, args, kwargs, fn)
     pipe._choose_transport()
     interp = _evaluator(pipe)
-    interp.p2p, interp.loss_fn = pipe.interpreter.p2p, fn
+    interp.p2p, interp.loss_fn, interp.zero3 = pipe.interpreter.p2p, fn, pipe.zero3
     modes = {id(mod): (mod, mod.training) for stage in pipe.stages.values() for mod in stage.modules()}
     try:
         for mod, _ in modes.values():
             mod.train(False)
+        if pipe.zero3 is not None:
+            pipe.zero3.hold()  # the held group (tied and shared parameters); units gather as they run
         with torch.no_grad():
             state = run_actions(interp, pipe._eval_actions, inputs, targets)
     finally:
         _restore(modes)
+        if pipe.zero3 is not None:
+            pipe.zero3.release()
     return pipe._mean_loss(state.losses)
 
 

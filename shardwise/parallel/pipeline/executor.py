@@ -98,6 +98,8 @@ class Interpreter:
         self.grad_sync: Any = None
         """A ``grad_sync.DpGradSync`` (set by ``Pipeline`` with a dp axis): told when each local stage's last
         gradient-producing action starts and ends, so its dp reduction overlaps the rest of the step."""
+        self.zero3: Any = None
+        """A ``zero3.PipelineStage3`` (ZeRO-3): frees a stage's units after each action, gathers W's modules."""
         self.captures = {k: WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
         self.p2p: ShmLink | None = None
         """The shared-memory link every message takes (``transport="shm"``); ``None``: the backend's groups."""
@@ -257,7 +259,8 @@ class Interpreter:
         st.inputs_kept.pop((s, i))
         roots = self._roots(s, outs)
         if roots:
-            weight_gradients(self.stages[s], roots, grad)
+            enter = None if self.zero3 is None else (lambda mod: self.zero3.enter(mod, s))
+            weight_gradients(self.stages[s], roots, grad, enter)
 
     # -- the loop --------------------------------------------------------------------------------------
     def _wait_input(self, a: Action, st: StepState) -> None:
@@ -319,6 +322,8 @@ class Interpreter:
             if last:
                 self.grad_sync.arm(a.stage)
             self._compute(a, st)
+            if self.zero3 is not None:
+                self.zero3.action_done(a.stage)
             if last:
                 self.grad_sync.stage_done(a.stage)
             if self.synchronize_timings:  # CUDA: without a sync the clock sees kernel launches only

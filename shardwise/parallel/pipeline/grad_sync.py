@@ -30,7 +30,7 @@ caller runs after the step's last ``pipe.step`` (once per optimizer step, accumu
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -69,9 +69,13 @@ def plan_stage_buckets(numels: Sequence[int], cap_elems: int) -> list[list[int]]
 
 
 class _Bucket:
-    def __init__(self, group: FlatGroup, stage: int | None) -> None:
+    def __init__(self, group: FlatGroup, stage: int | None, release: bool) -> None:
         self.group, self.stage = group, stage
-        self.grads = torch.zeros(group.layout.total, dtype=group.params[0].dtype, device=group.params[0].device)
+        self.dtype, self.device = group.compute_dtype, group.mesh.device
+        # (L,) flat gradients; ZeRO-2/3 (``release``) allocate them when a step needs them and free them after the
+        # reduce-scatter, so between steps (and at the optimizer step) only the shard lives
+        self.grads: torch.Tensor | None = None if release else torch.zeros(group.layout.total, dtype=self.dtype,
+                                                                            device=self.device)
         self.ready: set[int] = set()
         self.handle: comm.Handle | None = None
         self.shard: torch.Tensor | None = None  # zero: this rank's averaged gradient shard after ``finish``
@@ -86,8 +90,13 @@ class DpGradSync:
     """
 
     def __init__(self, stage_params: dict[int, list[tuple[str, nn.Parameter]]], mesh: Mesh, dp_axis: str, *,
-                 zero: bool, late: set[int], cap_bytes: int = 25 * 2**20) -> None:
+                 zero: bool, late: set[int], cap_bytes: int = 25 * 2**20, stage: int = 1,
+                 units: Callable[[int, list[nn.Parameter]], list[list[int]]] | None = None) -> None:
         self.mesh, self.axis, self.zero = mesh, dp_axis, zero
+        self.stage = stage if zero else 0
+        """ZeRO stage: 0 (all-reduce), 1 (full buffers kept), 2-3 (full buffers freed after each reduction)."""
+        self.release = self.stage >= 2
+        # ZeRO-3: ``units(stage, kept parameters)`` -> indices of each unit's group (one bucket per unit)
         dtypes = sorted({q.dtype for named in stage_params.values() for _, q in named}, key=str)
         # ZeRO-1's reduce-scatter and parameter all-gather run what ``sw.zero`` runs (on CPU our ring: gloo's own
         # reduce-scatter is 2-3x slower at bucket sizes); the plain all-reduce stays the backend's
@@ -101,7 +110,8 @@ class DpGradSync:
             if not kept:
                 continue
             cap = max(1, cap_bytes // kept[0][1].element_size())
-            for idx in plan_stage_buckets([q.numel() for _, q in kept], cap):
+            plan = units(s, [q for _, q in kept]) if units is not None else plan_stage_buckets([q.numel() for _, q in kept], cap)
+            for idx in plan:
                 self.buckets.append(self._bucket([kept[i] for i in idx], s))
         if late_named:
             self.buckets.append(self._bucket(late_named, None))
@@ -116,8 +126,8 @@ class DpGradSync:
     def _bucket(self, named: list[tuple[str, nn.Parameter]], stage: int | None) -> _Bucket:
         params = [q for _, q in named]
         group = FlatGroup([n for n, _ in named], params, self.mesh, self.axis, compute_dtype=params[0].dtype,
-                          sharded_params=False, algorithm=self.algorithm)
-        return _Bucket(group, stage)
+                          sharded_params=self.stage == 3, algorithm=self.algorithm)
+        return _Bucket(group, stage, self.release)
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -125,13 +135,33 @@ class DpGradSync:
 
     # -- the step -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Point every gradient at its bucket view (keeping any accumulated value), reset readiness."""
+        """Point every gradient at its bucket view (keeping any accumulated value), reset readiness. ZeRO-2:
+        allocate the full buffers (zeros); ZeRO-3 allocates a unit's when its first backward starts (``prepare``).
+        ZeRO-2/3 keep the shards of earlier steps (accumulation adds each step's averaged shard to them)."""
         for b in self.buckets:
-            attach_full_grads(b.group, b.grads)
+            if self.stage != 3:
+                self.prepare(b)
             b.ready.clear()
-            b.handle, b.shard = None, None
+            b.handle = None
+            if not self.release:
+                b.shard = None
         self._armed.clear()
         self.launched_in_backward = 0
+
+    def prepare(self, b: _Bucket) -> None:
+        """Give bucket ``b`` its full flat gradient buffer for this step (zeros) and point ``.grad`` at it."""
+        if b.grads is None:
+            b.grads = torch.zeros(b.group.layout.total, dtype=b.dtype, device=b.device)
+        if self.stage == 3:
+            _attach_sharded(b.group, b.grads)
+        else:
+            attach_full_grads(b.group, b.grads)
+
+    def prepare_group(self, group: FlatGroup) -> None:
+        """ZeRO-3: the unit ``group`` is about to run a backward; its gradient buffer must exist."""
+        b = self._of[id(group.params[0])]
+        if b.grads is None:
+            self.prepare(b)
 
     def arm(self, stage: int) -> None:
         """The next action is the last one producing stage ``stage``'s gradients this step."""
@@ -154,10 +184,11 @@ class DpGradSync:
                 self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        attach_full_grads(b.group, b.grads)  # a gradient autograd replaced instead of accumulating: copy back
+        self.prepare(b)  # a gradient autograd replaced instead of accumulating: copied back (or a unit never run)
         if self.zero:
             b.handle = comm.reduce_scatter(  # type: ignore[assignment]
-                b.grads, self.mesh, self.axis, op="avg", algorithm=self.algorithm, async_op=True)
+                b.grads, self.mesh, self.axis, op="avg", algorithm=self.algorithm, async_op=True,  # type: ignore[arg-type]
+                scratch=self.release)
         else:
             b.handle = comm.all_reduce(b.grads, self.mesh, self.axis, op="avg", async_op=True)  # type: ignore[assignment]
 
@@ -170,10 +201,20 @@ class DpGradSync:
                 self._launch(b)
         for b in self.buckets:
             got = b.handle.wait()  # type: ignore[union-attr]
-            if self.zero:
+            if self.release:
+                # ZeRO-2/3: the shard is all that stays; an accumulated step adds its own average to it
+                b.shard = got.clone() if b.shard is None else b.shard.add_(got)
+                self._free_full(b)
+            elif self.zero:
                 # ZeRO-1: the averaged shard lives apart; the full buffer keeps this replica's own sum, so a
                 # further pipe.step (accumulation) adds to it and the next reduce-scatter averages the total.
                 b.shard = got
+
+    def _free_full(self, b: _Bucket) -> None:
+        """Drop the full gradient buffer and every ``.grad`` view of it (ZeRO-2/3, after the reduction)."""
+        for q in b.group.params:
+            q.grad = None
+        b.grads = None
 
     # -- ZeRO-1's optimizer view ------------------------------------------------------------------------
     def shard_grads(self) -> list[torch.Tensor]:
@@ -190,15 +231,31 @@ class DpGradSync:
 
     @property
     def full_grads(self) -> list[torch.Tensor]:
-        """Each bucket's full flat gradient buffer (the parameters' ``.grad`` are views of it). Local."""
-        return [b.grads for b in self.buckets]
+        """Each bucket's full flat gradient buffer (the parameters' ``.grad`` are views of it); ZeRO-2/3: only
+        those that exist now (between steps none). Local."""
+        return [b.grads for b in self.buckets if b.grads is not None]
 
     @torch.no_grad()
     def zero_grads(self) -> None:
         for b in self.buckets:
-            b.grads.zero_()
             b.shard = None
-            attach_full_grads(b.group, b.grads)
+            if self.release:
+                self._free_full(b)
+                continue
+            b.grads.zero_()  # type: ignore[union-attr]
+            attach_full_grads(b.group, b.grads)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def _attach_sharded(group: FlatGroup, buffer: torch.Tensor) -> None:
+    """``attach_full_grads`` for ZeRO-3 units, whose parameters may be freed (empty) right now: a gradient already
+    pointing into ``buffer`` stays, another is copied in; a freed parameter gets no ``.grad`` (its values are in
+    ``buffer``, about to be reduced)."""
+    for p, view in zip(group.params, group.views(buffer)):
+        if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            continue
+        view.copy_(p.grad) if p.grad is not None else view.zero_()
+        p.grad = view if p.shape == view.shape else None
 
 
 class PipelineZeroGroups:

@@ -19,7 +19,7 @@ stage that uses it holds a copy). Pure: no communication here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -150,16 +150,23 @@ class Stage(nn.Module):
         recomputes its activations in backward (``torch.utils.checkpoint``, non-reentrant: recomputed inside the
         same backward, hooks fire once); ``selective``, each unit with an attention module keeps its weight
         matmuls' outputs and recomputes the rest (``parallel/common/selective.py``)."""
+        self.unit_hook: Any = None
+        """ZeRO-3 (``zero3.PipelineStage3``): told before and after each unit runs, to gather and free it."""
 
     def forward(self, x: Tensor) -> Tensor:
         mode = check_mode(self.checkpoint)  # True/False, as the attribute once was, mean full/none
-        for u in self.units:
+        hook = self.unit_hook
+        for k, u in enumerate(self.units):
+            if hook is not None:
+                hook.before(self.index, k)
             # float inputs only: the embedding unit's token ids have nothing to recompute from
             if (mode != "none" and torch.is_grad_enabled() and x.is_floating_point()
                     and (mode == "full" or any(has_attention(m) for _, m in u.modules))):
                 x = checkpoint(u.fn, x, use_reentrant=False, **checkpoint_kwargs(mode))
             else:
                 x = u.fn(x)
+            if hook is not None:
+                hook.after(self.index, k, x)
         return x
 
     def owned_names(self) -> list[str]:

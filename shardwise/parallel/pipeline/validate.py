@@ -24,17 +24,20 @@ def check_keys(model: nn.Module, stages: list[Stage]) -> None:
 
 
 def check_hybrid(mesh: Mesh, axis: str, dp_axis: str | None, zero_stage: Any, checkpoint: Any,
-                  bucket_cap_mb: Any) -> None:
+                  bucket_cap_mb: Any, graph: bool = False) -> None:
     if dp_axis is not None and (dp_axis not in mesh.axes or dp_axis == axis):
         raise ValueError(f"dp_axis {dp_axis!r} must be an axis of {mesh!r} other than the pipeline axis "
                          f"{axis!r}; use one of {[a for a in mesh.axes if a != axis]} or dp_axis=None")
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
-        raise ValueError(f"pipeline zero_stage must be 0 or 1 (ZeRO-1: optimizer state sharded over dp_axis), "
-                         f"got {zero_stage!r}; stages 2-3 shard gradients/parameters that every micro-batch of "
-                         f"the schedule needs, use sw.zero without a pipeline for those")
-    if zero_stage == 1 and dp_axis is None:
-        raise ValueError("pipeline zero_stage=1 shards the optimizer state over the data-parallel axis, but "
-                         "dp_axis is None; pass dp_axis='dp' (an axis of the mesh) or zero_stage=0")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"pipeline zero_stage must be 0, 1, 2 or 3 (ZeRO over dp_axis: 1 optimizer state, 2 also "
+                         f"gradients, 3 also parameters), got {zero_stage!r}")
+    if zero_stage and dp_axis is None:
+        raise ValueError(f"pipeline zero_stage={zero_stage} shards over the data-parallel axis, but dp_axis is None; "
+                         f"pass dp_axis='dp' (an axis of the mesh) or zero_stage=0")
+    if zero_stage == 3 and graph:
+        raise ValueError("pipeline zero_stage=3 gathers each unit of a chain pipeline as it runs, but this pipeline "
+                         "was captured from example_inputs (a graph pipeline, whose stages have no units); use "
+                         "zero_stage 1 or 2, or a chain pipeline (no example_inputs)")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a number > 0 (MB of gradients per dp reduction), got "
                          f"{bucket_cap_mb!r}; the default is 25")

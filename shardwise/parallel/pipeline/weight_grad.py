@@ -186,11 +186,15 @@ def _accumulate(q: Tensor, gq: Tensor) -> None:
     q.grad = gq if q.grad is None else q.grad.add_(gq)
 
 
-def weight_gradients(stage: nn.Module, out: Tensor | list[Tensor], grad: Any) -> None:
+def weight_gradients(stage: nn.Module, out: Tensor | list[Tensor], grad: Any,
+                     enter: Callable[[nn.Module | None], None] | None = None) -> None:
     """W for one (stage, micro-batch): ``grad`` is the list of ((record, y), dL/dy) pairs B left, or, when the
     capture fell back, the gradients of the stage outputs ``out`` (a tuple, or ``None`` for the loss), which are
-    then differentiated again. Accumulates ``.grad``."""
+    then differentiated again. Accumulates ``.grad``. ``enter(module)`` (ZeRO-3): called before a module's parameter
+    values are read (``None``: every module of the stage); the closed forms of Linear and LayerNorm read none."""
     if not isinstance(grad, list):  # fallback: differentiate the whole stage again (see WeightCapture)
+        if enter is not None:
+            enter(None)
         params = [q for q in stage.parameters() if q.requires_grad]
         for q, gq in zip(params, torch.autograd.grad(out, params, grad, retain_graph=True, allow_unused=True)):
             if gq is not None:
@@ -202,6 +206,8 @@ def weight_gradients(stage: nn.Module, out: Tensor | list[Tensor], grad: Any) ->
         mod, x = rec.module, rec.input
         ok = not rec.hooked and (x is None or x._version == rec.version)
         rule = _rule(mod, x) if ok else None
+        if enter is not None and rule not in (_linear, _layer_norm):
+            enter(mod)
         if rule is not None:
             with torch.no_grad():
                 for q, gq in rule(mod, x, g):
