@@ -119,8 +119,10 @@ CASES: list[tuple[str, Call, type[Exception], tuple[str, ...]]] = [
      ValueError, ("'nope' names no module", "one of ['blocks.0', 'blocks.1', 'ln_f']")),
     ("pp-axis-missing", lambda e: sw.pipeline(_gpt(), e.m, microbatches=2, loss_fn=_loss), ValueError,
      ("pipeline axis 'pp' is not an axis", "use one of ['dp', 'tp']")),
-    ("pp-zero-stage-3", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, loss_fn=_loss, zero_stage=3), ValueError,
-     ("got 3", "use sw.zero without a pipeline")),
+    ("pp-zero-stage-5", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, loss_fn=_loss, zero_stage=5), ValueError,
+     ("got 5", "must be 0, 1, 2 or 3")),
+    ("pp-zero-3-no-dp", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, loss_fn=_loss, zero_stage=3), ValueError,
+     ("dp_axis is None", "pass dp_axis='dp'")),
     ("pp-autocast-fp16", lambda e: sw.pipeline(_gpt(), e.pm, microbatches=2, loss_fn=_loss, autocast=torch.float16),
      ValueError, ("got torch.float16", "fp16 needs loss scaling")),
     # --- ZeRO, data parallelism, checkpointing, mixed precision ---

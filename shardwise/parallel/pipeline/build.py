@@ -46,6 +46,7 @@ from .capture import Graph
 from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
 from .validate import check_args, check_hybrid, check_keys, checkpoint_mode
+from .tied import sum_tied_grads, tied_parameters
 from .zero3 import PipelineStage3, shared_parameters, unit_plans
 
 __all__ = ["Pipeline", "pipeline"]
@@ -80,7 +81,7 @@ class Pipeline:
         self.model = model  # keys and shapes of the whole model, for full_state_dict
         me = mesh.coord(axis)
         check_keys(model, self.all_stages)
-        self.tied = _tied_parameters(self.all_stages, p, me)
+        self.tied = tied_parameters(self.all_stages, p, me)
         self.stages = {s.index: _materialized(s, mesh.device) for s in self.all_stages if s.index % p == me}
         self._meta = full_meta(model)  # full shapes and dtypes of every key, before anything is released
         modules = {name: s.index % p for s in reversed(self.all_stages) for name in s.owned_names()}
@@ -190,32 +191,7 @@ class Pipeline:
         return float(out.item())
 
     def _sum_tied_grads(self, before: dict[int, Tensor | None]) -> None:
-        """Exchange this step's gradient contribution of each tied parameter with its peer rank and add it
-        (point-to-point along the axis, one message each way per parameter)."""
-        for param, peer in self.tied:
-            old = before[id(param)]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            mine = grad - old if old is not None else grad.clone()  # only this step's part (accumulation-safe)
-            theirs = torch.empty_like(mine)
-            # the lower coordinate sends first, the higher receives first: transports that run a pair's
-            # send and receive in one ordered stream (NCCL) then never wait on each other's receive
-            if self.mesh.coord(self.axis) < peer:
-                handles = [comm.isend(mine, self.mesh, self.axis, dst=peer),
-                           comm.irecv(theirs, self.mesh, self.axis, src=peer)]
-            else:
-                handles = [comm.irecv(theirs, self.mesh, self.axis, src=peer),
-                           comm.isend(mine, self.mesh, self.axis, dst=peer)]
-            for h in handles:
-                h.wait()
-            # Both ranks now hold the same bits of both contributions; summing them in pipeline-coordinate
-            # order onto the (identical) earlier gradient keeps the two copies bit-identical. Adding `theirs`
-            # onto `old + mine` would not: (old + g) - old is not g exactly once gradients accumulate.
-            low, high = (mine, theirs) if self.mesh.coord(self.axis) < peer else (theirs, mine)
-            total = low + high if old is None else old + (low + high)
-            if param.grad is None:
-                param.grad = total
-            else:
-                param.grad.copy_(total)  # in place: with dp, .grad is a view of a gradient bucket
+        sum_tied_grads(self.mesh, self.axis, self.tied, before)
 
     # -- timings ---------------------------------------------------------------------------------------
     def timeline(self) -> list[Event]:
@@ -352,27 +328,6 @@ def _example_on(model: nn.Module, example: Any) -> tuple[tuple, dict]:
     args, kwargs = normalize_example(example)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, (args, kwargs))
-
-
-def _tied_parameters(stages: list[Any], p: int, me: int) -> list[tuple[nn.Parameter, int]]:
-    """(parameter, peer rank) for each parameter this rank shares with one other rank's stages (pure).
-
-    Every rank lists them in the same order (stage order, then parameter order), so the exchanges pair up.
-    """
-    users: dict[int, tuple[nn.Parameter, list[int]]] = {}
-    for s in stages:
-        for param in s.parameters():
-            ranks = users.setdefault(id(param), (param, []))[1]
-            if s.index % p not in ranks:
-                ranks.append(s.index % p)
-    out = []
-    for param, ranks in users.values():
-        if len(ranks) > 2:
-            raise ValueError(f"a parameter of shape {tuple(param.shape)} is used by stages on pipeline ranks "
-                             f"{ranks}; tied parameters may span at most two ranks (e.g. embedding and head)")
-        if len(ranks) == 2 and me in ranks:
-            out.append((param, ranks[0] if ranks[1] == me else ranks[1]))
-    return out
 
 
 def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: int, schedule: str = "1f1b",
