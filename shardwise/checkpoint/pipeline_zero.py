@@ -1,4 +1,5 @@
-"""Sharded save/load of ZeRO-1 inside a pipeline (``sw.pipeline(..., dp_axis="dp", zero_stage=1)``).
+"""Sharded save/load of ZeRO inside a pipeline (``sw.pipeline(..., dp_axis="dp", zero_stage=1|2|3)``); ZeRO-3's
+model tensors: ``pipeline_zero3.py``.
 
 Each pp coordinate has its own flat groups — the dp gradient buckets of its stages (``pipe.grad_sync.groups``),
 each laying its parameters end to end in a buffer of ``L`` elements of which dp rank ``i`` owns and optimizes
@@ -32,6 +33,7 @@ from ..parallel.pipeline.grad_sync import DpGradSync
 from ..parallel.zero.optim import ZeroOptimizer
 from .layout import load_optimizer, optimizer_pieces
 from .pipeline_layout import load_pipeline_model
+from .pipeline_zero3 import load_zero3_model
 from .sharded import Checkpoint, Piece, without_axis
 from .zero_layout import fill_flat_state, flat_state_pieces, group_entry, group_tag, param_state, tag_axes
 
@@ -89,7 +91,10 @@ class _Experts:
 def load_pipeline_zero(ckpt: Checkpoint, pipe: Pipeline, optimizer: ZeroOptimizer) -> None:
     """Load this rank's stage tensors and rebuild its flat optimizer-state shards from a checkpoint of any
     layout (per-parameter state, ZeRO groups, or another pipeline's groups). Local (file reads)."""
-    load_pipeline_model(ckpt, pipe)  # the parameters are views of the groups' full buffers: copied in place
+    if pipe.zero3 is not None:  # ZeRO-3: into each rank's shards
+        load_zero3_model(ckpt, pipe)
+    else:
+        load_pipeline_model(ckpt, pipe)  # the parameters are views of the groups' full buffers: copied in place
     saved, fetch = param_state(ckpt)
     names = _names(pipe)
     groups = _sync(pipe).groups

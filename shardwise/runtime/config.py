@@ -326,14 +326,9 @@ def _check_strategies(config: Config) -> None:
 
 def _check_pipeline_hybrids(p: ParallelConfig) -> None:
     """What ``shardwise train`` does not combine with pp > 1: the ONE place listing it. Supported: dp, tp inside
-    the stages, ZeRO-1 over dp (with accumulation; with tp too: each tp rank's local shards sharded over dp),
-    activation checkpointing (``runtime/strategy/pipeline.py``). Refused: ZeRO-2/3 (below) and a non-native
-    gradient algorithm. (Without pp, ZeRO 1-3 combines with tp: ``runtime/strategy/zero.py``.)"""
-    if p.zero_stage > 1:
-        raise ValueError(f"parallel.zero_stage = {p.zero_stage} with parallel.pp = {p.pp} is not supported: a "
-                         f"pipeline shards only the optimizer state over dp (ZeRO-1); stages 2-3 would shard the "
-                         f"gradients/parameters that every micro-batch of the schedule needs; use "
-                         f"--parallel.zero_stage 1, or --parallel.pp 1")
+    the stages, ZeRO 1-3 over dp (with accumulation; with tp too: each tp rank's local shards sharded over dp),
+    activation checkpointing (``runtime/strategy/pipeline.py``). Refused: a non-native gradient algorithm
+    (below) and offload (``config_ranges.check_offload``)."""
     if p.algorithm not in ("native", "auto"):  # auto: the pipeline's dp buckets stay native
         raise ValueError(f"parallel.algorithm = {p.algorithm!r} with parallel.pp = {p.pp} is not supported by "
                          f"shardwise train (the pipeline reduces its dp gradient buckets with the native "

@@ -146,15 +146,15 @@ def test_shared_memory_all_reduce_trains_like_gloo(baseline, tmp_path):
     (["--parallel.tp", "3"], "parallel.tp = 3 must divide model.n_head = 2"),
     (["--parallel.dp", "3"], "must equal the number of processes parallel.nproc = 2"),
     (["--data.global_batch", "10", "--parallel.micro_batch", "4"], "global_batch=10 is not a multiple"),
-    (["--parallel.pp", "2", "--parallel.zero_stage", "2"], "parallel.zero_stage = 2 with parallel.pp = 2 is not "
-                                                           "supported: a pipeline shards only the optimizer state"),
+    (["--parallel.pp", "2", "--parallel.zero_stage", "1", "--parallel.offload", "optimizer"],
+     "parallel.offload = optimizer with parallel.pp = 2 is not supported"),
     (["--model.n_embd", "65"], "model.n_embd (65) must be divisible by n_head (2)"),
     (["--train.steps", "0"], "train.steps = 0 must be >= 1"),
     (["--parallel.tp", "two"], "parallel.tp must be a int, got 'two'"),
     (["--optimizer.name", "lamb"], "optimizer.name = 'lamb' is not allowed"),
     (["--data", "missing.txt"], "missing.txt' does not exist; pass a text file"),
     (["--config", "missing.toml"], "config file 'missing.toml' does not exist"),
-], ids=["tp-heads", "world", "batch", "pp-zero2", "model", "steps", "type", "choice", "data", "toml"])
+], ids=["tp-heads", "world", "batch", "pp-offload", "model", "steps", "type", "choice", "data", "toml"])
 def test_bad_configs_are_rejected_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, expected):
     from shardwise import cli as cli_module
     from shardwise.runtime import job

@@ -134,8 +134,8 @@ def test_pp2_times_dp2_on_4_ranks_trains_like_one_process(runs, tmp_path):
 @pytest.mark.parametrize("flags,expected", [
     (["--parallel.pp", "3"], "parallel.pp = 3 processes per replica do not divide parallel.nproc = 2 (parallel.dp "
                              "is inferred as nproc / that); set --parallel.nproc 3 or lower pp"),
-    (["--parallel.pp", "2", "--parallel.zero_stage", "2"], "parallel.zero_stage = 2 with parallel.pp = 2 is not "
-                                                           "supported: a pipeline shards only the optimizer state"),
+    (["--parallel.pp", "2", "--parallel.zero_stage", "3", "--parallel.offload", "params"],
+     "parallel.offload = params with parallel.pp = 2 is not supported"),
     (["--parallel.pp", "2", "--parallel.pp_schedule", "pipedream"], "unknown parallel.pp_schedule 'pipedream'"),
     (["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], "parallel.micro_batch = 8 must be divisible by "
                                                                 "parallel.pp_microbatches = 3"),
@@ -144,7 +144,7 @@ def test_pp2_times_dp2_on_4_ranks_trains_like_one_process(runs, tmp_path):
      "the model has 4 pipeline units"),
     (["--parallel.pp_split", "blocks.1", "--parallel.nproc", "1"],
      "parallel.pp_split = ('blocks.1',) only applies to pipeline parallelism"),
-], ids=["world", "zero2", "schedule", "microbatches", "split", "stages", "pp1-split"])
+], ids=["world", "offload", "schedule", "microbatches", "split", "stages", "pp1-split"])
 def test_bad_pipeline_configs_are_rejected_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, expected):
     from shardwise import cli as cli_module
     from shardwise.runtime import job
@@ -231,5 +231,28 @@ def test_pp2_times_dp2_zero1_trains_like_one_process_and_resumes_at_pp1(runs, tm
     shutil.copytree(run, back)
     proc = cli(tmp_path, "train", "--resume", str(back / "checkpoints" / "step_000002"), "--parallel.pp", "1",
                "--parallel.zero_stage", "0", "--parallel.nproc", "1", "--parallel.micro_batch", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_close_losses(losses(back), losses(one), [3, 4])
+
+
+def test_pp2_times_dp2_zero3_trains_like_one_process_saves_shards_and_resumes(runs, tmp_path):
+    """ZeRO-3 inside the pipeline: equal to one process; the checkpoint holds every parameter whole under its plain
+    key, written as ranges of the dp shards; resuming in the same layout (into the shards) continues the run."""
+    one, _ = runs
+    run = train(tmp_path, "ppz3", "--parallel.nproc", "4", "--parallel.pp", "2", "--parallel.zero_stage", "3",
+                "--parallel.micro_batch", "2", "--parallel.pp_schedule", "zb-h1")
+    assert_close_losses(losses(run), losses(one), [1, 2, 3, 4])
+    ckpt, want = Checkpoint(run), Checkpoint(one)
+    assert set(ckpt.keys("model/")) == set(want.keys("model/"))
+    for key in ckpt.keys("model/"):  # flattened ranges of the dp shards, S(0) over dp, nothing gathered
+        info = ckpt.index["tensors"][key]
+        assert (info["sbp"], info["axes"], len(info["view_shape"])) == ("S(0),B", ["dp", "tp"], 1), (key, info)
+    big = ckpt.index["tensors"]["model/wte.weight"]["pieces"]
+    assert len({p["file"] for p in big}) == 2, big  # the tied embedding: both dp ranks of pp coordinate 0
+    for key in want.keys("model/"):
+        torch.testing.assert_close(ckpt.full(key), want.full(key), rtol=1e-4, atol=1e-6)
+    back = tmp_path / "back"
+    shutil.copytree(run, back)
+    proc = cli(tmp_path, "train", "--resume", str(back / "checkpoints" / "step_000002"), timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_close_losses(losses(back), losses(one), [3, 4])

@@ -90,11 +90,8 @@ def test_validate_resolves_dp_and_grad_accum():
     ({"pp": 3}, "parallel.pp = 3 processes per replica do not divide parallel.nproc = 4 (parallel.dp is inferred "
                 "as nproc / that); set --parallel.nproc 3 or 6 or lower pp"),
     ({"pp": 2, "tp": 4}, "parallel.tp × parallel.pp = 4 × 2 = 8 processes per replica do not divide parallel.nproc = 4"),
-    ({"pp": 2, "zero_stage": 2}, "parallel.zero_stage = 2 with parallel.pp = 2 is not supported: a pipeline shards "
-                                 "only the optimizer state over dp (ZeRO-1)"),
-    ({"pp": 2, "zero_stage": 3}, "use --parallel.zero_stage 1, or --parallel.pp 1"),
+    ({"pp": 2, "zero_stage": 3, "offload": "params"}, "parallel.offload = params"),
     ({"pp": 2, "algorithm": "ring"}, "parallel.algorithm = 'ring' with parallel.pp = 2 is not supported"),
-    ({"pp": 2, "tp": 2, "zero_stage": 2}, "parallel.zero_stage = 2 with parallel.pp = 2 is not supported"),
     ({"pp": 2, "micro_batch": 4, "pp_schedule": "1f2b"}, "unknown parallel.pp_schedule '1f2b'; did you mean '1f1b'? "
                                                         "valid: 1f1b, gpipe, interleaved, zb-h1"),
     ({"pp": 2, "micro_batch": 4, "pp_microbatches": 3}, "parallel.micro_batch = 4 must be divisible by "

@@ -7,8 +7,10 @@ Hybrids (``config._check_pipeline_hybrids`` lists what stays rejected):
   slice; gradients averaged over dp inside ``pipe.step`` (bucketed, started inside the last backward);
 * tp: the GPT is ``sw.parallelize``-d over ``tp`` *before* pipelining (each stage runs its tp shards) and the
   last stage's loss is the vocab-parallel cross-entropy, as without pp (``base.tensor_parallel``);
-* ZeRO-1: ``zero_stage=1`` — ``pipe.build_optimizer`` gives a ``ZeroOptimizer`` over the dp gradient buckets of
-  this rank's stages (optimizer state 1/dp); its checkpoint layout: ``checkpoint/pipeline_zero.py``;
+* ZeRO 1-3: ``zero_stage`` — ``pipe.build_optimizer`` gives a ``ZeroOptimizer`` over the dp gradient buckets of
+  this rank's stages (optimizer state 1/dp; ZeRO-2 frees the full gradient buffers after each reduction, ZeRO-3
+  shards the parameters per unit: ``parallel/pipeline/zero3.py``); checkpoint layout:
+  ``checkpoint/pipeline_zero.py`` and ``pipeline_zero3.py``;
 * activation checkpointing: ``checkpoint=True`` (each unit keeps only its input, recomputed in backward);
 * ``train.compile``: each block compiled (``runtime/compiling.py``) before the model is cut; zero-bubble's W
   then differentiates each stage again (no weight capture inside a compiled block: ``weight_grad.py``);
@@ -30,6 +32,7 @@ from torch import nn
 
 from ...checkpoint.pipeline_layout import load_pipeline, pipeline_model_pieces, pipeline_optimizer_pieces
 from ...checkpoint.pipeline_zero import load_pipeline_zero, pipeline_zero_groups, pipeline_zero_pieces
+from ...checkpoint.pipeline_zero3 import zero3_model_pieces
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
 from ...parallel.common.autocast import precision_dtype
@@ -49,7 +52,7 @@ __all__ = ["PipelineStrategy"]
 
 
 class PipelineStrategy:
-    """``sw.pipeline`` over ``pp`` with dp, tp, ZeRO-1 and activation checkpointing inside (``Strategy``).
+    """``sw.pipeline`` over ``pp`` with dp, tp, ZeRO 1-3 and activation checkpointing inside (``Strategy``).
     Building is collective only as ``sw.parallelize`` is (``sw.pipeline`` itself is pure)."""
 
     def __init__(self, cfg: Config, mesh: Mesh, plain: nn.Module, experts: Experts | None = None) -> None:
@@ -175,7 +178,9 @@ class PipelineStrategy:
         """Its own stages' tensors under the plain model's keys, and their optimizer state — per parameter, or
         ZeRO-1's flat shards. Local."""
         if isinstance(self.optimizer, ZeroOptimizer):
-            return pipeline_model_pieces(self.model) + pipeline_zero_pieces(self.model, self.optimizer)
+            model = zero3_model_pieces(self.model) if self.model.zero3 is not None else \
+                pipeline_model_pieces(self.model)
+            return model + pipeline_zero_pieces(self.model, self.optimizer)
         return pipeline_model_pieces(self.model) + pipeline_optimizer_pieces(self.model, self.optimizer)
 
     def shared_state(self) -> dict[str, Any]:
@@ -192,8 +197,9 @@ class PipelineStrategy:
             load_pipeline(ckpt, self.model, self.optimizer)
 
     def memory(self) -> dict[str, int]:
-        params = list(self.model.parameters())
         sync = self.model.grad_sync
+        # ZeRO-3: the parameters are empty between steps; their shards (the masters) are what this rank holds
+        params = list(self.model.parameters()) + ([g.master for g in sync.groups] if sync is not None else [])
         grads = [q.grad for q in params] + ([*sync.full_grads, *sync.held_shards()] if sync is not None else [])
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         counts = storage_bytes({"params": params, "grads": grads, "optimizer": state})

@@ -1,0 +1,74 @@
+"""The model tensors of ZeRO-3 inside a pipeline (``sw.pipeline(..., zero_stage=3)``): saved and loaded from shards.
+
+Each unit's parameters are one flat group sharded over dp (``parallel/pipeline/zero3.py``); between steps no rank
+holds a whole parameter. Without tensor parallelism inside the stages every rank writes the elements of its own
+shard as ranges of the flattened parameters (``RangePiece``, described on the mesh without pp: ``S(0)`` over dp) —
+nothing is gathered, and a checkpoint holds each parameter whole under its plain key, as every layout writes it.
+With tp inside, each unit is gathered over dp for the save (its tp pieces are what ``layout.describe`` knows how to
+place): the save then holds this rank's stages whole for a moment. A tensor tied to another pp coordinate is
+written by the lower one (``pipeline_layout.key_owners``). Loading gathers every unit, reads the tensors as any
+pipeline does and copies each rank's range back into its shard. The optimizer state: ``pipeline_zero.py``, as for
+ZeRO-1 and 2 (the flat groups are the same objects).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel.pipeline.build import Pipeline
+from ..parallel.pipeline.zero3 import PipelineStage3
+from ..sbp.placement import Replicate, Split
+from .layout import describe
+from .pipeline_layout import load_pipeline_model, pipeline_model_pieces, without_axis
+from .pipeline_layout import key_owners
+from .sharded import Checkpoint, Piece, RangePiece
+from .zero_layout import tag_axes
+
+__all__ = ["zero3_model_pieces", "load_zero3_model"]
+
+
+def _runtime(pipe: Pipeline) -> PipelineStage3:
+    assert pipe.zero3 is not None and pipe.grad_sync is not None, "ZeRO-3 pipelines only"
+    return pipe.zero3
+
+
+def zero3_model_pieces(pipe: Pipeline) -> list[Piece]:
+    """This rank's model pieces (see module doc). Without tp: local. With tp: collective over dp."""
+    zero3, dp = _runtime(pipe), pipe.grad_sync.axis  # type: ignore[union-attr]
+    if tag_axes(pipe.mesh, dp, skip=[pipe.axis]):
+        with zero3.gathered():  # the pieces must outlive the gather: copies
+            return [Piece(p.key, p.local.clone(), p.view_shape, p.full_shape, p.sbp, p.axes, p.mesh_shape, p.coords)
+                    for p in pipeline_model_pieces(pipe)]
+    me = pipe.mesh.coord(pipe.axis)
+    mine = {k for k, owner in key_owners(pipe).items() if owner == me}
+    names = {id(q): n for n, q in pipe.model.named_parameters()}
+    axes = tuple(a for a in pipe.mesh.axes if a != pipe.axis)
+    sbp = tuple(Split(0) if a == dp else Replicate() for a in axes)
+    shape, coords = tuple(pipe.mesh.size(a) for a in axes), tuple(pipe.mesh.coord(a) for a in axes)
+    out: list[Piece] = []
+    managed: set[int] = set()
+    for g in pipe.grad_sync.groups:  # type: ignore[union-attr]
+        managed |= {id(q) for q in g.params}
+        master = g.master.detach()
+        for k, a, b in g.layout.pieces(pipe.mesh.coord(dp)):
+            name = names[id(g.params[k])]
+            if name not in mine:  # the tied copy of the higher pp coordinate: its twin is written
+                continue
+            start = g.layout.offsets[k] + a - g.lo  # in this rank's shard
+            out.append(RangePiece(f"model/{name}", master[start:start + b - a], (g.layout.numels[k],),
+                                  tuple(g.shapes[k]), sbp, axes, shape, coords, rows=(a, b - a)))
+    # buffers, frozen and expert parameters: whole, as any pipeline writes them
+    tensors = pipe.model.state_dict(keep_vars=True)
+    out += [without_axis(describe(f"model/{k}", v, pipe.mesh, v.detach()), pipe.axis)
+            for k, v in tensors.items() if k in mine and id(v) not in managed]
+    return out
+
+
+@torch.no_grad()
+def load_zero3_model(ckpt: Checkpoint, pipe: Pipeline) -> None:
+    """Load this rank's stage tensors into its shards, from a checkpoint of any layout. Collective over dp (each
+    unit is gathered while its values are read)."""
+    zero3 = _runtime(pipe)
+    with zero3.gathered():
+        load_pipeline_model(ckpt, pipe)
+        zero3.sync_shards()
