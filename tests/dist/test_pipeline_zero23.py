@@ -26,9 +26,15 @@ CASES = [
 ]
 
 
-def test_zero23_in_pipelines_match_one_device(worlds):
-    per_rank = worlds.get(4).run(hc.check_hybrids, CASES, timeout=600)
-    for k, case in enumerate(CASES):
+# tensor parallelism inside the stages: each tp coordinate's units sharded over dp
+CASES_8 = [dict(axes=dict(pp=2, dp=2, tp=2), schedule="1f1b", n_layer=2, m=2, zero=3, opt="adamw")]
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_zero23_in_pipelines_match_one_device(worlds, n):
+    cases = CASES if n == 4 else CASES_8
+    per_rank = worlds.get(n).run(hc.check_hybrids, cases, timeout=600)
+    for k, case in enumerate(cases):
         for rank, results in enumerate(per_rank):
             res = results[k]
             assert res["loss_err"] < RTOL, (case, rank, res)

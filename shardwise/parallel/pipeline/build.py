@@ -82,7 +82,10 @@ class Pipeline:
         me = mesh.coord(axis)
         check_keys(model, self.all_stages)
         self.tied = tied_parameters(self.all_stages, p, me)
-        self.stages = {s.index: _materialized(s, mesh.device) for s in self.all_stages if s.index % p == me}
+        # ZeRO-3 cuts each unit's shard straight from the meta model (the groups, below): no rank builds a stage whole
+        zero3 = zero_stage == 3 and dp_axis is not None and mesh.size(dp_axis) > 1
+        self.stages = {s.index: s if zero3 else _materialized(s, mesh.device)
+                       for s in self.all_stages if s.index % p == me}
         self._meta = full_meta(model)  # full shapes and dtypes of every key, before anything is released
         modules = {name: s.index % p for s in reversed(self.all_stages) for name in s.owned_names()}
         self._key_owner = key_owner(self._meta, modules)  # a tied key: its first stage's coordinate
@@ -106,6 +109,9 @@ class Pipeline:
         """ZeRO-3 (``zero_stage=3`` with dp > 1): gathers and frees the units as the schedule runs (``zero3.py``)."""
         if dp_axis is not None and mesh.size(dp_axis) > 1:
             self._build_grad_sync(mesh, dp_axis, zero_stage, bucket_cap_mb)
+        if zero3:  # what no group holds: buffers, frozen and expert parameters
+            for stage in self.stages.values():
+                _materialized(stage, mesh.device)
         self.interpreter.grad_sync = self.grad_sync
         self.interpreter.zero3 = self.zero3
         self.last_peak_held = 0
