@@ -8,6 +8,7 @@ group (``tp · ep`` apart). ``dp_comm`` prices each over its own group and adds 
 
 from __future__ import annotations
 
+import math
 
 from .hardware import Hardware
 from .plan import Layout
@@ -57,6 +58,8 @@ def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forwar
     # on: communication takes its time from compute instead of hiding under it. Every ZeRO stage reduces its
     # buckets during backward, as data parallelism does (a pipeline's ZeRO-1 per stage as its backward ends).
     overlap = overlap and not hw.host_cores
+    if plan.zero_stage == 3 and plan.pp > 1:
+        return _pipeline_zero3(plan, hw, coll, n_local * param_b, n_local * grad_b, backward, forward, overlap, units)
     if plan.zero_stage == 3:
         # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
         # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
@@ -77,3 +80,20 @@ def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forwar
         return reduce + gather
     # buckets start during the last pass's backward; the last bucket (1/8 at least) cannot overlap
     return max(reduce - backward, reduce / 8) + gather
+
+
+def _pipeline_zero3(plan: Layout, hw: Hardware, coll, param_bytes: float, grad_bytes: float, backward: float,
+                    forward: float, overlap: bool, units: int) -> float:
+    """ZeRO-3 inside a pipeline (``parallel/pipeline/zero3.py``): every micro-batch gathers each unit for its
+    forward and again for its backward (``2m`` all-gathers per unit and flush), the gradients are reduce-scattered
+    once per flush as the stage's last backward ends. ``forward``/``backward``: one micro-batch's on the rank, what
+    a prefetched gather can hide behind; unbounded (the search's lower bounds) — priced at the least count of
+    micro-batches, 1, so the bound holds for every count and is shared by every candidate of a group."""
+    m = max(1, plan.microbatches) if math.isfinite(forward) else 1
+    gather = units * coll("all_gather", param_bytes / units)
+    reduce = units * coll("reduce_scatter", grad_bytes / units)
+    waits = (2 * m + 1) * units * hw.sync_skew_s
+    if not overlap:
+        return plan.grad_accum * (2 * m * gather + reduce + waits)
+    exposed = m * (max(gather - forward, gather / 8) + max(gather - backward, gather / 8))
+    return plan.grad_accum * (exposed + max(reduce - backward, reduce / 8) + waits)

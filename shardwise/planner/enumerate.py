@@ -39,8 +39,9 @@ class Space:
     chunks: tuple[int, ...] = (2, 3, 4, 6, 8)
     """Model chunks per pipeline rank the interleaved schedule may use."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    pipeline_zero_stages: tuple[int, ...] = (0, 1)
-    """ZeRO stages a pipeline combines with (stages 2-3 would re-gather for every micro-batch)."""
+    pipeline_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages a pipeline combines with (all; stage 3 gathers every unit for each micro-batch's forward and
+    backward, which ``dp_comm`` prices)."""
     checkpointing: tuple[str, ...] = CHECKPOINTING
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch: int = 16

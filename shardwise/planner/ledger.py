@@ -102,7 +102,9 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     casts = 0.0 if plan.precision != "bf16" else 2 * (2 * biggest if gathered else n)
     comm = 0.0
     # a group filling and MAX_IN_FLIGHT reducing, never more than all of the rank's gradients (one group then)
-    if plan.zero_stage == 2 and sharded:
+    if plan.pp > 1 and plan.zero_stage >= 2 and sharded:
+        comm = n * g_bytes  # a pipeline reduces once per flush: every unit's full gradients wait for it
+    elif plan.zero_stage == 2 and sharded:
         comm = min(n * g_bytes, (1 + MAX_IN_FLIGHT) * bucket_bytes)
     elif plan.zero_stage >= 3 and sharded:
         comm = min(n * g_bytes, (1 + MAX_IN_FLIGHT) * biggest * g_bytes)

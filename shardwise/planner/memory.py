@@ -223,7 +223,14 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     buffers = min(bucket_cap, n * grad_bytes)  # buckets hold at most all the gradients
     if plan.precision == "bf16":
         buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
-    if plan.zero_stage == 3:
+    if plan.pp > 1 and plan.zero_stage >= 2 and plan.zero_group > 1:
+        # inside a pipeline the gradients are reduced once per flush: each unit's full gradients accumulate over
+        # the flush's micro-batches (parallel/pipeline/grad_sync.py), the buckets are the whole rank's gradients;
+        # ZeRO-3 also holds the current and the prefetched unit gathered (parallel/pipeline/zero3.py)
+        buffers += n * grad_bytes - min(bucket_cap, n * grad_bytes)
+        if plan.zero_stage == 3:
+            buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)
+    elif plan.zero_stage == 3:
         # the current and the prefetched unit's parameters, and two units' flat gradients: the one filling and the
         # one whose reduce-scatter is in flight (parallel/zero/grads.py, MAX_IN_FLIGHT = 1)
         buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4) + 2 * biggest * grad_bytes
