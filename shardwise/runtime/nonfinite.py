@@ -10,7 +10,7 @@ each ``Strategy`` lists it (``grads()``, built with ``param_grads`` / ``flat_gra
   replica makes the averaged shard non-finite, and the flag's agreement carries it to every rank);
   stages 2-3: this rank's averaged shard of each group (the only gradient it keeps);
 * pipeline: its stages' ``param.grad`` (with dp: views of the averaged buckets); with ZeRO-1 also each
-  bucket's averaged shard (the optimizer's gradient) besides the replica's own full buffer.
+  bucket's averaged shard (the optimizer's gradient) besides the full buffer (zero after the reduction).
 
 Flat buffers carry their parameters' names and offsets, so a failure names the plain model's parameter.
 The check is one fused ``torch._foreach_norm(ord=inf)`` (max |g|: finite exactly when every element is, no

@@ -148,3 +148,31 @@ def check_hybrid_bad_input(names: list[str]) -> dict[str, str]:
                 out[name] = str(e)
         assert not c.records and c.messages_sent == 0, (name, c.records)
     return out
+
+
+def check_mixed_precision(zero: int) -> dict:
+    """pp 2 x dp 2 with sw.MixedPrecision (bf16 parameters, fp32 masters, fp32 reduction), 3 steps: the
+    losses and final weights against fp32 on one device (bf16 tolerance), the dtypes and the bytes reduced. SGD:
+    AdamW's normalisation turns bf16 rounding of near-zero gradients into whole steps of either sign."""
+    case = dict(axes=dict(pp=2, dp=2), n_layer=2)
+    m = mesh(**case["axes"])
+    pipe = sw.pipeline(_model(2, True), m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss, dp_axis="dp",
+                       zero_stage=zero, mixed_precision=sw.MixedPrecision())
+    opt = pipe.build_optimizer(_factory(case))
+    losses, reduced = [], []
+    for idx, tgt in _batches():
+        with sw.comm.CommCounter() as c:
+            losses.append(pipe.step(idx, tgt))
+        reduced.append(c.bytes("reduce_scatter", axis="dp"))
+        opt.step()
+        opt.zero_grad()
+    ref_losses, ref_state, _ = _reference(case)
+    full = sw.full_state_dict(pipe)
+    groups = pipe.grad_sync.groups
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_err": max(_rel_err(full[k], v) for k, v in ref_state.items()),
+            "full_dtypes": sorted({str(v.dtype) for v in full.values()}),
+            "compute_dtypes": sorted({str(g.full.dtype) for g in groups}),
+            "master_dtypes": sorted({str(g.master.dtype) for g in groups}),
+            "reduced": reduced, "group_numel": sum(g.layout.total for g in groups),
+            "param_dtypes": sorted({str(q.dtype) for q in pipe.parameters()})}

@@ -66,3 +66,33 @@ def _check_pattern(case: dict, res: dict) -> None:
         # per pass, each unit is gathered in forward and again in backward for every micro-batch
         per_pass = [c["all_gather"] for c in res["step_counts"]]
         assert all(n >= 2 * case["m"] * k for n in per_pass), (case, per_pass)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_mixed_precision_in_pipelines(worlds, zero):
+    """bf16 compute parameters, fp32 masters and fp32 reduction: within bf16 noise of fp32 on one device; the full
+    state dict is the fp32 masters; every gradient element reduced once per step, in 4 bytes."""
+    for res in worlds.get(4).run(hc.check_mixed_precision, zero, timeout=300):
+        assert res["loss_err"] < 2e-2 and res["param_err"] < 2e-2, res
+        assert res["compute_dtypes"] == ["torch.bfloat16"] and res["master_dtypes"] == ["torch.float32"], res
+        assert res["full_dtypes"] == ["torch.float32"], res
+        assert all(b == 4 * res["group_numel"] for b in res["reduced"]), res
+        assert res["param_dtypes"] == ["torch.bfloat16"], res
+
+
+def test_mixed_precision_in_pipelines_bad_input():
+    import torch
+
+    from shardwise.parallel.common.mixed_precision import MixedPrecision
+    from shardwise.parallel.pipeline.mixed import check_mixed_precision
+
+    cases = [((MixedPrecision(param_dtype=torch.float16), 1, 2, None), "needs loss scaling"),
+             ((MixedPrecision(), 0, 2, None), "pass dp_axis (size >= 2) and zero_stage 1, 2 or 3"),
+             ((MixedPrecision(), 1, 1, None), "over a dp axis of size 1"),
+             ((MixedPrecision(), 1, 2, torch.bfloat16), "pass one of them")]
+    for args, needle in cases:
+        with pytest.raises(ValueError, match=None) as err:
+            check_mixed_precision(*args)
+        assert needle in str(err.value) and "\n" not in str(err.value), err.value
+    with pytest.raises(TypeError, match="must be a shardwise.MixedPrecision"):
+        check_mixed_precision(torch.bfloat16, 1, 2, None)

@@ -15,7 +15,6 @@ them, so both copies receive the same update as the single tied parameter on one
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -30,7 +29,7 @@ from ..common.autocast import check_autocast
 from ..common.expert_tag import is_expert_param
 from ..common.materialize import ensure_sources, materialize
 from ..common.grad_norm import clip_counted, counted, shard_pieces
-from ..common.mixed_precision import LossScaler
+from ..common.mixed_precision import LossScaler, MixedPrecision
 from ..zero.optim import ZeroOptimizer, make_inner_optimizer
 from ...comm.shm_p2p import shm_link_for
 from .communication import check_transport, lower_communication, receive_placement
@@ -46,7 +45,9 @@ from .capture import Graph
 from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
 from .validate import check_args, check_hybrid, check_keys, checkpoint_mode
+from .measured import measured_timeline, write_trace
 from .tied import sum_tied_grads, tied_parameters
+from .mixed import cast_inputs, cast_the_rest, check_mixed_precision, masters_gathered, reduce_dtype_of
 from .zero3 import PipelineStage3, shared_parameters, unit_plans
 
 __all__ = ["Pipeline", "pipeline"]
@@ -60,11 +61,14 @@ class Pipeline:
                  dp_axis: str | None = None, zero_stage: int = 0, checkpoint: bool | str = False,
                  bucket_cap_mb: float = 25, release: bool = True, recv_ahead: int | None = None,
                  recv_before_send: bool | None = None, autocast: torch.dtype | None = None,
-                 transport: str = "auto", example_inputs: Any = None) -> None:
+                 transport: str = "auto", example_inputs: Any = None,
+                 mixed_precision: MixedPrecision | None = None) -> None:
         check_args(mesh, axis, microbatches, schedule, loss_fn, chunks, graph=example_inputs is not None)
         check_transport(transport, mesh.device.type)
         check_autocast(autocast)
         check_hybrid(mesh, axis, dp_axis, zero_stage, checkpoint, bucket_cap_mb, graph=example_inputs is not None)
+        check_mixed_precision(mixed_precision, zero_stage, mesh.size(dp_axis) if dp_axis else 1, autocast)
+        self.mixed_precision = mixed_precision
         p = mesh.size(axis)
         self.mesh, self.axis, self.microbatches, self.dp_axis = mesh, axis, microbatches, dp_axis
         self.schedule = get_schedule(schedule, p=p, m=microbatches, chunks=chunks)
@@ -104,6 +108,17 @@ class Pipeline:
         self.interpreter = Interpreter(schedule=self.schedule, stages=self.stages, mesh=mesh, axis=axis,
                                        loss_fn=loss_fn, autocast=autocast,
                                        n_values={s.index: getattr(s, "n_send", 1) for s in self.all_stages})
+        self._build_dp(dp_axis, zero_stage, bucket_cap_mb, zero3)
+        self.last_peak_held = 0
+        """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
+        self.last_events: list[tuple[Action, float, float]] = []
+        """After ``step``: this rank's compute actions with host-clock start and end (see ``timeline``)."""
+        self._evaluator: Interpreter | None = None  # evaluate's forward-only interpreter, built on first use
+        self._eval_actions: tuple[Action, ...] = ()
+
+    def _build_dp(self, dp_axis: str | None, zero_stage: int, bucket_cap_mb: float, zero3: bool) -> None:
+        """Data parallelism around the stages: gradient buckets, ZeRO's groups, mixed precision's casts."""
+        mesh = self.mesh
         self.grad_sync: DpGradSync | None = None
         self.zero3: PipelineStage3 | None = None
         """ZeRO-3 (``zero_stage=3`` with dp > 1): gathers and frees the units as the schedule runs (``zero3.py``)."""
@@ -112,14 +127,11 @@ class Pipeline:
         if zero3:  # what no group holds: buffers, frozen and expert parameters
             for stage in self.stages.values():
                 _materialized(stage, mesh.device)
+        if self.mixed_precision is not None and self.grad_sync is not None:
+            managed = {id(q) for g in self.grad_sync.groups for q in g.params}
+            cast_the_rest(self.stages, managed, self.mixed_precision.param_dtype)
         self.interpreter.grad_sync = self.grad_sync
         self.interpreter.zero3 = self.zero3
-        self.last_peak_held = 0
-        """After ``step``: the most micro-batch activation sets this rank held at once (schedule memory)."""
-        self.last_events: list[tuple[Action, float, float]] = []
-        """After ``step``: this rank's compute actions with host-clock start and end (see ``timeline``)."""
-        self._evaluator: Interpreter | None = None  # evaluate's forward-only interpreter, built on first use
-        self._eval_actions: tuple[Action, ...] = ()
 
     def _build_grad_sync(self, mesh: Mesh, dp_axis: str, zero_stage: int, bucket_cap_mb: float) -> None:
         """The dp gradient buckets; ZeRO-3: one sharded group per unit, and the runtime that gathers them."""
@@ -132,9 +144,12 @@ class Pipeline:
 
         if zero_stage == 3:
             late |= shared_parameters(self.stages)  # used by two units of this rank: held through the step
+        mp = self.mixed_precision
         self.grad_sync = DpGradSync(self._stage_params(), mesh, dp_axis, zero=zero_stage > 0, stage=zero_stage,
                                     late=late, cap_bytes=int(bucket_cap_mb * 2**20),
-                                    units=plan if zero_stage == 3 else None)
+                                    units=plan if zero_stage == 3 else None,
+                                    compute_dtype=mp.param_dtype if mp else None,
+                                    reduce_dtype=reduce_dtype_of(mp, mp.param_dtype) if mp else None)
         if zero_stage == 3:
             self.zero3 = PipelineStage3(self.grad_sync, self.stages, owners)
 
@@ -148,6 +163,7 @@ class Pipeline:
         own arguments, ``step(input_ids=ids, labels=ids)``, with the targets last when ``loss_fn`` is given
         (``batching.py``)."""
         inputs, targets = micro_batches(self, args, kwargs, self.loss_fn, "step")
+        inputs = cast_inputs(inputs, self.compute_dtype)
         self._choose_transport()
         if self.grad_sync is not None:
             self.grad_sync.begin_step()
@@ -172,6 +188,11 @@ class Pipeline:
         return evaluate(self, args, kwargs, loss_fn)
 
     @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """``mixed_precision``'s parameter dtype (floating inputs are cast to it), else ``None``."""
+        return self.mixed_precision.param_dtype if self.mixed_precision is not None else None
+
+    @property
     def used_transport(self) -> str | None:
         """``shm`` or ``native``: how this pipeline's messages travel; ``None`` before the first step."""
         return self.interpreter.transport if self._transport_chosen else None
@@ -189,7 +210,7 @@ class Pipeline:
 
     def _mean_loss(self, losses: list[Tensor]) -> float:
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
-        out = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=self.mesh.device)
+        out = torch.stack(losses).float().mean().reshape(1) if losses else torch.zeros(1, device=self.mesh.device)
         if self.mesh.size(self.axis) > 1:
             comm.broadcast(out, self.mesh, self.axis, src=last_rank, algorithm=self.interpreter.transport)
         if self.dp_axis and self.mesh.size(self.dp_axis) > 1:
@@ -206,34 +227,13 @@ class Pipeline:
         Host clock (``time.perf_counter``): ranks on one machine share it; across machines the offsets are
         not aligned. Collective along the pipeline axis (one all-gather); every rank gets every event.
         """
-        if not self.last_events:
-            raise ValueError("pipe.timeline() reports the last step's actions, but no step has run yet; call "
-                             "pipe.step(inputs, targets) first (on every rank)")
-        kinds = ("F", "B", "W")
-        rows = torch.tensor([[a.stage, kinds.index(a.kind), a.microbatch, t0, t1] for a, t0, t1 in self.last_events],
-                            dtype=torch.float64).reshape(-1, 5).to(self.mesh.device)
-        sizes = [sum(1 for a in acts if a.is_compute) for acts in self.schedule.ranks]
-        if self.mesh.size(self.axis) > 1:
-            rows = comm.all_gather(rows, self.mesh, self.axis, dim=0, sizes=sizes)  # type: ignore[assignment]
-        rows = rows.cpu()
-        origin = float(rows[:, 3].min()) if rows.numel() else 0.0
-        owners = [r for r, n in enumerate(sizes) for _ in range(n)]
-        return [Event(rank, Action(int(s), kinds[int(k)], int(mb)), float(t0) - origin, float(t1) - origin)  # type: ignore[arg-type]
-                for rank, (s, k, mb, t0, t1) in zip(owners, rows.tolist())]
+        return measured_timeline(self)
 
     def write_trace(self, path: str | Path) -> list[Event]:
         """Write the last step's measured timeline as a Chrome/Perfetto trace (JSON trace-event format, one
         thread per pipeline rank; open in chrome://tracing or ui.perfetto.dev). Collective along the axis;
         pipeline coordinate 0 writes the file. Returns the events (``timeline_plot.plot_timeline`` draws them)."""
-        events = self.timeline()
-        if self.mesh.coord(self.axis) == 0:
-            trace = [{"name": str(e.action), "cat": e.action.kind, "ph": "X", "pid": 0, "tid": e.rank,
-                      "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
-                      "args": {"stage": e.action.stage, "microbatch": e.action.microbatch}} for e in events]
-            trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}}
-                      for r in range(self.mesh.size(self.axis))]
-            Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
-        return events
+        return write_trace(self, path)
 
     # -- parameters and state ------------------------------------------------------------------------
     def _stage_params(self) -> dict[int, list[tuple[str, nn.Parameter]]]:
@@ -253,7 +253,7 @@ class Pipeline:
         if self.zero_stage == 0 or self.grad_sync is None:
             return make_inner_optimizer(factory, list(self.parameters()))
         sync, experts = self.grad_sync, self.expert_params()
-        dtype = sync.buckets[0].dtype if sync.buckets else torch.float32
+        dtype = sync.reduce_dtype or (sync.buckets[0].dtype if sync.buckets else torch.float32)
         # ZeroOptimizer's stage-2 path takes gradient shards that are already averaged: DpGradSync's
         # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
         # Expert-parallel parameters are in no flat group (each dp rank of an expert group holds other
@@ -261,7 +261,8 @@ class Pipeline:
         inner = factory if not experts else partial(_with_experts, factory, experts)
         # stages 1-2 all-gather the updated parameters after the step; stage 3 gathers each unit as it next runs
         return ZeroOptimizer(PipelineZeroGroups(sync, experts), inner, sync.groups, self.mesh, sync.axis,
-                             stage=3 if self.zero_stage == 3 else 2, scaler=LossScaler(None), reduce_dtype=dtype)
+                             stage=3 if self.zero_stage == 3 else 2, scaler=LossScaler(self.mixed_precision),
+                             reduce_dtype=dtype)
 
     def expert_params(self) -> list[nn.Parameter]:
         """This rank's expert-parallel stage parameters (tagged by ``shard_experts``), each once, in
@@ -311,6 +312,9 @@ class Pipeline:
         """The whole model's tensors under the original ``state_dict`` keys, on every rank. Collective along
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
+        if self.mixed_precision is not None and self.grad_sync is not None:  # the fp32 masters, gathered over dp
+            with masters_gathered(self.grad_sync.groups, zero3=self.zero3 is not None):
+                return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
         if self.zero3 is not None:  # ZeRO-3: every unit gathered over dp meanwhile (collective over dp)
             with self.zero3.gathered():
                 return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
@@ -341,7 +345,8 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
              chunks: int = 1, dp_axis: str | None = None, zero_stage: int = 0,
              checkpoint: bool | str = False, bucket_cap_mb: float = 25, release: bool = True,
              recv_ahead: int | None = None, recv_before_send: bool | None = None,
-             autocast: torch.dtype | None = None, transport: str = "auto", example_inputs: Any = None) -> Pipeline:
+             autocast: torch.dtype | None = None, transport: str = "auto", example_inputs: Any = None,
+             mixed_precision: MixedPrecision | None = None) -> Pipeline:
     """Pipeline ``model`` over ``axis`` of ``mesh`` with ``pp x chunks`` stages. Not collective (pure).
 
     ``model``: an ``nn.Sequential``, the reference GPT, or a model with a ``blocks`` ``nn.ModuleList`` (see
@@ -351,7 +356,8 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     ``dp_axis``: another mesh axis of data-parallel replicas of the whole pipeline; each takes its slice of
     the batch (every rank still passes the global batch), gradients and the loss are averaged over it; the
     gradient reduction of each stage starts inside its last backward action (bucketed, asynchronous).
-    ``zero_stage=1``: ZeRO-1 over ``dp_axis`` — build the optimizer with ``pipe.build_optimizer(factory)``.
+    ``zero_stage=1|2|3``: ZeRO over ``dp_axis`` — build the optimizer with ``pipe.build_optimizer(factory)``; 2 also
+    frees the full gradients after each step's reduction, 3 shards the parameters per unit (``zero3.py``).
     ``bucket_cap_mb``: gradient bytes per dp reduction (MB = 2**20 bytes). ``release``: free the parameters
     and buffers of the stages other ranks run (default), so each rank keeps ~1/pp of the model; ``model``
     itself is then no longer usable as a whole (use ``sw.full_state_dict(pipe)``).
@@ -368,6 +374,8 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
     tp-aware ``loss_fn`` (e.g. ``vocab_parallel_cross_entropy``).
     ``autocast=torch.bfloat16``: every forward action (stage and ``loss_fn``) runs under ``torch.autocast`` on the
     mesh's device type; parameters, gradients and optimizer state keep their dtype (fp32 master weights).
+    ``mixed_precision=sw.MixedPrecision()`` (with ``zero_stage`` 1-3 over a dp axis): bf16 parameters and gradients,
+    fp32 master shards in the optimizer, gradients reduced in fp32 (``mixed.py``).
     ``transport``: how stage-to-stage messages travel. ``native``: the backend's isend/irecv (gloo, NCCL);
     ``shm``: a shared-memory channel per ordered pair of ranks (``comm/shm_p2p.py``: a send is a copy into the
     channel, no thread or socket in between) — CPU meshes whose pipeline ranks share one host; ``auto``
@@ -379,4 +387,4 @@ def pipeline(model: nn.Module, mesh: Mesh, axis: str = "pp", *, microbatches: in
                     chunks=chunks, dp_axis=dp_axis, zero_stage=zero_stage, checkpoint=checkpoint,
                     bucket_cap_mb=bucket_cap_mb, release=release, recv_ahead=recv_ahead,
                     recv_before_send=recv_before_send, autocast=autocast, transport=transport,
-                    example_inputs=example_inputs)
+                    example_inputs=example_inputs, mixed_precision=mixed_precision)

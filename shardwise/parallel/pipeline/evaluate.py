@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from .mixed import cast_inputs
 from .batching import split_chain, split_graph
 from .communication import lower_communication
 from .executor import Interpreter, run_actions
@@ -63,6 +64,7 @@ def evaluate(pipe: Any, args: tuple, kwargs: dict, loss_fn: Callable[[Any, Tenso
         raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {loss_fn!r}")
     fn = loss_fn if loss_fn is not None else pipe.interpreter.loss_fn  # the loss `step` uses
     inputs, targets = micro_batches(pipe, args, kwargs, fn)
+    inputs = cast_inputs(inputs, pipe.compute_dtype)
     pipe._choose_transport()
     interp = _evaluator(pipe)
     interp.p2p, interp.loss_fn, interp.zero3 = pipe.interpreter.p2p, fn, pipe.zero3

@@ -91,13 +91,17 @@ class DpGradSync:
 
     def __init__(self, stage_params: dict[int, list[tuple[str, nn.Parameter]]], mesh: Mesh, dp_axis: str, *,
                  zero: bool, late: set[int], cap_bytes: int = 25 * 2**20, stage: int = 1,
-                 units: Callable[[int, list[nn.Parameter]], list[list[int]]] | None = None) -> None:
+                 units: Callable[[int, list[nn.Parameter]], list[list[int]]] | None = None,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
         self.mesh, self.axis, self.zero = mesh, dp_axis, zero
         self.stage = stage if zero else 0
         """ZeRO stage: 0 (all-reduce), 1 (full buffers kept), 2-3 (full buffers freed after each reduction)."""
         self.release = self.stage >= 2
         # ZeRO-3: ``units(stage, kept parameters)`` -> indices of each unit's group (one bucket per unit)
         dtypes = sorted({q.dtype for named in stage_params.values() for _, q in named}, key=str)
+        # mixed precision (``mixed.py``): bf16 full buffers, gradients reduced in ``reduce_dtype``
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        dtypes = dtypes if compute_dtype is None else sorted({compute_dtype, reduce_dtype or compute_dtype}, key=str)
         # ZeRO-1's reduce-scatter and parameter all-gather run what ``sw.zero`` runs (on CPU our ring: gloo's own
         # reduce-scatter is 2-3x slower at bucket sizes); the plain all-reduce stays the backend's
         self.algorithm = default_algorithm(mesh, dtypes) if zero else "native"
@@ -125,7 +129,8 @@ class DpGradSync:
 
     def _bucket(self, named: list[tuple[str, nn.Parameter]], stage: int | None) -> _Bucket:
         params = [q for _, q in named]
-        group = FlatGroup([n for n, _ in named], params, self.mesh, self.axis, compute_dtype=params[0].dtype,
+        group = FlatGroup([n for n, _ in named], params, self.mesh, self.axis,
+                          compute_dtype=self.compute_dtype or params[0].dtype,
                           sharded_params=self.stage == 3, algorithm=self.algorithm)
         return _Bucket(group, stage, self.release)
 
@@ -137,14 +142,12 @@ class DpGradSync:
     def begin_step(self) -> None:
         """Point every gradient at its bucket view (keeping any accumulated value), reset readiness. ZeRO-2:
         allocate the full buffers (zeros); ZeRO-3 allocates a unit's when its first backward starts (``prepare``).
-        ZeRO-2/3 keep the shards of earlier steps (accumulation adds each step's averaged shard to them)."""
+        ZeRO keeps the shards of earlier steps (accumulation adds each step's averaged shard to them)."""
         for b in self.buckets:
             if self.stage != 3:
                 self.prepare(b)
             b.ready.clear()
             b.handle = None
-            if not self.release:
-                b.shard = None
         self._armed.clear()
         self.launched_in_backward = 0
 
@@ -186,29 +189,35 @@ class DpGradSync:
     def _launch(self, b: _Bucket) -> None:
         self.prepare(b)  # a gradient autograd replaced instead of accumulating: copied back (or a unit never run)
         if self.zero:
+            cast = self.reduce_dtype not in (None, b.dtype)
+            src = b.grads.to(self.reduce_dtype) if cast else b.grads  # type: ignore[union-attr]
             b.handle = comm.reduce_scatter(  # type: ignore[assignment]
-                b.grads, self.mesh, self.axis, op="avg", algorithm=self.algorithm, async_op=True,  # type: ignore[arg-type]
-                scratch=self.release)
+                src, self.mesh, self.axis, op="avg", algorithm=self.algorithm, async_op=True,  # type: ignore[arg-type]
+                scratch=True)  # works in the buffer itself (or its cast copy): no full-size working copy
         else:
             b.handle = comm.all_reduce(b.grads, self.mesh, self.axis, op="avg", async_op=True)  # type: ignore[assignment]
 
     def finish(self) -> None:
         """Start the late buckets (after the tied exchange) and any bucket of a stage that ran no backward,
-        then wait for all. Afterwards ``.grad`` holds the dp average (all-reduce), or each bucket's ``shard``
-        holds this rank's shard of it while ``.grad`` keeps this replica's own sum (zero)."""
+        then wait for all. Afterwards ``.grad`` holds the dp average (all-reduce), or (ZeRO) each bucket's ``shard``
+        holds this rank's shard of it — added to the shard of an earlier ``pipe.step`` of the same optimizer step
+        (accumulation) — and the full buffer, which the reduce-scatter worked in, is zeroed (ZeRO-1) or freed."""
         for b in self.buckets:
             if b.handle is None:
                 self._launch(b)
         for b in self.buckets:
             got = b.handle.wait()  # type: ignore[union-attr]
-            if self.release:
-                # ZeRO-2/3: the shard is all that stays; an accumulated step adds its own average to it
-                b.shard = got.clone() if b.shard is None else b.shard.add_(got)
+            b.handle = None  # a finished handle still holds its working buffers (our ring's full-size copy)
+            if not self.zero:
+                continue
+            if b.shard is not None:  # an accumulated step adds its own average
+                b.shard.add_(got)
+            else:  # the shard is a view of the buffer the reduction worked in: kept alone, not the whole buffer
+                b.shard = got.clone()
+            if self.release:  # ZeRO-2/3: the shard is all that stays
                 self._free_full(b)
-            elif self.zero:
-                # ZeRO-1: the averaged shard lives apart; the full buffer keeps this replica's own sum, so a
-                # further pipe.step (accumulation) adds to it and the next reduce-scatter averages the total.
-                b.shard = got
+            else:  # ZeRO-1: the buffer stays; the next pass accumulates from zero
+                b.grads.zero_()  # type: ignore[union-attr]
 
     def _free_full(self, b: _Bucket) -> None:
         """Drop the full gradient buffer and every ``.grad`` view of it (ZeRO-2/3, after the reduction)."""
@@ -221,7 +230,7 @@ class DpGradSync:
         """ZeRO-1: this rank's shard of each bucket's averaged gradient (zeros before any step)."""
         for b in self.buckets:
             if b.shard is None:
-                b.shard = torch.zeros(b.group.hi - b.group.lo, dtype=b.grads.dtype, device=b.grads.device)
+                b.shard = torch.zeros(b.group.hi - b.group.lo, dtype=self.reduce_dtype or b.dtype, device=b.device)
         return [b.shard for b in self.buckets]  # type: ignore[misc]
 
     def held_shards(self) -> list[torch.Tensor | None]:

@@ -136,7 +136,7 @@ class PipelineStrategy:
 
     def grads(self) -> list[Grad]:
         """Its stages' ``param.grad`` (with dp: views of the averaged buckets); with ZeRO-1 also each bucket's
-        averaged shard (the optimizer's gradient) besides the replica's own full buffer."""
+        averaged shard (the optimizer's gradient) besides the full buffer (zero after the reduction)."""
         names = names_by_id(self.model.model)
         out = [Grad(q.grad, (names.get(id(q), "?"),)) for q in self.model.parameters() if q.grad is not None]
         sync = self.model.grad_sync
@@ -152,7 +152,7 @@ class PipelineStrategy:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Its stages' gradients: with ZeRO-1 each bucket's averaged shard (the optimizer's gradient; ``.grad``
-        keeps the replica's own sum), else every ``param.grad`` (dp replicas identical: counted locally). A
+        is zero after the reduction), else every ``param.grad`` (dp replicas identical: counted locally). A
         weight tied to another pipeline rank counts on the lower pp coordinate; one all-reduce over pp, one
         over tp with tp, one over dp with ZeRO-1. Expert pieces (ep): each once — under ZeRO-1 on edp
         coordinate 0 (the dp sum spans edp × ep), else summed over ep first (one more all-reduce)."""
