@@ -96,3 +96,13 @@ def test_mixed_precision_in_pipelines_bad_input():
         assert needle in str(err.value) and "\n" not in str(err.value), err.value
     with pytest.raises(TypeError, match="must be a shardwise.MixedPrecision"):
         check_mixed_precision(torch.bfloat16, 1, 2, None)
+
+
+def test_zero3_refuses_graph_pipelines_before_any_work():
+    from types import SimpleNamespace
+
+    from shardwise.parallel.pipeline.validate import check_hybrid
+
+    with pytest.raises(ValueError) as err:  # pure: only the mesh's axis names are read
+        check_hybrid(SimpleNamespace(axes=("pp", "dp")), "pp", "dp", 3, False, 25, graph=True)
+    assert "captured from example_inputs" in str(err.value) and "use zero_stage 1 or 2" in str(err.value)
