@@ -7,6 +7,7 @@ computed locally on every rank from code the pipeline never touches.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -67,8 +68,10 @@ def _run_case(case: dict) -> dict:
     losses, step_counts, opt_counts, in_backward, norms, held = [], [], [], [], [], []
     for idx, tgt in _batches():
         with sw.comm.CommCounter() as c:
-            for x, y in _pieces(case, idx, tgt):
-                losses.append(pipe.step(x, y))
+            pieces = _pieces(case, idx, tgt)
+            for j, (x, y) in enumerate(pieces):  # no_sync: the passes before the last reduce nothing
+                with pipe.no_sync() if case.get("no_sync") and j < len(pieces) - 1 else contextlib.nullcontext():
+                    losses.append(pipe.step(x, y))
         step_counts.append({op: c.count(op, axis="dp") for op in ("all_reduce", "reduce_scatter", "all_gather")}
                            | {"rs_ring": c.count("reduce_scatter", axis="dp", algorithm="ring"),
                               "rs_bytes": c.bytes("reduce_scatter", axis="dp"),
@@ -176,3 +179,19 @@ def check_mixed_precision(zero: int) -> dict:
             "master_dtypes": sorted({str(g.master.dtype) for g in groups}),
             "reduced": reduced, "group_numel": sum(g.layout.total for g in groups),
             "param_dtypes": sorted({str(q.dtype) for q in pipe.parameters()})}
+
+
+def check_no_sync_guard() -> str:
+    """The ZeRO optimizer refuses to step gradients a no_sync step left unreduced."""
+    m = mesh(pp=2, dp=2)
+    pipe = sw.pipeline(_model(2, True), m, "pp", microbatches=2, schedule="1f1b", loss_fn=lm_loss, dp_axis="dp",
+                       zero_stage=1)
+    opt = pipe.build_optimizer(_factory({}))
+    idx, tgt = _batches()[0]
+    with pipe.no_sync():
+        pipe.step(idx, tgt)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

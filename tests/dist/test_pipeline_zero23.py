@@ -23,6 +23,9 @@ CASES = [
     dict(axes=PP_DP, schedule="interleaved", chunks=2, n_layer=4, m=2, zero=3, opt="adamw"),
     dict(axes=PP_DP, schedule="zb-h1", n_layer=2, m=2, zero=3, ckpt=True),  # W differentiates whole stages
     dict(axes=PP_DP, schedule="1f1b", n_layer=2, m=2, zero=3, ckpt="selective", tie=False),
+    # accumulation under no_sync: one reduction per optimizer step (ZeRO-1 and ZeRO-3)
+    dict(axes=PP_DP, schedule="1f1b", n_layer=2, m=3, zero=1, accum=2, no_sync=True, opt="adamw"),
+    dict(axes=PP_DP, schedule="zb-h1", n_layer=2, m=3, zero=3, accum=2, no_sync=True),
 ]
 
 
@@ -50,12 +53,16 @@ def _check_pattern(case: dict, res: dict) -> None:
     """Once per pipe.step, one reduce-scatter per group; nothing but shards between the passes and the step."""
     k = case.get("accum", 1)
     for counts in res["step_counts"]:
-        assert counts["reduce_scatter"] == k * res["n_groups"], (case, counts, res["n_groups"])
+        reductions = 1 if case.get("no_sync") else k
+        assert counts["reduce_scatter"] == reductions * res["n_groups"], (case, counts, res["n_groups"])
         assert counts["all_reduce"] == k, counts  # the losses only
-    for held in res["held"]:
-        assert held["full_grads"] == 0, (case, held)  # ZeRO-2/3: full gradient buffers freed after reduction
+    for held in res["held"]:  # ZeRO-2/3: full gradient buffers freed after the reduction (ZeRO-1 keeps them)
+        assert held["full_grads"] == (res["group_numel"] if case["zero"] == 1 else 0), (case, held)
     # AdamW state for this rank's shard only
     assert case.get("opt") != "adamw" or res["state_numel"] == res["shard_numel"], res
+    if case["zero"] == 1:
+        assert all(n == res["n_groups"] for n in res["opt_all_gathers"]), res
+        return
     if case["zero"] == 2:
         assert all(n == res["n_groups"] for n in res["opt_all_gathers"]), res  # the step gathers parameters
         assert all(h["param_numel"] == res["group_numel"] for h in res["held"]), res
@@ -106,3 +113,8 @@ def test_zero3_refuses_graph_pipelines_before_any_work():
     with pytest.raises(ValueError) as err:  # pure: only the mesh's axis names are read
         check_hybrid(SimpleNamespace(axes=("pp", "dp")), "pp", "dp", 3, False, 25, graph=True)
     assert "captured from example_inputs" in str(err.value) and "use zero_stage 1 or 2" in str(err.value)
+
+
+def test_optimizer_refuses_unreduced_no_sync_gradients(worlds):
+    for message in worlds.get(4).run(hc.check_no_sync_guard, timeout=120):
+        assert "never reduced" in message, message

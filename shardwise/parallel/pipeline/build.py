@@ -15,6 +15,7 @@ them, so both copies receive the same update as the single tied parameter on one
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -165,6 +166,8 @@ class Pipeline:
         inputs, targets = micro_batches(self, args, kwargs, self.loss_fn, "step")
         inputs = cast_inputs(inputs, self.compute_dtype)
         self._choose_transport()
+        sync = self.grad_sync if self.grad_sync is not None and self.grad_sync.syncing else None
+        self.interpreter.grad_sync = sync  # under no_sync: nothing armed, nothing reduced
         if self.grad_sync is not None:
             self.grad_sync.begin_step()
         if self.zero3 is not None:
@@ -174,11 +177,29 @@ class Pipeline:
         self.last_peak_held = state.peak_held
         self.last_events = state.events
         self._sum_tied_grads(before)
-        if self.grad_sync is not None:
-            self.grad_sync.finish()  # tied buckets start now; the others started inside the schedule
+        if sync is not None:
+            sync.finish()  # tied buckets start now; the others started inside the schedule
+        elif self.grad_sync is not None:
+            self.grad_sync.unreduced = True
         if self.zero3 is not None:
             self.zero3.release()
         return self._mean_loss(state.losses)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``pipe.step`` s inside accumulate this replica's gradients in its buffers without reducing them over dp;
+        the next ``step`` outside reduces the sum (gradient accumulation with one reduction per optimizer step, as
+        DDP's ``no_sync``). The optimizer step (and clipping) inside, or before that step, raises. ZeRO-2/3 keep
+        their full gradient buffers meanwhile. Local."""
+        sync = self.grad_sync
+        previous = sync.syncing if sync is not None else True
+        if sync is not None:
+            sync.syncing = False
+        try:
+            yield
+        finally:
+            if sync is not None:
+                sync.syncing = previous
 
     def evaluate(self, *args: Any, loss_fn: Callable[[Any, Tensor], Tensor] | None = None, **kwargs: Any) -> float:
         """The mean loss of a batch, forward only (validation): the arguments, dp slicing and micro-batches of

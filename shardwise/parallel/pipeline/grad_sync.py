@@ -126,6 +126,10 @@ class DpGradSync:
                 q.register_post_accumulate_grad_hook(self._on_grad)
         self.launched_in_backward = 0
         """Buckets whose collective started from a gradient hook, inside a backward (diagnostics/tests)."""
+        self.syncing = True
+        """False inside ``Pipeline.no_sync``: steps accumulate without reducing."""
+        self.unreduced = False
+        """A step under ``no_sync`` added gradients that no reduction has averaged yet."""
 
     def _bucket(self, named: list[tuple[str, nn.Parameter]], stage: int | None) -> _Bucket:
         params = [q for _, q in named]
@@ -202,6 +206,7 @@ class DpGradSync:
         then wait for all. Afterwards ``.grad`` holds the dp average (all-reduce), or (ZeRO) each bucket's ``shard``
         holds this rank's shard of it — added to the shard of an earlier ``pipe.step`` of the same optimizer step
         (accumulation) — and the full buffer, which the reduce-scatter worked in, is zeroed (ZeRO-1) or freed."""
+        self.unreduced = False
         for b in self.buckets:
             if b.handle is None:
                 self._launch(b)
@@ -268,9 +273,9 @@ def _attach_sharded(group: FlatGroup, buffer: torch.Tensor) -> None:
 
 
 class PipelineZeroGroups:
-    """``ZeroGroups`` over a pipeline's dp gradient buckets (ZeRO-1 inside ``sw.pipeline``), for
-    ``ZeroOptimizer``'s stage-2 path: the shards are already averaged by ``DpGradSync.finish``. A pipeline has
-    no ``no_sync()`` (accumulation is repeated ``pipe.step`` s, each reducing), so it always syncs.
+    """``ZeroGroups`` over a pipeline's dp gradient buckets (ZeRO inside ``sw.pipeline``), for ``ZeroOptimizer``'s
+    stage-2 path: the shards are already averaged by ``DpGradSync.finish``; ``Pipeline.no_sync`` steps leave
+    gradients unreduced, which the optimizer refuses to step.
     ``extra``: parameters outside the buckets that the inner optimizer also steps (expert-parallel ones, with
     their own per-parameter gradients): cleared with the buckets. Local."""
 
@@ -292,17 +297,18 @@ class PipelineZeroGroups:
 
     @property
     def syncing(self) -> bool:
-        return True
+        return self.sync.syncing
 
     @property
     def has_unreduced_grads(self) -> bool:
-        return False
+        return self.sync.unreduced
 
     def set_grads_prepared(self, prepared: bool) -> None:
         """Nothing to guard: a backward can only run inside ``pipe.step``, which resets the buckets."""
 
     def clear_grads(self) -> None:
         self.sync.zero_grads()
+        self.sync.unreduced = False
         for q in self.extra:
             q.grad = None
 

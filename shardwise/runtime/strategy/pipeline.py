@@ -23,6 +23,7 @@ Hybrids (``config._check_pipeline_hybrids`` lists what stays rejected):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
 from typing import Any, Callable, Iterator
@@ -102,9 +103,13 @@ class PipelineStrategy:
         loss = clean if loss_fn is None else _divided(loss_fn, self.grad_accum)
         pipe.interpreter.loss_fn = poisoned(loss) if poison else loss
         try:
-            for x, y in batches:
+            for (x, y), last in _with_last(batches):
                 start = time.perf_counter()
-                total += pipe.step(x, y)  # mean over micro-batches and dp of lm_loss / grad_accum
+                # ZeRO 0-1: the passes before the last accumulate unreduced (one reduction per optimizer step);
+                # ZeRO-2/3 reduce every pass, which frees the full gradient buffers between passes
+                quiet = not last and pipe.zero_stage <= 1
+                with pipe.no_sync() if quiet else contextlib.nullcontext():
+                    total += pipe.step(x, y)  # mean over micro-batches and dp of lm_loss / grad_accum
                 elapsed = time.perf_counter() - start
                 fwd = sum(end - begin for a, begin, end in pipe.last_events if a.kind == "F")
                 bwd = sum(end - begin for a, begin, end in pipe.last_events if a.kind != "F")
@@ -225,6 +230,19 @@ class StageModules(nn.Module):
             for key, module in stage.parts.items():
                 name = key.replace("/", ".")
                 yield from module.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+
+def _with_last(items: Any) -> Iterator[tuple[Any, bool]]:
+    """Each item with whether it is the last one (a one-item lookahead: batches may be a generator)."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        yield current, False
+        current = nxt
+    yield current, True
 
 
 def _divided(loss_fn: LossFn, n: int) -> LossFn:
