@@ -103,7 +103,8 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     comm = 0.0
     # a group filling and MAX_IN_FLIGHT reducing, never more than all of the rank's gradients (one group then)
     if plan.pp > 1 and plan.zero_stage >= 2 and sharded:
-        comm = n * g_bytes  # a pipeline reduces once per flush: every unit's full gradients wait for it
+        # a pipeline reduces once per step: the full gradients wait for it, and become the shard there
+        comm = n * g_bytes - states.grads
     elif plan.zero_stage == 2 and sharded:
         comm = min(n * g_bytes, (1 + MAX_IN_FLIGHT) * bucket_bytes)
     elif plan.zero_stage >= 3 and sharded:

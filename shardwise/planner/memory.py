@@ -224,10 +224,11 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     if plan.precision == "bf16":
         buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
     if plan.pp > 1 and plan.zero_stage >= 2 and plan.zero_group > 1:
-        # inside a pipeline the gradients are reduced once per flush: each unit's full gradients accumulate over
-        # the flush's micro-batches (parallel/pipeline/grad_sync.py), the buckets are the whole rank's gradients;
-        # ZeRO-3 also holds the current and the prefetched unit gathered (parallel/pipeline/zero3.py)
-        buffers += n * grad_bytes - min(bucket_cap, n * grad_bytes)
+        # inside a pipeline the gradients are reduced once per step (shardwise train's passes before the last under
+        # no_sync): the full gradients accumulate over the step's micro-batches (parallel/pipeline/grad_sync.py)
+        # and become the shard at the reduction, so the step holds the full gradients, not both; ZeRO-3 also holds
+        # the current and the prefetched unit gathered (parallel/pipeline/zero3.py)
+        buffers += n * grad_bytes - min(bucket_cap, n * grad_bytes) - states.grads
         if plan.zero_stage == 3:
             buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)
     elif plan.zero_stage == 3:

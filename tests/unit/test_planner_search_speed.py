@@ -82,7 +82,7 @@ def _every_plan(spec: ModelSpec, hw: Hardware, devices: int, gb: int, space: Spa
                 base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, activation_checkpointing=ckpt, sequence_parallel=sp,
                             precision=precision)
                 per_layer = layer_costs(spec, base, hw_d, cache)
-                for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers)):
+                for schedule, chunks, accum in _schedule_options(pp, per, mb, space, pins, len(spec.layers), ckpt):
                     split = _split(spec, per_layer, pp * chunks, space, pins, cache, key=(tp, mb, ckpt, sp))
                     out += [dataclasses.replace(base, zero_stage=z, grad_accum=accum, schedule=schedule,
                                                 chunks=chunks, pp_split=split,

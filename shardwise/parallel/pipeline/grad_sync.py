@@ -79,6 +79,7 @@ class _Bucket:
         self.ready: set[int] = set()
         self.handle: comm.Handle | None = None
         self.shard: torch.Tensor | None = None  # zero: this rank's averaged gradient shard after ``finish``
+        self.dirty = False  # ZeRO-1: ``shard`` is a view of ``grads``, which the reduction left partly summed
 
 
 class DpGradSync:
@@ -148,6 +149,9 @@ class DpGradSync:
         allocate the full buffers (zeros); ZeRO-3 allocates a unit's when its first backward starts (``prepare``).
         ZeRO keeps the shards of earlier steps (accumulation adds each step's averaged shard to them)."""
         for b in self.buckets:
+            if b.dirty:  # ZeRO-1 accumulating a second reduced step: the shard moves out, the buffer restarts
+                b.shard, b.dirty = b.shard.clone(), False  # type: ignore[union-attr]
+                b.grads.zero_()  # type: ignore[union-attr]
             if self.stage != 3:
                 self.prepare(b)
             b.ready.clear()
@@ -215,14 +219,16 @@ class DpGradSync:
             b.handle = None  # a finished handle still holds its working buffers (our ring's full-size copy)
             if not self.zero:
                 continue
+            inside = got.untyped_storage().data_ptr() == b.grads.untyped_storage().data_ptr()  # type: ignore[union-attr]
+            whole = got.untyped_storage().nbytes() == got.numel() * got.element_size()
             if b.shard is not None:  # an accumulated step adds its own average
                 b.shard.add_(got)
-            else:  # the shard is a view of the buffer the reduction worked in: kept alone, not the whole buffer
-                b.shard = got.clone()
+            elif inside and not self.release:  # ZeRO-1: the shard stays where the reduction left it (no copy)
+                b.shard, b.dirty = got, True
+            else:  # a view of a buffer about to go (ZeRO-2/3) or of a working copy: kept alone
+                b.shard = got if whole and not inside else got.clone()
             if self.release:  # ZeRO-2/3: the shard is all that stays
                 self._free_full(b)
-            else:  # ZeRO-1: the buffer stays; the next pass accumulates from zero
-                b.grads.zero_()  # type: ignore[union-attr]
 
     def _free_full(self, b: _Bucket) -> None:
         """Drop the full gradient buffer and every ``.grad`` view of it (ZeRO-2/3, after the reduction)."""
@@ -252,7 +258,7 @@ class DpGradSync:
     @torch.no_grad()
     def zero_grads(self) -> None:
         for b in self.buckets:
-            b.shard = None
+            b.shard, b.dirty = None, False
             if self.release:
                 self._free_full(b)
                 continue

@@ -105,10 +105,10 @@ class PipelineStrategy:
         try:
             for (x, y), last in _with_last(batches):
                 start = time.perf_counter()
-                # ZeRO 0-1: the passes before the last accumulate unreduced (one reduction per optimizer step);
-                # ZeRO-2/3 reduce every pass, which frees the full gradient buffers between passes
-                quiet = not last and pipe.zero_stage <= 1
-                with pipe.no_sync() if quiet else contextlib.nullcontext():
+                # the passes before the last accumulate unreduced: one reduction per optimizer step, and no
+                # averaged shard waiting beside the full gradients through the later passes (ZeRO-2/3 free
+                # the full buffers after that one reduction)
+                with pipe.no_sync() if not last else contextlib.nullcontext():
                     total += pipe.step(x, y)  # mean over micro-batches and dp of lm_loss / grad_accum
                 elapsed = time.perf_counter() - start
                 fwd = sum(end - begin for a, begin, end in pipe.last_events if a.kind == "F")
