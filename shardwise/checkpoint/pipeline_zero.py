@@ -91,7 +91,7 @@ class _Experts:
 def load_pipeline_zero(ckpt: Checkpoint, pipe: Pipeline, optimizer: ZeroOptimizer) -> None:
     """Load this rank's stage tensors and rebuild its flat optimizer-state shards from a checkpoint of any
     layout (per-parameter state, ZeRO groups, or another pipeline's groups). Local (file reads)."""
-    if pipe.zero3 is not None:  # ZeRO-3: into each rank's shards
+    if pipe.zero3 is not None or pipe.mixed_precision is not None:  # into each rank's shards (fp32 masters)
         load_zero3_model(ckpt, pipe)
     else:
         load_pipeline_model(ckpt, pipe)  # the parameters are views of the groups' full buffers: copied in place

@@ -13,12 +13,14 @@ ZeRO-1 and 2 (the flat groups are the same objects).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..parallel.pipeline.build import Pipeline
 from ..parallel.pipeline.zero3 import PipelineStage3
 from ..sbp.placement import Replicate, Split
-from .layout import describe
+from .layout import describe, tied_aliases
 from .pipeline_layout import load_pipeline_model, pipeline_model_pieces, without_axis
 from .pipeline_layout import key_owners
 from .sharded import Checkpoint, Piece, RangePiece
@@ -28,15 +30,17 @@ __all__ = ["zero3_model_pieces", "load_zero3_model"]
 
 
 def _runtime(pipe: Pipeline) -> PipelineStage3:
-    assert pipe.zero3 is not None and pipe.grad_sync is not None, "ZeRO-3 pipelines only"
+    assert pipe.zero3 is not None, "the gathered path needs ZeRO-3 (shardwise train refuses bf16-mixed with pp x tp)"
     return pipe.zero3
 
 
 def zero3_model_pieces(pipe: Pipeline) -> list[Piece]:
-    """This rank's model pieces (see module doc). Without tp: local. With tp: collective over dp."""
-    zero3, dp = _runtime(pipe), pipe.grad_sync.axis  # type: ignore[union-attr]
+    """This rank's model pieces (see module doc): ZeRO-3's, and under mixed precision any ZeRO stage's (the fp32
+    masters are the weights). Without tp: local. With tp (ZeRO-3): collective over dp."""
+    assert pipe.grad_sync is not None, "ZeRO pipelines only"
+    dp = pipe.grad_sync.axis
     if tag_axes(pipe.mesh, dp, skip=[pipe.axis]):
-        with zero3.gathered():  # the pieces must outlive the gather: copies
+        with _runtime(pipe).gathered():  # the pieces must outlive the gather: copies
             return [Piece(p.key, p.local.clone(), p.view_shape, p.full_shape, p.sbp, p.axes, p.mesh_shape, p.coords)
                     for p in pipeline_model_pieces(pipe)]
     me = pipe.mesh.coord(pipe.axis)
@@ -66,9 +70,23 @@ def zero3_model_pieces(pipe: Pipeline) -> list[Piece]:
 
 @torch.no_grad()
 def load_zero3_model(ckpt: Checkpoint, pipe: Pipeline) -> None:
-    """Load this rank's stage tensors into its shards, from a checkpoint of any layout. Collective over dp (each
-    unit is gathered while its values are read)."""
-    zero3 = _runtime(pipe)
-    with zero3.gathered():
-        load_pipeline_model(ckpt, pipe)
-        zero3.sync_shards()
+    """Load this rank's stage tensors into its shards, from a checkpoint of any layout. ZeRO-3: collective over dp
+    (each unit is gathered while its values are read). Mixed precision (any stage): the saved fp32 values go into
+    the masters, not through the bf16 parameters."""
+    zero3 = pipe.zero3
+    with zero3.gathered() if zero3 is not None else contextlib.nullcontext():
+        load_pipeline_model(ckpt, pipe)  # every tensor of the stages (bf16 under mixed precision)
+        if pipe.mixed_precision is not None:
+            _load_masters(ckpt, pipe)
+        elif zero3 is not None:
+            zero3.sync_shards()
+
+
+def _load_masters(ckpt: Checkpoint, pipe: Pipeline) -> None:
+    """Each flat group from the checkpoint's values at full precision (``FlatGroup.load_full``). Local."""
+    names = {id(q): n for n, q in pipe.model.named_parameters()}
+    first = tied_aliases(pipe.model)
+    for g in pipe.grad_sync.groups:  # type: ignore[union-attr]
+        values = [ckpt.load_piece(describe(f"model/{first.get(names[id(q)], names[id(q)])}", q, pipe.mesh,
+                                           q.detach())) for q in g.params]
+        g.load_full(values)

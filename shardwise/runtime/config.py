@@ -25,7 +25,8 @@ __all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "Tr
 from .compiling import check_compile
 from .config_moe import check_experts
 from .config_defaults import MICRO_BATCH_CAP, dataset_vocab, grad_accum_of, inferred_dp, resolve_batch
-from .config_ranges import (check_async_tp, check_context_parallel, check_numbers, check_offload, check_selective,
+from .config_ranges import (check_async_tp, check_context_parallel, check_mixed, check_numbers, check_offload,
+                            check_selective,
                             check_sequence_parallel)
 from .config_schema import (OLD_SPELLINGS, PRESETS, Config, DataConfig, DebugConfig, ModelConfig,  # noqa: F401
                             OptimizerConfig, ParallelConfig, TrainConfig, describe_fields)
@@ -305,7 +306,7 @@ def _check_strategies(config: Config) -> None:
         check_tp(m, p.tp, p.ep)
     check_sequence_parallel(config)
     check_async_tp(config)
-    check_selective(config), check_offload(config)
+    check_selective(config), check_offload(config), check_mixed(config)
     check_context_parallel(config)
     check_compile(config)
     allowed = replicable(m)

@@ -100,3 +100,24 @@ def check_context_parallel(config: Config) -> None:
     if m.dropout:
         raise ValueError(f"parallel.cp = {p.cp} runs ring attention, which has no dropout, but model.dropout = "
                          f"{m.dropout}; use --model.dropout 0, or --parallel.cp 1")
+
+
+def check_mixed(config: Config) -> None:
+    """``train.precision = bf16-mixed`` (bf16 weights and gradients, fp32 masters) keeps its fp32 masters in ZeRO's
+    shards: it needs ZeRO, and inside a pipeline a dp axis to shard over and no tp (the checkpoint of a pipeline's
+    masters is written from its dp shards); experts keep their own fp32 optimizer, so ep is refused."""
+    p = config.parallel
+    if config.train.precision != "bf16-mixed":
+        return
+    if p.zero_stage == 0:
+        raise ValueError("train.precision = bf16-mixed keeps fp32 master weights in ZeRO's shards, but "
+                         "parallel.zero_stage = 0; use --parallel.zero_stage 1, 2 or 3, or --train.precision bf16 "
+                         "(autocast over fp32 weights)")
+    dp = p.dp or p.nproc // max(1, p.tp * p.pp * getattr(p, "cp", 1))  # 0: not known yet (sw.pipeline checks it)
+    if p.pp > 1 and (0 < dp < 2 or p.tp > 1):
+        raise ValueError(f"train.precision = bf16-mixed with parallel.pp = {p.pp} needs parallel.dp >= 2 and "
+                         f"parallel.tp = 1, got dp = {dp}, tp = {p.tp}; use --train.precision bf16, or change "
+                         f"the layout")
+    if getattr(p, "ep", 1) > 1:
+        raise ValueError(f"train.precision = bf16-mixed with parallel.ep = {p.ep} is not supported (expert pieces "
+                         f"keep their own fp32 optimizer); use --train.precision bf16")

@@ -195,7 +195,7 @@ class TrainConfig:
     """With ``nonfinite = "skip"``: consecutive skipped steps after which the job stops."""
     max_restarts: int = 0
     """After a failure, restart all ranks up to this many times, resuming from the latest intact checkpoint."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "bf16-mixed"] = "fp32"
     """``bf16``: autocast compute (forward and loss) in bf16 with fp32 master weights, gradients and optimizer state
     in every layout (``shardwise.parallel.common.autocast``); ``fp32``: no autocast."""
     eval_every: int = 0

@@ -22,8 +22,9 @@ __all__ = ["plan_from_config", "gpt_spec", "moe_hf_spec", "local_calibration", "
            "quick_probe_measurements", "probed_hardware", "launch_hardware", "predict_launch", "prediction_record",
            "prediction_line"]
 
-_PRECISION = {"fp32": "fp32", "bf16": "bf16"}
-"""``train.precision`` → ``Layout.precision``: ``bf16`` is autocast over fp32 weights in both."""
+_PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16-mixed": "bf16-mixed"}
+"""``train.precision`` → ``Layout.precision``: ``bf16`` is autocast over fp32 weights in both; ``bf16-mixed`` bf16
+weights and gradients with fp32 masters in both."""
 
 # Layout field → the config key it comes from, so that a Layout error names what the user typed.
 _KEYS = (("Layout.schedule", "parallel.pp_schedule"), ("Layout.chunks", "parallel.pp_chunks"),

@@ -21,8 +21,9 @@ import torch
 
 __all__ = ["PRECISIONS", "AUTOCAST_DTYPES", "precision_dtype", "compute_autocast", "check_autocast"]
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
-"""``train.precision`` -> the autocast dtype (``None``: no autocast, plain fp32)."""
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "bf16-mixed": None}
+"""``train.precision`` -> the autocast dtype (``None``: no autocast: plain fp32, or ``bf16-mixed``'s bf16 weights —
+``mixed_precision.MixedPrecision`` inside ZeRO, which needs no autocast)."""
 
 AUTOCAST_DTYPES = (torch.bfloat16,)
 """Dtypes ``compute_autocast`` accepts: bf16 only (fp16 would need a loss scaler to keep small gradients)."""

@@ -24,11 +24,13 @@ from torch import nn
 from ...checkpoint.sharded import Checkpoint, Piece
 from ...mesh import Mesh
 from ...models.gpt import lm_loss
+from ...parallel.common.mixed_precision import MixedPrecision
 from ..config import Config, OptimizerConfig, replicated_modules
 from ..nonfinite import Grad
 from ..optimizer_impl import implementation_kwargs
 
-__all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel", "summed_loss"]
+__all__ = ["Strategy", "LossFn", "Batches", "Timings", "build_optimizer", "tensor_parallel", "summed_loss",
+           "train_mixed_precision"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -172,3 +174,11 @@ def _plain_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _vocab_sum(logits: torch.Tensor, targets: torch.Tensor, *, ce: Callable[..., torch.Tensor]) -> torch.Tensor:
     return ce(logits.float(), targets)  # fp32, as in tensor_parallel's loss (autocast does not cover it)
+
+
+def train_mixed_precision(cfg: Config) -> MixedPrecision | None:
+    """``train.precision = bf16-mixed``: bf16 compute weights and gradients, fp32 masters and optimizer state in
+    ZeRO's shards, gradients reduced in fp32 (a bf16 sum over dp rounds); else None."""
+    if cfg.train.precision != "bf16-mixed":
+        return None
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

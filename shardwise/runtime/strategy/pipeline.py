@@ -47,7 +47,8 @@ from ..experts import Experts
 from ..grad_clip import ExpertNorm, clip_, counted_grads
 from ..nonfinite import Grad, flat_grads, names_by_id, poisoned
 from ..data import IGNORE
-from .base import Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel
+from .base import (Batches, LossFn, Timings, build_optimizer, summed_loss, tensor_parallel,
+                   train_mixed_precision)
 
 __all__ = ["PipelineStrategy"]
 
@@ -70,7 +71,7 @@ class PipelineStrategy:
             module, mesh, "pp", microbatches=p.pp_microbatches, schedule=p.pp_schedule, loss_fn=loss_fn,
             split=list(p.pp_split) or None, chunks=p.pp_chunks, dp_axis="dp", zero_stage=p.zero_stage,
             checkpoint=p.activation_checkpointing, bucket_cap_mb=p.bucket_cap_mb,
-            autocast=precision_dtype(cfg.train.precision))
+            autocast=precision_dtype(cfg.train.precision), mixed_precision=train_mixed_precision(cfg))
         self.optimizer = self.model.build_optimizer(partial(build_optimizer, o=cfg.optimizer))
         # ZeRO-1 over dp only with dp > 1 (at dp = 1 the optimizer is a plain one); the ``sum_grads`` fault
         # follows the config's zero_stage, as it does without pp.
@@ -183,8 +184,8 @@ class PipelineStrategy:
         """Its own stages' tensors under the plain model's keys, and their optimizer state — per parameter, or
         ZeRO-1's flat shards. Local."""
         if isinstance(self.optimizer, ZeroOptimizer):
-            model = zero3_model_pieces(self.model) if self.model.zero3 is not None else \
-                pipeline_model_pieces(self.model)
+            sharded = self.model.zero3 is not None or self.model.mixed_precision is not None  # the masters' ranges
+            model = zero3_model_pieces(self.model) if sharded else pipeline_model_pieces(self.model)
             return model + pipeline_zero_pieces(self.model, self.optimizer)
         return pipeline_model_pieces(self.model) + pipeline_optimizer_pieces(self.model, self.optimizer)
 

@@ -29,7 +29,7 @@ from ..grad_clip import clip_
 from ..model_build import block_names
 from ..experts import Experts
 from ..nonfinite import Grad, flat_grads, names_by_id
-from .base import build_optimizer, summed_loss, tensor_parallel
+from .base import build_optimizer, summed_loss, tensor_parallel, train_mixed_precision
 from .zero_experts import ZeroWithExperts, expert_optimizer
 from .plain import DataParallelSteps, checkpointed
 
@@ -60,7 +60,8 @@ class ZeroStrategy(DataParallelSteps):
         model, optimizer = zero(self.plain, mesh, stage=p.zero_stage, axis="dp", bucket_cap_mb=p.bucket_cap_mb,
                                 optimizer=partial(build_optimizer, o=cfg.optimizer), units=units,
                                 algorithm=zero_algorithm(p.algorithm, mesh),
-                                offload=None if p.offload == "none" else p.offload)
+                                offload=None if p.offload == "none" else p.offload,
+                                mixed_precision=train_mixed_precision(cfg))
         self.model: ZeroModel = model
         self.zero_optimizer: ZeroOptimizer = optimizer
         self.expert_params = experts.params() if experts is not None else []  # in no flat group (trainable())
