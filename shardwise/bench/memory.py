@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per pass and rank (default 2)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw",
                         help="adamw (default), sgd (no momentum: no state), sgd-momentum (0.9)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="train.precision: fp32 (default) or bf16 autocast over fp32 weights")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "bf16-mixed"), default="fp32",
+                        help="train.precision: fp32 (default), bf16 autocast over fp32 weights, or bf16-mixed (bf16 "
+                             "weights, fp32 masters in ZeRO's shards: ZeRO layouts only)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per layout (default 3)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
 
