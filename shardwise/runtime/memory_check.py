@@ -54,7 +54,7 @@ def _remedies(cfg: Config, largest: str) -> str:
     """The config changes that shrink what the prediction says is largest (first the ones that shard more)."""
     p = cfg.parallel
     out = []
-    if p.pp == 1 and p.zero_stage < 3 and p.dp != 1:
+    if p.zero_stage < 3 and p.dp != 1:  # inside pipelines too
         out.append("--parallel.zero_stage 3 (shards the model states over dp)")
     elif p.tp == 1 and p.pp == 1:
         out.append("--parallel.tp or --parallel.pp > 1 (splits the model)")
