@@ -21,6 +21,8 @@ Terms (bytes on one rank; Ψ = the rank's local parameter elements after tensor 
                one activation message received and one sent (data parallelism's buckets *are* the gradients)
 =============  =====================================================================================================
 
+``step`` (bf16-mixed): the fp32 gradient shard the optimizer step reads, 4·Ψ/d (with the model states, after the
+activations are freed: the floor is the larger of backward's and the step's).
 ``apart``: where gradients are allocated in backward and freed by the step, they and the activations peak at
 opposite ends of backward (``planner/memory.py``'s ``_apart``): the smaller is subtracted from the total.
 Pure: plain numbers from the planner's layer tables; nothing runs.
@@ -35,7 +37,7 @@ from .context import local_spec
 from .hardware import PRESETS, Hardware
 from .layers import Layer
 from .compute import act_bytes
-from .memory import _PER_ELEMENT, _apart, model_state_bytes, rank_parts
+from .memory import _PER_ELEMENT, _apart, model_state_bytes, rank_parts, step_grad_bytes
 from .plan import Layout
 from .spec import ModelSpec
 
@@ -65,10 +67,15 @@ class Floor:
     comm: float
     apart: float = 0.0
     rank: int = 0
+    step: float = 0.0
+    """bf16-mixed: the fp32 gradient shard the optimizer step reads (``memory.step_grad_bytes``), live with the
+    model states once the activations are freed."""
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, k) for k in TERMS) - self.apart
+        """The larger of backward's floor (every term, less ``apart``) and the step's (model states and ``step``)."""
+        return max(sum(getattr(self, k) for k in TERMS) - self.apart,
+                   self.params + self.grads + self.optimizer + self.step)
 
     @property
     def largest(self) -> str:
@@ -76,7 +83,7 @@ class Floor:
         return max(TERMS, key=lambda k: getattr(self, k))
 
     def to_json(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in TERMS}, "apart": self.apart, "total": self.total,
+        return {**{k: getattr(self, k) for k in TERMS}, "apart": self.apart, "step": self.step, "total": self.total,
                 "largest": self.largest, "pipeline_rank": self.rank}
 
 
@@ -114,7 +121,7 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     activations = in_flight * per_chunk + transient
     return Floor(params=states.params, grads=states.grads, optimizer=states.optimizer, gathered=gathered,
                  casts=casts, activations=activations, logits=loss, comm=comm, apart=_apart(plan, activations, states.grads),
-                 rank=rank)
+                 rank=rank, step=step_grad_bytes(states, plan.precision, plan.optimizer))
 
 
 def layout_floor(spec: ModelSpec, plan: Layout, *, global_batch: int, hardware: Hardware | None = None,
@@ -162,7 +169,7 @@ def phase_floors(floor: Floor, plan: Layout) -> dict[str, float]:
     return {"construction": floor.params + kept,
             "forward": states + floor.gathered + floor.casts + floor.activations + floor.logits,
             "backward": floor.total, "forward+backward": floor.total,
-            "step": floor.params + floor.grads + floor.optimizer,
+            "step": floor.params + floor.grads + floor.optimizer + floor.step,
             "save": states, "eval": states + floor.gathered + floor.logits}
 
 
@@ -176,4 +183,4 @@ def phase_allocations(floor: Floor, plan: Layout) -> dict[str, float]:
     forward = floor.gathered + floor.casts + floor.activations + floor.logits
     return {"construction": phase_floors(floor, plan)["construction"], "forward": forward,
             "backward": released + floor.comm, "forward+backward": forward + released + floor.comm,
-            "step": 0.0, "save": 0.0, "eval": floor.gathered + floor.logits}
+            "step": floor.step, "save": 0.0, "eval": floor.gathered + floor.logits}

@@ -33,7 +33,7 @@ from .plan import Layout
 from .layers import Layer
 from .moe import expert_local
 
-__all__ = ["StateBytes", "model_state_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
+__all__ = ["StateBytes", "model_state_bytes", "step_grad_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
            "construction_bytes", "runtime_bytes", "CPU_RUNTIME_BYTES", "optimizer_bytes_per_element"]
 
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
@@ -58,6 +58,16 @@ def optimizer_bytes_per_element(precision: str, optimizer: str = "adamw") -> int
     """Bytes of optimizer state per parameter element: the moments of ``optimizer`` plus, with ``bf16-mixed``, the
     fp32 master copy (AdamW: 8 in fp32 and bf16 autocast, 12 in bf16-mixed — the ZeRO paper's K)."""
     return _STATE[optimizer] + (4 if precision == "bf16-mixed" else 0)
+
+
+def step_grad_bytes(states: StateBytes, precision: str, optimizer: str = "adamw") -> float:
+    """bf16-mixed: bytes of the fp32 gradient the optimizer step reads for this rank's master elements (torch's
+    optimizers update an fp32 master with an fp32 gradient: the bf16 shard is cast for the step), 4 per element
+    the optimizer holds; 0 in fp32 and bf16 autocast (the gradients are fp32 already). Not in the ZeRO paper's
+    2 + 2 + 12 accounting, which counts what persists between steps."""
+    if precision != "bf16-mixed":
+        return 0.0
+    return 4 * states.optimizer / optimizer_bytes_per_element(precision, optimizer)
 
 
 def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: int,
@@ -146,13 +156,17 @@ class MemoryBreakdown:
     """Bytes of the gradient and activation terms that are never live at once (``_apart``): subtracted."""
     runtime: float = 0.0
     """What the runtime itself grows by once training runs (``runtime_bytes``): 0 where not modelled."""
+    step: float = 0.0
+    """bf16-mixed: the fp32 gradient shard the optimizer step reads (``step_grad_bytes``), live with the model
+    states after the activations are freed; 0 otherwise."""
 
     @property
     def training(self) -> float:
         """The training peak: the sum of the five terms and the runtime's growth, less what of them is never live
-        at once (``apart``)."""
-        return (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.runtime
-                - self.apart)
+        at once (``apart``) — or the optimizer step's, if larger (model states and ``step``)."""
+        backward = (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.runtime
+                    - self.apart)
+        return max(backward, self.params + self.grads + self.optimizer + self.step + self.runtime)
 
     @property
     def total(self) -> float:
@@ -240,7 +254,7 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank,
                            construction=construction, apart=_apart(plan, activations, states.grads),
-                           runtime=runtime)
+                           runtime=runtime, step=step_grad_bytes(states, plan.precision, plan.optimizer))
 
 
 def _apart(plan: Layout, activations: float, grads: float) -> float:

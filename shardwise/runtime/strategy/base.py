@@ -178,7 +178,8 @@ def _vocab_sum(logits: torch.Tensor, targets: torch.Tensor, *, ce: Callable[...,
 
 def train_mixed_precision(cfg: Config) -> MixedPrecision | None:
     """``train.precision = bf16-mixed``: bf16 compute weights and gradients, fp32 masters and optimizer state in
-    ZeRO's shards, gradients reduced in fp32 (a bf16 sum over dp rounds); else None."""
+    ZeRO's shards, gradients reduced in bf16 in place (an fp32 reduction would need an fp32 copy of every bucket
+    in flight, and an fp32 shard); else None."""
     if cfg.train.precision != "bf16-mixed":
         return None
-    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
