@@ -27,6 +27,10 @@ CRC-32 is the fastest and needs no new dependency.
 Confinement: a piece's ``file`` must be a plain ``rankNNNNN.safetensors`` name whose resolved path (symlinks
 followed) lies in the checkpoint directory; ``latest`` must hold a plain ``step_NNNNNN`` name. Anything else
 is a ``CheckpointError`` before a single byte outside the directory is opened.
+
+Ranged pieces (``"range": [start, count]``: elements of the row-major flattening of the piece's block,
+``sharded.BlockRangePiece``) get the same checks: the range lies inside the block, the file holds ``count``
+elements, and coverage counts the range's elements (every element of the view exactly once).
 """
 
 from __future__ import annotations
@@ -141,6 +145,29 @@ def _extent(ckpt: Path, key: str, piece: dict[str, Any], view: tuple[int, ...]) 
     return [(s, n) for s, n in ext]
 
 
+def _range(ckpt: Path, key: str, piece: dict[str, Any], extent: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """A ranged piece's ``(start, count)`` within its block's flattening (None: the piece is the whole block)."""
+    if "range" not in piece:
+        return None
+    span, size = piece["range"], math.prod(n for _, n in extent)
+    if not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) and v >= 0 for v in span)
+            and span[0] + span[1] <= size):
+        raise _fail(ckpt, f"index.json: the piece of {key!r} in {piece['file']} has range {span!r}, which does not "
+                          f"lie within its block of {size} elements (extent {extent}); the index is damaged")
+    return span[0], span[1]
+
+
+def _mark(seen: torch.Tensor, extent: list[tuple[int, int]], span: tuple[int, int] | None) -> None:
+    """Set the elements a piece covers in the boolean ``seen`` (its block, or a range of the block's flattening)."""
+    index = tuple(slice(s, s + n) for s, n in extent)
+    if span is None:
+        seen[index] = True
+        return
+    block = seen[index].reshape(-1).clone()  # a copy whatever the block's strides, written back whole
+    block[span[0]:span[0] + span[1]] = True
+    seen[index] = block.reshape(seen[index].shape)
+
+
 def check_layout(ckpt: Path, key: str, info: dict[str, Any]) -> torch.dtype:
     """Shapes, dtype and extents of ``key`` consistent, its pieces covering the view exactly once; its dtype."""
     view, full = _shape(ckpt, key, info, "view_shape"), _shape(ckpt, key, info, "full_shape")
@@ -152,11 +179,12 @@ def check_layout(ckpt: Path, key: str, info: dict[str, Any]) -> torch.dtype:
                           f"counts); the index is damaged")
     pieces = info.get("pieces", [])
     extents = [_extent(ckpt, key, p, view) for p in pieces]
-    covered = sum(math.prod(n for _, n in e) for e in extents)
+    spans = [_range(ckpt, key, p, e) for p, e in zip(pieces, extents)]
+    covered = sum(math.prod(n for _, n in e) if r is None else r[1] for e, r in zip(extents, spans))
     if covered == math.prod(view) and len(extents) > 1:  # right count: make sure no two pieces overlap
         seen = torch.zeros(view, dtype=torch.bool)
-        for e in extents:
-            seen[tuple(slice(s, s + n) for s, n in e)] = True
+        for e, r in zip(extents, spans):
+            _mark(seen, e, r)
         covered = int(seen.sum())
     if covered != math.prod(view):
         raise _fail(ckpt, f"index.json: the {len(pieces)} piece(s) of {key!r} cover {covered} of {math.prod(view)} "
@@ -192,9 +220,12 @@ def _open(ckpt: Path, path: Path) -> Any:
 
 def _check_piece(ckpt: Path, key: str, info: dict[str, Any], piece: dict[str, Any], local: torch.Tensor) -> None:
     want = tuple(n for _, n in piece["extent"])
+    if "range" in piece:  # a range of the block's flattening
+        want = (piece["range"][1],)
     if local.numel() != math.prod(want):
         raise _fail(ckpt, f"{key!r} in {piece['file']}: index.json gives its piece the shape {want} (extent "
-                          f"{piece['extent']} of view {tuple(info['view_shape'])}) but the file holds shape "
+                          f"{piece['extent']} of view {tuple(info['view_shape'])}"
+                          f"{', range ' + str(piece['range']) if 'range' in piece else ''}) but the file holds shape "
                           f"{tuple(local.shape)}; index.json and the file disagree")
     if str(local.dtype).replace("torch.", "") != info["dtype"]:
         raise _fail(ckpt, f"{key!r} in {piece['file']}: index.json says dtype {info['dtype']} but the file holds "

@@ -21,14 +21,20 @@ Resharding: a tensor is described by a ``Piece`` — the global shape of its *vi
 stored as a (3, nh·hd, ...) view so whole heads are a plain split), one SBP per mesh axis and this rank's mesh
 coords. Loading rebuilds a full tensor from the index and cuts the piece the *new* layout needs, whatever
 layout saved it (dp=2 → tp=2, world size 2 → 1, ...).
+
+Ranges: a piece entry may carry ``"range": [start, count]`` besides its ``extent`` — it then holds only the
+elements ``[start, start + count)`` of the row-major flattening of the block the extent names (``BlockRangePiece``:
+a ZeRO rank's part of its tp coordinate's block of a parameter, written without gathering the block). Entries
+without ``range`` (every checkpoint written before ranges existed) hold their whole block.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,7 +49,7 @@ from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layo
                         latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
                         verify_checkpoint)
 
-__all__ = ["RangePiece", "Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint", "latest_checkpoint",
+__all__ = ["RangePiece", "BlockRangePiece", "Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint", "latest_checkpoint",
            "resolve_checkpoint", "CHECKPOINTS", "CheckpointError", "verify_checkpoint", "latest_intact_checkpoint"]
 
 
@@ -85,6 +91,23 @@ class RangePiece(Piece):
         return True
 
 
+@dataclass(frozen=True)
+class BlockRangePiece(Piece):
+    """Elements ``[start, start + count)`` (``span``) of the row-major flattening of this rank's block (the
+    ``extent`` its placement gives it in the view), held by one rank of the ``spread`` axis — a ZeRO rank's part of
+    its tp coordinate's block of a parameter (a range of the tp-local tensor's flattening, which for a ``S(1)``
+    block is no single range of the full tensor). Every rank along ``spread`` writes its own range; along the
+    other replicated axes coordinate 0 writes (a tp-replicated parameter once). The index records the block's
+    extent and the range (``"range"``)."""
+
+    span: tuple[int, int] = (0, 0)
+    spread: str = ""
+
+    def owner(self) -> bool:
+        return all(c == 0 for p, c, a in zip(self.sbp, self.coords, self.axes)
+                   if isinstance(p, Replicate) and a != self.spread)
+
+
 def replicated_piece(key: str, t: torch.Tensor, mesh: Mesh) -> Piece:
     """A tensor every rank holds whole (B on every axis)."""
     shape = tuple(t.shape)
@@ -100,9 +123,9 @@ def without_axis(piece: Piece, axis: str) -> Piece:
     if any(not isinstance(piece.sbp[i], Replicate) for i, a in enumerate(piece.axes) if a == axis):
         raise ValueError(f"{piece.key}: split over the mesh axis {axis!r} ({piece.sbp}), which this tensor is saved "
                          f"without; a tensor held by one coordinate of {axis!r} must be whole there (B)")
-    return Piece(piece.key, piece.local, piece.view_shape, piece.full_shape, tuple(piece.sbp[i] for i in keep),
-                 tuple(piece.axes[i] for i in keep), tuple(piece.mesh_shape[i] for i in keep),
-                 tuple(piece.coords[i] for i in keep))
+    # replace() keeps the piece's kind (a range piece stays one)
+    return replace(piece, sbp=tuple(piece.sbp[i] for i in keep), axes=tuple(piece.axes[i] for i in keep),
+                   mesh_shape=tuple(piece.mesh_shape[i] for i in keep), coords=tuple(piece.coords[i] for i in keep))
 
 
 def _barrier_all(mesh: Mesh) -> None:
@@ -150,9 +173,17 @@ def save_checkpoint(ckpt_root: str | Path, step: int, pieces: Sequence[Piece], *
     return final
 
 
+_CHUNK = 1 << 20  # elements checked at once: the check's mask stays 1 MiB, not a quarter of the largest tensor
+
+
+def _finite(t: torch.Tensor) -> bool:
+    flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + _CHUNK]).all()) for i in range(0, flat.numel(), _CHUNK))
+
+
 def _first_nonfinite(pieces: Sequence[Piece]) -> str | None:
     for p in pieces:
-        if p.local.is_floating_point() and not bool(torch.isfinite(p.local.detach()).all()):
+        if p.local.is_floating_point() and not _finite(p.local):
             return p.key
     return None
 
@@ -185,6 +216,8 @@ def _write_rank_files(tmp: Path, pieces: Sequence[Piece], rank: int, rank_state:
             tensors[p.key] = p.local.detach().to("cpu").contiguous()
             entry["piece"] = {"file": f"rank{rank:05d}.safetensors", "extent": p.extent(),
                               "crc32": tensor_crc32(tensors[p.key])}
+            if isinstance(p, BlockRangePiece):
+                entry["piece"]["range"] = list(p.span)
         entries.append(entry)
     data = tmp / f"rank{rank:05d}.safetensors"
     save_file(tensors, str(data))
@@ -215,6 +248,12 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _place(view: torch.Tensor, extent: tuple[tuple[int, int], ...], values: torch.Tensor) -> None:
+    """Copy ``values`` (any shape, row-major) into the block ``extent`` of ``view``."""
+    index = tuple(slice(s, s + n) for s, n in extent)
+    view[index] = values.reshape(view[index].shape)
+
+
 class Checkpoint:
     """A saved checkpoint opened for reading (any rank, any layout; reads files only, never communicates)."""
 
@@ -236,10 +275,23 @@ class Checkpoint:
         read (file present and confined, shape, dtype, checksum; coverage): ``CheckpointError`` otherwise."""
         info = self._info(key)
         view = torch.empty(info["view_shape"], dtype=check_layout(self.path, key, info))
+        blocks: dict[tuple[tuple[int, int], ...], list[Any]] = {}  # ranged blocks being filled: [flat, count]
         for piece in info.get("pieces", []):
             local = read_piece(self.path, key, info, piece)
-            index = tuple(slice(s, s + n) for s, n in piece["extent"])
-            view[index] = local.reshape(view[index].shape)
+            extent = tuple((s, n) for s, n in piece["extent"])
+            if "range" not in piece:
+                _place(view, extent, local)
+                continue
+            # a range of the block's flattening: filled into a flat copy of the block (a S(1) block is no
+            # contiguous part of the view), placed once its ranges are all in
+            block = blocks.setdefault(extent, [torch.empty(math.prod(n for _, n in extent), dtype=view.dtype), 0])
+            start, count = piece["range"]
+            block[0][start:start + count] = local.reshape(-1)
+            block[1] += count
+            if block[1] == block[0].numel():
+                _place(view, extent, blocks.pop(extent)[0])
+        for extent, (flat, _) in blocks.items():  # unreachable after check_layout's coverage check; kept total
+            _place(view, extent, flat)
         return view.reshape(info["full_shape"])
 
     def load_piece(self, target: Piece) -> torch.Tensor:

@@ -10,9 +10,14 @@ Tensor parallelism inside (mesh ``(dp, tp)``): each tp coordinate's groups hold 
 group is a different tensor on every tp coordinate. It is saved under a key of its own, ``zero/<i>.tp<c>/…``,
 described on the mesh without tp (``S(0)`` over dp, written by the dp ranks of that tp coordinate), and every
 rank lists its groups — with each parameter's extent in the full tensor — in its rank file
-(``flat_state.py`` reassembles full per-parameter tensors from them). Parameters are saved as this rank's
-pieces in the model's own layout (``layout.describe``: replicated without tp, tp shards with it), gathered
-over dp first (collective), and loaded with the wrapper's ``load_state_dict`` (full tensors, any stage).
+(``flat_state.py`` reassembles full per-parameter tensors from them).
+
+Parameters are written from each rank's own flat range, nothing gathered, in every stage: without tp as ranges of
+the flattened parameters (``RangePiece``); with tp as ranges of the flattening of this tp coordinate's block of
+each parameter (``BlockRangePiece``: the block is the extent ``layout.describe`` gives the tp piece — a ``S(1)``
+block is no single range of the full tensor — and the range is the part of it this dp rank owns; a parameter
+replicated over tp is written by tp coordinate 0's dp ranks). They load with the wrapper's ``load_state_dict``
+(full tensors, any stage).
 
 Loading converts in both directions through full per-parameter tensors (``param_state``): ZeRO ↔ plain
 data/tensor parallelism, any stage, any dp and tp size.
@@ -32,7 +37,7 @@ from ..parallel.zero.optim import ZeroOptimizer
 from ..sbp.placement import Replicate, Split
 from .flat_state import param_state, saved_groups
 from .layout import describe, local_of
-from .sharded import Checkpoint, Piece, RangePiece, replicated_piece, without_axis
+from .sharded import BlockRangePiece, Checkpoint, Piece, RangePiece, replicated_piece, without_axis
 
 __all__ = ["zero_model_pieces", "zero_optimizer_pieces", "zero_groups_state", "zero_index_state", "param_state",
            "saved_groups", "fill_flat_state", "load_zero", "tag_axes", "group_tag", "flat_state_pieces",
@@ -81,23 +86,16 @@ def group_entry(key: str, g: FlatGroup, names: list[str], mesh: Mesh) -> dict[st
 
 
 def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
-    """This rank's pieces of the parameters. Without tp: each rank writes the flat-group elements it owns, as
-    ranges of the flattened parameters (``RangePiece``: nothing is gathered, no rank holds more than its shard —
-    the model may not fit one device). With tp inside: each flat group gathered over dp (collective), in the
-    model's own layout (tp shards). Each storage once."""
-    if tag_axes(mesh, model.axis):
-        return _gathered_pieces(model, mesh)
-    coords = tuple(mesh.coord(a) for a in mesh.axes)
-    sbp = tuple(Split(0) if a == model.axis else Replicate() for a in mesh.axes)
+    """This rank's pieces of the parameters, written from the flat-group elements it owns (``g.master``, master
+    precision): nothing is gathered and no rank holds more than its shard — the model may not fit one device.
+    Without tp: ranges of the flattened parameters (``RangePiece``); with tp inside: ranges of this tp
+    coordinate's block of each parameter (``BlockRangePiece``). Frozen parameters and buffers: as the module
+    holds them. Each storage once. Local."""
+    ranges = _block_ranges if tag_axes(mesh, model.axis) else _flat_ranges
     out: list[Piece] = []
     managed: set[int] = set()
     for g in model.groups:
-        master = g.master.detach()
-        for k, a, b in g.layout.pieces(mesh.coord(model.axis)):
-            start = g.layout.offsets[k] + a - g.lo  # in this rank's shard
-            numel = (g.layout.numels[k],)
-            out.append(RangePiece(f"model/{g.names[k]}", master[start:start + b - a], numel, tuple(g.shapes[k]), sbp,
-                                  tuple(mesh.axes), tuple(mesh.shape), coords, rows=(a, b - a)))
+        out += ranges(g, mesh, model.axis)
         managed |= {id(p) for p in g.params}
     seen = set(managed)
     for key, value in model.module.state_dict(keep_vars=True).items():  # frozen parameters, buffers
@@ -107,14 +105,32 @@ def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
     return out
 
 
-def _gathered_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
-    tensors = model.module.state_dict(keep_vars=True)
-    seen: set[int] = set()
+def _owned(g: FlatGroup, axis: str) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """``(k, a, b, values)``: elements ``[a, b)`` of parameter ``k``'s (tp-local) flattening that this rank owns,
+    and a view of them in its master shard."""
+    master = g.master.detach()
+    for k, a, b in g.layout.pieces(g.mesh.coord(axis)):
+        start = g.layout.offsets[k] + a - g.lo  # in this rank's shard
+        yield k, a, b, master[start:start + b - a]
+
+
+def _flat_ranges(g: FlatGroup, mesh: Mesh, axis: str) -> list[Piece]:
+    coords = tuple(mesh.coord(a) for a in mesh.axes)
+    sbp = tuple(Split(0) if a == axis else Replicate() for a in mesh.axes)
+    return [RangePiece(f"model/{g.names[k]}", values, (g.layout.numels[k],), tuple(g.shapes[k]), sbp,
+                       tuple(mesh.axes), tuple(mesh.shape), coords, rows=(a, b - a))
+            for k, a, b, values in _owned(g, axis)]
+
+
+def _block_ranges(g: FlatGroup, mesh: Mesh, axis: str) -> list[Piece]:
+    # describe() gives the tp block (view shape, placement, extent) from the parameter's own annotations, which
+    # a freed stage-3 parameter keeps; the range is of the block's row-major flattening, which is the tp-local
+    # tensor's flattening (a head-split QKV block reshaped to its (3, nh/tp·hd, ...) view keeps its order)
     out: list[Piece] = []
-    for key, value in model.local_state_dict().items():
-        if id(tensors[key]) not in seen:
-            seen.add(id(tensors[key]))
-            out.append(describe(f"model/{key}", tensors[key], mesh, value))
+    for k, a, b, values in _owned(g, axis):
+        piece = describe(f"model/{g.names[k]}", g.params[k], mesh, torch.empty(g.shapes[k], device="meta"))
+        out.append(BlockRangePiece(piece.key, values, piece.view_shape, piece.full_shape, piece.sbp, piece.axes,
+                                   piece.mesh_shape, piece.coords, span=(a, b - a), spread=axis))
     return out
 
 

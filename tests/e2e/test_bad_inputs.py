@@ -119,7 +119,7 @@ CASES: list[tuple[str, list[str], Setup | None, tuple[str, ...]]] = [
     ("flag-bad-format", ["train", "--data.format", "csv"], None,
      ("data.format = 'csv'", "choose one of ['auto', 'text', 'bin', 'prepared']")),
     ("flag-bad-precision", ["train", "--train.precision", "fp16"], None,
-     ("train.precision = 'fp16'", "choose one of ['fp32', 'bf16']")),
+     ("train.precision = 'fp16'", "choose one of ['fp32', 'bf16', 'bf16-mixed']")),
     ("preset-typo", ["train", "--preset", "gpt-smal"], None,
      ("invalid choice 'gpt-smal'", "did you mean gpt-small?")),
     ("stray-argument", ["train", "extra"], None,
