@@ -49,8 +49,9 @@ from .integrity import (CHECKPOINTS, FORMAT, LATEST, CheckpointError, check_layo
                         latest_intact_checkpoint, load_index, read_piece, resolve_checkpoint, tensor_crc32,
                         verify_checkpoint)
 
-__all__ = ["RangePiece", "BlockRangePiece", "Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint", "latest_checkpoint",
-           "resolve_checkpoint", "CHECKPOINTS", "CheckpointError", "verify_checkpoint", "latest_intact_checkpoint"]
+__all__ = ["RangePiece", "BlockRangePiece", "Piece", "replicated_piece", "without_axis", "save_checkpoint", "Checkpoint",
+           "latest_checkpoint", "resolve_checkpoint", "CHECKPOINTS", "CheckpointError", "verify_checkpoint",
+           "latest_intact_checkpoint"]
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def check_layout(layout: str, axes: dict[str, int]) -> dict[str, Any]:
     out = {"same_init": same_init, "err": _max_err(sw.full_state_dict(model), trained),
            "held": _held_bytes(model, opt), "whole": whole, "broadcasts": built.count("broadcast")}
     if layout.startswith("zero"):
-        with CommCounter() as saved:  # the checkpoint's pieces: without tp each rank's own flat ranges, no gather
+        with CommCounter() as saved:  # the checkpoint's pieces: each rank's own flat ranges, no gather
             zero_model_pieces(model, m)
         out.update(save_gathers=saved.count("all_gather"), groups=len(model.groups),
                    in_flight=model._reducer.peak_in_flight)

@@ -28,7 +28,7 @@ def test_every_layout_starts_and_trains_as_one_device(worlds):
             assert res["err"] < 1e-5, (layout, axes, rank, res["err"])
             assert res["broadcasts"] == 0, (layout, axes, rank, res["broadcasts"])
             if layout.startswith("zero"):
-                assert res["save_gathers"] == (0 if "tp" not in axes else res["groups"]), (layout, axes, res)
+                assert res["save_gathers"] == 0, (layout, axes, res)  # own ranges, with tp inside too
                 assert res["in_flight"] <= 2, (layout, axes, res)  # reduce-scatters outstanding at once
                 assert layout != "zero3" or res["groups"] > 2, res  # ... with more units than that
             share = res["held"] / res["whole"]

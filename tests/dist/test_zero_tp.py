@@ -84,6 +84,20 @@ def test_checkpoint_of_zero_with_tp_resumes_exactly(worlds, tmp_path, stages):
         assert res["state_names"] == res["ref_names"]
         assert res["saved_err"] < RTOL and res["state_err"] < 1e-4, res  # exp_avg: float noise of small values
         assert res["loss_err"] < RTOL and res["param_err"] < RTOL, res
+        _check_save_gathers_nothing(res)
+    # every parameter element written exactly once over the 4 ranks (the tied head once, as wte)
+    assert sum(res["model_written"] for res in per_rank) == per_rank[0]["full_numel"], per_rank
+
+
+def _check_save_gathers_nothing(res: dict) -> None:
+    """The save of a ZeRO x tp rank: its own flat ranges (``BlockRangePiece``), no all-gather over dp — only the
+    finite check's one-number max over each axis — and no more parameter elements than its shard (tp coordinate 1
+    leaves the tp-replicated ones to coordinate 0). Gathering over dp made dp rank 0 write its whole tp piece."""
+    assert res["save_ops"] == {"dp:all_reduce": [1, F32], "tp:all_reduce": [1, F32]}, res["save_ops"]
+    if res["tp"] == 0:
+        assert res["model_written"] == res["shard_numel"], res
+    else:
+        assert res["model_written"] <= res["shard_numel"], res
 
 
 def test_pipeline_zero1_with_tp_checkpoint_round_trip(worlds, tmp_path):

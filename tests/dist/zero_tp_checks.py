@@ -10,10 +10,12 @@ the tied embedding, so each tp coordinate's flat groups have another length).
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 import shardwise as sw
 from shardwise.checkpoint.layout import tied_aliases
@@ -162,10 +164,14 @@ def check_checkpoint(stage_from: int, stage_to: int, root: str) -> dict[str, Any
     m, model, opt, _ = build(stage_from)
     train(m, model, opt, _batches()[:half])
     shared, mine = zero_index_state(model)
-    pieces = zero_model_pieces(model, m) + zero_optimizer_pieces(model, opt, m)
     state = {**shared, "aliases": tied_aliases(model)}  # lm_head.weight is wte.weight: saved once, as the trainer does
-    save_checkpoint(Path(root), half, pieces, mesh=m, state=state, rank_state=mine)
+    with CommCounter() as saving:  # pieces and save: each rank's own ranges, nothing gathered over dp
+        pieces = zero_model_pieces(model, m) + zero_optimizer_pieces(model, opt, m)
+        save_checkpoint(Path(root), half, pieces, mesh=m, state=state, rank_state=mine)
     ckpt = Checkpoint(Path(root))
+    with safe_open(str(ckpt.path / f"rank{m.rank:05d}.safetensors"), framework="pt") as f:
+        written = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model/"))
+    owned = {"tp": m.coord("tp"), "shard_numel": sum(g.hi - g.lo for g in model.groups)}  # the saving model's
     names, fetch = param_state(ckpt)
     saved_err = max(_rel(ckpt.full(f"model/{k}"), v) for k, v in ref[f"params{half}"].items() if k != "lm_head.weight")
     state_err = max(_rel(fetch(n, "exp_avg"), v) for n, v in ref[f"exp_avg{half}"].items())
@@ -180,6 +186,8 @@ def check_checkpoint(stage_from: int, stage_to: int, root: str) -> dict[str, Any
         "qkv": (ckpt.index["tensors"]["model/blocks.0.attn.qkv.weight"]["sbp"],
                 ckpt.index["tensors"]["model/ln_f.weight"]["sbp"]),
         "state_names": sorted(names), "ref_names": sorted(ref[f"exp_avg{half}"]),
+        "save_ops": _summary(saving)["ops"], "model_written": written, **owned,
+        "full_numel": sum(p.numel() for p in GPT(TINY).parameters()),  # the tied head once
         "saved_err": saved_err, "state_err": state_err,
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][half:])),
         "param_err": max(_rel(full[k], v) for k, v in ref[f"params{STEPS}"].items()),

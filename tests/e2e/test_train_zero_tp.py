@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shardwise.checkpoint.sharded import Checkpoint
 from shardwise.checkpoint.zero_layout import param_state
+from shardwise.cli import main as cli_main
 from tests.e2e.test_train import cli, losses
 
 FLAGS = ["--data.global_batch", "8", "--parallel.micro_batch", "2", "--optimizer.warmup_steps", "2",
@@ -48,7 +50,11 @@ def test_zero3_with_tp_trains_like_dp4_and_saves_tp_shards(runs):
     assert_close_losses(losses(z3tp), losses(z1dp), STEPS)
     ckpt, other = Checkpoint(z3tp), Checkpoint(z1dp)
     assert ckpt.index["mesh"] == {"dp": 2, "tp": 2}
-    assert ckpt.index["tensors"]["model/blocks.0.attn.qkv.weight"]["sbp"] == "B,S(1)"  # the tp shards, gathered over dp
+    assert ckpt.index["tensors"]["model/blocks.0.attn.qkv.weight"]["sbp"] == "B,S(1)"  # the tp blocks
+    # ... each written as its dp ranks' own ranges of it (nothing gathered): every rank writes parameters
+    pieces = [p for k, v in ckpt.index["tensors"].items() if k.startswith("model/") for p in v["pieces"]]
+    assert all("range" in p for p in pieces), pieces
+    assert {p["file"] for p in pieces} == {f"rank{r:05d}.safetensors" for r in range(4)}, pieces
     flat = {k: v for k, v in ckpt.index["tensors"].items() if k.startswith("zero/") and k.endswith("/exp_avg")}
     assert flat and {k.split("/")[1].rpartition(".")[2] for k in flat} == {"tp0", "tp1"}, sorted(flat)
     assert all((v["sbp"], v["axes"], len(v["pieces"])) == ("S(0)", ["dp"], 2) for v in flat.values()), flat
@@ -74,6 +80,22 @@ def test_zero3_with_tp_resumes_in_other_layouts(runs, tmp_path, layout, mesh):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_close_losses(losses(run), losses(z3tp), [2, 3])
     assert Checkpoint(run).step == 3 and Checkpoint(run).index["mesh"] == mesh
+
+
+def test_zero3_with_tp_exports_like_dp4(runs, tmp_path, capsys):
+    """``shardwise export`` reads the ranged tp blocks into the plain model's full tensors: the dp 4 run's. Relative
+    to each tensor's largest value: the qkv biases start at 0 and AdamW's m/sqrt(v) of their tiny gradients carries
+    the layouts' summation-order noise to ~1e-3 of their size (a misplaced range would be off by the values)."""
+    exported = []
+    for run in runs:
+        out = tmp_path / f"{run.name}.safetensors"
+        assert cli_main(["export", str(run), "--out", str(out)]) == 0, capsys.readouterr().err
+        exported.append(load_file(str(out)))
+    got, want = exported
+    assert sorted(got) == sorted(want) and "lm_head.weight" in got
+    for key, value in want.items():
+        err = float((got[key] - value).abs().max() / value.abs().max().clamp_min(1e-12))
+        assert got[key].shape == value.shape and err < 2e-3, (key, err)
 
 
 def test_dp4_zero1_resumes_as_zero2_with_tp(runs, tmp_path):

@@ -233,3 +233,41 @@ def test_pieces_must_tile_the_view_exactly(tmp_path: Path) -> None:
 
 def test_a_run_without_checkpoints_has_no_intact_one(tmp_path: Path) -> None:
     assert latest_intact_checkpoint(tmp_path) == (None, [])
+
+
+def _ranged(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    """A (4, 3) tensor saved as ZeRO × tp saves it: S(1) blocks (columns 0-1 and column 2), the first block's
+    flattening in two ranges on two ranks (``BlockRangePiece``), the second whole as one range."""
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    left, right = full[:, :2].reshape(-1), full[:, 2:].reshape(-1)  # (8,), (4,): the blocks' flattenings
+    parts = [(left[:5], [[0, 4], [0, 2]], [0, 5]), (left[5:], [[0, 4], [0, 2]], [5, 3]),
+             (right, [[0, 4], [2, 1]], [0, 4])]
+    pieces = []
+    for rank, (values, extent, span) in enumerate(parts):
+        save_file({"k": values.clone()}, str(tmp_path / f"rank{rank:05d}.safetensors"))
+        pieces.append({"file": f"rank{rank:05d}.safetensors", "extent": extent, "range": span,
+                       "crc32": integrity.tensor_crc32(values.clone())})
+    info = {"view_shape": [4, 3], "full_shape": [4, 3], "dtype": "float32", "sbp": "B,S(1)", "axes": ["dp", "tp"],
+            "pieces": pieces}
+    index = {"format": integrity.FORMAT, "step": 1, "mesh": {"dp": 2, "tp": 2}, "world_size": 3, "state": {},
+             "tensors": {"k": info}}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    return tmp_path, full
+
+
+def test_ranges_of_blocks_verify_and_read_back(tmp_path: Path) -> None:
+    ckpt, full = _ranged(tmp_path)
+    verify_checkpoint(ckpt)
+    assert torch.equal(Checkpoint(ckpt).full("k"), full)
+
+
+def test_ranges_must_tile_their_blocks_exactly(tmp_path: Path) -> None:
+    """Ranges with the right element count but overlapping leave a hole; a range past its block is refused."""
+    ckpt, _ = _ranged(tmp_path)
+    info = json.loads((ckpt / "index.json").read_text())["tensors"]["k"]
+    info["pieces"][1]["range"] = [4, 3]  # 5 + 3 + 4 = 12 elements, but [0, 5) and [4, 7) overlap: element 7 uncovered
+    with pytest.raises(CheckpointError, match=r"cover 11 of 12"):
+        integrity.check_layout(ckpt, "k", info)
+    info["pieces"][1]["range"] = [6, 3]
+    with pytest.raises(CheckpointError, match=r"range \[6, 3\], which does not lie within its block of 8"):
+        integrity.check_layout(ckpt, "k", info)
