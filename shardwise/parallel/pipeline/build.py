@@ -16,7 +16,6 @@ them, so both copies receive the same update as the single tied parameter on one
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -30,15 +29,15 @@ from ..common.autocast import check_autocast
 from ..common.expert_tag import is_expert_param
 from ..common.materialize import ensure_sources, materialize
 from ..common.grad_norm import clip_counted, counted, shard_pieces
-from ..common.mixed_precision import LossScaler, MixedPrecision
-from ..zero.optim import ZeroOptimizer, make_inner_optimizer
+from ..common.mixed_precision import MixedPrecision
+from ..zero.optim import ZeroOptimizer
 from ...comm.shm_p2p import shm_link_for
 from .communication import check_transport, lower_communication, receive_placement
 from .executor import Interpreter, run_actions
 from .evaluate import evaluate, micro_batches
 from .actions import Action
 from .schedules import get_schedule
-from .grad_sync import DpGradSync, PipelineZeroGroups, expert_counted
+from .grad_sync import DpGradSync, expert_counted
 from .model_state import full_meta, full_state, key_owner, release_other_stages
 from .simulate import Event
 from .batching import normalize_example
@@ -47,6 +46,7 @@ from .graph_stage import build_graph_stages
 from .stage import Stage, build_stages
 from .validate import check_args, check_hybrid, check_keys, checkpoint_mode
 from .measured import measured_timeline, write_trace
+from .optimizer import pipeline_optimizer
 from .tied import sum_tied_grads, tied_parameters
 from .mixed import cast_inputs, cast_the_rest, check_mixed_precision, masters_gathered, reduce_dtype_of
 from .zero3 import PipelineStage3, shared_parameters, unit_plans
@@ -268,22 +268,10 @@ class Pipeline:
 
     def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer | ZeroOptimizer:
         """The optimizer for this rank's stage parameters: ``factory(list(pipe.parameters()))`` — or, with
-        ``zero_stage=1``, a ``ZeroOptimizer`` running ``factory`` on this rank's dp shard of each gradient
-        bucket (optimizer state 1/dp; ``step()`` all-gathers the updated parameters over dp, collective).
-        ``factory``: e.g. ``functools.partial(torch.optim.AdamW, lr=3e-4)``."""
-        if self.zero_stage == 0 or self.grad_sync is None:
-            return make_inner_optimizer(factory, list(self.parameters()))
-        sync, experts = self.grad_sync, self.expert_params()
-        dtype = sync.reduce_dtype or (sync.buckets[0].dtype if sync.buckets else torch.float32)
-        # ZeroOptimizer's stage-2 path takes gradient shards that are already averaged: DpGradSync's
-        # reduce-scatters produced them during the step. Memory is ZeRO-1's: full gradient buffers stay.
-        # Expert-parallel parameters are in no flat group (each dp rank of an expert group holds other
-        # experts): the same inner optimizer steps them whole, after the caller's ExpertGradSync.
-        inner = factory if not experts else partial(_with_experts, factory, experts)
-        # stages 1-2 all-gather the updated parameters after the step; stage 3 gathers each unit as it next runs
-        return ZeroOptimizer(PipelineZeroGroups(sync, experts), inner, sync.groups, self.mesh, sync.axis,
-                             stage=3 if self.zero_stage == 3 else 2, scaler=LossScaler(self.mixed_precision),
-                             reduce_dtype=dtype)
+        ``zero_stage`` 1-3, a ``ZeroOptimizer`` running ``factory`` on this rank's dp shard of each gradient
+        bucket (optimizer state 1/dp; ``step()`` all-gathers the updated parameters over dp at stages 1-2,
+        collective). ``factory``: e.g. ``functools.partial(torch.optim.AdamW, lr=3e-4)``."""
+        return pipeline_optimizer(self, factory)
 
     def expert_params(self) -> list[nn.Parameter]:
         """This rank's expert-parallel stage parameters (tagged by ``shard_experts``), each once, in
@@ -340,12 +328,6 @@ class Pipeline:
             with self.zero3.gathered():
                 return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
         return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
-
-
-def _with_experts(factory: Callable[..., torch.optim.Optimizer], experts: list[nn.Parameter],
-                  masters: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """ZeRO-1's inner optimizer over the flat master shards and the expert parameters (same hyperparameters)."""
-    return factory(list(masters) + experts)
 
 
 def _materialized(stage: nn.Module, device: torch.device) -> nn.Module:
