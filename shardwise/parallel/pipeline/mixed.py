@@ -19,8 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ... import comm
 from ..common.mixed_precision import MixedPrecision
+from ..zero.expert_pieces import gather_master
 
 __all__ = ["check_mixed_precision", "reduce_dtype_of", "cast_the_rest", "cast_inputs", "masters_gathered"]
 
@@ -72,14 +72,9 @@ def cast_inputs(inputs: list[Any], dtype: torch.dtype | None) -> list[Any]:
 def masters_gathered(groups: list[Any], zero3: bool) -> Iterator[None]:
     """Inside the block every grouped parameter holds the whole fp32 master (each group's master shards all-gathered
     over dp, collective); afterwards the compute views come back (ZeRO-3: freed)."""
-    kept = []
     for g in groups:
-        full = torch.empty(g.layout.total, dtype=g.master.dtype, device=g.mesh.device)
-        comm.all_gather(g.master.detach().to(g.mesh.device), g.mesh, g.axis, sizes=list(g.layout.shard_sizes),
-                        algorithm=g.algorithm, out=full)
-        for p, view in zip(g.params, g.views(full)):
+        for p, view in zip(g.params, g.views(gather_master(g))):  # (L,) fp32, every dp shard
             p.data = view
-        kept.append(full)
     try:
         yield
     finally:
