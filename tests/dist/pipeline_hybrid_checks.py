@@ -81,13 +81,26 @@ def _run_case(case: dict) -> dict:
             norms.append(float(pipe.clip_grad_norm_(case["clip"])))
         sync = pipe.grad_sync  # what lives between the passes and the optimizer step (ZeRO-2/3: shards only)
         held.append({"full_grads": sum(g.numel() for g in sync.full_grads) if sync else 0,
-                     "param_numel": sum(q.numel() for q in pipe.parameters())})
+                     "param_numel": sum(q.numel() for q in pipe.parameters()),
+                     # finished reductions keep no handle (a waited one held its working buffers)
+                     "handles": sum(b.handle is not None for b in sync.buckets) if sync else 0,
+                     # ZeRO-1: every averaged shard a view of its bucket's buffer (no copy beside it)
+                     "shards_in_buffer": all(b.grads is not None and b.shard is not None and
+                                             b.shard.untyped_storage().data_ptr() == b.grads.untyped_storage().data_ptr()
+                                             for b in sync.buckets) if sync else False})
         with sw.comm.CommCounter() as c:
             opt.step()
         opt_counts.append(c.count("all_gather", axis="dp", algorithm="ring"))
         opt.zero_grad()
+    idx, tgt = _batches()[0]
+    eval_loss = pipe.evaluate(idx, tgt) if case.get("eval") else None  # forward only, after training
     full = sw.full_state_dict(pipe)
     ref_losses, ref_state, ref_norms = _reference(case)
+    if eval_loss is not None:
+        ref_model = _model(case["n_layer"], case.get("tie", True))
+        ref_model.load_state_dict(ref_state)
+        with torch.no_grad():
+            ref_eval = float(lm_loss(ref_model.eval()(idx), tgt))
     local = list(pipe.parameters())
     state_numel = sum(v.numel() for s in opt.state.values() for k, v in s.items()
                       if isinstance(v, torch.Tensor) and k == "exp_avg")
@@ -107,6 +120,7 @@ def _run_case(case: dict) -> dict:
         "state_numel": state_numel,
         "dp": m.size("dp") if "dp" in m.axes else 1,
         "held": held,
+        "eval_err": abs(eval_loss - ref_eval) / abs(ref_eval) if eval_loss is not None else None,
         "n_groups": len(pipe.grad_sync.groups) if pipe.grad_sync else 0,
         "group_numel": sum(g.layout.total for g in pipe.grad_sync.groups) if pipe.grad_sync else 0,
         "shard_numel": sum(g.hi - g.lo for g in pipe.grad_sync.groups) if pipe.grad_sync else 0,

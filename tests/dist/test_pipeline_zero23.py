@@ -16,7 +16,7 @@ PP_DP = dict(pp=2, dp=2)
 CASES = [
     dict(axes=PP_DP, schedule="1f1b", n_layer=2, m=3, zero=2, opt="adamw"),
     dict(axes=PP_DP, schedule="zb-h1", n_layer=2, m=3, zero=2, accum=2, clip=0.5),
-    dict(axes=PP_DP, schedule="1f1b", n_layer=3, m=3, zero=3, opt="adamw"),
+    dict(axes=PP_DP, schedule="1f1b", n_layer=3, m=3, zero=3, opt="adamw", eval=True),
     dict(axes=PP_DP, schedule="gpipe", n_layer=2, m=2, zero=3, clip=0.5),
     dict(axes=PP_DP, schedule="zb-h1", n_layer=2, m=3, zero=3, opt="adamw"),
     dict(axes=PP_DP, schedule="zb-h2", n_layer=2, m=3, zero=3, accum=2),
@@ -58,6 +58,10 @@ def _check_pattern(case: dict, res: dict) -> None:
         assert counts["all_reduce"] == k, counts  # the losses only
     for held in res["held"]:  # ZeRO-2/3: full gradient buffers freed after the reduction (ZeRO-1 keeps them)
         assert held["full_grads"] == (res["group_numel"] if case["zero"] == 1 else 0), (case, held)
+        assert held["handles"] == 0, (case, held)
+        assert held["shards_in_buffer"] == (case["zero"] == 1), (case, held)
+    if case.get("eval"):  # ZeRO-3's forward-only pass gathers and frees as training does
+        assert res["eval_err"] < RTOL, res["eval_err"]
     # AdamW state for this rank's shard only
     assert case.get("opt") != "adamw" or res["state_numel"] == res["shard_numel"], res
     if case["zero"] == 1:

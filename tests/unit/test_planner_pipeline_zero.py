@@ -39,3 +39,17 @@ def test_zero3_in_a_pipeline_pays_its_gathers_per_micro_batch():
     assert many.plan.microbatches > few.plan.microbatches
     assert many.breakdown["dp_comm"] > few.breakdown["dp_comm"]
     assert _pred(1, gb=16).breakdown["dp_comm"] < many.breakdown["dp_comm"]
+
+
+def test_bf16_mixed_counts_the_fp32_gradient_the_step_reads():
+    """bf16-mixed: the optimizer steps fp32 masters with an fp32 gradient, 4 bytes per master element on the rank;
+    the floor and the prediction are the larger of backward's and the step's. fp32 has no such term."""
+    for zero in (1, 3):
+        plan = Layout(dp=4, micro_batch=1, zero_stage=zero, precision="bf16-mixed")
+        floor = layout_floor(SPEC, plan, global_batch=16)[0]
+        assert floor.step == 4 * floor.optimizer / 12, floor  # AdamW bf16-mixed: 12 bytes of master and state
+        assert floor.total >= floor.params + floor.grads + floor.optimizer + floor.step
+        pred = predict(SPEC, plan, HW, global_batch=16).memory
+        assert pred.step == floor.step and pred.training >= pred.params + pred.grads + pred.optimizer + pred.step
+    fp32 = layout_floor(SPEC, Layout(dp=4, micro_batch=1, zero_stage=1), global_batch=16)[0]
+    assert fp32.step == 0.0
