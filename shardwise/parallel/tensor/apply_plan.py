@@ -32,6 +32,7 @@ from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
 from ...sbp.placement import Replicate, Split
 from .grad_regions import build_regions
+from .lora import apply_lora_style, is_lora_layer
 from .model_loss import install_model_loss
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
                              VocabParallelHead, heads_local_shape, shard_heads, shard_param)
@@ -97,11 +98,12 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
         raise ValueError(f"unknown algorithm {algorithm!r} for the tensor-parallel collectives; choose one of "
                          f"{list(ALGORITHM_CHOICES)}")
     names = [n for n, _ in model.named_modules()]
-    matched = match_plan(names, plan)
     modules = dict(model.named_modules())
+    matched = _lora_matches(match_plan(names, plan), modules)
     tp = mesh.size(axis)
     for name, style in matched.items():
-        check_style(name, modules[name], modules.get(name.rpartition(".")[0]), style, tp, sequence_parallel)
+        module = modules[name].base_layer if is_lora_layer(modules[name]) else modules[name]
+        check_style(name, module, _owner(model, name, modules), style, tp, sequence_parallel)
     _check_coverage(model, matched, sequence_parallel)
     rng = RNGStreams(mesh.device, torch.initial_seed() if seed is None else seed, mesh.coord(axis))
     ctx = TPContext(mesh, axis, sequence_parallel, rng, algorithm=algorithm, async_tp=async_tp)
@@ -202,8 +204,30 @@ def _check_call(model: nn.Module, mesh: Mesh, axis: str) -> None:
                          f"wrap it (e.g. sw.DataParallel(sw.parallelize(model, ...), mesh, axis='dp'))")
 
 
+def _lora_matches(matched: dict[str, Style], modules: dict[str, nn.Module]) -> dict[str, Style]:
+    """The plan's matches with LoRA layers (``lora.py``) taken whole: a match of a LoRA layer's base
+    (``<layer>.base_layer``) stands for the layer, matches inside an adapted layer are dropped. Pure."""
+    adapted = [n for n, m in modules.items() if n and is_lora_layer(m)]
+    out: dict[str, Style] = {}
+    for name, style in matched.items():
+        owner = next((a for a in adapted if name.startswith(a + ".")), None)
+        if owner is None:
+            out[name] = style
+        elif name == f"{owner}.base_layer" and owner not in matched:
+            out[owner] = style
+    return {n: out[n] for n in modules if n in out}
+
+
+def _owner(model: nn.Module, name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
+    """The module holding layer ``name`` (an attention for its q/k/v projection), above a LoRA layer."""
+    parent = name.rpartition(".")[0]
+    return modules.get(parent)
+
+
 def _sharded_params(module: nn.Module, style: Style) -> list[str]:
     """Names (in ``module``) of the parameters that ``style`` shards (SequenceParallel: none)."""
+    if is_lora_layer(module):  # the base's, under its name in the LoRA layer (the adapter's follow it)
+        return [f"base_layer.{n}" for n in _sharded_params(module.base_layer, style)]
     if isinstance(style, SequenceParallel):
         return []
     if isinstance(style, RowParallel):
@@ -245,6 +269,10 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
         _sequence_parallel(module, style, ctx)
         partial.append((name, module, [n for n, _ in module.named_parameters(remove_duplicate=False)]))
         return
+    if is_lora_layer(module):
+        apply_lora_style(name, module, style, ctx, lambda n, m: _apply(model, n, m, style, ctx, shared, partial),
+                         partial)
+        return
     tp = ctx.mesh.size(ctx.axis)
     transposed = linear_layout(module) == "in_out"  # Conv1D: weight (i, o), the split dims swap
     fused = _fused_units(module, style)  # (chunks, units per chunk) split whole, or None
@@ -277,7 +305,7 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: Style, ctx: TP
         key = f"heads/{tp}/{fused}" if fused is not None else "S(0)"
         new = cls(shard(module.weight, 0, key), shard(module.bias, 0, key), ctx, linear_dims(module)[1], transposed)
         if isinstance(style, QKVParallel):
-            parent = model.get_submodule(name.rpartition(".")[0])
+            parent = model.get_submodule(name.removesuffix(".base_layer").rpartition(".")[0])
             setattr(parent, style.head_attr, style.n_head // tp)
             for attr in style.divide_attrs:  # e.g. GPT-2's split_size: the width of each of q, k, v
                 setattr(parent, attr, getattr(parent, attr) // tp)
