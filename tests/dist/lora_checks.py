@@ -207,3 +207,43 @@ def check_ours_layouts(layout: str) -> dict:
             opt.zero_grad()
         return compare(losses, sw.full_state_dict(pipe))
     raise ValueError(layout)
+
+
+def check_peft_pp() -> dict:
+    """peft's model as a graph pipeline (pp 2, 1f1b): the captured graph carries peft's layers unchanged."""
+    m = mesh(pp=2)
+    pm = peft_model()
+    example = {"input_ids": torch.zeros(BATCH // 2, SEQ, dtype=torch.long)}
+    example["labels"] = example["input_ids"]
+    pipe = sw.pipeline(pm.base_model.model, m, "pp", microbatches=2, schedule="1f1b", example_inputs=example)
+    opt = torch.optim.SGD(_trainable(pipe), lr=LR)
+    losses = []
+    for ids in batches():
+        losses.append(float(pipe.step(input_ids=ids, labels=ids)))
+        opt.step()
+        opt.zero_grad()
+    return compare(losses, sw.full_state_dict(pipe))
+
+
+def check_tp2dp2() -> dict:
+    """Our Llama + LoRA, tp 2 inside dp 2 (4 ranks): adapters split over tp, averaged over dp."""
+    from shardwise.parallel.tensor.apply_plan import vocab_parallel_cross_entropy
+
+    m = mesh(dp=2, tp=2)
+    model = our_llama()
+    sw.parallelize(model, m, model.tensor_parallel_plan(), axis="tp")
+    dp = sw.DataParallel(model, m, axis="dp")
+    half, c0 = BATCH // 2, m.coord("dp")
+
+    def step(mod, ids):
+        local = ids[c0 * half:(c0 + 1) * half]
+        logits = mod(local)
+        loss = vocab_parallel_cross_entropy(logits[:, :-1], local[:, 1:], mesh=m, axis="tp", vocab_size=VOCAB)
+        loss.backward()
+        return _global_mean(loss.detach(), m, "dp")
+    with CommCounter() as c:
+        losses = _train(dp, torch.optim.SGD(_trainable(model), lr=LR), step)
+    out = compare(losses, sw.full_state_dict(model))
+    out["dp_bytes"] = c.bytes("all_reduce", axis="dp")
+    out["adapter_bytes"] = sum(p.numel() * 4 for p in _trainable(model))
+    return out

@@ -32,7 +32,7 @@ from ...sbp.global_tensor import GlobalTensor, distribute, to_global
 from ...sbp.params import as_global, spec_of
 from ...sbp.placement import Replicate, Split
 from .grad_regions import build_regions
-from .lora import apply_lora_style, is_lora_layer
+from .lora import apply_lora_style, base_of, is_lora_layer, lora_matches
 from .model_loss import install_model_loss
 from .modules import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
                              VocabParallelHead, heads_local_shape, shard_heads, shard_param)
@@ -99,11 +99,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, Style], *, axis
                          f"{list(ALGORITHM_CHOICES)}")
     names = [n for n, _ in model.named_modules()]
     modules = dict(model.named_modules())
-    matched = _lora_matches(match_plan(names, plan), modules)
+    matched = lora_matches(match_plan(names, plan), modules)
     tp = mesh.size(axis)
-    for name, style in matched.items():
-        module = modules[name].base_layer if is_lora_layer(modules[name]) else modules[name]
-        check_style(name, module, _owner(model, name, modules), style, tp, sequence_parallel)
+    for name, style in matched.items():  # a LoRA layer (lora.py) is checked as its base
+        check_style(name, base_of(modules[name]), modules.get(name.rpartition(".")[0]), style, tp, sequence_parallel)
     _check_coverage(model, matched, sequence_parallel)
     rng = RNGStreams(mesh.device, torch.initial_seed() if seed is None else seed, mesh.coord(axis))
     ctx = TPContext(mesh, axis, sequence_parallel, rng, algorithm=algorithm, async_tp=async_tp)
@@ -202,26 +201,6 @@ def _check_call(model: nn.Module, mesh: Mesh, axis: str) -> None:
     if getattr(model, "_shardwise_data_parallel", False) or isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(f"{type(model).__name__} is a wrapper; call parallelize on the plain model first, then "
                          f"wrap it (e.g. sw.DataParallel(sw.parallelize(model, ...), mesh, axis='dp'))")
-
-
-def _lora_matches(matched: dict[str, Style], modules: dict[str, nn.Module]) -> dict[str, Style]:
-    """The plan's matches with LoRA layers (``lora.py``) taken whole: a match of a LoRA layer's base
-    (``<layer>.base_layer``) stands for the layer, matches inside an adapted layer are dropped. Pure."""
-    adapted = [n for n, m in modules.items() if n and is_lora_layer(m)]
-    out: dict[str, Style] = {}
-    for name, style in matched.items():
-        owner = next((a for a in adapted if name.startswith(a + ".")), None)
-        if owner is None:
-            out[name] = style
-        elif name == f"{owner}.base_layer" and owner not in matched:
-            out[owner] = style
-    return {n: out[n] for n in modules if n in out}
-
-
-def _owner(model: nn.Module, name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
-    """The module holding layer ``name`` (an attention for its q/k/v projection), above a LoRA layer."""
-    parent = name.rpartition(".")[0]
-    return modules.get(parent)
 
 
 def _sharded_params(module: nn.Module, style: Style) -> list[str]:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .modules import ColumnParallelLinear, RowParallelLinear, TPContext, shard_heads, shard_param
 from .styles import ColumnParallel, QKVParallel, RowParallel, Style, VocabParallel
 
-__all__ = ["LoraParts", "lora_parts", "is_lora_layer", "apply_lora_style"]
+__all__ = ["LoraParts", "lora_parts", "is_lora_layer", "base_of", "lora_matches", "apply_lora_style"]
 
 
 @dataclass
@@ -51,6 +51,25 @@ class LoraParts:
 def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "lora_A") and \
         hasattr(module, "lora_B")
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The base layer of a LoRA layer, the module itself otherwise."""
+    return module.base_layer if is_lora_layer(module) else module
+
+
+def lora_matches(matched: dict[str, Style], modules: dict[str, nn.Module]) -> dict[str, Style]:
+    """The plan's matches with LoRA layers (``lora.py``) taken whole: a match of a LoRA layer's base
+    (``<layer>.base_layer``) stands for the layer, matches inside an adapted layer are dropped. Pure."""
+    adapted = [n for n, m in modules.items() if n and is_lora_layer(m)]
+    out: dict[str, Style] = {}
+    for name, style in matched.items():
+        owner = next((a for a in adapted if name.startswith(a + ".")), None)
+        if owner is None:
+            out[name] = style
+        elif name == f"{owner}.base_layer" and owner not in matched:
+            out[owner] = style
+    return {n: out[n] for n in modules if n in out}
 
 
 def lora_parts(module: nn.Module) -> LoraParts | None:
