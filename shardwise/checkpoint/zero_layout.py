@@ -94,7 +94,7 @@ def zero_model_pieces(model: ZeroModel, mesh: Mesh) -> list[Piece]:
     ranges = _block_ranges if tag_axes(mesh, model.axis) else _flat_ranges
     out: list[Piece] = []
     managed: set[int] = set()
-    for g in model.groups:
+    for g in model.flat_groups:  # stage 3: the frozen parameters' groups too
         out += ranges(g, mesh, model.axis)
         managed |= {id(p) for p in g.params}
     seen = set(managed)

@@ -46,8 +46,9 @@ def check_module(module: object, mesh: Mesh, axis: str) -> None:
     mesh.size(axis)  # raises ValueError for an unknown axis
     params = trainable(module)
     if not params:
-        raise ValueError(f"{type(module).__name__} has no parameter with requires_grad=True; there is nothing "
-                         f"to synchronise")
+        raise ValueError(f"{type(module).__name__} has no parameter with requires_grad=True (every parameter is "
+                         f"frozen): there is nothing to train or synchronise; unfreeze what should train "
+                         f"(p.requires_grad_(True)) before wrapping, or run the model without a wrapper")
     for name, p in params:
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype} and requires grad; data parallelism "

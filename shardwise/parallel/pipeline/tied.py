@@ -40,6 +40,8 @@ def sum_tied_grads(mesh: Mesh, axis: str, tied: list[tuple[nn.Parameter, int]],
     """Exchange this step's gradient contribution of each tied parameter with its peer rank and add it
     (point-to-point along the axis, one message each way per parameter)."""
     for param, peer in tied:
+        if not param.requires_grad:  # a frozen tie (a pretrained embedding): no gradient on either rank, both skip
+            continue
         old = before[id(param)]
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         mine = grad - old if old is not None else grad.clone()  # only this step's part (accumulation-safe)

@@ -13,8 +13,12 @@ Schedule of one step, for units ``rest, b_0 .. b_{n-1}``:
   gathers ``b_k`` again and prefetches ``b_{k-1}``. We chose the grad_fn pre-hook over saved-tensor hooks
   because it fires exactly once per unit per backward, before any node of the unit, and also works when
   the unit is activation-checkpointed (its recomputation then sees the gathered parameters).
-  After ``b_k``'s gradients are all accumulated the reducer flattens them, frees the unit and starts the
-  reduce-scatter; ``rest`` is reduced and freed when backward ends.
+  After ``b_k``'s gradients are all accumulated the reducer flattens them, frees the unit's trainable group and
+  starts the reduce-scatter; ``rest`` is reduced and freed when backward ends.
+- frozen parameters (``units.py``: each unit's frozen group, gathered with it, never reduced): a node that needs a
+  frozen weight in backward either leads to a trainable parameter of the unit or to the unit's input, so the
+  frozen group of ``b_k`` is freed once both happened — the trainable group launched (or there is none) and the
+  backward reached ``b_{k-1}`` (its pre-hook) — or when backward ends.
 
 Per step: ``1 + 2n`` all-gathers (``rest`` once, each block in forward and in backward) and ``n + 1``
 reduce-scatters. Hooks that fire during backward (a recomputation calling a block through ``__call__``)
@@ -29,8 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ... import comm
-from .flat import FlatGroup
+from .units import Unit, UnitHandle
 
 __all__ = ["default_units", "Stage3Runtime", "unit_module"]
 
@@ -52,14 +55,17 @@ def _in_backward() -> bool:
 
 
 class Stage3Runtime:
-    """Hooks and gather state for stage 3. ``groups[0]`` is the rest unit (``has_rest``; else a unit like
-    the others), ``groups[first:]`` the units whose modules are ``unit_modules`` (in forward order)."""
+    """Hooks and gather state for stage 3. ``units[0]`` is the rest unit (``has_rest``; else a unit like
+    the others), ``units[first:]`` the units whose modules are ``unit_modules`` (in forward order)."""
 
-    def __init__(self, root: nn.Module, groups: list[FlatGroup], unit_modules: list[list[nn.Module]],
+    def __init__(self, root: nn.Module, units: list[Unit], unit_modules: list[list[nn.Module]],
                  has_rest: bool, prefetch: bool = True) -> None:
-        self.groups, self.prefetch, self.has_rest = groups, prefetch, has_rest
+        self.units, self.prefetch, self.has_rest = units, prefetch, has_rest
         self.first = 1 if has_rest else 0
-        self.pending: dict[int, comm.Handle] = {}
+        self.pending: dict[int, UnitHandle] = {}
+        # this backward: units whose trainable group was launched, units whose input gradient is being computed
+        self.reduced: set[int] = set()
+        self.below: set[int] = set()
         self.hook_handles = [root.register_forward_pre_hook(self._root_pre),
                              root.register_forward_hook(self._root_post)]
         for k, modules in enumerate(unit_modules, start=self.first):
@@ -72,26 +78,45 @@ class Stage3Runtime:
         """Make unit ``k`` gathered (waiting for its prefetch, or gathering now). Collective."""
         handle = self.pending.pop(k, None)
         if handle is None:
-            if self.groups[k].gathered:
+            if self.units[k].gathered:
                 return
-            handle = self.groups[k].start_gather()
-        self.groups[k].finish_gather(handle)
+            handle = self.units[k].start_gather()
+        self.units[k].finish_gather(handle)
 
     def start(self, k: int) -> None:
         """Prefetch unit ``k`` (asynchronous all-gather) unless it is gathered or on its way."""
-        if self.prefetch and 0 <= k < len(self.groups) and k not in self.pending and not self.groups[k].gathered:
-            self.pending[k] = self.groups[k].start_gather()
+        if self.prefetch and 0 <= k < len(self.units) and k not in self.pending and not self.units[k].gathered:
+            self.pending[k] = self.units[k].start_gather()
 
     def free(self, k: int) -> None:
-        if self.groups[k].gathered and k not in self.pending:
-            self.groups[k].free()
+        if k not in self.pending:
+            self.units[k].free()
+
+    def launched(self, k: int) -> None:
+        """Unit ``k``'s trainable group started its reduce-scatter: free it, and its frozen group too if the
+        backward already went below the unit."""
+        if k in self.pending:
+            return
+        self.units[k].free_trainable()
+        self.reduced.add(k)
+        if k in self.below:
+            self.units[k].free_frozen()
+
+    def _went_below(self, k: int) -> None:
+        """The backward reached the unit before ``k``: ``k``'s input gradient is complete."""
+        self.below.add(k)
+        unit = self.units[k]
+        if (unit.trainable is None or k in self.reduced) and k not in self.pending:
+            unit.free_frozen()
 
     def free_all(self) -> None:
         """Finish any stray prefetch and free every unit (end of backward; local after the waits)."""
         for k in list(self.pending):
-            self.groups[k].finish_gather(self.pending.pop(k))
-        for k in range(len(self.groups)):
+            self.units[k].finish_gather(self.pending.pop(k))
+        for k in range(len(self.units)):
             self.free(k)
+        self.reduced.clear()
+        self.below.clear()
 
     # -- hooks ------------------------------------------------------------------------------------------
     def _root_pre(self, _module: nn.Module, _args: Any) -> None:
@@ -99,7 +124,7 @@ class Stage3Runtime:
             return
         # The parameters changed since the last gather only through a step, but re-gathering the rest
         # unit every forward keeps the rule simple and identical on every rank.
-        self.groups[0].gathered = self.groups[0].gathered and 0 in self.pending
+        self.units[0].gathered = self.units[0].gathered and 0 in self.pending
         self.ensure(0)
 
     def _root_post(self, _module: nn.Module, _args: Any, _out: Any) -> None:
@@ -132,6 +157,8 @@ class Stage3Runtime:
                 return
             fired[0] = True
             self.ensure(k)
+            if k + 1 < len(self.units):
+                self._went_below(k + 1)
             if k - 1 >= self.first:
                 self.start(k - 1)
         return hook

@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_map
 
 from ...mesh import Mesh
 from ..common.buckets import default_order, plan_buckets
+from ..common.expert_tag import is_expert_param
 from ..common.materialize import ensure_sources, materialize, needs_broadcast
 from ..common.memory import PeakTracker, storage_bytes
 from ..common.mixed_precision import LossScaler, MixedPrecision
@@ -66,6 +67,7 @@ from .optim import OptimizerFactory, ZeroOptimizer
 from .offload import GradientToHost, Offload, check_offload
 from .options import Algorithm, check_inputs, default_algorithm
 from .stage3 import Stage3Runtime, default_units, unit_module
+from .units import build_units
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "MixedPrecision"]
 
@@ -132,6 +134,7 @@ class ZeroModel(nn.Module):
         self._reducer: ShardGradReducer | None = None
         self._launch_pos: list[int] = []  # group k is the reducer's group _launch_pos[k]
         self._stage3: Stage3Runtime | None = None
+        self.frozen_groups: list[FlatGroup] = []  # stage 3: the frozen parameters' shards (units.py)
         self.last_step_bytes: dict[str, int] = {}
         if stage == 3:
             self._build_stage3(named, units, prefetch, overlap)
@@ -180,41 +183,37 @@ class ZeroModel(nn.Module):
     def _build_stage3(self, named: list[tuple[str, nn.Parameter]], units: Sequence[Sequence[str]] | None,
                       prefetch: bool, overlap: bool) -> None:
         names = [list(u) for u in (default_units(self.module) if units is None else units)]
-        owners: dict[int, set[int]] = {}
-        unit_modules = []
-        for k, unit in enumerate(names):
-            mods = [unit_module(self.module, n) for n in unit]
-            unit_modules.append(mods)
-            for m in mods:
-                for p in m.parameters():
-                    owners.setdefault(id(p), set()).add(k)
-        # A parameter used by two units (a tie) or by none belongs to the rest unit.
-        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in names]
-        rest: list[tuple[str, nn.Parameter]] = []
-        for n, p in named:
-            ks = owners.get(id(p), set())
-            (per_unit[next(iter(ks))] if len(ks) == 1 else rest).append((n, p))
-        kept = [(mods, ps) for mods, ps in zip(unit_modules, per_unit) if ps]
-        self.groups = ([self._group(rest, sharded=True)] if rest else []) + \
-                      [self._group(ps, sharded=True) for _, ps in kept]
-        materialize(self.module, self.mesh.device)  # what no group holds: frozen parameters, buffers
-        self._stage3 = Stage3Runtime(self.module, self.groups, [mods for mods, _ in kept], has_rest=bool(rest),
-                                     prefetch=prefetch)
+        unit_modules = [[unit_module(self.module, n) for n in unit] for unit in names]
+        dtype = named[0][1].dtype  # frozen parameters of another dtype (a quantised base) stay whole
+        frozen = [(n, p) for n, p in self.module.named_parameters()
+                  if not p.requires_grad and not is_expert_param(p) and p.dtype == dtype]
+        built, kept, has_rest = build_units(self.module, unit_modules, named, frozen,
+                                            lambda ps: self._group(ps, sharded=True))
+        self.groups = [u.trainable for u in built if u.trainable is not None]
+        self.frozen_groups = [u.frozen for u in built if u.frozen is not None]
+        materialize(self.module, self.mesh.device)  # what no group holds: buffers, frozen tensors of other dtypes
+        self._stage3 = runtime = Stage3Runtime(self.module, built, kept, has_rest=has_rest, prefetch=prefetch)
         # Backward meets the units in reverse forward order; the rest unit (embeddings) finishes last.
-        first = 1 if rest else 0
-        order = list(range(len(self.groups) - 1, first - 1, -1)) + ([0] if rest else [])
-        runtime = self._stage3
+        first = 1 if has_rest else 0
+        order = [k for k in [*range(len(built) - 1, first - 1, -1), *([0] if has_rest else [])]
+                 if built[k].trainable is not None]
 
         def launched(j: int) -> None:
             if order[j] >= first:
-                runtime.free(order[j])
-        self._make_reducer([self.groups[k] for k in order], overlap, on_launched=launched, on_end=runtime.free_all)
+                runtime.launched(order[j])
+        self._make_reducer([built[k].trainable for k in order], overlap,  # type: ignore[misc]
+                           on_launched=launched, on_end=runtime.free_all)
+
+    @property
+    def flat_groups(self) -> list[FlatGroup]:
+        """Every flat group holding parameter values: the trainable ``groups``, then stage 3's frozen ones."""
+        return [*self.groups, *self.frozen_groups]
 
     def _cast_the_rest(self) -> None:
         """Mixed precision: frozen parameters and floating buffers compute in the compute dtype too."""
         if self.mixed_precision is None:
             return
-        managed = {id(p) for g in self.groups for p in g.params}
+        managed = {id(p) for g in self.flat_groups for p in g.params}
         for t in [*self.module.parameters(), *self.module.buffers()]:
             if id(t) not in managed and t.is_floating_point():
                 t.data = t.data.to(self.compute_dtype)
@@ -314,14 +313,14 @@ class ZeroModel(nn.Module):
         memory: these are the bytes an accelerator would hold on its host. Local."""
         if not self.offload:
             return []
-        out = [g.master for g in self.groups] + ([g.shard for g in self.groups] if self.offload == "params" else [])
+        out = [g.master for g in self.flat_groups] + ([g.shard for g in self.flat_groups] if self.offload == "params" else [])
         return out + [v for s in (opt.optimizer.state.values() if opt is not None else [])
                       for v in s.values() if isinstance(v, torch.Tensor)]
 
     def memory_tensors(self, opt: ZeroOptimizer | None = None) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank keeps for the model state, by category (for ``sw.memory_report``)."""
-        managed = {id(p) for g in self.groups for p in g.params}
-        params = [t for g in self.groups for t in (g.full, g.master, g.shard)]
+        managed = {id(p) for g in self.flat_groups for p in g.params}
+        params = [t for g in self.flat_groups for t in (g.full, g.master, g.shard)]
         params += [p for p in self.module.parameters() if id(p) not in managed]
         grads = [*self._full_grads, *(self._reducer.held_shards() if self._reducer is not None else [])]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -339,7 +338,7 @@ class ZeroModel(nn.Module):
         """This rank's pieces of the plain model's tensors (master precision; the tp shard of a tp-split
         parameter, the whole tensor otherwise), each flat group gathered over ``axis``. Collective over it."""
         value: dict[int, torch.Tensor] = {}
-        for g in self.groups:
+        for g in self.flat_groups:
             full = gather_master(g)  # (L,): every dp shard of the group
             for p, v in zip(g.params, g.views(full)):
                 value[id(p)] = v.clone()
@@ -372,7 +371,9 @@ class ZeroModel(nn.Module):
             raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}; "
                              f"pass a full state dict of the unwrapped model (sw.full_state_dict)")
         by_id = {id(t): k for k, t in keys.items() if k in state_dict}
-        for g in self.groups:
+        for g in self.flat_groups:
+            if not strict and not any(id(p) in by_id for p in g.params):
+                continue  # a group the dict leaves out entirely (a checkpoint without the frozen base) keeps its values
             values = []
             for name, p, shape in zip(g.names, g.params, g.shapes):
                 v = local_value(p, state_dict[by_id[id(p)]]) if id(p) in by_id else None
@@ -381,7 +382,7 @@ class ZeroModel(nn.Module):
                                      f"{None if v is None else tuple(v.shape)}")
                 values.append(v)
             g.load_full(values)
-        managed = {id(p) for g in self.groups for p in g.params}
+        managed = {id(p) for g in self.flat_groups for p in g.params}
         for k, t in keys.items():
             if id(t) not in managed and k in state_dict:
                 t.copy_(local_value(t, state_dict[k]))
