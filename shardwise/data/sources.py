@@ -51,6 +51,8 @@ class Source:
     """The tokenizer's fingerprint (prepared), "bytes" (text), "" (unknown: a .bin or the generated corpus)."""
     val_tokens: Any = None
     val_mask: Any = None
+    eos_id: int | None = None
+    """The id that ends each packed document (prepared datasets); None: the stream has no document boundaries."""
 
 
 def open_source(path: str, fmt: str = "auto") -> Source:
@@ -63,7 +65,7 @@ def open_source(path: str, fmt: str = "auto") -> Source:
         ds = open_prepared(path)
         val = ds.val
         return Source(path, ds.train.tokens, ds.train.mask, ds.vocab_size, ds.tokenizer_fingerprint,
-                      val.tokens if val is not None else None, val.mask if val is not None else None)
+                      val.tokens if val is not None else None, val.mask if val is not None else None, ds.eos_id)
     if fmt == "auto" and Path(path).suffix.lower() in (".jsonl", ".json") and Path(path).is_file():
         raise ValueError(f"{path!r} is JSON Lines, which must be prepared first (training would read its raw JSON "
                          f"bytes): shardwise prepare {path} --tokenizer TOKENIZER --out DIR, then --data.path DIR")
@@ -89,12 +91,14 @@ def prepared_vocab(path: str, fmt: str = "auto") -> int:
 
 @dataclass(frozen=True)
 class TrainData:
-    """The training windows, the validation windows (None without validation data) and whether targets are
-    loss-masked (then the trainer weighs every counted token alike: ``token_loss.py``)."""
+    """The training windows, the validation windows (None without validation data), whether targets are
+    loss-masked (then the trainer weighs every counted token alike: ``token_loss.py``) and the EOS id that
+    separates packed documents (None: none known)."""
 
     train: TokenWindows
     val: TokenWindows | None
     masked: bool
+    eos_id: int | None = None
 
 
 def _val_source(cfg: Config, main: Source) -> tuple[Source | None, str]:
@@ -121,7 +125,8 @@ def open_data(cfg: Config) -> TrainData:
         src, where = _val_source(cfg, main)
         val = (TokenWindows(src.tokens, block, mask=src.mask, vocab=vocab, source=where)
                if src is not None else None)
-    return TrainData(train, val, masked=main.mask is not None or (val is not None and val.mask is not None))
+    return TrainData(train, val, masked=main.mask is not None or (val is not None and val.mask is not None),
+                     eos_id=main.eos_id)
 
 
 def check_data(cfg: Config) -> None:
@@ -133,6 +138,11 @@ def check_data(cfg: Config) -> None:
     _check_windows(main, what, cfg, "one step's")
     _check_vocab(main, what, cfg)
     _check_ids(main, what, cfg)
+    if getattr(cfg.data, "document_mask", "auto") == "true" and main.eos_id is None:
+        raise ValueError(f"data.document_mask = true needs packed documents with an EOS between them, but {what} "
+                         f"has no document boundaries (a text file, a .bin or the generated corpus); prepare it with "
+                         f"shardwise prepare (documents end with the tokenizer's EOS), or set --data.document_mask "
+                         f"false")
     if cfg.data.val_path and not cfg.train.eval_every:
         print(f"shardwise train: warning: data.val_path is set but train.eval_every = 0: no validation runs; e.g. "
               f"--train.eval_every 100", flush=True)

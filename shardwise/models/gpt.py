@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..parallel.common.init_rules import Constant, InitRule, Normal
 from ..parallel.common.materialize import draw_seed, init_from_rules
+from ..parallel.context.documents import Documents, active_documents, document_attention, documents_from_tokens
 from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import (ColumnParallel, QKVParallel, RowParallel, SequenceParallel, Style,
                                       VocabParallel)
@@ -169,10 +170,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, h // self.n_head).transpose(1, 2) for z in (q, k, v))
         return q, k, v
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
         q, k, v = self._heads(x)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        if documents is not None:  # packed documents: each attends within itself (documents.py)
+            y = document_attention(q, k, v, documents, dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         # (b, nh, t, hd) -> (b, t, h); sizes from y, not x: under sequence parallelism x holds t / tp positions and
         # qkv gathers the whole sequence
         y = y.transpose(1, 2).contiguous().view(y.size(0), y.size(2), -1)
@@ -211,8 +215,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MoE(config.moe_settings()) if moe else MLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), documents)
         return x + self.mlp(self.ln_2(x))
 
     def decode(self, x: Tensor, cache: KVCache, layer: int) -> Tensor:
@@ -233,9 +237,14 @@ class GPT(nn.Module):
     ``sequence_layout`` (None: the tokens of ``forward`` are at positions ``0 .. t-1``): when set, an object whose
     ``positions(t, device)`` gives the (t,) global positions of the local tokens, which ``wpe`` embeds (context
     parallelism, where a rank holds chunks of the sequence). ``decode`` ignores it.
+
+    ``document_eos_id`` (None: off): packed documents separated by this EOS id attend only within themselves and
+    their positions (``wpe``) restart per document (``parallel/context/documents.py``); ``forward`` derives the
+    layout from its token ids.
     """
 
     sequence_layout = None
+    document_eos_id: int | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -274,8 +283,9 @@ class GPT(nn.Module):
             return Normal(0.0, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
         return None
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """``idx`` (b, t) int64 token ids → logits (b, t, v). Raises ``ValueError`` if t > block_size."""
+    def forward(self, idx: Tensor, documents: Documents | None = None) -> Tensor:
+        """``idx`` (b, t) int64 token ids → logits (b, t, v). Raises ``ValueError`` if t > block_size.
+        ``documents``: the packed-document layout (default: derived from ``idx`` when ``document_eos_id`` is set)."""
         if idx.dim() != 2:
             raise ValueError(f"GPT input must be (batch, seq) token ids, got shape {tuple(idx.shape)}")
         b, t = idx.shape
@@ -283,14 +293,23 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {t} exceeds block_size {self.config.block_size}; "
                 f"crop the input to at most {self.config.block_size} tokens or build the model with a larger block_size")
-        # (b, t, h) + (t, h) broadcast over the batch
-        x = self.drop(self.wte(idx) + self.wpe(self._positions(t, idx.device)))
+        documents = documents if documents is not None else self.documents_of(idx)
+        # (b, t, h) + (t, h) broadcast over the batch, or + (b, t, h) with per-document positions
+        x = self.drop(self.wte(idx) + self.wpe(self._positions(t, idx.device, documents)))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if documents is None else block(x, documents)
         return self.lm_head(self.ln_f(x))
 
-    def _positions(self, t: int, device: torch.device) -> Tensor:
-        """(t,) positions of the local tokens: ``0 .. t-1``, or ``sequence_layout``'s when set."""
+    def documents_of(self, idx: Tensor) -> Documents | None:
+        """The packed-document layout of ``idx`` (None when ``document_eos_id`` is not set)."""
+        eos = self.document_eos_id
+        return None if eos is None else documents_from_tokens(idx, eos, self.sequence_layout)
+
+    def _positions(self, t: int, device: torch.device, documents: Documents | None = None) -> Tensor:
+        """(t,) positions of the local tokens: ``0 .. t-1``, or ``sequence_layout``'s when set; (b, t) positions
+        inside each token's document with ``documents``."""
+        if documents is not None:
+            return documents.positions
         layout = self.sequence_layout
         if layout is None:
             return torch.arange(t, device=device)
@@ -338,12 +357,21 @@ class GPT(nn.Module):
             if idx.dim() != 2 or idx.size(1) > block_size:
                 raise ValueError(f"GPT input must be (batch, seq) token ids with seq <= block_size {block_size}, "
                                  f"got shape {tuple(idx.shape)}")
-            return drop(wte(idx) + wpe(positions(idx.size(1), idx.device)))  # (b, t, h) + (t, h)
+            # (b, t, h) + (t, h), or (b, t, h) with the micro-batch's documents (microbatch_context)
+            return drop(wte(idx) + wpe(positions(idx.size(1), idx.device, active_documents())))
 
         units = [Unit("wte", embed, (("wte", wte), ("wpe", wpe), ("drop", drop)))]
-        units += [Unit(f"blocks.{i}", blk, ((f"blocks.{i}", blk),)) for i, blk in enumerate(self.blocks)]
+        units += [Unit(f"blocks.{i}", _with_documents(blk), ((f"blocks.{i}", blk),)) for i, blk in enumerate(self.blocks)]
         units.append(Unit("ln_f", lambda x: head(ln_f(x)), (("ln_f", ln_f), ("lm_head", head))))
         return units
+
+
+def _with_documents(block: nn.Module) -> "Callable[[Tensor], Tensor]":
+    """A pipeline unit running ``block`` with the micro-batch's documents, if any (a unit takes one tensor)."""
+    def run(x: Tensor) -> Tensor:
+        documents = active_documents()
+        return block(x) if documents is None else block(x, documents)
+    return run
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

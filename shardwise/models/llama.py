@@ -25,6 +25,7 @@ Like ``GPT``, the model carries its tensor-parallel plan (``tensor_parallel_plan
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from ..parallel.common.init_rules import Constant, InitRule, Normal
 from ..parallel.common.materialize import draw_seed, init_from_rules
+from ..parallel.context.documents import Documents, active_documents, document_attention, documents_from_tokens
 from ..parallel.pipeline.stage import Unit
 from ..parallel.tensor.styles import ColumnParallel, RowParallel, SequenceParallel, Style, VocabParallel
 from .hf_config import HFDecoderConfig
@@ -63,17 +65,21 @@ def rotary_tables(t: int, c: HFDecoderConfig, device: torch.device, dtype: torch
     ``dtype``. Recomputed per call (a few thousand elements) so that no buffer enters the state dict or a pipeline
     stage. ``start``: the first position (decoding with a cache continues from the cache's length).
     ``positions``: (t,) integer positions to use instead (a sequence layout's tokens: context parallelism holds
-    chunks of the sequence, not ``0 .. t-1``); ``start`` is then ignored."""
+    chunks of the sequence, not ``0 .. t-1``), or (b, t) per row (packed documents: the tables are then
+    (b, 1, t, hd), broadcasting over heads); ``start`` is then ignored."""
     with torch.autocast(device_type=device.type, enabled=False):
         inv_freq = inverse_frequencies(c, device)
         if positions is None:
             pos = torch.arange(start, start + t, device=device, dtype=torch.float)
         else:
-            if positions.shape != (t,):
-                raise ValueError(f"rotary_tables: positions must have shape ({t},), got {tuple(positions.shape)}")
+            if positions.shape[-1:] != (t,) or positions.dim() > 2:
+                raise ValueError(f"rotary_tables: positions must have shape ({t},) or (batch, {t}), got "
+                                 f"{tuple(positions.shape)}")
             pos = positions.to(device=device, dtype=torch.float)
-        freqs = pos[:, None] * inv_freq[None, :]  # (t, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (t, hd)
+        freqs = pos[..., None] * inv_freq  # (t, hd/2) or (b, t, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (t, hd) or (b, t, hd)
+        if emb.dim() == 3:
+            emb = emb.unsqueeze(1)  # (b, 1, t, hd): one table per row, shared by the heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -125,14 +131,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def rotary(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def rotary(self, t: int, device: torch.device, dtype: torch.dtype,
+               documents: Documents | None = None) -> tuple[Tensor, Tensor]:
         """``(cos, sin)`` (t, hd) of the ``t`` tokens attention sees: positions ``0 .. t-1``, or the
-        ``sequence_layout``'s when set."""
+        ``sequence_layout``'s when set; with ``documents``, (b, 1, t, hd) of each token's place in its document."""
         layout = self.sequence_layout
         positions = None if layout is None else layout.positions(t, device)
+        if documents is not None:
+            positions = documents.positions
         return rotary_tables(t, self._hf, device, dtype, positions=positions)
 
-    def _heads(self, x: Tensor, tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _heads(self, x: Tensor, tables: tuple[Tensor, Tensor] | None = None,
+               documents: Documents | None = None) -> tuple[Tensor, Tensor, Tensor]:
         hd = self.head_dim
         # Head counts come from the projections' outputs, so a tensor-parallel layer (whole heads per rank: nh/tp
         # query and nkv/tp key/value heads) runs this code unchanged; the groups stay aligned because both are
@@ -146,13 +156,15 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, nh, t, hd), (b, nkv, t, hd)
         v = v.view(b, t, -1, hd).transpose(1, 2)
         # the tables in the dtype of the attention's input, as HF's (the residual stream's, under autocast too)
-        cos, sin = tables if tables is not None else self.rotary(t, x.device, x.dtype)
+        cos, sin = tables if tables is not None else self.rotary(t, x.device, x.dtype, documents)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self._heads(x)
+    def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
+        q, k, v = self._heads(x, documents=documents)
         p = self.dropout if self.training else 0.0
-        if _SDPA_GQA:  # the nkv-headed K/V go in as they are (context parallelism's ring then carries nkv heads)
+        if documents is not None:  # packed documents: each attends within itself (documents.py)
+            y = document_attention(q, k, v, documents, dropout_p=p, enable_gqa=k.size(1) != q.size(1))
+        elif _SDPA_GQA:  # the nkv-headed K/V go in as they are (context parallelism's ring then carries nkv heads)
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                enable_gqa=k.size(1) != q.size(1))
         else:
@@ -210,8 +222,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = moe_block(c) if c.is_moe_layer(i) else MLP(c)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int) -> Tensor:
@@ -236,7 +248,13 @@ class Llama(nn.Module):
 
     Initialisation is deterministic given ``torch.manual_seed`` and independent of the layout (``param_init``):
     Linear and Embedding weights N(0, ``initializer_range``), biases zero, norms one (HF's scheme; the values
-    differ from HF's draws)."""
+    differ from HF's draws).
+
+    ``document_eos_id`` (None: off): packed documents separated by this EOS id attend only within themselves and
+    their rotary positions restart per document (``parallel/context/documents.py``); ``forward`` derives the
+    layout from its token ids (under ``sw.context_parallel`` over the whole rows: its attention's ``sequence_layout``)."""
+
+    document_eos_id: int | None = None
 
     def __init__(self, config: HFDecoderConfig, block_size: int) -> None:
         super().__init__()
@@ -274,13 +292,21 @@ class Llama(nn.Module):
             raise ValueError(f"Llama input must be (batch, seq) token ids with seq <= block_size {self.block_size}, "
                              f"got shape {tuple(idx.shape)}")
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """``idx`` (b, t) int64 token ids → logits (b, t, v)."""
+    def forward(self, idx: Tensor, documents: Documents | None = None) -> Tensor:
+        """``idx`` (b, t) int64 token ids → logits (b, t, v). ``documents``: the batch's packed-document layout
+        (default: derived from ``idx`` when ``document_eos_id`` is set, else none)."""
         self._check(idx)
+        documents = documents if documents is not None else self.documents_of(idx)
         x = self.model.embed_tokens(idx)  # (b, t, h)
         for layer in self.model.layers:
-            x = layer(x)
+            x = layer(x) if documents is None else layer(x, documents)
         return self.lm_head(self.model.norm(x))
+
+    def documents_of(self, idx: Tensor) -> Documents | None:
+        """The packed-document layout of ``idx`` (None when ``document_eos_id`` is not set)."""
+        eos = self.document_eos_id
+        layout = self.model.layers[0].self_attn.sequence_layout if len(self.model.layers) else None
+        return None if eos is None else documents_from_tokens(idx, eos, layout)
 
     def decode(self, idx: Tensor, cache: KVCache) -> Tensor:
         """``forward`` of the tokens ``idx`` (b, t) that follow the ``cache.length`` positions already in ``cache``
@@ -341,6 +367,16 @@ class Llama(nn.Module):
             return stack.embed_tokens(idx)
 
         units = [Unit("model.embed_tokens", embed, (("model.embed_tokens", stack.embed_tokens),))]
-        units += [Unit(name, layer, ((name, layer),)) for name, layer in zip(self.block_names(), stack.layers)]
+        units += [Unit(name, _with_documents(layer), ((name, layer),))
+                  for name, layer in zip(self.block_names(), stack.layers)]
         units.append(Unit("model.norm", lambda x: head(stack.norm(x)), (("model.norm", stack.norm), ("lm_head", head))))
         return units
+
+
+def _with_documents(layer: nn.Module) -> "Callable[[Tensor], Tensor]":
+    """A pipeline unit running ``layer`` with the micro-batch's documents, if any (``sw.pipeline``'s
+    ``microbatch_context`` makes them active: a unit takes one tensor)."""
+    def run(x: Tensor) -> Tensor:
+        documents = active_documents()
+        return layer(x) if documents is None else layer(x, documents)
+    return run

@@ -49,6 +49,9 @@ class DataConfig:
     dp = 2), raised to the next multiple of dp that a given micro_batch, grad_accum and the pipeline divide."""
     shuffle: bool = True
     """Reshuffle the windows every epoch (seeded by ``train.seed`` + epoch)."""
+    document_mask: Literal["auto", "true", "false"] = "auto"
+    """Packed documents (EOS-separated) attend only within themselves and their positions restart per document.
+    ``auto``: on for fine-tuning data (prepared with a loss mask, ``--sft``), off for pretraining text."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +86,8 @@ class OptimizerConfig:
 
 
 OLD_SPELLINGS: dict[str, dict[Any, str]] = {"parallel.activation_checkpointing": {  # it was a bool
-    True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none"}}
+    True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none"},
+    "data.document_mask": {True: "true", False: "false", "1": "true", "0": "false", "yes": "true", "no": "false"}}
 """Values a field accepted before it became a choice, and what they mean now (``config._coerce``)."""
 
 

@@ -37,6 +37,7 @@ from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
 from .calibration import mesh_calibrations
 from .config import Config, load_config
 from .context_split import context_split
+from .documents import enable_documents
 from ..data.corpus import StepBatches
 from ..data.windows import ShardedSampler
 from .token_loss import TokenNormalized, counted_targets
@@ -88,6 +89,7 @@ class Trainer:
             self.strategy.phase = self.meter.begin  # type: ignore[attr-defined]
         """The process peak once the layout is built, before the first step (construction and loading)."""
         data = open_data(cfg)  # memory maps of a prepared dataset; small files and the generated corpus in memory
+        self.document_eos = enable_documents(cfg, self.strategy, data)  # data.document_mask: documents.py
         dp_size, dp_rank = self.strategy.data_shard()  # a pipeline loads all of dp's sequences: not sharded
         if self.split is not None and dp_size > 1:  # cp peers read the same sequences (dp × cp axis: cp inner)
             dp_size, dp_rank = dp_size // p.cp, dp_rank // p.cp

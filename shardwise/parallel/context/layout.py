@@ -7,7 +7,7 @@ to much, so pairing chunk ``i`` with its mirror gives every rank the same work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,10 +31,13 @@ def check_divisible(length: int, cp: int) -> None:
 
 @dataclass(frozen=True)
 class SeqLayout:
-    """Which global positions cp rank ``rank`` of ``cp`` holds."""
+    """Which global positions cp rank ``rank`` of ``cp`` holds. ``mesh`` and ``axis`` (set by
+    ``sw.context_parallel``; not compared): where ``unshard`` gathers the other ranks' chunks."""
 
     cp: int
     rank: int
+    mesh: Any = field(default=None, compare=False, repr=False)
+    axis: str = field(default="cp", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.cp, int) and self.cp >= 1 and isinstance(self.rank, int) and 0 <= self.rank < self.cp):
@@ -50,6 +53,16 @@ class SeqLayout:
         first, second = self.rank * c, (2 * self.cp - 1 - self.rank) * c
         return torch.cat([torch.arange(first, first + c, device=device),
                           torch.arange(second, second + c, device=device)])
+
+    def unshard(self, local: Tensor, dim: int = 1) -> Tensor:
+        """The whole sequence of ``local`` (this rank's two chunks along ``dim``): ``unshard_sequence`` over the
+        layout's mesh axis (collective over it; no gradient). ``ValueError`` without a mesh."""
+        if self.cp == 1:
+            return local.detach()
+        if self.mesh is None:
+            raise ValueError("SeqLayout.unshard needs the layout's mesh; use the layout sw.context_parallel sets, or "
+                             "SeqLayout(cp, rank, mesh=MESH, axis=AXIS)")
+        return unshard_sequence(local, self.mesh, self.axis, dim)
 
 
 def shard_sequence(t: Tensor, mesh: Any, axis: str = "cp", dim: int = 1) -> Tensor:

@@ -34,6 +34,7 @@ from ...comm.collectives import irecv, isend
 from ...comm.handles import Handle
 from ...mesh import Mesh
 from .blocks import FlashBlocks, MathBlocks, acc_dtype, select
+from .documents import Documents, document_block_pairs
 
 __all__ = ["ring_attention", "ring_timing", "RingTiming"]
 
@@ -41,8 +42,8 @@ _KV_TAG = 7301
 _GRAD_TAG = 7302
 
 Blocks = type[MathBlocks] | type[FlashBlocks]
-Pair = tuple[slice, slice, bool]
-"""(query rows, key rows, diagonal) of one block, in local coordinates."""
+Pair = tuple[slice, slice, slice, bool]
+"""(batch rows, query rows, key rows, diagonal) of one block, in local coordinates."""
 
 
 @dataclass
@@ -121,7 +122,7 @@ def _timed_pass() -> Iterator[None]:
     timing.passes += 1
 
 
-def block_pairs(rank: int, src: int, cp: int, local_len: int, causal: bool) -> list[Pair]:
+def block_pairs(rank: int, src: int, cp: int, local_len: int, causal: bool) -> list[tuple[slice, slice, bool]]:
     """The blocks rank ``rank`` computes against the K/V of rank ``src``: local chunk 0 is global chunk
     ``rank`` (keys: ``src``), local chunk 1 is ``2·cp−1−rank`` (keys: ``2·cp−1−src``)."""
     if not causal:
@@ -134,6 +135,13 @@ def block_pairs(rank: int, src: int, cp: int, local_len: int, causal: bool) -> l
             if b <= a:
                 pairs.append((slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), b == a))
     return pairs
+
+
+def _pairs(ring: "_Ring", step: int, local_len: int, causal: bool, documents: Documents | None) -> list[Pair]:
+    """The blocks of ``step``: causal/full chunk pairs, or one rectangle per shared document (``documents.py``)."""
+    if documents is None:  # every batch row alike
+        return [(slice(None), *pair) for pair in block_pairs(ring.rank, ring.source(step), ring.cp, local_len, causal)]
+    return document_block_pairs(ring.rank, ring.source(step), ring.cp, local_len, documents.spans)
 
 
 def _pack(a: Tensor, b: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -158,16 +166,16 @@ def _reduce_groups(t: Tensor, groups: int) -> Tensor:
     return t.view(b, h // groups, groups, n, d).sum(2)
 
 
-def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor, rows: slice) -> None:
+def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor, bs: slice, rows: slice) -> None:
     """Online softmax: fold one block's (output, log-sum-exp) into the running ones of ``rows``, in place."""
-    o, l = out[:, :, rows], lse[:, :, rows]
+    o, l = out[bs, :, rows], lse[bs, :, rows]
     new = torch.logaddexp(l, blk_lse)
     o.mul_(torch.exp(l - new).unsqueeze(-1)).add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))
     l.copy_(new)
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float, causal: bool,
-                  blocks: Blocks) -> tuple[Tensor, Tensor]:
+                  blocks: Blocks, documents: Documents | None = None) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
     groups = h // k.shape[1]
     acc = acc_dtype(q)
@@ -183,9 +191,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float, ca
             pending = ring.shift(buf, nxt, _KV_TAG)  # posted before the compute it overlaps
         kc, vc = _unpack(buf, k.shape, v.shape)
         kf, vf = _expand(kc, groups), _expand(vc, groups)
-        for rows, cols, diag in block_pairs(ring.rank, ring.source(step), ring.cp, sq, causal):
-            blk_out, blk_lse = blocks.forward(q[:, :, rows], kf[:, :, cols], vf[:, :, cols], scale, diag)
-            _merge(out, lse, blk_out, blk_lse, rows)
+        for bs, rows, cols, diag in _pairs(ring, step, sq, causal, documents):
+            blk_out, blk_lse = blocks.forward(q[bs, :, rows], kf[bs, :, cols], vf[bs, :, cols], scale, diag)
+            _merge(out, lse, blk_out, blk_lse, bs, rows)
         _wait(pending)
         if nxt is not None:
             buf = nxt
@@ -201,17 +209,18 @@ def _block_grads(blocks: Blocks, saved: tuple[Tensor, ...], kc: Tensor, vc: Tens
     kf, vf = _expand(kc, groups), _expand(vc, groups)
     dk = torch.zeros(kf.shape, dtype=dq.dtype, device=dq.device)
     dv = torch.zeros(vf.shape, dtype=dq.dtype, device=dq.device)
-    for rows, cols, diag in pairs:
-        gq, gk, gv = blocks.backward(do[:, :, rows], q[:, :, rows], kf[:, :, cols], vf[:, :, cols], out[:, :, rows],
-                                     lse[:, :, rows], delta[:, :, rows], scale, diag)
-        dq[:, :, rows] += gq
-        dk[:, :, cols] += gk
-        dv[:, :, cols] += gv
+    for bs, rows, cols, diag in pairs:
+        gq, gk, gv = blocks.backward(do[bs, :, rows], q[bs, :, rows], kf[bs, :, cols], vf[bs, :, cols],
+                                     out[bs, :, rows], lse[bs, :, rows], delta[bs, :, rows], scale, diag)
+        dq[bs, :, rows] += gq
+        dk[bs, :, cols] += gk
+        dv[bs, :, cols] += gv
     return _reduce_groups(dk, groups), _reduce_groups(dv, groups)
 
 
 def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, ring: _Ring,
-                   scale: float, causal: bool, blocks: Blocks) -> tuple[Tensor, Tensor, Tensor]:
+                   scale: float, causal: bool, blocks: Blocks,
+                   documents: Documents | None = None) -> tuple[Tensor, Tensor, Tensor]:
     acc = acc_dtype(q)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)
     saved = (q, dout, out, lse, delta)
@@ -225,7 +234,7 @@ def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
             nxt = torch.empty_like(buf)
             pending = ring.shift(buf, nxt, _KV_TAG)
         kc, vc = _unpack(buf, k.shape, v.shape)
-        pairs = block_pairs(ring.rank, ring.source(step), ring.cp, q.shape[2], causal)
+        pairs = _pairs(ring, step, q.shape[2], causal, documents)
         local = _pack(*_block_grads(blocks, saved, kc, vc, pairs, scale, dq), dtype=acc)
         _wait(grads_pending)  # the accumulator of this block, from the ranks it visited before
         if grads_in is not None:
@@ -244,12 +253,12 @@ def _ring_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float,  # type: ignore[override]
-                causal: bool, blocks: Blocks) -> Tensor:
+                causal: bool, blocks: Blocks, documents: Documents | None) -> Tensor:
         with _timed_pass():
-            out, lse = _ring_forward(q, k, v, ring, scale, causal, blocks)
+            out, lse = _ring_forward(q, k, v, ring, scale, causal, blocks, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale, ctx.causal, ctx.blocks = ring, scale, causal, blocks
+        ctx.ring, ctx.scale, ctx.causal, ctx.blocks, ctx.documents = ring, scale, causal, blocks, documents
         return out
 
     @staticmethod
@@ -257,8 +266,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         with _timed_pass():
-            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal, ctx.blocks)
-        return dq, dk, dv, None, None, None, None
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.scale, ctx.causal, ctx.blocks,
+                                        ctx.documents)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, dropout_p: float) -> None:
@@ -282,15 +292,21 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, dropout_p: fl
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str = "cp", *, causal: bool = True,
-                   scale: float | None = None, dropout_p: float = 0.0, impl: str = "auto") -> Tensor:
+                   scale: float | None = None, dropout_p: float = 0.0, impl: str = "auto",
+                   documents: Documents | None = None) -> Tensor:
     """Attention of the local queries ``q`` (b, h, s, d) over the whole sequence, whose K/V ``k``, ``v``
     (b, hkv, s, d), ``h % hkv == 0``, are split over ``axis`` in the balanced layout of ``shard_sequence``.
     Returns the local output (b, h, s, dv), equal to ``F.scaled_dot_product_attention`` on the full sequence
     (``is_causal=causal``, ``enable_gqa=True``) at this rank's positions. Collective over ``axis``; every
     rank calls it with the same shapes. ``dropout_p`` must be 0. ``impl``: how each block is computed, ``"math"``,
     ``"flash"`` (the fused CPU kernel) or ``"auto"`` (flash where it applies; ``blocks.py``). Under autocast the
-    inputs are cast to the autocast dtype first, as SDPA's are."""
+    inputs are cast to the autocast dtype first, as SDPA's are. ``documents`` (``documents.py``, whole-row spans):
+    causal attention within each document only, as ``document_attention`` on the whole sequence; block pairs of
+    chunks that share no document are skipped."""
     _check(q, k, v, mesh, axis, dropout_p)
+    if documents is not None and (documents.length != q.shape[2] * mesh.size(axis) or not causal):
+        raise ValueError(f"ring attention: documents of rows of {documents.length} tokens for a local sequence of "
+                         f"{q.shape[2]} over cp={mesh.size(axis)}; derive them from the whole rows, causal=True")
     device = q.device.type
     autocast = torch.is_autocast_enabled(device)
     if autocast:  # as SDPA under autocast: inputs in the autocast dtype; inside, the ring's own fp32 accumulators
@@ -300,4 +316,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str = "cp"
     ring = _Ring(mesh, axis, mesh.size(axis), mesh.coord(axis))
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         return _RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5 if scale is None else float(scale), causal,
-                                    blocks)
+                                    blocks, documents)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ...mesh import Mesh
+from .documents import Documents, document_attention
 from .layout import SeqLayout
 from .ring import ring_attention
 
@@ -48,8 +49,17 @@ def _sdpa_to_ring(mesh: Mesh, axis: str, query: Tensor, key: Tensor, value: Tens
     return ring_attention(query, key, value, mesh, axis, causal=bool(is_causal), scale=scale)
 
 
+def _documents_to_ring(mesh: Mesh, axis: str, query: Tensor, key: Tensor, value: Tensor, documents: Documents, *,
+                       scale: float | None = None, dropout_p: float = 0.0, enable_gqa: bool = False) -> Tensor:
+    if dropout_p:
+        raise ValueError(f"document_attention got dropout_p={dropout_p} under context parallelism; set dropout 0 "
+                         f"with context parallelism")
+    return ring_attention(query, key, value, mesh, axis, causal=True, scale=scale, documents=documents)
+
+
 class _RingMode(TorchFunctionMode):
-    """Routes ``scaled_dot_product_attention`` to the ring; every other function runs as it is."""
+    """Routes ``scaled_dot_product_attention`` (and ``document_attention``) to the ring; every other function runs
+    as it is."""
 
     def __init__(self, mesh: Mesh, axis: str) -> None:
         super().__init__()
@@ -58,6 +68,8 @@ class _RingMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _SDPA:
             return _sdpa_to_ring(self.mesh, self.axis, *args, **(kwargs or {}))
+        if func is document_attention:  # packed documents: the ring with a document mask
+            return _documents_to_ring(self.mesh, self.axis, *args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
@@ -142,7 +154,7 @@ def context_parallel(model: nn.Module, mesh: Mesh, axis: str = "cp") -> nn.Modul
                          f"of them (e.g. sw.Mesh(dp=2, cp=2) and axis='cp')")
     if getattr(model, "_shardwise_context_parallel", None) is not None:
         raise ValueError("context_parallel was already applied to this model; apply it once")
-    layout = SeqLayout(mesh.size(axis), mesh.coord(axis))
+    layout = SeqLayout(mesh.size(axis), mesh.coord(axis), mesh=mesh, axis=axis)
     router = _Router(mesh, axis)
     handles = []
     for module in model.modules():

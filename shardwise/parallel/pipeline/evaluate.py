@@ -68,6 +68,7 @@ def evaluate(pipe: Any, args: tuple, kwargs: dict, loss_fn: Callable[[Any, Tenso
     pipe._choose_transport()
     interp = _evaluator(pipe)
     interp.p2p, interp.loss_fn, interp.zero3 = pipe.interpreter.p2p, fn, pipe.zero3
+    interp.microbatch_context = pipe.interpreter.microbatch_context
     modes = {id(mod): (mod, mod.training) for stage in pipe.stages.values() for mod in stage.modules()}
     try:
         for mod, _ in modes.values():

@@ -103,6 +103,10 @@ class Interpreter:
         self.captures = {k: WeightCapture(v) for k, v in stages.items()} if schedule.split_backward else {}
         self.p2p: ShmLink | None = None
         """The shared-memory link every message takes (``transport="shm"``); ``None``: the backend's groups."""
+        self.microbatch_context: Callable[[Any], Any] | None = None
+        """Called with a micro-batch's input (``StepState.inputs[i]``, on every stage): the context manager each
+        compute action of that micro-batch runs in (forward, backward with its recomputation, W) — what a model
+        needs besides the one tensor a unit takes (packed documents: ``parallel/context/documents.py``)."""
 
     # -- communication ---------------------------------------------------------------------------------
     @property
@@ -321,7 +325,11 @@ class Interpreter:
             last = self.grad_sync is not None and final.get(a.stage) == k
             if last:
                 self.grad_sync.arm(a.stage)
-            self._compute(a, st)
+            if self.microbatch_context is None:
+                self._compute(a, st)
+            else:
+                with self.microbatch_context(st.inputs[a.microbatch]):
+                    self._compute(a, st)
             if self.zero3 is not None:
                 self.zero3.action_done(a.stage)
             if last:
