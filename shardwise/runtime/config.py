@@ -30,6 +30,7 @@ from .config_ranges import (check_async_tp, check_context_parallel, check_mixed,
                             check_sequence_parallel)
 from .config_schema import (OLD_SPELLINGS, PRESETS, Config, DataConfig, DebugConfig, ModelConfig,  # noqa: F401
                             OptimizerConfig, ParallelConfig, TrainConfig, describe_fields)
+from .lora_setup import check_lora, resolved_lora
 from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
 
 
@@ -272,7 +273,7 @@ def validate(config: Config, *, launch: bool = True, micro_cap: int = MICRO_BATC
     p, accum = config.parallel, grad_accum_of(config, dp, launch=launch)
     m = _check_pipeline(config, cut=launch)
     return dataclasses.replace(config, parallel=dataclasses.replace(p, nproc=nproc, dp=dp, grad_accum=accum,
-                                                                    pp_microbatches=m))
+                                                                    pp_microbatches=m), lora=resolved_lora(config.lora))
 
 
 REPLICABLE = {"wte": "wte", "lm_head": "ln_f"}
@@ -308,7 +309,7 @@ def _check_strategies(config: Config) -> None:
     check_async_tp(config)
     check_selective(config), check_offload(config), check_mixed(config)
     check_context_parallel(config)
-    check_compile(config)
+    check_compile(config), check_lora(config.lora)
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:

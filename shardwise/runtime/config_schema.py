@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from ..models.gpt import GPTConfig
 
-__all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "DebugConfig",
+__all__ = ["ModelConfig", "DataConfig", "OptimizerConfig", "ParallelConfig", "TrainConfig", "LoRASection", "DebugConfig",
            "Config", "PRESETS", "describe_fields"]
 
 
@@ -221,6 +221,27 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoRASection:
+    """LoRA fine-tuning (``shardwise.models.lora``): adapters on the targeted linear layers, everything else frozen."""
+
+    r: int = 0
+    """Adapter rank; 0 = no LoRA (full fine-tuning). With ``lora.init`` and r = 0 the adapter directory's rank."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / r (peft's ``lora_alpha``)."""
+    targets: str = "q_proj,v_proj"
+    """Comma-separated module-name suffixes or fnmatch patterns of the nn.Linear layers to adapt (peft's
+    ``target_modules``); e.g. ``q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj`` for every linear layer of a
+    Llama decoder, ``c_attn,c_proj,c_fc`` for the reference GPT."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input (peft's ``lora_dropout``)."""
+    use_rslora: bool = False
+    """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
+    init: str = ""
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) to start the adapters from;
+    its r, alpha and targets are used unless given here, and must agree when given."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DebugConfig:
     """Fault injection for tests of the framework itself (not for users)."""
 
@@ -254,6 +275,8 @@ class Config:
     """Layout over ranks."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Loop, intervals, output."""
+    lora: LoRASection = field(default_factory=LoRASection)
+    """LoRA adapters (off unless lora.r or lora.init is set)."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Fault injection (tests only)."""
 

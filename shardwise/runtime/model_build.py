@@ -119,6 +119,10 @@ def meta_model_for(cfg: Any) -> nn.Module:
 
         # kept on the model: the trainer reports the bytes this rank's sources read (its share, not the model)
         model._shardwise_pretrained = attach_pretrained(model, pretrained, arch=_arch(cfg.model))
+    if hasattr(cfg, "lora"):  # after the pretrained sources: LoRA moves each targeted layer under base_layer
+        from .lora_setup import apply_run_lora
+
+        apply_run_lora(model, cfg)
     return model
 
 

@@ -78,8 +78,9 @@ class Trainer:
         self.meter = PhaseMeter(world.device, begin="construction")  # the ledger's peak per phase (memory_ledger.py)
         built = time.perf_counter()
         # a resume's weights come from its checkpoint: model.pretrained (kept in the config: where the run began)
-        # is not read again
-        built_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained="")) if resuming else cfg
+        # is not read again, nor lora.init's adapter (the checkpoint holds the adapters)
+        built_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=""),
+                                        lora=dataclasses.replace(cfg.lora, init="")) if resuming else cfg
         self.strategy: Strategy = build_strategy(built_cfg, self.mesh)
         self.split = context_split(cfg, self.strategy.plain)  # parallel.cp > 1: ring attention, sequence chunks
         self.construction_s = time.perf_counter() - built

@@ -115,7 +115,7 @@ def build_optimizer(params: Sequence[nn.Parameter], o: OptimizerConfig) -> torch
     """AdamW or SGD over ``params``. Weight decay applies to every parameter alike, so that ZeRO's flat
     shards (which mix matrices, biases and norms) optimise the same objective as every other layout.
     ``optimizer.implementation``: fused, foreach or the loop (``optimizer_impl.implementation_kwargs``)."""
-    params = list(params)
+    params = [p for p in params if p.requires_grad]  # frozen parameters (a LoRA base) get no optimizer state
     how = implementation_kwargs(params, o)
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay, **how)
