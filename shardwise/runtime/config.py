@@ -30,7 +30,7 @@ from .config_ranges import (check_async_tp, check_context_parallel, check_mixed,
                             check_sequence_parallel)
 from .config_schema import (OLD_SPELLINGS, PRESETS, Config, DataConfig, DebugConfig, ModelConfig,  # noqa: F401
                             OptimizerConfig, ParallelConfig, TrainConfig, describe_fields)
-from .lora_setup import check_lora, resolved_lora
+from .lora_setup import check_lora, lora_given, resolved_lora
 from .model_build import HF_REPLICABLE, check_tp, hf_of, meta_model, resolve_hf, resolve_pretrained
 
 
@@ -129,6 +129,7 @@ def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
         parts = {s: dataclasses.replace(getattr(config, s), **changes.get(s, {})) for s in _SECTIONS}
         given = changes.get("model", {})
         parts["model"] = resolve_hf(resolve_pretrained(parts["model"], given), given)  # they set the shape
+        lora_given(parts["lora"], changes.get("lora", {}))
     except ValueError as exc:
         # [model] is GPTConfig, which checks its shape when built: name the config keys, not the class
         raise ValueError(str(exc).replace("GPTConfig.", "model.")) from None
@@ -309,7 +310,7 @@ def _check_strategies(config: Config) -> None:
     check_async_tp(config)
     check_selective(config), check_offload(config), check_mixed(config)
     check_context_parallel(config)
-    check_compile(config), check_lora(config.lora)
+    check_compile(config), check_lora(config.lora, m)
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:

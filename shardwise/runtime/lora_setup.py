@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..models.lora import LoRAConfig, apply_lora, lora_modules
 from ..parallel.common.materialize import rows_then_index, set_source
 
-__all__ = ["lora_config", "resolved_lora", "apply_run_lora", "check_lora", "TensorSource", "ADAPTER_CONFIG"]
+__all__ = ["lora_config", "resolved_lora", "lora_given", "apply_run_lora", "check_lora", "TensorSource", "ADAPTER_CONFIG"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -89,8 +89,17 @@ def resolved_lora(section: Any) -> Any:
                                use_rslora=lc.use_rslora)
 
 
-def check_lora(section: Any) -> None:
-    """The section's ranges, before anything is built (``ValueError`` naming the field and the fix)."""
+def lora_given(section: Any, given: dict[str, Any]) -> None:
+    """A ``--lora.*`` setting given while LoRA stays off (no ``lora.r``, no ``lora.init``) is a mistake, not a no-op."""
+    extra = sorted(k for k in given if k not in ("r", "init"))
+    if extra and section.r == 0 and not section.init:
+        raise ValueError(f"lora.{extra[0]} is set but lora.r = 0 (LoRA off); pass --lora.r R (e.g. 8) to train "
+                         f"adapters, or drop the --lora.* flags for full fine-tuning")
+
+
+def check_lora(section: Any, model: Any = None) -> None:
+    """The section's ranges and, given the ``[model]`` section, its targets against the model built on the meta
+    device — before anything is launched (``ValueError`` naming the field and the fix)."""
     if section.r < 0:
         raise ValueError(f"lora.r = {section.r} must be >= 0 (0 = no LoRA); typical ranks are 8 to 64")
     if section.r > 0 or section.init:
@@ -98,6 +107,11 @@ def check_lora(section: Any) -> None:
                    dropout=section.dropout)  # its own checks: alpha > 0, dropout in [0, 1), targets given
     if section.init:
         _adapter_config(section.init)
+    lc = lora_config(section, 0)
+    if lc is not None and model is not None:
+        from .model_build import meta_model
+
+        apply_lora(meta_model(model), lc)  # raises for a target that names no linear layer
 
 
 def apply_run_lora(model: nn.Module, cfg: Any) -> list[str]:
