@@ -2,7 +2,8 @@
 
 Inputs: text files (cut into documents by ``--documents``: a lone text file at blank lines or line ends, else
 each file whole), directories of them, JSON Lines (``--field``), a ``datasets`` directory
-(``save_to_disk``); ``--sft`` reads prompt/response records and writes loss masks. The work is
+(``save_to_disk``); ``--sft`` reads prompt/response records, or chat records (``--messages-field``, rendered with
+the tokenizer's chat template), and writes loss masks. The work is
 ``shardwise.data.prepare.prepare``; the format and the reader are in docs/data.md. Every refusal is one line
 on stderr (``shardwise prepare: error: ...``), exit code 2, and leaves nothing behind.
 """
@@ -38,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-field", default="prompt", metavar="NAME", help="--sft: prompt field (default prompt)")
     parser.add_argument("--response-field", default="response", metavar="NAME",
                         help="--sft: response field (default response)")
+    parser.add_argument("--messages-field", default="messages", metavar="NAME",
+                        help="--sft: a record with this field (a list of {role, content}; roles system, user, "
+                             "assistant) is a chat record, rendered with the tokenizer's chat_template; the loss "
+                             "is on the assistant turns (default messages)")
     parser.add_argument("--force", action="store_true", help="replace an existing prepared dataset at --out")
     parser.add_argument("--shard-tokens", type=int, default=2 ** 28, metavar="N",
                         help="tokens per shard file at most (default 2**28)")
@@ -56,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> PrepareOptions:
     return PrepareOptions(inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out,
                           val_fraction=args.val_fraction, workers=args.workers, field=args.field, sft=args.sft,
-                          prompt_field=args.prompt_field, response_field=args.response_field, force=args.force,
+                          prompt_field=args.prompt_field, response_field=args.response_field,
+                          messages_field=args.messages_field, force=args.force,
                           shard_tokens=args.shard_tokens, eos_token=args.eos_token, glob=tuple(args.glob or ()),
                           documents=args.documents)
 

@@ -88,7 +88,7 @@ def _expand(arg: str, *, sft: bool, globs: tuple[str, ...] = ()) -> Input:
         text = next((p for p, k in inp.files if k == "text"), None)
         if text is not None:
             raise ValueError(f"--sft reads JSON Lines records (or a datasets directory), but {str(text)!r} is a "
-                             f"text file; pass .jsonl files with prompt/response fields, or drop --sft")
+                             f"text file; pass .jsonl files with prompt/response fields or messages lists, or drop --sft")
     return inp
 
 
@@ -102,15 +102,18 @@ def _require_datasets(arg: str) -> Any:
 
 
 def discover(args: list[str] | tuple[str, ...], *, sft: bool, fields: tuple[str, ...],
-             globs: tuple[str, ...] = ()) -> list[Input]:
-    """Expand and check every INPUT (existence, kinds, the fields of a dataset's columns); ``globs`` filters the
-    files found in directories (files named explicitly are always read)."""
+             globs: tuple[str, ...] = (), messages_field: str = "messages") -> list[Input]:
+    """Expand and check every INPUT (existence, kinds, the fields of a dataset's columns: with ``sft`` a
+    ``messages_field`` column makes a chat dataset); ``globs`` filters the files found in directories (files named
+    explicitly are always read)."""
     if not args:
         raise ValueError("no INPUT given; pass text files, .jsonl files, directories or a datasets directory")
     inputs = [_expand(a, sft=sft, globs=globs) for a in args]
     for inp in inputs:
         if inp.kind == "hf-dataset":
             columns = _open_dataset(inp.arg).column_names
+            if sft and messages_field in columns:
+                continue
             missing = [f for f in fields if f not in columns]
             if missing:
                 raise ValueError(f"dataset {inp.arg!r} has no column {missing[0]!r} (columns: {columns}); pass the "
@@ -133,10 +136,12 @@ def _open_dataset(arg: str) -> Any:
     return ds
 
 
-def chunks(inputs: list[Input], *, fields: tuple[str, ...], documents: str = "file") -> Iterator[Chunk]:
+def chunks(inputs: list[Input], *, fields: tuple[str, ...], documents: str = "file",
+           messages_field: str | None = None) -> Iterator[Chunk]:
     """Every input's documents in order, at most ``CHUNK_BYTES`` at a time or one larger document alone (streamed:
     nothing is read ahead). A worker's memory is bounded by its chunks, whatever the size of the corpus. Text files
-    are cut into documents by ``documents`` (``text_documents``; ``file``: one document each)."""
+    are cut into documents by ``documents`` (``text_documents``; ``file``: one document each). ``messages_field``
+    (SFT): a dataset with that column is read as chat rows."""
     ordinal = 0
     alone = len(inputs) == 1 and inputs[0].kind == "text"  # one text file is the whole corpus: auto cuts it
     for i, inp in enumerate(inputs):
@@ -158,7 +163,8 @@ def chunks(inputs: list[Input], *, fields: tuple[str, ...], documents: str = "fi
             if kind == "text":  # cut into documents: a chunk of texts
                 made = _text_chunks(path, i, ordinal, mode)
             else:
-                made = (_jsonl_chunks if kind == "jsonl" else _dataset_chunks)(path, i, ordinal, fields)
+                made = (_jsonl_chunks(path, i, ordinal) if kind == "jsonl" else
+                        _dataset_chunks(path, i, ordinal, fields, messages_field))
             for chunk in made:
                 ordinal += len(chunk.payload)
                 yield chunk
@@ -183,7 +189,7 @@ def _text_chunks(path: Path, index: int, ordinal: int, mode: str) -> Iterator[Ch
         yield Chunk("rows", index, ordinal, texts, str(path), first)
 
 
-def _jsonl_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...]) -> Iterator[Chunk]:
+def _jsonl_chunks(path: Path, index: int, ordinal: int) -> Iterator[Chunk]:
     lines: list[bytes] = []
     size, first = 0, 1
     with open(path, "rb") as f:
@@ -197,19 +203,24 @@ def _jsonl_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...])
         yield Chunk("lines", index, ordinal, lines, str(path), first)
 
 
-def _dataset_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...]) -> Iterator[Chunk]:
-    ds = _open_dataset(str(path)).select_columns(list(fields))
+def _dataset_chunks(path: Path, index: int, ordinal: int, fields: tuple[str, ...],
+                    messages_field: str | None) -> Iterator[Chunk]:
+    ds = _open_dataset(str(path))
+    chat = messages_field is not None and messages_field in ds.column_names
+    if chat:  # chat rows travel as {messages_field: [...]}: the worker reads them as it reads a JSON record
+        fields = (messages_field,)  # type: ignore[assignment]
+    ds = ds.select_columns(list(fields))
     row = 0
     rows: list[Any] = []
     size = 0
     for batch in ds.iter(batch_size=256):
         columns = [batch[f] for f in fields]
         for values in zip(*columns):
-            n = sum(len(v) if isinstance(v, str) else 0 for v in values)
+            n = sum(len(v) if isinstance(v, str) else len(str(v)) for v in values)
             if rows and (size + n > CHUNK_BYTES or len(rows) >= CHUNK_ITEMS):
                 yield Chunk("rows", index, ordinal, rows, str(path), row)
                 ordinal, row, rows, size = ordinal + len(rows), row + len(rows), [], 0
-            rows.append(values[0] if len(fields) == 1 else tuple(values))
+            rows.append({fields[0]: values[0]} if chat else values[0] if len(fields) == 1 else tuple(values))
             size += n
     if rows:
         yield Chunk("rows", index, ordinal, rows, str(path), row)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator
 
 from .inputs import Input, chunks, discover
 from .worker_pool import WorkerPool
-from .tokenizer_info import TokenizerInfo, load_tokenizer_info
+from .tokenizer_info import EOS_CANDIDATES, TokenizerInfo, load_tokenizer_info, require_tokenizers
+from .chat_template import ChatRenderer, find_chat_template
 from .encode_worker import Chunk, ChunkResult, WorkerConfig, encode_chunk, init_worker, peak_rss_kb
 from .shard_writer import ShardWriter, publish, remove_stale_temps, temp_dir_for, write_json_synced
 from .prepared import FORMAT, INDEX, SPLIT_RULE
@@ -51,6 +52,9 @@ class PrepareOptions:
     sft: bool = False
     prompt_field: str = "prompt"
     response_field: str = "response"
+    messages_field: str = "messages"
+    """With ``sft``: a record (or dataset column) with this field is a chat record, rendered by the tokenizer's
+    chat template (``chat_template.py``)."""
     force: bool = False
     shard_tokens: int = 2 ** 28
     eos_token: str | None = None
@@ -117,7 +121,11 @@ def prepare(options: PrepareOptions, *, progress: Callable[[ChunkResult], None] 
     out = Path(options.out)
     _check_out(out, options.force)
     info = load_tokenizer_info(options.tokenizer, eos_token=options.eos_token)
-    inputs = discover(options.inputs, sft=options.sft, fields=options.fields, globs=options.glob)
+    template, chat_tokens = find_chat_template(info.file.parent) if options.sft else ("", {})
+    if template and options.eos_token is None:
+        info = _chat_separator(info, template, chat_tokens)
+    inputs = discover(options.inputs, sft=options.sft, fields=options.fields, globs=options.glob,
+                      messages_field=options.messages_field)
     out.parent.mkdir(parents=True, exist_ok=True)  # `--out data/web` in a fresh folder: data/ is made
     remove_stale_temps(out)
     tmp = temp_dir_for(out)
@@ -126,7 +134,9 @@ def prepare(options: PrepareOptions, *, progress: Callable[[ChunkResult], None] 
     try:
         _copy_tokenizer(info, tmp)
         cfg = WorkerConfig(tokenizer_file=str(tmp / "tokenizer.json"), eos_id=info.eos_id, dtype=info.dtype,
-                           val_fraction=float(options.val_fraction), sft=options.sft, fields=options.fields)
+                           val_fraction=float(options.val_fraction), sft=options.sft, fields=options.fields,
+                           messages_field=options.messages_field, chat_template=template,
+                           chat_tokens=tuple(sorted(chat_tokens.items())))
         report = _encode_all(options, inputs, cfg, tmp, progress)
         write_json_synced(tmp / INDEX, _index(options, info, inputs, report))
         publish(tmp, out, force=options.force)
@@ -135,6 +145,26 @@ def prepare(options: PrepareOptions, *, progress: Callable[[ChunkResult], None] 
         raise
     report.out, report.seconds = out, time.perf_counter() - t0
     return report
+
+
+def _chat_separator(info: TokenizerInfo, template: str, chat_tokens: dict[str, str]) -> TokenizerInfo:
+    """The document separator for SFT data with a chat template: the tokenizer's EOS, unless the template writes
+    it inside a conversation (Llama 3 and Qwen instruct tokenizers name their end-of-turn token as EOS); then the
+    first of ``EOS_CANDIDATES`` that is a special token the template does not write (``<|end_of_text|>``,
+    ``<|endoftext|>``). Probed on a two-exchange conversation; without jinja2 the EOS stays (a chat record then
+    fails with the install hint)."""
+    probe = [{"role": r, "content": c} for r, c in (("user", "a"), ("assistant", "b"), ("user", "c"),
+                                                     ("assistant", "d"))]
+    tok = require_tokenizers().Tokenizer.from_file(str(info.file))
+    try:
+        ids = tok.encode(ChatRenderer(template, chat_tokens).render(probe), add_special_tokens=False).ids
+    except Exception:  # no jinja2, or a template that refuses the probe: the records decide
+        return info
+    if info.eos_id not in ids[:-1]:
+        return info
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    free = next((n for n in EOS_CANDIDATES if n in specials and specials[n] not in ids), None)
+    return info if free is None else dataclasses.replace(info, eos_token=free, eos_id=specials[free])
 
 
 def _copy_tokenizer(info: TokenizerInfo, tmp: Path) -> None:
@@ -196,7 +226,8 @@ def _encode_all(o: PrepareOptions, inputs: list[Input], cfg: WorkerConfig, tmp: 
             progress(res)
 
     with _encoder(cfg, o.workers) as submit:
-        for chunk in chunks(inputs, fields=cfg.fields, documents=o.documents):
+        for chunk in chunks(inputs, fields=cfg.fields, documents=o.documents,
+                            messages_field=o.messages_field if o.sft else None):
             in_flight.append((chunk.input_index, submit(chunk)))
             if len(in_flight) >= 2 * o.workers:
                 collect()
@@ -246,5 +277,6 @@ def _index(o: PrepareOptions, info: TokenizerInfo, inputs: list[Input], report: 
         "text_documents": o.documents,
         "skipped_empty_documents": report.skipped,
         "sft": o.sft,
-        "fields": ({"prompt": o.prompt_field, "response": o.response_field} if o.sft else {"text": o.field}),
+        "fields": ({"prompt": o.prompt_field, "response": o.response_field, "messages": o.messages_field}
+                   if o.sft else {"text": o.field}),
     }

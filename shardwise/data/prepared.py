@@ -30,7 +30,8 @@ __all__ = ["INDEX", "FORMAT", "SPLIT_RULE", "TokenStream", "PreparedSplit", "Pre
 INDEX = "dataset.json"
 FORMAT = "shardwise-prepared-v1"
 SPLIT_RULE = ("by document: blake2b (8-byte digest) of the document's ordinal (8 bytes, little-endian) and its "
-              "UTF-8 text (SFT: prompt, NUL, response), as a number in [0, 1), below val_fraction -> val")
+              "UTF-8 text (SFT: prompt, NUL, response; chat: the messages as compact JSON, keys sorted), as a "
+              "number in [0, 1), below val_fraction -> val")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "uint8": np.dtype("u1")}
 _AGAIN = "run shardwise prepare again"
 SCAN_ALL = 1 << 25

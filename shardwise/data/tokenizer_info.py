@@ -18,7 +18,7 @@ __all__ = ["TokenizerInfo", "load_tokenizer_info", "require_tokenizers", "EOS_CA
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 """End-of-text tokens looked for, in this order, when tokenizer_config.json names none (or has none)."""
 
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 """Copied into the output directory next to ``tokenizer.json`` when they sit next to the tokenizer given."""
 
 INSTALL_DATA = 'pip install "shardwise[data]"'
