@@ -143,3 +143,93 @@ def check_pp(kind: str, schedule: str, checkpoint: str, hook: bool = True) -> di
     full = sw.full_state_dict(pipe)
     return {"loss": abs(loss - ref_loss) / abs(ref_loss), "eval": abs(evaluated - ref_eval) / abs(ref_eval),
             "params": max(rel(full[k], v) for k, v in ref.state_dict().items())}
+
+
+# -- the runtime: shardwise train's strategies with data.document_mask ---------------------------------------
+
+STEPS, G, T, V = 2, 8, 32, 256
+SMALL = {"data.global_batch": str(G), "parallel.micro_batch": "2", "optimizer.warmup_steps": "0",
+         "optimizer.name": "sgd", "optimizer.lr": "0.5", "optimizer.weight_decay": "0", "optimizer.schedule": "constant",
+         "model.n_layer": "2", "model.block_size": str(T), "train.steps": str(STEPS)}
+RUNTIME: dict[str, dict[str, str]] = {
+    "dp2": {}, "tp2": {"parallel.tp": "2"},
+    "zero3-ckpt": {"parallel.zero_stage": "3", "parallel.activation_checkpointing": "full"},
+    "pp2": {"parallel.pp": "2", "parallel.pp_schedule": "1f1b", "parallel.activation_checkpointing": "full"},
+    "cp2": {"parallel.cp": "2"},
+}
+
+
+def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G, T) rows of random ids with an EOS after documents of random lengths (1 to 12 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(EOS + 1, V, (G, T), generator=g)
+    x[torch.rand(G, T, generator=g) < 0.12] = EOS
+    return x, torch.randint(0, V, (G, T), generator=g)
+
+
+def run_runtime(name: str, world: Any) -> dict[str, Any]:
+    """The real ``Trainer`` of layout ``name`` with the documents of ``packed_batch``: step losses and weights."""
+    import tempfile
+
+    from shardwise.data.sources import TrainData
+    from shardwise.runtime import trainer as trainer_mod
+    from shardwise.runtime.config import load_config, validate
+    from shardwise.runtime.documents import enable_documents
+    from shardwise.runtime.step_support import mesh_axes
+
+    n = world.world_size
+    cfg = validate(load_config(overrides={**SMALL, **RUNTIME[name], "parallel.nproc": str(n)}))
+    trainer_mod._build_mesh = lambda *_: cached_mesh(**mesh_axes(cfg.parallel))
+    t = trainer_mod.Trainer(cfg, Path(tempfile.mkdtemp()), world)  # the generated corpus: no EOS, mask off
+    on = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask="true"))
+    assert enable_documents(on, t.strategy, TrainData(None, None, masked=True, eos_id=EOS)) == EOS  # type: ignore[arg-type]
+    p = cfg.parallel
+    dp_size, dp_rank = t.strategy.data_shard()
+    if t.split is not None and dp_size > 1:
+        dp_size, dp_rank = dp_size // p.cp, dp_rank // p.cp
+    micro = p.micro_batch * p.dp // dp_size
+
+    def rows(seed: int) -> list:
+        x, y = packed_batch(seed)
+        pairs = list(zip(x[dp_rank::dp_size].split(micro), y[dp_rank::dp_size].split(micro)))
+        return t.split(pairs) if t.split is not None else pairs
+
+    steps = iter([rows(100 + s) for s in range(STEPS)])
+    t.data.next = lambda: next(steps)  # type: ignore[method-assign]
+    losses = [t.train_step()[0] for _ in range(STEPS)]
+    return {"losses": losses, "params": {k: v.float().cpu() for k, v in sw.full_state_dict(t.model).items()}}
+
+
+def check_runtime(names: list[str]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from shardwise.world import World
+
+    world = World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(),
+                  backend="gloo", device=torch.device("cpu"))
+    return [run_runtime(name, world) for name in names]
+
+
+def runtime_reference() -> dict[str, Any]:
+    """One process, plain torch: the GPT with the mask on the whole global batch, SGD with the run's momentum."""
+    from shardwise.runtime.config import load_config, validate
+
+    cfg = validate(load_config(overrides={**SMALL, "parallel.nproc": "1"}))
+    torch.manual_seed(cfg.train.seed)
+    model = sw.models.GPT(cfg.model)
+    model.document_eos_id = EOS
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.beta1)
+    losses, unmasked = [], []
+    for s in range(STEPS):
+        x, y = packed_batch(100 + s)
+        loss = F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))
+        with torch.no_grad():
+            model.document_eos_id = None
+            unmasked.append(float(F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))))
+            model.document_eos_id = EOS
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "unmasked": unmasked,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

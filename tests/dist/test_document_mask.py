@@ -6,6 +6,8 @@ every gradient summed over cp equal the one-process masked model's, whose docume
 EOS map. Tensor parallelism (tp 2) and pipelines (pp 2: 1f1b with full recomputation, zb-h1 with its split
 backward; the documents reach every stage through ``microbatch_context``): logits / loss, evaluation and the
 parameters after one SGD step. Without the micro-batch context a pipeline runs unmasked and misses by far.
+The trainer's strategies (``enable_documents``: dp 2, tp 2, ZeRO-3 and pp 2 with recomputation, cp 2): step
+losses and weights after two steps equal one process with the mask.
 Rank side: tests/dist/docmask_checks.py.
 """
 from __future__ import annotations
@@ -43,3 +45,16 @@ def test_pipeline_with_documents_matches_one_process(worlds, kind, schedule, che
 def test_pipeline_without_the_microbatch_context_is_unmasked(worlds):
     for res in worlds.get(2).run(dc.check_pp, "gpt", "1f1b", "none", False, timeout=240):
         assert res["loss"] > 1e-3, res
+
+
+def test_shardwise_train_layouts_with_documents_match_one_process(worlds):
+    """The trainer's strategies (dp 2, tp 2, ZeRO-3 with recomputation, pp 2 with recomputation, cp 2) with
+    ``enable_documents``: step losses and final weights equal one process with the mask (plain torch)."""
+    ref = dc.runtime_reference()
+    assert abs(ref["losses"][1] - ref["unmasked"][1]) > 1e-3  # the mask matters for these batches
+    names = list(dc.RUNTIME)
+    for per_rank in worlds.get(2).run(dc.check_runtime, names, timeout=480):
+        for name, res in zip(names, per_rank):
+            assert res["losses"] == pytest.approx(ref["losses"], rel=TOL), (name, res["losses"], ref["losses"])
+            for k, want in ref["params"].items():
+                assert float((res["params"][k] - want).abs().max()) <= 2e-5, (name, k)
