@@ -47,9 +47,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="run directory (its latest checkpoint) or a checkpoint directory")
-    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors: one file with the plain model's keys (default); hf: a Hugging Face model "
-                             "directory (config.json, shards, index, tokenizer files) that from_pretrained loads")
+    parser.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
+                        help="safetensors: one file with the plain model's keys (default; a LoRA run's keys as "
+                             "trained); hf: a Hugging Face model directory (config.json, shards, index, tokenizer "
+                             "files) that from_pretrained loads; peft: a LoRA run's adapters as a PEFT adapter "
+                             "directory that peft.PeftModel.from_pretrained loads onto the base")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="--format hf of a LoRA run: fold each adapter into its base weight (W + scaling·B·A) "
+                             "and write the merged model")
     parser.add_argument("--out", default=None,
                         help="output file (--format safetensors, default model.safetensors) or directory (--format hf, "
                              "required; an existing model directory is replaced)")
@@ -134,15 +139,17 @@ def tokenizer_files(ckpt: Checkpoint) -> list[Path]:
     return []
 
 
-def export_hf(path: str | Path, out: Path, max_shard_bytes: int) -> tuple[int, int, int, list[Path], list[str]]:
-    """Write the checkpoint at ``path`` as a Hugging Face model directory ``out``; returns (step, tensors, values,
-    tokenizer files copied, names of the files written from the run's tokens: ``generation_config.json``, a
-    byte-level ``tokenizer.json``...). Raises what the reading and writing raise (one-line messages)."""
+def export_hf(path: str | Path, out: Path, max_shard_bytes: int, *,
+              merge_lora: bool = False) -> tuple[int, int, int, list[Path], list[str]]:
+    """Write the checkpoint at ``path`` as a Hugging Face model directory ``out`` (``merge_lora``: a LoRA run's
+    adapters folded into their base weights); returns (step, tensors, values, tokenizer files copied, names of the
+    files written from the run's tokens: ``generation_config.json``, a byte-level ``tokenizer.json``...). Raises
+    what the reading and writing raise (one-line messages)."""
     check_out_dir(out)  # before anything is read or written
     where = resolve_checkpoint(path)
     verify_checkpoint(where)
     ckpt = Checkpoint(where)
-    config, tensors = hf_export(ckpt)
+    config, tensors = hf_export(ckpt, merge_lora=merge_lora)
     counted = {"tensors": 0, "values": 0}
 
     def counting() -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,7 +177,8 @@ def _main_hf(args: argparse.Namespace) -> int:
         return _error(f"--max-shard-mb {args.max_shard_mb} must be positive")
     out = Path(args.out)
     try:
-        step, n, values, extra, written = export_hf(args.path, out, int(args.max_shard_mb * 1e6))
+        step, n, values, extra, written = export_hf(args.path, out, int(args.max_shard_mb * 1e6),
+                                                    merge_lora=bool(getattr(args, "merge_lora", False)))
     except (ValueError, TypeError, SafetensorError) as exc:  # CheckpointError is a ValueError
         return _error(exc)
     except OSError as exc:
@@ -178,13 +186,23 @@ def _main_hf(args: argparse.Namespace) -> int:
         return _error(f"{where}: {exc.strerror or exc}; --out must be a writable directory path and the checkpoint "
                       f"readable")
     tok = (f" + {len(extra)} tokenizer files" if extra else "") + f" + {', '.join(written)}"
-    print(f"shardwise export: {n} tensors ({values:,} values) of step {step}{tok} → {out} (Hugging Face directory)")
+    merged = ", LoRA merged" if getattr(args, "merge_lora", False) else ""
+    print(f"shardwise export: {n} tensors ({values:,} values) of step {step}{tok} → {out} (Hugging Face "
+          f"directory{merged})")
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "format", "safetensors") == "hf":
+    kind = getattr(args, "format", "safetensors")
+    if getattr(args, "merge_lora", False) and kind != "hf":
+        return _error(f"--merge-lora writes a merged Hugging Face directory: pass it with --format hf, not --format "
+                      f"{kind}")
+    if kind == "hf":
         return _main_hf(args)
+    if kind == "peft":
+        from .export_peft import main_peft
+
+        return main_peft(args, _error)
     try:
         tensors, meta = consolidate(args.path)
     except (ValueError, OSError, SafetensorError) as exc:  # CheckpointError is a ValueError
