@@ -112,6 +112,8 @@ def load_model(ckpt: Checkpoint, model: nn.Module, mesh: Mesh) -> None:
     """Copy the checkpoint's values into this rank's pieces of ``model``, resharding from whatever layout
     saved them. Reads files only (no communication); every rank loads the pieces it holds."""
     for key, value in _named_tensors(model):
+        if key in ckpt.omitted:  # a frozen parameter left out (frozen.py): the model holds its pretrained value
+            continue
         target = describe(f"model/{key}", value, mesh)
         value.copy_(ckpt.load_piece(target).to(value.dtype))
 

@@ -88,6 +88,8 @@ def load_pipeline_model(ckpt: Checkpoint, pipe: Pipeline) -> None:
     first = tied_aliases(model)  # {alias key: first key} of this model
     tensors = model.state_dict(keep_vars=True)
     for key in _stage_keys(pipe):
+        if key in ckpt.omitted:  # a frozen parameter left out (frozen.py): the stage holds its pretrained value
+            continue
         value = tensors[key]
         target = describe(f"model/{first.get(key, key)}", value, pipe.mesh, value.detach())
         value.copy_(ckpt.load_piece(target).to(value.device, value.dtype))

@@ -263,6 +263,8 @@ class Checkpoint:
         self.index = load_index(self.path)  # CheckpointError: not JSON, unknown format, unconfined file names
         self.step: int = self.index["step"]
         self.state: dict[str, Any] = self.index["state"]
+        self.omitted: set[str] = set(self.state.get("frozen_not_saved") or [])
+        """Model names saved without their values (``train.save_frozen = false``, ``frozen.py``): loaders skip them."""
 
     def keys(self, prefix: str = "") -> list[str]:
         return [k for k in self.index["tensors"] if k.startswith(prefix)]
@@ -312,6 +314,10 @@ class Checkpoint:
         try:
             return self.index["tensors"][key]
         except KeyError:
+            if key.removeprefix("model/") in self.omitted:
+                raise ValueError(f"checkpoint {self.path} left out the frozen parameter {key.removeprefix('model/')!r} "
+                                 f"(saved with train.save_frozen = false); build the model from its pretrained base "
+                                 f"first (model.pretrained) and load only what was saved") from None
             raise ValueError(f"checkpoint {self.path} has no tensor {key!r}; it holds "
                              f"{sorted(self.index['tensors'])[:8]}...") from None
 

@@ -203,6 +203,8 @@ def load_zero(ckpt: Checkpoint, model: ZeroModel, optimizer: ZeroOptimizer) -> N
     """Load parameters (full, any stage; each rank keeps its tp piece) and rebuild this rank's flat
     optimizer-state shards. Local."""
     plain: nn.Module = model.module
-    model.load_state_dict(_Lazy(ckpt, list(plain.state_dict(keep_vars=True)), ckpt.state.get("aliases", {})))
+    # frozen parameters a checkpoint left out (frozen.py) keep the values the model was built with
+    keys = [k for k in plain.state_dict(keep_vars=True) if k not in ckpt.omitted]
+    model.load_state_dict(_Lazy(ckpt, keys, ckpt.state.get("aliases", {})), strict=not ckpt.omitted)
     names, fetch = param_state(ckpt)
     fill_flat_state(optimizer.optimizer, model.groups, [list(g.names) for g in model.groups], names, fetch)

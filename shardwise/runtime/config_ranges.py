@@ -27,6 +27,10 @@ def check_numbers(config: Config) -> None:
     if not 0 <= o.min_lr <= o.lr:
         raise ValueError(f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]; e.g. "
                          f"--optimizer.min_lr {o.lr / 10:g}")
+    if not t.save_frozen and not config.model.pretrained:
+        raise ValueError("train.save_frozen = false leaves the frozen parameters out of checkpoints, which a resume "
+                         "then reads from model.pretrained, but none is given; set --model.pretrained DIR, or "
+                         "--train.save_frozen true")
 
 
 

@@ -187,6 +187,9 @@ class TrainConfig:
     """Steps between periodic checkpoints (0 = only the final one)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones are deleted after a successful save)."""
+    save_frozen: bool = True
+    """``false``: checkpoints leave out every frozen parameter (``requires_grad=False``: the pretrained base of a
+    LoRA run), which a resume reads from ``model.pretrained`` again (``checkpoint/frozen.py``)."""
     seed: int = 1337
     """Seed of the weights, the data order and per-step RNG."""
     timeout_s: float = 60.0

@@ -34,6 +34,7 @@ import torch
 
 from ..checkpoint.layout import tied_aliases
 from ..checkpoint.sharded import CHECKPOINTS, Checkpoint, save_checkpoint
+from .frozen_base import check_resume, omit_frozen, resume_base
 from .calibration import mesh_calibrations
 from .config import Config, load_config
 from .context_split import context_split
@@ -77,9 +78,8 @@ class Trainer:
         process groups made): the summary's baseline."""
         self.meter = PhaseMeter(world.device, begin="construction")  # the ledger's peak per phase (memory_ledger.py)
         built = time.perf_counter()
-        # a resume's weights come from its checkpoint: model.pretrained (kept in the config: where the run began)
-        # is not read again, nor lora.init's adapter (the checkpoint holds the adapters)
-        built_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=""),
+        # a resume's weights come from its checkpoint (not lora.init's adapter; model.pretrained: resume_base)
+        built_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=resume_base(cfg)),
                                         lora=dataclasses.replace(cfg.lora, init="")) if resuming else cfg
         self.strategy: Strategy = build_strategy(built_cfg, self.mesh)
         self.split = context_split(cfg, self.strategy.plain)  # parallel.cp > 1: ring attention, sequence chunks
@@ -144,6 +144,7 @@ class Trainer:
             raise ValueError(f"checkpoint {ckpt.path} was trained with another model: "
                              + ", ".join(f"{k} = {new!r} (saved {old!r})" for k, (old, new) in diff.items())
                              + "; resume with the saved model config (drop the model.* overrides)")
+        check_resume(ckpt, self.cfg)
         self.strategy.load(ckpt)
         self.data.load_state_dict(ckpt.state["data"])
         self.step, self.last_ckpt = ckpt.step, ckpt.path
@@ -242,7 +243,7 @@ class Trainer:
         hf = hf_of(self.cfg.model)
         if hf is not None:  # the architecture itself, so that an export stays loadable if the file moves
             state["hf_config"] = hf.hf_dict()
-        pieces = self.strategy.pieces()  # collective for ZeRO (gathers the parameters)
+        pieces = omit_frozen(self.strategy.pieces(), state, self.plain, self.cfg)  # collective for ZeRO
         state.update(self.strategy.shared_state())
         rank_state: dict[str, Any] = {"rank": self.world.rank, **self.strategy.rank_state()}
         self.last_ckpt = save_checkpoint(self.run_dir / CHECKPOINTS, self.step, pieces, mesh=self.mesh, state=state,

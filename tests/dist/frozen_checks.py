@@ -253,3 +253,55 @@ def check_checkpointed_frozen_inputs() -> dict[str, Any]:
     out = compare(losses, {k: v.detach() for k, v in model.module.state_dict().items()})
     out.update(grads=got, trainable=sum(p.requires_grad for p in model.module.parameters()))
     return out
+
+
+def check_checkpoint(root: str, stage: int) -> dict[str, Any]:
+    """ZeRO ``stage`` over every rank, trained two steps, saved whole and without its frozen base
+    (``checkpoint/frozen.py``): each frozen tensor written once, then left out; the trainable-only checkpoint
+    loads into the same layout and into plain data parallelism built from the base, equal to what was saved."""
+    from pathlib import Path
+
+    from shardwise.checkpoint.frozen import FROZEN_STATE, drop_frozen, frozen_keys
+    from shardwise.checkpoint.layout import load_model
+    from shardwise.checkpoint.sharded import Checkpoint, save_checkpoint
+    from shardwise.checkpoint.zero_layout import load_zero, zero_index_state, zero_model_pieces, zero_optimizer_pieces
+
+    m = mesh(dp=-1)
+    model, opt = sw.zero(build(), m, stage=stage, optimizer=ADAMW)
+    for s in range(2):
+        lm_loss(model(local(batch(s)[0], m)), local(batch(s)[1], m)).backward()
+        opt.step()
+    pieces = zero_model_pieces(model, m) + zero_optimizer_pieces(model, opt, m)
+    state = zero_index_state(model)[0]
+    whole = Checkpoint(save_checkpoint(Path(root), 1, pieces, mesh=m, state=state, rank_state={}))
+    frozen = frozen_keys(model.module)
+    written = {k: sum(_piece_numel(p) for p in whole.index["tensors"][f"model/{k}"]["pieces"])
+               for k in frozen if f"model/{k}" in whole.index["tensors"]}
+    slim = Checkpoint(save_checkpoint(Path(root), 2, drop_frozen(pieces, frozen), mesh=m,
+                                      state={**state, FROZEN_STATE: frozen}, rank_state={}))
+    trained = sw.full_state_dict(model)
+    again, opt2 = sw.zero(build(), m, stage=stage, optimizer=ADAMW)  # built from the same base
+    load_zero(slim, again, opt2)
+    plain = build()
+    load_model(slim, plain, m)
+    try:
+        slim.full("model/wte.weight")
+        missing = "no error"
+    except ValueError as exc:
+        missing = str(exc)
+    numel = dict((k, v.numel()) for k, v in build().state_dict().items())
+    return {"frozen": frozen, "written_once": all(written[k] == numel[k] for k in written),
+            "aliases_only": sorted(set(frozen) - set(written)),
+            "slim_keys": [k for k in slim.keys("model/") if k.removeprefix("model/") in frozen],
+            "zero_equal": all(torch.equal(v, trained[k]) for k, v in sw.full_state_dict(again).items()),
+            "plain_equal": all(torch.equal(v, trained[k]) for k, v in plain.state_dict().items()),
+            "missing": missing}
+
+
+def _piece_numel(piece: dict[str, Any]) -> int:
+    if "range" in piece:
+        return int(piece["range"][1])
+    n = 1
+    for _, size in piece["extent"]:
+        n *= size
+    return n

@@ -102,3 +102,17 @@ def test_everything_frozen_is_one_line_error(worlds):
     res = worlds.get(2).run(fc.check_all_frozen, timeout=60)[0]
     for name, msg in res.items():
         assert msg.startswith("ValueError:") and "every parameter is frozen" in msg and "\n" not in msg, (name, msg)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_without_frozen_base(worlds, tmp_path, stage):
+    # tmp_path differs per parametrisation; every rank writes under the same directory
+    per_rank = worlds.get(2).run(fc.check_checkpoint, str(tmp_path / "ckpt"), stage, timeout=120)
+    res = per_rank[0]
+    assert "wte.weight" in res["frozen"] and "blocks.1.mlp.fc.weight" in res["frozen"], res
+    assert res["written_once"], res  # each frozen tensor's pieces add up to it once (no copy per dp replica)
+    assert res["aliases_only"] == ["lm_head.weight"], res  # the tie: saved under wte.weight only
+    assert res["slim_keys"] == [], res
+    for r in per_rank:
+        assert r["zero_equal"] and r["plain_equal"], r
+        assert "left out the frozen parameter 'wte.weight'" in r["missing"] and "model.pretrained" in r["missing"], r
