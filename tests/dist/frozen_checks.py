@@ -68,7 +68,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -305,3 +305,25 @@ def _piece_numel(piece: dict[str, Any]) -> int:
     for _, size in piece["extent"]:
         n *= size
     return n
+
+
+def check_zero3_variants() -> dict[str, Any]:
+    """ZeRO-3 with the frozen base under bf16 mixed precision (fp32 masters: frozen values exact, trained ones
+    close) and with the optimizer offloaded (on CPU ranks the same numbers as without)."""
+    from shardwise.parallel.common.mixed_precision import MixedPrecision
+
+    m = mesh(dp=-1)
+    out: dict[str, Any] = {}
+    for name, kw in (("bf16", {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}),
+                     ("offload", {"offload": "optimizer"})):
+        model, opt = sw.zero(build(), m, stage=3, optimizer=ADAMW, **kw)
+        losses = []
+        for s in range(STEPS):
+            loss = lm_loss(model(local(batch(s)[0], m)).float(), local(batch(s)[1], m))
+            loss.backward()
+            opt.step()
+            losses.append(_mean_loss(loss, m))
+        out[name] = compare(losses, sw.full_state_dict(model))
+        out[name]["frozen_master_numel"] = sum(g.master.numel() for g in model.frozen_groups)
+        out[name]["frozen_master_grad"] = any(g.master.requires_grad for g in model.frozen_groups)
+    return out
