@@ -38,6 +38,8 @@ from .parallel.context import SeqLayout, context_parallel, ring_attention, shard
 from .parallel.common.materialize import materialize_model as materialize
 from .parallel.common.init_rules import Constant, Normal, Uniform
 from .checkpoint.hf_dir import load_pretrained
+# fine-tuning: LoRA adapters on a frozen base (peft's layout and keys)
+from .models.lora import LoRAConfig, apply_lora, lora_state_dict, merge_lora
 # state and accounting
 from .checkpoint import full_state_dict
 from .parallel.common.memory import memory_report
@@ -73,6 +75,8 @@ __all__ = [
     "auto", "ParallelizePlan", "Plan",
     # models larger than one device: built on meta, materialised in shards
     "materialize", "load_pretrained", "Normal", "Uniform", "Constant",
+    # fine-tuning: LoRA adapters on a frozen base, split with their base layer in every layout
+    "LoRAConfig", "apply_lora", "merge_lora", "lora_state_dict",
     # state and accounting
     "full_state_dict", "memory_report",
     # data: datasets written by shardwise prepare (memory-mapped token shards)

@@ -310,7 +310,7 @@ def _check_strategies(config: Config) -> None:
     check_async_tp(config)
     check_selective(config), check_offload(config), check_mixed(config)
     check_context_parallel(config)
-    check_compile(config), check_lora(config.lora, m)
+    check_compile(config), check_lora(config.lora, lambda: meta_model(m))
     allowed = replicable(m)
     unknown = [name for name in p.replicate if name not in allowed]
     if unknown:

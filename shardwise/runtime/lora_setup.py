@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -91,15 +91,16 @@ def resolved_lora(section: Any) -> Any:
 
 def lora_given(section: Any, given: dict[str, Any]) -> None:
     """A ``--lora.*`` setting given while LoRA stays off (no ``lora.r``, no ``lora.init``) is a mistake, not a no-op."""
-    extra = sorted(k for k in given if k not in ("r", "init"))
+    default = type(section)()  # a saved config lists every field: only a changed one is a setting
+    extra = sorted(k for k, v in given.items() if k not in ("r", "init") and v != getattr(default, k))
     if extra and section.r == 0 and not section.init:
         raise ValueError(f"lora.{extra[0]} is set but lora.r = 0 (LoRA off); pass --lora.r R (e.g. 8) to train "
                          f"adapters, or drop the --lora.* flags for full fine-tuning")
 
 
-def check_lora(section: Any, model: Any = None) -> None:
-    """The section's ranges and, given the ``[model]`` section, its targets against the model built on the meta
-    device — before anything is launched (``ValueError`` naming the field and the fix)."""
+def check_lora(section: Any, meta_model: Callable[[], nn.Module] | None = None) -> None:
+    """The section's ranges and, given ``meta_model`` (the run's model on the meta device), its targets against
+    that model — before anything is launched (``ValueError`` naming the field and the fix)."""
     if section.r < 0:
         raise ValueError(f"lora.r = {section.r} must be >= 0 (0 = no LoRA); typical ranks are 8 to 64")
     if section.r > 0 or section.init:
@@ -108,10 +109,8 @@ def check_lora(section: Any, model: Any = None) -> None:
     if section.init:
         _adapter_config(section.init)
     lc = lora_config(section, 0)
-    if lc is not None and model is not None:
-        from .model_build import meta_model
-
-        apply_lora(meta_model(model), lc)  # raises for a target that names no linear layer
+    if lc is not None and meta_model is not None:
+        apply_lora(meta_model(), lc)  # raises for a target that names no linear layer
 
 
 def apply_run_lora(model: nn.Module, cfg: Any) -> list[str]:
