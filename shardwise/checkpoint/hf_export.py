@@ -12,7 +12,8 @@
 A LoRA run (adapters ``<module>.lora_A.weight``/``lora_B.weight`` beside ``<module>.base_layer.weight``) is
 exported merged only (``merge_lora=True``): each base weight W (out, in) becomes W + scaling·B·A computed in fp32,
 ``.base_layer`` leaves the names and the adapters are dropped, so the directory is a plain model of the base's
-architecture (``_MergedLoRA``); without ``merge_lora`` it is refused (``--format peft`` writes the adapters alone).
+architecture (``export_view.ExportView``, which also reads a base that ``train.save_frozen = false`` left out of
+the checkpoint from the run's ``model.pretrained``); without ``merge_lora`` it is refused (``--format peft`` writes the adapters alone).
 
 Tensors are read from the checkpoint one at a time (``Checkpoint.full``), each checked finite, so exporting holds
 one full tensor. Checkpoint tensors are fp32 master weights and are written as they are.
@@ -26,7 +27,8 @@ import torch
 
 from .hf_experts import hub_tensors
 from .hf_map import LLAMA_TYPES, gpt2_config_from_gpt, gpt2_key
-from .peft_adapter import is_lora_key, lora_fields, scaling
+from .export_view import OMITTED_STATE, ExportView
+from .peft_adapter import is_lora_key
 from .sharded import Checkpoint
 
 __all__ = ["hf_export", "ARCHITECTURES"]
@@ -46,42 +48,6 @@ def _finite(ckpt: Checkpoint, key: str) -> torch.Tensor:
     return t
 
 
-class _MergedLoRA:
-    """A LoRA run's checkpoint read as its merged model: ``keys``/``full``/``index`` as ``Checkpoint``'s, with
-    ``model/<m>.base_layer.X`` named ``model/<m>.X``, ``full`` of a base weight W (out, in) returning
-    W + scaling·B·A (fp32), and the adapters absent."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        config = ckpt.state.get("config") if isinstance(ckpt.state.get("config"), dict) else {}
-        self.scale = scaling(lora_fields(config.get("lora", {}), f"checkpoint {ckpt.path}"))
-        self.ckpt, self.path, self.step, self.state = ckpt, ckpt.path, ckpt.step, ckpt.state
-        for alias, original in ckpt.state.get("aliases", {}).items():
-            if ".base_layer." in alias or ".base_layer." in original:
-                raise ValueError(f"checkpoint {ckpt.path}: the adapted {alias!r} is tied to {original!r}; merging "
-                                 f"its adapter would change both: export the adapters with --format peft")
-        self.source: dict[str, str] = {}  # merged key -> the checkpoint's key
-        tensors: dict[str, Any] = {}
-        for key, info in ckpt.index["tensors"].items():
-            if key.startswith("model/") and is_lora_key(key):
-                continue
-            merged = key.replace(".base_layer.", ".") if key.startswith("model/") else key
-            self.source[merged] = key
-            tensors[merged] = info
-        self.index = {**ckpt.index, "tensors": tensors}
-
-    def keys(self, prefix: str = "") -> list[str]:
-        return [k for k in self.index["tensors"] if k.startswith(prefix)]
-
-    def full(self, key: str) -> torch.Tensor:
-        source = self.source.get(key, key)
-        t = self.ckpt.full(source)
-        if source.endswith(".base_layer.weight"):
-            module = source.removesuffix(".base_layer.weight")
-            a, b = self.ckpt.full(f"{module}.lora_A.weight"), self.ckpt.full(f"{module}.lora_B.weight")
-            t = (t.float() + self.scale * (b.float() @ a.float())).to(t.dtype)  # (out, r) @ (r, in)
-        return t
-
-
 def hf_export(ckpt: Checkpoint, *, merge_lora: bool = False) -> tuple[dict[str, Any],
                                                                       Iterator[tuple[str, torch.Tensor]]]:
     """(``config.json`` object, iterator of ``(HF key, tensor)``) of the model in ``ckpt`` (see the module
@@ -95,8 +61,8 @@ def hf_export(ckpt: Checkpoint, *, merge_lora: bool = False) -> tuple[dict[str, 
     if merge_lora and not lora:
         raise ValueError(f"--merge-lora: checkpoint {ckpt.path} holds no LoRA adapters (not trained with --lora.r); "
                          f"drop --merge-lora")
-    if lora:
-        ckpt = _MergedLoRA(ckpt)  # type: ignore[assignment]  # reads as a Checkpoint of the merged model
+    if lora or ckpt.state.get(OMITTED_STATE):  # merged, and/or a frozen base read from model.pretrained
+        ckpt = ExportView(ckpt, merge_lora=lora)  # type: ignore[assignment]  # reads as a Checkpoint
     if "hf_config" in ckpt.state:
         return _llama(ckpt)
     return _gpt(ckpt)

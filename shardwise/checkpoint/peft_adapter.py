@@ -13,7 +13,8 @@ loads it onto a ``transformers`` model of the base.
   express (DoRA, adapter biases, per-module ranks or scales, extra trained modules).
 * ``check_adapter(tensors, shapes)``: every adapter tensor names an adapted (or adaptable) linear layer of the model
   with the right shape — else "an adapter directory for another base or another architecture".
-* ``checkpoint_adapter(ckpt)``: a LoRA run's checkpoint as (adapter config, tensors) for ``write_peft_dir``.
+
+A LoRA run's checkpoint becomes (adapter config, tensors) in ``export_view.checkpoint_adapter``.
 
 The user's guide is docs/training.md, "Pretrained weights in and out".
 """
@@ -29,12 +30,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .hf_map import gpt2_key
 from .hf_write import _publish
 from .integrity import fsync_path
-from .sharded import Checkpoint
 
-__all__ = ["write_peft_dir", "read_peft_dir", "check_adapter", "checkpoint_adapter", "adapter_config",
+__all__ = ["write_peft_dir", "read_peft_dir", "check_adapter", "check_pairs", "adapter_config", "scaling",
            "target_modules_for", "lora_fields", "is_lora_key", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX"]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -209,11 +208,11 @@ def read_peft_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, torc
         if name in tensors:
             raise ValueError(f"{path}: {ADAPTER_WEIGHTS} holds {name!r} twice (two adapter names?); save one adapter")
         tensors[name] = value
-    _check_pairs(tensors, int(config["r"]), path)
+    check_pairs(tensors, int(config["r"]), path)
     return config, tensors
 
 
-def _check_pairs(tensors: Mapping[str, torch.Tensor], r: int, where: Any) -> None:
+def check_pairs(tensors: Mapping[str, torch.Tensor], r: int, where: Any) -> None:
     if not tensors:
         raise ValueError(f"{where}: {ADAPTER_WEIGHTS} holds no LoRA tensors; pass a LoRA adapter directory")
     for key, t in sorted(tensors.items()):
@@ -252,50 +251,3 @@ def check_adapter(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequ
         if absent:
             raise ValueError(f"the model's adapter {absent[0]!r} is not in the adapter directory ({len(absent)} "
                              f"missing): its target modules differ; pass the same --lora.targets the adapter has")
-
-
-def checkpoint_adapter(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(``adapter_config.json`` dict, ``{model key: tensor}``) of a LoRA run's checkpoint: its adapters read in
-    full (fp32 as trained), its LoRA section (``config["lora"]``), ``target_modules`` that select exactly the
-    adapted modules, ``base_model_name_or_path`` = the run's ``model.pretrained``. ValueError for a checkpoint
-    without adapters or without its LoRA section."""
-    keys = [k for k in ckpt.keys("model/") if is_lora_key(k)]
-    if not keys:
-        raise ValueError(f"checkpoint {ckpt.path}: holds no LoRA adapters (no '<module>.lora_A.weight' tensors); "
-                         f"--format peft exports a run trained with --lora.r: use --format hf for this one")
-    config = ckpt.state.get("config") if isinstance(ckpt.state.get("config"), dict) else {}
-    fields = lora_fields(config.get("lora", {}), f"checkpoint {ckpt.path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for key in keys:
-        t = ckpt.full(key)
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"checkpoint {ckpt.path}: {key!r} holds NaN/Inf values; refusing to export a diverged "
-                             f"adapter; export an earlier checkpoint (pass its directory)")
-        tensors[key[len("model/"):]] = t.contiguous()
-    _check_pairs(tensors, fields["r"], f"checkpoint {ckpt.path}")
-    modules = {k[len("model/"):].removesuffix(".weight").removesuffix(".bias").removesuffix(".base_layer")
-               for k in ckpt.keys("model/") if not is_lora_key(k)}
-    gpt = "hf_config" not in ckpt.state  # the reference GPT: GPT-2's module names (Conv1D: fan_in_fan_out)
-    if gpt:
-        tensors, modules = _as_gpt2(tensors, modules)
-    adapted = {k.rsplit(".", 2)[0] for k in tensors}
-    model = config.get("model") if isinstance(config.get("model"), dict) else {}
-    pretrained = model.get("pretrained") or None
-    return adapter_config(fields, target_modules_for(adapted, modules), base_model=pretrained,
-                          fan_in_fan_out=gpt), tensors
-
-
-def _as_gpt2(tensors: dict[str, torch.Tensor], modules: set[str]) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The reference GPT's adapters and module names under GPT-2's (``blocks.0.attn.qkv`` →
-    ``transformer.h.0.attn.c_attn``). A and B keep their shapes: peft's adapters on a Conv1D base are nn.Linear
-    too, (r, in) and (out, r); only the base weight is stored transposed."""
-    def name(module: str) -> str:
-        try:
-            return gpt2_key(module + ".weight")[0].removesuffix(".weight")
-        except ValueError:
-            return module  # lm_head, wte...: GPT-2 has them under the same names or has no such linear layer
-    renamed = {}
-    for key, t in tensors.items():
-        module, which, attr = key.rsplit(".", 2)
-        renamed[f"{name(module)}.{which}.{attr}"] = t
-    return renamed, {name(m) for m in modules}

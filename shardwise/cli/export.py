@@ -2,7 +2,10 @@
 
 Reads the sharded checkpoint (any layout it was saved in), assembles every model tensor in full, restores
 tied keys (``lm_head.weight`` next to ``wte.weight``) and writes a single safetensors file whose keys are
-exactly those of ``GPT(config).state_dict()``; the model config is stored in the file's metadata. A model trained
+exactly those of ``GPT(config).state_dict()``; the model config is stored in the file's metadata. A LoRA run's keys
+are written as trained (``<module>.base_layer.weight``, ``<module>.lora_A.weight``, ``<module>.lora_B.weight``: the
+state dict of the model after ``sw.apply_lora``); a frozen base the checkpoint left out (``train.save_frozen =
+false``) is read from the run's ``model.pretrained`` directory. A model trained
 from a Hugging Face config (``model.hf_config``) exports HF's keys (``model.layers.0.self_attn.q_proj.weight``,
 ..., ``lm_head.weight``) and its architecture as the ``hf_config`` metadata entry (a ``config.json`` object):
 ``transformers`` loads the file with ``load_state_dict`` into the model of that config.
@@ -18,7 +21,9 @@ existing ``--out`` untouched. Every failure is one line on stderr (``shardwise e
 the special token ids (``config.json`` and ``generation_config.json``) and the tokenizer files of the run's
 prepared dataset, of the run directory or of the pretrained directory the run started from — or, for a byte-level
 run, a ``tokenizer.json`` of that byte encoding (``export_tokens.py``). Tensors are read and written one at a
-time; ``DIR`` is replaced atomically (docs/training.md, "Pretrained weights in and out").
+time; ``DIR`` is replaced atomically (docs/training.md, "Pretrained weights in and out"). A LoRA run needs
+``--merge-lora`` there (each adapter folded into its base weight); ``--format peft --out DIR`` writes its adapters
+alone as a PEFT adapter directory (``export_peft.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError
 
+from ..checkpoint.export_view import OMITTED_STATE, ExportView
 from ..checkpoint.hf_dir import check_out_dir, hf_export, write_hf_dir
 from ..checkpoint.sharded import Checkpoint, resolve_checkpoint, verify_checkpoint
 from .export_tokens import data_kind, generated_tokenizer_files, generation_config, special_ids
@@ -68,9 +74,11 @@ def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     where = resolve_checkpoint(path)
     verify_checkpoint(where)
     ckpt = Checkpoint(where)
+    # a frozen base left out of the checkpoint (train.save_frozen = false) is read from model.pretrained
+    view = ExportView(ckpt) if ckpt.state.get(OMITTED_STATE) else ckpt
     out: dict[str, torch.Tensor] = {}
-    for key in ckpt.keys("model/"):
-        t = ckpt.full(key).contiguous()
+    for key in view.keys("model/"):
+        t = view.full(key).contiguous()
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"checkpoint {ckpt.path}: {key!r} holds NaN/Inf values; refusing to export a diverged "
                              f"model; export an earlier checkpoint (pass its directory, e.g. "

@@ -15,7 +15,8 @@ from typing import Callable
 
 from safetensors import SafetensorError
 
-from ..checkpoint.peft_adapter import checkpoint_adapter, write_peft_dir
+from ..checkpoint.export_view import checkpoint_adapter
+from ..checkpoint.peft_adapter import write_peft_dir
 from ..checkpoint.sharded import Checkpoint, resolve_checkpoint, verify_checkpoint
 
 __all__ = ["main_peft", "export_peft"]
