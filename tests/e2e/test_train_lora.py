@@ -1,0 +1,123 @@
+"""``shardwise train --model.pretrained DIR --lora.*`` end to end: LoRA on a Hugging Face Llama trains to the same
+losses in every layout, leaves the pretrained base bit-identical, starts from a PEFT adapter directory with peft's
+own first loss, resumes in another layout, and refuses bad settings in one line before launching.
+
+The data is a text whose every training window is the same (a block_size-periodic stream), so the batch of step 1
+is known without reproducing the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.cli.export import consolidate
+from tests.e2e.runs import cli, losses, resume_in_layout
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+BLOCK = 16
+PATTERN = bytes((7 * i + 3) % 26 + 97 for i in range(BLOCK))
+TARGETS = "q_proj,v_proj,down_proj"
+TRAIN = ["--model.block_size", str(BLOCK), "--train.steps", "6", "--train.ckpt_every", "3", "--optimizer.lr", "1e-2",
+         "--data.global_batch", "4", "--parallel.micro_batch", "1", "--train.memory_check", "false",
+         "--lora.r", "4", "--lora.alpha", "8", "--lora.targets", TARGETS]
+LAYOUTS = {"one": ["--parallel.nproc", "1"],
+           "tp2": ["--parallel.nproc", "2", "--parallel.tp", "2"],
+           "zero3": ["--parallel.nproc", "2", "--parallel.zero_stage", "3"],
+           "pp2": ["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.micro_batch", "2",
+                   "--parallel.pp_microbatches", "2"]}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False))
+    llama.save_pretrained(root / "llama")
+    torch.manual_seed(1)  # an adapter with B drawn (not zero): the adapted model differs from the base
+    adapted = peft.get_peft_model(llama, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS.split(","),
+                                                         init_lora_weights=False))
+    adapted.save_pretrained(root / "adapter")
+    (root / "data.txt").write_bytes(PATTERN * 200)
+    return {"llama": root / "llama", "adapter": root / "adapter", "data": root / "data.txt", "root": root}
+
+
+def _train(dirs: dict[str, Path], name: str, *extra: str) -> Path:
+    proc = cli(dirs["root"], "train", "--model.pretrained", str(dirs["llama"]), "--data.path", str(dirs["data"]),
+               "--train.name", name, *TRAIN, *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dirs["root"] / "runs" / name
+
+
+@pytest.fixture(scope="module")
+def one(dirs) -> Path:
+    return _train(dirs, "one", *LAYOUTS["one"])
+
+
+def test_one_process_trains_the_adapters_only(dirs, one):
+    state, _ = consolidate(one / "checkpoints" / "step_000006")
+    base = safetensors_torch.load_file(str(dirs["llama"] / "model.safetensors"))
+    adapters = [k for k in state if ".lora_" in k]
+    assert len(adapters) == 2 * 3 * 2  # A and B of 3 targets in 2 layers
+    for key, value in base.items():  # every pretrained tensor, under base_layer where LoRA wraps it
+        name = key if key in state else key.replace(".weight", ".base_layer.weight")
+        assert torch.equal(state[name], value), key
+    assert all(state[k].abs().max() > 0 for k in adapters if ".lora_B." in k)  # B moved off its zero start
+    run = losses(one)
+    assert run[6] < run[1]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "zero3", "pp2"])
+def test_every_layout_trains_like_one_process(dirs, one, layout):
+    got, want = losses(_train(dirs, layout, *LAYOUTS[layout])), losses(one)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert math.isclose(got[step], want[step], rel_tol=1e-5), (layout, step, got[step], want[step])
+
+
+def test_resume_in_another_layout(dirs, one, tmp_path):
+    resume_in_layout(one, tmp_path, ["--parallel.nproc", "2", "--parallel.tp", "2"])
+
+
+def test_lora_init_starts_from_peft_adapter(dirs):
+    run = _train(dirs, "init", "--lora.init", str(dirs["adapter"]), "--lora.r", "0", "--parallel.nproc", "2",
+                 "--parallel.tp", "2")
+    base = transformers.AutoModelForCausalLM.from_pretrained(dirs["llama"]).float().eval()
+    model = peft.PeftModel.from_pretrained(base, dirs["adapter"]).eval()
+    window = torch.tensor(list(PATTERN * 2), dtype=torch.int64)[:BLOCK + 1]
+    with torch.no_grad():
+        logits = model(input_ids=window[None, :-1]).logits
+    want = float(torch.nn.functional.cross_entropy(logits[0], window[1:]))
+    assert math.isclose(losses(run)[1], want, rel_tol=1e-5), (losses(run)[1], want)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora.targets", "qq_proj"], "LoRA target 'qq_proj' matches no nn.Linear module"),
+    (["--lora.r", "-1"], "lora.r = -1 must be >= 0"),
+    (["--lora.r", "0", "--lora.dropout", "0.1"], "is set but lora.r = 0 (LoRA off)"),
+    (["--lora.alpha", "0"], "LoRA alpha must be > 0"),
+])
+def test_bad_lora_settings_are_one_line(dirs, tmp_path, flags, message):
+    proc = cli(tmp_path, "train", "--model.pretrained", str(dirs["llama"]), "--data.path", str(dirs["data"]),
+               *TRAIN, *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_adapter_of_another_base_is_refused(dirs, tmp_path):
+    torch.manual_seed(2)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64))
+    peft.get_peft_model(other, peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    proc = cli(tmp_path, "train", "--model.pretrained", str(dirs["llama"]), "--data.path", str(dirs["data"]),
+               *TRAIN[:-6], "--lora.init", str(tmp_path / "a"), "--parallel.nproc", "1")
+    assert proc.returncode != 0 and "trained for another base" in proc.stderr, proc.stderr[-2000:]
