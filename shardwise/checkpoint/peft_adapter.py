@@ -33,7 +33,7 @@ import torch
 from .hf_write import _publish
 from .integrity import fsync_path
 
-__all__ = ["write_peft_dir", "read_peft_dir", "check_adapter", "check_pairs", "adapter_config", "scaling",
+__all__ = ["write_peft_dir", "read_peft_dir", "read_peft_config", "check_adapter", "check_pairs", "adapter_config", "scaling",
            "target_modules_for", "lora_fields", "is_lora_key", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX"]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -187,6 +187,19 @@ def _model_key(key: str, path: Path) -> str:
     return f"{match['module']}.{match['which']}.weight"
 
 
+def read_peft_config(directory: str | Path) -> dict[str, Any]:
+    """``adapter_config.json`` of a PEFT LoRA adapter directory, checked as ``read_peft_dir`` checks it (both files
+    present, peft_type LORA, no unsupported variant) without reading the tensors: a cheap check before launch."""
+    path = Path(directory).expanduser()
+    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / name).is_file()]
+    if missing:
+        legacy = " (adapter_model.bin is not read: re-save it with safe_serialization)" if (
+            path / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"{path}: not a PEFT adapter directory, {' and '.join(missing)} missing{legacy}; pass the "
+                         f"directory save_pretrained (peft) or shardwise export --format peft wrote")
+    return _read_config(path)
+
+
 def read_peft_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(``adapter_config.json`` as a dict, ``{model key: tensor}``) of a PEFT LoRA adapter directory, keys as
     ``shardwise.models.lora`` names them (``<module>.lora_A.weight``: PEFT's prefix and any adapter name dropped).
@@ -195,13 +208,7 @@ def read_peft_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, torc
     from safetensors.torch import load_file
 
     path = Path(directory).expanduser()
-    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / name).is_file()]
-    if missing:
-        legacy = " (adapter_model.bin is not read: re-save it with safe_serialization)" if (
-            path / "adapter_model.bin").is_file() else ""
-        raise ValueError(f"{path}: not a PEFT adapter directory, {' and '.join(missing)} missing{legacy}; pass the "
-                         f"directory save_pretrained (peft) or shardwise export --format peft wrote")
-    config = _read_config(path)
+    config = read_peft_config(path)
     tensors: dict[str, torch.Tensor] = {}
     for key, value in load_file(str(path / ADAPTER_WEIGHTS)).items():
         name = _model_key(key, path)

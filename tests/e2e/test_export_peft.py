@@ -132,3 +132,22 @@ def test_lora_and_non_lora_runs_refuse_the_wrong_export(root: Path) -> None:
     assert "pass it with --format hf, not --format peft" in _refused(root, str(lora), "--format", "peft",
                                                                     "--merge-lora", "--out", out)
     assert not Path(out).exists()
+
+
+def test_checkpoints_that_cannot_be_exported_are_named(root: Path) -> None:
+    """Saved states the commands cannot produce today (edited in memory): each refusal names its cause."""
+    from shardwise.checkpoint.export_view import ExportView, checkpoint_adapter
+    from shardwise.checkpoint.sharded import Checkpoint
+
+    ckpt = Checkpoint(_train(root, "llama-nofrozen", *RUNS["llama-nofrozen"]))
+    ckpt.state["config"]["model"]["pretrained"] = str(root / "moved-away")
+    with pytest.raises(ValueError, match="its frozen base was not saved .* is not there to read it from"):
+        ExportView(ckpt)
+    checkpoint_adapter(ckpt)  # the adapters alone need no base
+    ckpt = Checkpoint(_train(root, "llama", *RUNS["llama"]))
+    ckpt.state["aliases"] = {"model.layers.0.self_attn.q_proj.base_layer.weight": "model.embed_tokens.weight"}
+    with pytest.raises(ValueError, match="is tied to 'model.embed_tokens.weight'; merging its adapter"):
+        ExportView(ckpt, merge_lora=True)
+    del ckpt.state["config"]["lora"]
+    with pytest.raises(ValueError, match="holds no LoRA section with r > 0 and alpha"):
+        checkpoint_adapter(ckpt)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, check_adapter,
-                                               read_peft_dir, target_modules_for, write_peft_dir)
+                                               read_peft_config, read_peft_dir, target_modules_for, write_peft_dir)
 from shardwise.models.hf_config import hf_config_from_dict
 from shardwise.models.llama import Llama
 from shardwise.models.lora import LoRAConfig, apply_lora
@@ -111,6 +111,9 @@ def test_unsupported_adapters_are_one_line_errors(tmp_path: Path, field: str, va
     with pytest.raises(ValueError, match=needle) as err:
         read_peft_dir(path)
     assert "\n" not in str(err.value)
+    if field != "r":  # the config alone tells: refused before any tensor is read
+        with pytest.raises(ValueError, match=needle):
+            read_peft_config(path)
 
 
 def test_missing_files_and_stray_tensors(tmp_path: Path) -> None:
