@@ -110,14 +110,19 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, *,
         raise ValueError(f"document_attention: the documents describe {len(documents.spans)} rows of "
                          f"{documents.length} tokens, the queries {q.size(0)} rows of {t}; derive them from the "
                          f"same batch (documents_from_tokens)")
+    if all(len(row) == 1 for row in documents.spans):  # one document per row: the plain causal call, bit for bit
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=enable_gqa)
+    # unbind and split (not slices): their backward writes each gradient once, where a slice's would add a
+    # zero-filled copy of the whole tensor per document
     rows = []
-    for r, row in enumerate(documents.spans):
-        qr, kr, vr = q[r:r + 1], k[r:r + 1], v[r:r + 1]
-        parts = [F.scaled_dot_product_attention(qr[:, :, a:e], kr[:, :, a:e], vr[:, :, a:e], dropout_p=dropout_p,
-                                                is_causal=True, scale=scale, enable_gqa=enable_gqa)
-                 for a, e in row]  # (1, h, len, dv) each
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    for qr, kr, vr, row in zip(q.unbind(0), k.unbind(0), v.unbind(0), documents.spans):  # (h, t, d) each
+        lengths = [stop - start for start, stop in row]
+        parts = [F.scaled_dot_product_attention(qd, kd, vd, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                                enable_gqa=enable_gqa)
+                 for qd, kd, vd in zip(qr.split(lengths, 1), kr.split(lengths, 1), vr.split(lengths, 1))]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))  # (h, t, dv)
+    return torch.stack(rows)
 
 
 _ACTIVE = threading.local()
