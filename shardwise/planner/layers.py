@@ -87,6 +87,10 @@ class Layer:
     imbalance: float = 1.0
     """The most loaded expert-parallel rank's routed tokens over the mean (1.0: an ideal balance). Scales the
     expert GEMMs and the all-to-alls of ``ep > 1`` (that rank sets the pace of every rank)."""
+    frozen: int = 0
+    """Parameters of ``params`` that train nothing (a LoRA base, a frozen embedding): parameter bytes only, no
+    gradient or optimizer state. The trainable rest (``params - frozen``) is counted whole on every tp rank (adapters
+    are small); ``ModelSpec.with_adapters`` sets it."""
 
     @property
     def flops(self) -> float:

@@ -37,7 +37,7 @@ from .context import local_spec
 from .hardware import PRESETS, Hardware
 from .layers import Layer
 from .compute import act_bytes
-from .memory import _PER_ELEMENT, _apart, model_state_bytes, rank_parts, step_grad_bytes
+from .memory import _PER_ELEMENT, _apart, frozen_local, rank_parts, rank_states, step_grad_bytes
 from .plan import Layout
 from .spec import ModelSpec
 
@@ -93,20 +93,15 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
     chunk activation sets kept at the peak (the schedule simulator's count). ``bucket_bytes``: ZeRO-2's bucket
     cap; ``boundary``: bytes of one activation message between stages (0 without a pipeline)."""
     n, per_chunk, transient, biggest, loss, _, _, experts = rank_parts(layers, chunk_layers, plan)
-    states = model_state_bytes(n, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group,
-                               optimizer=plan.optimizer)
-    if experts and plan.expert_group != plan.zero_group:  # routed experts shard over their own group
-        own = model_state_bytes(experts, precision=plan.precision, zero_stage=plan.zero_stage,
-                                dp=plan.expert_group, optimizer=plan.optimizer)
-        dense = model_state_bytes(n - experts, precision=plan.precision, zero_stage=plan.zero_stage,
-                                  dp=plan.zero_group, optimizer=plan.optimizer)
-        states = type(states)(dense.params + own.params, dense.grads + own.grads, dense.optimizer + own.optimizer)
+    frozen = frozen_local(layers, plan.tp, plan.ep)  # a frozen base: parameter bytes only
+    states = rank_states(n, experts, frozen, plan)  # routed experts shard over their own group
+    n -= frozen  # from here on: the elements with a gradient
     p_bytes, g_bytes, _ = _PER_ELEMENT[plan.precision]
     sharded = plan.zero_group > 1
     gathered = 2 * biggest * p_bytes if plan.zero_stage >= 3 and sharded else 0.0
     # bf16 autocast keeps a 2-byte copy of each weight a GEMM read, for backward: of the gathered units only under
     # ZeRO-3, of every local weight otherwise
-    casts = 0.0 if plan.precision != "bf16" else 2 * (2 * biggest if gathered else n)
+    casts = 0.0 if plan.precision != "bf16" else 2 * (2 * biggest if gathered else n + frozen)
     comm = 0.0
     # a group filling and MAX_IN_FLIGHT reducing, never more than all of the rank's gradients (one group then)
     if plan.pp > 1 and plan.zero_stage >= 2 and sharded:

@@ -34,7 +34,7 @@ from .layers import Layer
 from .moe import expert_local
 
 __all__ = ["StateBytes", "model_state_bytes", "step_grad_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
-           "construction_bytes", "runtime_bytes", "CPU_RUNTIME_BYTES", "optimizer_bytes_per_element"]
+           "construction_bytes", "runtime_bytes", "rank_states", "frozen_local", "CPU_RUNTIME_BYTES", "optimizer_bytes_per_element"]
 
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
 
@@ -79,6 +79,26 @@ def model_state_bytes(n_params: float, *, precision: str, zero_stage: int, dp: i
     return StateBytes(params=p * n_params / (dp if zero_stage >= 3 else 1),
                       grads=g * n_params / (dp if zero_stage >= 2 else 1),
                       optimizer=o * n_params / (dp if zero_stage >= 1 else 1))
+
+
+def frozen_local(layers: Sequence[Layer], tp: int, ep: int = 1) -> float:
+    """Frozen parameter elements of ``layers`` on one tensor-parallel rank: all but their trainable
+    ``params - frozen``, which are counted whole (adapters: small, mostly replicated)."""
+    return sum(max(0.0, local_params(x, tp, ep) - (x.params - x.frozen)) for x in layers if x.frozen)
+
+
+def rank_states(n: float, experts: float, frozen: float, plan: Layout) -> StateBytes:
+    """Model-state bytes of a rank holding ``n`` parameter elements, ``experts`` of them routed experts' (sharded
+    over ``Layout.expert_group``) and ``frozen`` of them frozen (parameter bytes only: sharded by ZeRO-3 outside a
+    pipeline, whole inside one — ``parallel/pipeline/zero3.py`` keeps frozen weights whole)."""
+    def of(count: float, group: int) -> StateBytes:
+        return model_state_bytes(count, precision=plan.precision, zero_stage=plan.zero_stage, dp=group,
+                                 optimizer=plan.optimizer)
+    dense, own = of(max(0.0, n - experts - frozen), plan.zero_group), of(experts, plan.expert_group)
+    shard = plan.zero_group if plan.zero_stage >= 3 and plan.pp == 1 else 1
+    held = _PER_ELEMENT[plan.precision][0] * frozen / shard
+    return StateBytes(params=dense.params + own.params + held, grads=dense.grads + own.grads,
+                      optimizer=dense.optimizer + own.optimizer)
 
 
 def local_params(layer: Layer, tp: int, ep: int = 1) -> float:
@@ -217,13 +237,8 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     n, per_chunk, transient, biggest, loss, whole, split, experts = parts or rank_parts(layers, chunk_layers, plan)
     # ZeRO shards over every rank that holds the same parameters: dp × cp (``Layout.zero_group``); a rank's
     # routed experts over the dp × cp / ep ranks that hold the same experts (``Layout.expert_group``)
-    states = model_state_bytes(n - experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.zero_group,
-                               optimizer=plan.optimizer)
-    if experts:
-        own = model_state_bytes(experts, precision=plan.precision, zero_stage=plan.zero_stage, dp=plan.expert_group,
-                                optimizer=plan.optimizer)
-        states = StateBytes(params=states.params + own.params, grads=states.grads + own.grads,
-                            optimizer=states.optimizer + own.optimizer)
+    frozen = frozen_local(layers, plan.tp, plan.ep)
+    states = rank_states(n, experts, frozen, plan)
     # ZeRO-3 reads its flat ranges straight from the sources (no full tensor in flight); tensor parallelism reads
     # a row-split matrix whole before slicing it.
     sliced = 0.0 if plan.zero_stage >= 3 and plan.zero_group > 1 else split
@@ -234,7 +249,8 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     construction = construction_bytes(kept, in_flight=sliced, precision=plan.precision)
     activations = in_flight * per_chunk + transient
     grad_bytes = _PER_ELEMENT[plan.precision][1]
-    buffers = min(bucket_cap, n * grad_bytes)  # buckets hold at most all the gradients
+    n_grad = n - frozen  # elements with a gradient
+    buffers = min(bucket_cap, n_grad * grad_bytes)  # buckets hold at most all the gradients
     if plan.precision == "bf16":
         buffers += 2 * n  # autocast's 2-byte weight casts, kept for backward
     if plan.pp > 1 and plan.zero_stage >= 2 and plan.zero_group > 1:
@@ -242,15 +258,15 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
         # no_sync): the full gradients accumulate over the step's micro-batches (parallel/pipeline/grad_sync.py)
         # and become the shard at the reduction, so the step holds the full gradients, not both; ZeRO-3 also holds
         # the current and the prefetched unit gathered (parallel/pipeline/zero3.py)
-        buffers += n * grad_bytes - min(bucket_cap, n * grad_bytes) - states.grads
+        buffers += n_grad * grad_bytes - min(bucket_cap, n_grad * grad_bytes) - states.grads
         if plan.zero_stage == 3:
             buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4)
     elif plan.zero_stage == 3:
         # the current and the prefetched unit's parameters, and two units' flat gradients: the one filling and the
         # one whose reduce-scatter is in flight (parallel/zero/grads.py, MAX_IN_FLIGHT = 1)
-        buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4) + 2 * biggest * grad_bytes
+        buffers += 2 * biggest * (2 if plan.precision == "bf16-mixed" else 4) + 2 * min(biggest, n_grad) * grad_bytes
     elif plan.zero_stage == 2:
-        buffers += min(bucket_cap, n * grad_bytes)  # the bucket filling besides the one in flight
+        buffers += min(bucket_cap, n_grad * grad_bytes)  # the bucket filling besides the one in flight
     return MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                            activations=activations, buffers=buffers + loss, capacity=capacity, rank=rank,
                            construction=construction, apart=_apart(plan, activations, states.grads),

@@ -86,6 +86,10 @@ class ModelSpec:
         if self.meta.get("cp", 1) != 1:
             whole = replace(self, meta={k: v for k, v in self.meta.items() if k != "cp"})
             return whole.with_seq_len(seq_len).for_cp(self.meta["cp"])
+        if "adapters" in self.meta:
+            plain = replace(self, layers=tuple(replace(x, params=x.frozen, frozen=0) for x in self.layers),
+                            meta={k: v for k, v in self.meta.items() if k != "adapters"})
+            return plain.with_seq_len(seq_len).with_adapters(self.meta["adapters"])
         if builder == "gpt":
             return ModelSpec.gpt(**{**self.meta["args"], "seq_len": seq_len})
         if builder == "llama":
@@ -94,6 +98,18 @@ class ModelSpec:
             return ModelSpec.from_hf(**{**self.meta["args"], "seq_len": seq_len})
         raise ValueError(f"model spec {self.name!r} was traced at seq_len={self.seq_len}; trace it again with "
                          f"inputs of length {seq_len}")
+
+    def with_adapters(self, adapters: Mapping[str, int]) -> "ModelSpec":
+        """The model fine-tuned with a frozen base: every parameter frozen and ``adapters[layer]`` trainable
+        elements added to each named layer (LoRA: r·(i + o) per adapted linear layer). Their FLOPs are not
+        priced (r ≪ h). Kept through ``with_seq_len``."""
+        unknown = sorted(set(adapters) - {layer.name for layer in self.layers})
+        if unknown:
+            raise ValueError(f"adapters name layers {unknown} that {self.name!r} does not have; its layers are "
+                             f"{[layer.name for layer in self.layers][:6]} ...")
+        layers = [replace(layer, params=layer.params + int(adapters.get(layer.name, 0)), frozen=layer.params)
+                  for layer in self.layers]
+        return replace(self, layers=tuple(layers), meta={**self.meta, "adapters": dict(adapters)})
 
     # -- constructors ------------------------------------------------------------------------------------
     @staticmethod

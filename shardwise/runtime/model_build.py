@@ -24,7 +24,7 @@ from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec",
-           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf", "resolve_pretrained",
+           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf", "resolve_pretrained", "with_adapters",
            "check_tp", "HF_REPLICABLE", "model_mismatch", "resumable_model", "model_run_name"]
 
 
@@ -153,6 +153,30 @@ def model_spec(m: ModelConfig) -> Any:
                            kv_heads=hf.num_key_value_heads, ffn=hf.intermediate_size, vocab_size=hf.vocab_size,
                            seq_len=m.block_size, tie_weights=hf.tie_word_embeddings, name=f"hf-{hf.model_type}",
                            **moe)
+
+
+def with_adapters(spec: Any, cfg: Any) -> Any:
+    """``spec`` with the run's LoRA (``[lora]``): its base frozen and each layer's adapter elements added
+    (``ModelSpec.with_adapters``), counted on the meta model; ``spec`` itself without LoRA."""
+    from .lora_setup import lora_config
+
+    lc = lora_config(cfg.lora, 0) if hasattr(cfg, "lora") else None
+    if lc is None:
+        return spec
+    from ..models.lora import apply_lora
+
+    model = meta_model(cfg.model)
+    apply_lora(model, lc)
+    modules = dict(model.named_modules())
+    counts: dict[str, int] = {}
+    for layer in spec.layers:
+        module = modules.get(train_split_names(cfg.model, (layer.name,))[0])
+        if module is not None:
+            counts[layer.name] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    left = sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(counts.values())
+    if left > 0:  # adapters outside the planner's layers (an adapted LM head): priced with the last layer
+        counts[spec.layers[-1].name] = counts.get(spec.layers[-1].name, 0) + left
+    return spec.with_adapters(counts)
 
 
 # the MoE fields the planner's Llama table takes (an HF config's mlp_only_layers is priced as MoE layers)

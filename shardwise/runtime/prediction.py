@@ -315,9 +315,9 @@ def gpt_spec(cfg: Config) -> ModelSpec:
     """The planner's spec of ``cfg``'s model (the GPT, or the Llama shape of ``model.hf_config``), with the modules
     ``parallel.replicate`` keeps whole."""
     from .config import replicable, replicated_modules
-    from .model_build import model_spec
+    from .model_build import model_spec, with_adapters
 
-    spec = moe_hf_spec(cfg.model) or model_spec(cfg.model)
+    spec = with_adapters(moe_hf_spec(cfg.model) or model_spec(cfg.model), cfg)
     whole = replicated_modules(cfg)
     return spec.replicate(sorted(replicable(cfg.model)[name] for name in whole)) if whole else spec
 
