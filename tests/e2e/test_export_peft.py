@@ -1,8 +1,8 @@
 """``shardwise export`` of a LoRA run end to end: ``--format peft`` writes an adapter directory that
 ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the run's ``--model.pretrained`` base with logits equal to
 the run's model (relative 1e-5, fp32), ``--format hf --merge-lora`` a directory ``transformers`` loads with the same
-logits; both also for a run that left its frozen base out of the checkpoint (``--train.save_frozen false``) and
-for the reference GPT from a GPT-2 directory (adapters under GPT-2's names, ``fan_in_fan_out``). The run's model is
+logits; both also for runs in tp 2 and ZeRO-3 (dp 2), for a run that left its frozen base out of the checkpoint
+(``--train.save_frozen false``) and for the reference GPT from a GPT-2 directory (adapters under GPT-2's names, ``fan_in_fan_out``). The run's model is
 rebuilt independently: our model + ``apply_lora`` + the checkpoint's tensors.
 """
 
@@ -52,7 +52,12 @@ def _train(root: Path, name: str, base: str, *extra: str) -> Path:
 
 RUNS = {"llama": ("llama", *LORA, "--lora.targets", "q_proj,v_proj,down_proj"),
         "llama-nofrozen": ("llama", *LORA, "--lora.targets", "q_proj,v_proj,down_proj", "--train.save_frozen", "false"),
-        "gpt2": ("gpt2", *LORA, "--lora.targets", "qkv,fc")}
+        "gpt2": ("gpt2", *LORA, "--lora.targets", "qkv,fc"),
+        # adapters split with their base (tp) or flat-sharded (ZeRO-3) are saved whole, from every rank's pieces
+        "llama-tp2": ("llama", *LORA, "--lora.targets", "q_proj,v_proj,down_proj", "--parallel.nproc", "2",
+                      "--parallel.tp", "2"),
+        "llama-zero3": ("llama", *LORA, "--lora.targets", "q_proj,v_proj,down_proj", "--parallel.nproc", "2",
+                        "--parallel.zero_stage", "3")}
 
 
 def _run_logits(run: Path) -> torch.Tensor:
