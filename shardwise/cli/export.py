@@ -4,8 +4,9 @@ Reads the sharded checkpoint (any layout it was saved in), assembles every model
 tied keys (``lm_head.weight`` next to ``wte.weight``) and writes a single safetensors file whose keys are
 exactly those of ``GPT(config).state_dict()``; the model config is stored in the file's metadata. A LoRA run's keys
 are written as trained (``<module>.base_layer.weight``, ``<module>.lora_A.weight``, ``<module>.lora_B.weight``: the
-state dict of the model after ``sw.apply_lora``); a frozen base the checkpoint left out (``train.save_frozen =
-false``) is read from the run's ``model.pretrained`` directory. A model trained
+state dict of the model after ``sw.apply_lora``; the run's ``lora`` section is the ``lora_config`` metadata
+entry); a frozen base the checkpoint left out (``train.save_frozen = false``) is read from the run's
+``model.pretrained`` directory. A model trained
 from a Hugging Face config (``model.hf_config``) exports HF's keys (``model.layers.0.self_attn.q_proj.weight``,
 ..., ``lm_head.weight``) and its architecture as the ``hf_config`` metadata entry (a ``config.json`` object):
 ``transformers`` loads the file with ``load_state_dict`` into the model of that config.
@@ -90,6 +91,8 @@ def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             "model_config": json.dumps(ckpt.state.get("config", {}).get("model", {}))}
     if "hf_config" in ckpt.state:  # model.hf_config: the keys are HF's; this rebuilds the HF model to load them into
         meta["hf_config"] = json.dumps(ckpt.state["hf_config"])
+    if any(".lora_A." in k for k in out):  # the LoRA setup that rebuilds the model these keys load into
+        meta["lora_config"] = json.dumps(ckpt.state.get("config", {}).get("lora", {}))
     return out, meta
 
 

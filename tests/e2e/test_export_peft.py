@@ -115,7 +115,11 @@ def test_safetensors_keeps_the_runs_keys(root: Path) -> None:
     run = _train(root, "llama", *RUNS["llama"])
     proc = cli(root, "export", str(run), "--out", str(root / "lora.safetensors"))
     assert proc.returncode == 0, proc.stderr
+    from safetensors import safe_open
+
     keys = set(load_file(str(root / "lora.safetensors")))
+    with safe_open(str(root / "lora.safetensors"), framework="pt") as f:
+        assert json.loads(f.metadata()["lora_config"])["targets"] == "q_proj,v_proj,down_proj"
     assert {"model.layers.0.self_attn.q_proj.base_layer.weight", "model.layers.0.self_attn.q_proj.lora_A.weight",
             "model.layers.1.mlp.down_proj.lora_B.weight", "model.layers.0.self_attn.k_proj.weight"} <= keys
 
