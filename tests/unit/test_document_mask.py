@@ -191,3 +191,11 @@ def test_auto_is_on_for_fine_tuning_data_only():
     Strategy.plain = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="cannot mask packed documents"):
         enable_documents(cfg("true"), Strategy, sft)
+
+
+def test_documents_of_another_batch_are_refused_in_one_line():
+    d = documents_from_tokens(torch.tensor([[1, EOS, 2, 4]] * 2), EOS)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"documents describe 2 rows of 4 tokens, the queries 1 rows of 4") as e:
+        document_attention(q, q, q, d)
+    assert "\n" not in str(e.value)
