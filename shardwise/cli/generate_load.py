@@ -140,8 +140,21 @@ def _gpt_of(model: dict[str, Any], where: str) -> GPT:
 
 
 def meta_model_of(src: Source) -> nn.Module:
-    """The model ``src`` holds, on the meta device (shapes only). ``UsageError`` for an architecture the native
-    models do not compute (one line from the config readers)."""
+    """The model ``src`` holds, on the meta device (shapes only; a LoRA run's with its adapters, unmerged).
+    ``UsageError`` for an architecture the native models do not compute (one line from the config readers)."""
+    model = _meta_model_of(src)
+    config = src.state.get("config") if src.kind == "checkpoint" else None
+    lora = config.get("lora") if isinstance(config, dict) else None
+    if isinstance(lora, dict) and int(lora.get("r", 0) or 0) > 0:
+        from ..models.lora import LoRAConfig, apply_lora
+
+        targets = tuple(t for t in str(lora.get("targets", "")).split(",") if t.strip())
+        apply_lora(model, LoRAConfig(r=int(lora["r"]), alpha=float(lora.get("alpha", 16.0)), targets=targets,
+                                     use_rslora=bool(lora.get("use_rslora", False))))
+    return model
+
+
+def _meta_model_of(src: Source) -> nn.Module:
     try:
         if src.kind == "checkpoint":
             if "hf_config" in src.state:

@@ -14,7 +14,7 @@ import math
 from typing import Any, NamedTuple, Sequence
 
 from .hardware import Hardware
-from .memory import local_params, rank_memory, rank_parts, runtime_bytes
+from .memory import frozen_local, local_params, rank_memory, rank_parts, runtime_bytes
 from .moe import expert_local, optimizer_elements
 from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
                             split_stages)
@@ -64,6 +64,11 @@ def shape_of(spec: ModelSpec, tp: int, pp: int, opt: Option, cache: dict, ep: in
         # ``predict``'s: the largest rank's local parameters and its routed experts' (the search's cache is per ep)
         n_local, n_expert = max((sum(local_params(layer, tp, ep) for layer in rl),
                                  sum(expert_local(layer, tp, ep) for layer in rl)) for rl in rank_layers)
+        # frozen elements are neither reduced nor stepped: a bound prices only the trainable ones (ZeRO-3's
+        # gathers of frozen weights left out keeps it a lower bound)
+        if any(layer.frozen for layer in spec.layers):
+            n_local = min(sum(local_params(layer, tp, ep) for layer in rl) - frozen_local(rl, tp, ep)
+                          for rl in rank_layers)
         tensors = max(len(rl) for rl in rank_layers) * 12
         cache[key] = (stages, starts, ranks, rank_layers, n_local, tensors)
         cache[("experts",) + key] = n_expert

@@ -208,6 +208,8 @@ def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_no
         # passes (norms, activation, residuals, softmax) and the block's tensor-parallel collectives
         recompute = (f_attn + f_ew) * hw.fwd_factor + tp_f
     b_gemm, b_ew, w_gemm = b_gemm * hw.bwd_factor, b_ew * hw.bwd_factor, w_gemm * hw.bwd_factor
+    if layer.frozen:  # frozen weights get no weight gradient (a LoRA base: the adapters' are ~r/h of it)
+        w_gemm *= max(0, layer.params - layer.frozen) / max(layer.params, 1)
     ep_f, ep_b = moe_comm(layer, plan, hw, act_bytes(plan))
     return LayerTime(F=F + ep_f, B=b_gemm + b_ew + tp_b + recompute + ep_b, W=w_gemm, recompute=recompute,
                      tp_fwd=tp_f, tp_bwd=tp_b + (tp_f if recompute and plan.activation_checkpointing == "full"

@@ -17,21 +17,24 @@ __all__ = ["dp_comm", "_dp_comm"]
 
 
 def dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
-            units: int = 1, n_expert: float = 0.0) -> float:
+            units: int = 1, n_expert: float = 0.0, n_frozen: float = 0.0) -> float:
     """Exposed seconds per step of the gradient reduction of a rank's ``n_local`` parameter elements, of which
-    ``n_expert`` are routed experts' (see module doc): ``_dp_comm`` of the dense part over ``dp × cp`` plus that
-    of the expert part over the expert group."""
+    ``n_expert`` are routed experts' (see module doc) and ``n_frozen`` are frozen (no gradient to reduce; ZeRO-3
+    still gathers them): ``_dp_comm`` of the dense part over ``dp × cp`` plus that of the expert part over the
+    expert group."""
     if plan.ep == 1 or not n_expert:
-        return _dp_comm(plan, hw, n_local, backward, forward, overlap, units)
-    dense = _dp_comm(plan, hw, n_local - n_expert, backward, forward, overlap, units) if n_local > n_expert else 0.0
+        return _dp_comm(plan, hw, n_local, backward, forward, overlap, units, n_frozen=n_frozen)
+    dense = _dp_comm(plan, hw, n_local - n_expert, backward, forward, overlap, units,
+                     n_frozen=n_frozen) if n_local > n_expert else 0.0
     return dense + _dp_comm(plan, hw, n_expert, backward, forward, overlap, units, expert=True)
 
 
 def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forward: float, overlap: bool,
-             units: int = 1, expert: bool = False) -> float:
+             units: int = 1, expert: bool = False, n_frozen: float = 0.0) -> float:
     """Exposed seconds per step of the gradient reduction (and ZeRO's parameter gathers) over the dp × cp
     group (``Layout.zero_group``: context-parallel ranks hold the same parameters); ``expert``: over the expert
-    group of ``plan`` (``Layout.expert_group``, ranks ``tp · ep`` apart)."""
+    group of ``plan`` (``Layout.expert_group``, ranks ``tp · ep`` apart). ``n_frozen`` of the ``n_local``
+    elements have no gradient: neither reduced nor (ZeRO-1/2) gathered after the step."""
     group = plan.expert_group if expert else plan.zero_group
     if group == 1:
         return 0.0
@@ -52,14 +55,15 @@ def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forwar
                                                  algorithm=algorithm)
     # plain data parallelism all-reduces the gradients; every ZeRO stage reduce-scatters them (each replica
     # keeps the averaged shard it updates) and stages 1-2 all-gather the updated parameters after the step
-    reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_local * grad_b)
-    gather = coll("all_gather", n_local * param_b) if plan.zero_stage in (1, 2) else 0.0
+    n_grad = max(0.0, n_local - n_frozen)
+    reduce = coll("all_reduce" if plan.zero_stage == 0 else "reduce_scatter", n_grad * grad_b)
+    gather = coll("all_gather", n_grad * param_b) if plan.zero_stage in (1, 2) else 0.0
     # On a CPU host (a calibration with host_cores) gloo moves the bytes with the same cores the ranks compute
     # on: communication takes its time from compute instead of hiding under it. Every ZeRO stage reduces its
     # buckets during backward, as data parallelism does (a pipeline's ZeRO-1 per stage as its backward ends).
     overlap = overlap and not hw.host_cores
     if plan.zero_stage == 3 and plan.pp > 1:
-        return _pipeline_zero3(plan, hw, coll, n_local * param_b, n_local * grad_b, backward, forward, overlap, units)
+        return _pipeline_zero3(plan, hw, coll, n_local * param_b, n_grad * grad_b, backward, forward, overlap, units)
     if plan.zero_stage == 3:
         # every pass gathers each unit's parameters for forward and again for backward (prefetch hides what
         # compute covers), and reduce-scatters its gradients during backward; each of these 3 collectives per
@@ -68,7 +72,7 @@ def _dp_comm(plan: Layout, hw: Hardware, n_local: float, backward: float, forwar
         # one collective per unit, each paying its own latency: at a thousand ranks a ring's (P - 1) steps cost
         # milliseconds per call, whatever the bytes
         fwd = units * coll("all_gather", n_local * param_b / units)
-        reduce = units * coll("reduce_scatter", n_local * grad_b / units)
+        reduce = units * coll("reduce_scatter", n_grad * grad_b / units)
         waits = 3 * units * hw.sync_skew_s
         if not overlap:
             return passes * (2 * fwd + reduce + waits)

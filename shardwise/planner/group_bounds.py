@@ -27,7 +27,7 @@ from typing import Any, Iterator
 from .bounds import Option, memory_bounds, split_id, time_bound
 from .enumerate import Space, _schedule_options, _split, async_tp_of, note_over_memory
 from .hardware import Hardware
-from .memory import local_params
+from .memory import frozen_local, local_params
 from .plan import Layout
 from .step_extras import fused_optimizer, optimizer_time
 from .predict import _dp_comm, layer_costs, shares_cores
@@ -74,7 +74,8 @@ def group_bound(spec: ModelSpec, hw: Hardware, *, tp: int, pp: int, dp: int, per
         compute += sum(cheapest[:pp]) / pp
     rest_key = ("rest", tp, pp, dp, tuple(zeros), accum, precision, runtime)  # all the rest depends on
     if rest_key not in cache:
-        n_local = sum(local_params(layer, tp, ep) for layer in spec.layers) / pp
+        # frozen elements are neither reduced nor stepped (left out: still a lower bound)
+        n_local = (sum(local_params(layer, tp, ep) for layer in spec.layers) - frozen_local(spec.layers, tp, ep)) / pp
         least_layers = math.ceil(len(spec.layers) / pp)
         fused = fused_optimizer(runtime, hw)
         rest = math.inf

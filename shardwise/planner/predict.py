@@ -19,7 +19,7 @@ from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .context import local_spec, with_ring
 from .hardware import Hardware
-from .memory import MemoryBreakdown, local_params, rank_memory, runtime_bytes
+from .memory import MemoryBreakdown, frozen_local, local_params, rank_memory, runtime_bytes
 from .overhead import autocast_factor, with_launch_cost
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Layout
@@ -279,14 +279,15 @@ def predict(spec: ModelSpec, plan: Layout, hardware: Hardware, *, global_batch: 
     # the bottleneck rank sets the data-parallel window and the memory
     bottleneck = max(range(plan.pp), key=lambda r: flush.busy[r])
     rank_layers = [[layer for s in ranks[r] for layer in stages[s]] for r in range(plan.pp)]
-    n_local, n_expert = max((sum(local_params(layer, plan.tp, plan.ep) for layer in rl),
-                             sum(expert_local(layer, plan.tp, plan.ep) for layer in rl)) for rl in rank_layers)
+    n_local, n_expert, n_frozen = max((sum(local_params(layer, plan.tp, plan.ep) for layer in rl),
+                                       sum(expert_local(layer, plan.tp, plan.ep) for layer in rl),
+                                       frozen_local(rl, plan.tp, plan.ep)) for rl in rank_layers)
     tensors = max(len(rl) for rl in rank_layers) * 12
     last_b = sum(c.B + c.W for s in ranks[bottleneck] for c in costs[s])
     last_f = sum(c.F for s in ranks[bottleneck] for c in costs[s])
     units = max(len(rl) for rl in rank_layers)
-    dp = dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units, n_expert)
-    opt = optimizer_time(plan, hardware, optimizer_elements(plan, n_local, n_expert), tensors,
+    dp = dp_comm(plan, hardware, n_local, last_b, last_f, runtime == "shardwise", units, n_expert, n_frozen)
+    opt = optimizer_time(plan, hardware, optimizer_elements(plan, n_local - n_frozen, n_expert), tensors,
                          fused=fused_for(runtime, hardware) if fused_optimizer is None else fused_optimizer,
                          multi_tensor=runtime == "shardwise")
     if runtime == "shardwise":

@@ -234,7 +234,7 @@ class LoRASection:
     targets: str = "q_proj,v_proj"
     """Comma-separated module-name suffixes or fnmatch patterns of the nn.Linear layers to adapt (peft's
     ``target_modules``); e.g. ``q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj`` for every linear layer of a
-    Llama decoder, ``c_attn,c_proj,c_fc`` for the reference GPT."""
+    Llama decoder, ``qkv,proj,fc`` for the reference GPT (``attn.qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``)."""
     dropout: float = 0.0
     """Dropout on each adapter's input (peft's ``lora_dropout``)."""
     use_rslora: bool = False

@@ -107,10 +107,19 @@ def check_lora(section: Any, meta_model: Callable[[], nn.Module] | None = None) 
         LoRAConfig(r=max(section.r, 1), alpha=section.alpha, targets=tuple(section.targets.split(",")),
                    dropout=section.dropout)  # its own checks: alpha > 0, dropout in [0, 1), targets given
     if section.init:
+        from ..checkpoint.peft_adapter import read_peft_config
+
         _adapter_config(section.init)
+        read_peft_config(section.init)  # both files, no DoRA / rank_pattern / other unsupported variant
     lc = lora_config(section, 0)
     if lc is not None and meta_model is not None:
-        apply_lora(meta_model(), lc)  # raises for a target that names no linear layer
+        model = meta_model()
+        apply_lora(model, lc)  # raises for a target that names no linear layer
+        if section.init:  # the adapter against the model's shapes (the tensors are small: read here)
+            from ..checkpoint.peft_adapter import check_adapter, read_peft_dir
+
+            check_adapter(read_peft_dir(section.init)[1],
+                          {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()})
 
 
 def apply_run_lora(model: nn.Module, cfg: Any) -> list[str]:
@@ -138,8 +147,8 @@ def _attach_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], where: s
         raise ValueError(f"{where}: the adapter does not fit this model (adapter tensors without a LoRA module: "
                          f"{extra[:3]}; LoRA modules without an adapter tensor: {missing[:3]}); it was trained for "
                          f"another base or other targets")
+    from ..checkpoint.peft_adapter import check_adapter
+
+    check_adapter(tensors, {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()})
     for key, p in params.items():
-        if tuple(tensors[key].shape) != tuple(p.shape):
-            raise ValueError(f"{where}: adapter tensor {key!r} has shape {tuple(tensors[key].shape)}, the model's "
-                             f"needs {tuple(p.shape)}; the adapter was trained for another base or architecture")
         set_source(p, TensorSource(tensors[key], p.dtype))
