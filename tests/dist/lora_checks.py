@@ -247,3 +247,54 @@ def check_tp2dp2() -> dict:
     out["dp_bytes"] = c.bytes("all_reduce", axis="dp")
     out["adapter_bytes"] = sum(p.numel() * 4 for p in _trainable(model))
     return out
+
+
+def _gpt_lora() -> nn.Module:
+    """The reference GPT (fused q/k/v: QKVParallel) with LoRA on qkv, proj and fc; B drawn so A trains too."""
+    from shardwise.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32, tie_weights=True))
+    apply_lora(model, LoRAConfig(r=R, alpha=ALPHA, targets=("qkv", "proj", "fc"), seed=5))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+def check_gpt_tp(sequence_parallel: bool) -> dict:
+    """Our GPT + LoRA under tp 2 (its own plan: fused qkv split by heads, B's rows with them), optionally with
+    sequence parallelism, against the same model on one process (SGD)."""
+    from shardwise.models.gpt import lm_loss, synthetic_batch
+    from shardwise.parallel.tensor.apply_plan import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(9)
+    data = [synthetic_batch(BATCH, SEQ, VOCAB, gen) for _ in range(STEPS)]
+    ref = _gpt_lora()
+    start = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    ref_losses = _train(ref, torch.optim.SGD(_trainable(ref), lr=LR), _pairs_step(data, lm_loss))
+    m = mesh(tp=2)
+    model = _gpt_lora()
+    sw.parallelize(model, m, model.config.tensor_parallel_plan(sequence_parallel), axis="tp",
+                   sequence_parallel=sequence_parallel)
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, mesh=m, axis="tp", vocab_size=VOCAB)
+    losses = _train(model, torch.optim.SGD(_trainable(model), lr=LR), _pairs_step(data, loss_fn))
+    full, want = sw.full_state_dict(model), ref.state_dict()
+    adapters = [k for k in want if ".lora_" in k]
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "adapter_err": max(float((full[k] - want[k]).abs().max() / want[k].abs().max()) for k in adapters),
+            "adapters_moved": max(float((want[k] - start[k]).abs().max()) for k in adapters),
+            "base_same": all(torch.equal(full[k], start[k]) for k in want if ".lora_" not in k),
+            "n_adapters": len(adapters)}
+
+
+def _pairs_step(data, loss_fn):
+    it = iter(data)
+
+    def step(model, _ids):
+        x, y = next(it)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss.detach()
+    return step

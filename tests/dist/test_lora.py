@@ -65,3 +65,11 @@ def test_our_lora_tp2_inside_dp2(worlds):
         _same_as_peft(out)
     per_step = outs[0]["dp_bytes"] / lc.STEPS  # this rank's adapter shards only
     assert outs[0]["adapter_bytes"] <= per_step < 1.05 * outs[0]["adapter_bytes"], outs[0]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_gpt_fused_qkv_lora_under_tp(worlds, sequence_parallel):
+    # the fused q/k/v projection is split by whole heads of each of q, k, v: its adapter's B rows follow them
+    for out in worlds.get(2).run(lc.check_gpt_tp, sequence_parallel):
+        assert out["n_adapters"] == 2 * 4 * 2 and out["adapters_moved"] > 1e-3
+        assert out["loss_err"] < TOL and out["adapter_err"] < TOL and out["base_same"], out
