@@ -49,10 +49,14 @@ def peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
     return next((peak for key, peak in table if key in name), None)
 
 
-def flops_per_token(*, n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
+def flops_per_token(*, n_params: int, n_layer: int, n_embd: int, block_size: int,
+                    n_trainable: int | None = None) -> float:
     """Training FLOPs per token: 6·N for the matmuls with the parameters (forward 2N, backward 4N) plus
-    6·2·L·h·T for attention scores and values (PaLM appendix B, causal mask not discounted)."""
-    return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
+    6·2·L·h·T for attention scores and values (PaLM appendix B, causal mask not discounted). With a frozen base
+    (``n_trainable`` < N: LoRA) the backward computes weight gradients for the trainable elements only:
+    4·N + 2·n_trainable (the adapters' own forward FLOPs, ~r/h of the base's, are not counted)."""
+    weights = 6.0 * n_params if n_trainable is None else 4.0 * n_params + 2.0 * n_trainable
+    return weights + 12.0 * n_layer * n_embd * block_size
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -280,7 +284,7 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
     from rich.console import Console
     from rich.table import Table
 
-    from .model_build import attention_width, num_params
+    from .model_build import attention_width, num_params, trainable_params
 
     ranks = _rank_summaries(run_dir)
     if not ranks:
@@ -289,7 +293,7 @@ def print_summary(cfg: Any, run_dir: Path, prediction: dict[str, Any] | None = N
     head = ranks[0]
     n_params = num_params(cfg.model)  # the GPT's or the HF decoder's
     flops = flops_per_token(n_params=n_params, n_layer=cfg.model.n_layer, n_embd=attention_width(cfg.model),
-                            block_size=cfg.model.block_size)
+                            block_size=cfg.model.block_size, n_trainable=trainable_params(cfg))
     precision = getattr(cfg.train, "precision", "fp32")
     peak = peak_flops(torch.device(head["device"]), precision) if head["device"].startswith("cuda") else None
     mfu = (f"{head['tokens_per_s'] * flops / (peak * len(ranks)):.1%} (of the dense {precision} peak)" if peak

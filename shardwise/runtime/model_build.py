@@ -24,7 +24,7 @@ from ..models.hf_config import HFDecoderConfig, load_hf_config
 from .config_schema import ModelConfig
 
 __all__ = ["hf_of", "build_model", "block_names", "num_params", "meta_model", "attention_width", "model_spec",
-           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf", "resolve_pretrained", "with_adapters",
+           "hf_fields", "meta_model_for", "train_split_names", "planner_split_names", "saved_model", "resolve_hf", "resolve_pretrained", "with_adapters", "trainable_params",
            "check_tp", "HF_REPLICABLE", "model_mismatch", "resumable_model", "model_run_name"]
 
 
@@ -153,6 +153,20 @@ def model_spec(m: ModelConfig) -> Any:
                            kv_heads=hf.num_key_value_heads, ffn=hf.intermediate_size, vocab_size=hf.vocab_size,
                            seq_len=m.block_size, tie_weights=hf.tie_word_embeddings, name=f"hf-{hf.model_type}",
                            **moe)
+
+
+def trainable_params(cfg: Any) -> int | None:
+    """Trainable elements of a LoRA run's model (its adapters, counted on the meta model); None without LoRA."""
+    from .lora_setup import lora_config
+
+    lc = lora_config(cfg.lora, 0) if hasattr(cfg, "lora") else None
+    if lc is None:
+        return None
+    from ..models.lora import apply_lora
+
+    model = meta_model(cfg.model)
+    apply_lora(model, lc)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def with_adapters(spec: Any, cfg: Any) -> Any:
