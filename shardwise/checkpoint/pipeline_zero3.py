@@ -1,7 +1,9 @@
 """The model tensors of ZeRO-3 inside a pipeline (``sw.pipeline(..., zero_stage=3)``): saved and loaded from shards.
 
-Each unit's parameters are one flat group sharded over dp (``parallel/pipeline/zero3.py``); between steps no rank
-holds a whole parameter. Without tensor parallelism inside the stages every rank writes the elements of its own
+Each unit's parameters are at most two flat groups sharded over dp, its trainable and its frozen ones
+(``parallel/pipeline/zero3.py``); between steps no rank holds a whole parameter of either. Frozen shards are saved
+as the trainable ones are (and dropped by name, like any frozen piece, under ``train.save_frozen = false``:
+``checkpoint/frozen.py``); a load that finds them left out keeps the values the shards were built with. Without tensor parallelism inside the stages every rank writes the elements of its own
 shard as ranges of the flattened parameters (``RangePiece``, described on the mesh without pp: ``S(0)`` over dp) —
 nothing is gathered, and a checkpoint holds each parameter whole under its plain key, as every layout writes it.
 With tp inside, each unit is gathered over dp for the save (its tp pieces are what ``layout.describe`` knows how to
@@ -19,6 +21,7 @@ import torch
 
 from ..parallel.pipeline.build import Pipeline
 from ..parallel.pipeline.zero3 import PipelineStage3
+from ..parallel.zero.flat import FlatGroup
 from ..sbp.placement import Replicate, Split
 from .layout import describe, tied_aliases
 from .pipeline_layout import load_pipeline_model, pipeline_model_pieces, without_axis
@@ -27,6 +30,12 @@ from .sharded import Checkpoint, Piece, RangePiece
 from .zero_layout import tag_axes
 
 __all__ = ["zero3_model_pieces", "load_zero3_model"]
+
+
+def _value_groups(pipe: Pipeline) -> list[FlatGroup]:
+    """Every flat group holding this rank's parameter values: the dp gradient buckets, then ZeRO-3's frozen ones."""
+    frozen = pipe.zero3.frozen_groups if pipe.zero3 is not None else []
+    return [*pipe.grad_sync.groups, *frozen]  # type: ignore[union-attr]
 
 
 def _runtime(pipe: Pipeline) -> PipelineStage3:
@@ -51,7 +60,7 @@ def zero3_model_pieces(pipe: Pipeline) -> list[Piece]:
     shape, coords = tuple(pipe.mesh.size(a) for a in axes), tuple(pipe.mesh.coord(a) for a in axes)
     out: list[Piece] = []
     managed: set[int] = set()
-    for g in pipe.grad_sync.groups:  # type: ignore[union-attr]
+    for g in _value_groups(pipe):
         managed |= {id(q) for q in g.params}
         master = g.master.detach()
         for k, a, b in g.layout.pieces(pipe.mesh.coord(dp)):
@@ -61,7 +70,7 @@ def zero3_model_pieces(pipe: Pipeline) -> list[Piece]:
             start = g.layout.offsets[k] + a - g.lo  # in this rank's shard
             out.append(RangePiece(f"model/{name}", master[start:start + b - a], (g.layout.numels[k],),
                                   tuple(g.shapes[k]), sbp, axes, shape, coords, rows=(a, b - a)))
-    # buffers, frozen and expert parameters: whole, as any pipeline writes them
+    # buffers, expert parameters and frozen ones of another dtype: whole, as any pipeline writes them
     tensors = pipe.model.state_dict(keep_vars=True)
     out += [without_axis(describe(f"model/{k}", v, pipe.mesh, v.detach()), pipe.axis)
             for k, v in tensors.items() if k in mine and id(v) not in managed]
@@ -83,10 +92,13 @@ def load_zero3_model(ckpt: Checkpoint, pipe: Pipeline) -> None:
 
 
 def _load_masters(ckpt: Checkpoint, pipe: Pipeline) -> None:
-    """Each flat group from the checkpoint's values at full precision (``FlatGroup.load_full``). Local."""
+    """Each flat group from the checkpoint's values at full precision (``FlatGroup.load_full``); a group the
+    checkpoint left out entirely (a frozen base, ``train.save_frozen = false``) keeps its values. Local."""
     names = {id(q): n for n, q in pipe.model.named_parameters()}
     first = tied_aliases(pipe.model)
-    for g in pipe.grad_sync.groups:  # type: ignore[union-attr]
+    for g in _value_groups(pipe):
+        if all(names[id(q)] in ckpt.omitted for q in g.params):
+            continue
         values = [ckpt.load_piece(describe(f"model/{first.get(names[id(q)], names[id(q)])}", q, pipe.mesh,
                                            q.detach())) for q in g.params]
         g.load_full(values)

@@ -89,13 +89,13 @@ def frozen_local(layers: Sequence[Layer], tp: int, ep: int = 1) -> float:
 
 def rank_states(n: float, experts: float, frozen: float, plan: Layout) -> StateBytes:
     """Model-state bytes of a rank holding ``n`` parameter elements, ``experts`` of them routed experts' (sharded
-    over ``Layout.expert_group``) and ``frozen`` of them frozen (parameter bytes only: sharded by ZeRO-3 outside a
-    pipeline, whole inside one — ``parallel/pipeline/zero3.py`` keeps frozen weights whole)."""
+    over ``Layout.expert_group``) and ``frozen`` of them frozen (parameter bytes only: sharded by ZeRO-3 over the
+    same group as the trainable ones, inside a pipeline too — ``parallel/pipeline/zero3.py``'s frozen groups)."""
     def of(count: float, group: int) -> StateBytes:
         return model_state_bytes(count, precision=plan.precision, zero_stage=plan.zero_stage, dp=group,
                                  optimizer=plan.optimizer)
     dense, own = of(max(0.0, n - experts - frozen), plan.zero_group), of(experts, plan.expert_group)
-    shard = plan.zero_group if plan.zero_stage >= 3 and plan.pp == 1 else 1
+    shard = plan.zero_group if plan.zero_stage >= 3 else 1
     held = _PER_ELEMENT[plan.precision][0] * frozen / shard
     return StateBytes(params=dense.params + own.params + held, grads=dense.grads + own.grads,
                       optimizer=dense.optimizer + own.optimizer)

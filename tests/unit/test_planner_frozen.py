@@ -87,3 +87,14 @@ def test_search_finds_a_layout_that_full_fine_tuning_cannot_fit():
         search(big, hw, devices=2, global_batch=8, pins=pins)
     best = search(lora, hw, devices=2, global_batch=8, pins=pins).predictions[0]
     assert best.fits and best.plan.dp * best.plan.cp == 2
+
+
+def test_zero3_shards_the_frozen_base_inside_a_pipeline_too():
+    # pp 2 x dp 4: ZeRO-3 keeps a quarter of each stage's elements, frozen ones included (parallel/pipeline/zero3.py's
+    # frozen groups); ZeRO-2 keeps the parameters whole. The adapters' gradients and state do not depend on it.
+    _, lora = _specs()
+    hw = Hardware.preset("h100-80g-sxm")
+    two, three = (predict(lora, Layout(dp=4, pp=2, zero_stage=z, micro_batch=1), hw, global_batch=8).memory
+                  for z in (2, 3))
+    assert three.params == pytest.approx(two.params / 4)
+    assert three.grads == pytest.approx(two.grads) and three.optimizer == pytest.approx(two.optimizer)

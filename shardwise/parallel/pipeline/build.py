@@ -125,7 +125,7 @@ class Pipeline:
         """ZeRO-3 (``zero_stage=3`` with dp > 1): gathers and frees the units as the schedule runs (``zero3.py``)."""
         if dp_axis is not None and mesh.size(dp_axis) > 1:
             self._build_grad_sync(mesh, dp_axis, zero_stage, bucket_cap_mb)
-        if zero3:  # what no group holds: buffers, frozen and expert parameters
+        if zero3:  # what no group holds: buffers, expert parameters, frozen ones of another dtype
             for stage in self.stages.values():
                 _materialized(stage, mesh.device)
         if self.mixed_precision is not None and self.grad_sync is not None:
@@ -322,7 +322,8 @@ class Pipeline:
         the pipeline axis: each stage's owner broadcasts its tensors (one broadcast per owner rank and dtype);
         with tensor parallelism inside the stages also over tp (all-gathers of the sharded tensors)."""
         if self.mixed_precision is not None and self.grad_sync is not None:  # the fp32 masters, gathered over dp
-            with masters_gathered(self.grad_sync.groups, zero3=self.zero3 is not None):
+            frozen = self.zero3.frozen_groups if self.zero3 is not None else []  # ZeRO-3's frozen shards too
+            with masters_gathered([*self.grad_sync.groups, *frozen], zero3=self.zero3 is not None):
                 return full_state(self.model, self._meta, self._key_owner, self.mesh, self.axis)
         if self.zero3 is not None:  # ZeRO-3: every unit gathered over dp meanwhile (collective over dp)
             with self.zero3.gathered():

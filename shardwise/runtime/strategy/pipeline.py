@@ -204,8 +204,11 @@ class PipelineStrategy:
 
     def memory(self) -> dict[str, int]:
         sync = self.model.grad_sync
-        # ZeRO-3: the parameters are empty between steps; their shards (the masters) are what this rank holds
-        params = list(self.model.parameters()) + ([g.master for g in sync.groups] if sync is not None else [])
+        # ZeRO-3: the parameters are empty between steps; their shards (the masters) are what this rank holds,
+        # the frozen groups' included
+        frozen = self.model.zero3.frozen_groups if self.model.zero3 is not None else []
+        groups = [*(sync.groups if sync is not None else []), *frozen]
+        params = list(self.model.parameters()) + [g.master for g in groups]
         grads = [q.grad for q in params] + ([*sync.full_grads, *sync.held_shards()] if sync is not None else [])
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         counts = storage_bytes({"params": params, "grads": grads, "optimizer": state})
