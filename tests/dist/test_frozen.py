@@ -225,3 +225,12 @@ def test_pipeline_zero3_frozen_base_in_bf16_mixed_precision(worlds, tmp_path):
         assert res["frozen_compute"] == ["torch.bfloat16"] and res["frozen_master"] == ["torch.float32"], res
         assert 0 < res["frozen_shard_numel"] < res["frozen_total"] and res["held_between"] == 0, res  # sharded
         assert res["reloaded"], res
+
+
+def test_pipeline_zero3_frozen_base_with_tp_inside(worlds, tmp_path):
+    from tests.dist import frozen_pipeline_checks as fpc
+
+    for res in worlds.get(8).run(fpc.check_pipeline_zero3_tp, str(tmp_path / "ckpt"), timeout=600):
+        _parity(res)
+        assert 0 < res["frozen_shard"] < res["frozen_total"] and res["held_between"] == 0, res  # sharded over dp
+        assert res["reloaded"], res
