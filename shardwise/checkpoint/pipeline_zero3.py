@@ -3,9 +3,10 @@
 Each unit's parameters are at most two flat groups sharded over dp, its trainable and its frozen ones
 (``parallel/pipeline/zero3.py``); between steps no rank holds a whole parameter of either. Frozen shards are saved
 as the trainable ones are (and dropped by name, like any frozen piece, under ``train.save_frozen = false``:
-``checkpoint/frozen.py``); a load that finds them left out keeps the values the shards were built with. Without tensor parallelism inside the stages every rank writes the elements of its own
-shard as ranges of the flattened parameters (``RangePiece``, described on the mesh without pp: ``S(0)`` over dp) —
-nothing is gathered, and a checkpoint holds each parameter whole under its plain key, as every layout writes it.
+``checkpoint/frozen.py``); a load that finds them left out keeps the values the shards were built with. Without
+tensor parallelism inside the stages every rank writes the elements of its own shard as ranges of the flattened
+parameters (``RangePiece``, described on the mesh without pp: ``S(0)`` over dp) — nothing is gathered, and a
+checkpoint holds each parameter whole under its plain key, as every layout writes it.
 With tp inside, each unit is gathered over dp for the save (its tp pieces are what ``layout.describe`` knows how to
 place): the save then holds this rank's stages whole for a moment. A tensor tied to another pp coordinate is
 written by the lower one (``pipeline_layout.key_owners``). Loading gathers every unit, reads the tensors as any

@@ -11,7 +11,8 @@ The gathering policy (the memory/communication trade-off, chosen per unit of the
   (prefetch) as this one starts — and freed as soon as it returns (``reshard_after_forward``);
 * **backward** (every micro-batch): a pre-hook on the first autograd node of the unit's backward gathers it again,
   prefetches the unit before it and frees the unit after it (whose backward is over by then). Recomputation
-  (activation checkpointing) runs inside that window, so it sees the gathered unit;
+  (activation checkpointing) runs inside that window, so it sees the gathered unit. A unit whose output needs no
+  gradient (a frozen embedding fed token ids) has no backward and is not prefetched for one;
 * **zero-bubble ``W``**: the closed-form weight gradients of ``Linear`` and ``LayerNorm`` read only the kept input
   and the output gradient, so they gather nothing; any other module's local backward gathers its unit first; a
   stage that fell back to differentiating itself whole (activation checkpointing) gathers all its units for W;
@@ -24,8 +25,9 @@ The gathering policy (the memory/communication trade-off, chosen per unit of the
   backward is done (``grad_sync.DpGradSync``), then freed.
 
 Per step and unit: ``2m`` all-gathers (``3m`` with a W that needs the parameters) of the unit's parameters and one
-reduce-scatter of its trainable gradients (none of its frozen group), for ``m`` micro-batches; memory: the parameter shards, at most two gathered units
-plus the held group, and the gradients of the stage's units once their first backward has run. FSDP2's
+reduce-scatter of its trainable gradients (none of its frozen group), for ``m`` micro-batches; memory: the parameter
+shards, at most two gathered units plus the held group, and the gradients of the stage's units once their first
+backward has run. FSDP2's
 ``reshard_after_forward=False`` (what torchtitan uses inside pipelines) would instead keep a stage gathered from
 its first forward to its last backward: ``2`` gathers per step instead of ``2m``, but a whole stage in memory.
 """
