@@ -298,3 +298,19 @@ def _pairs_step(data, loss_fn):
         loss.backward()
         return loss.detach()
     return step
+
+
+def check_peft_auto() -> dict:
+    """``sw.auto`` on peft's model (tp 2): the plan it picks keeps each adapter with its base layer."""
+    m = mesh(tp=2)
+    pm = peft_model()
+    ids = batches()[0]
+    pins = {"*.mlp.gate_proj.base_layer": "column", "*.mlp.up_proj.base_layer": "column",
+            "*.mlp.down_proj.base_layer": "row"}  # a model this small is cheapest replicated: make it split
+    plan = sw.auto(pm.base_model.model, m, example_inputs={"input_ids": ids, "labels": ids}, pins=pins)
+    sw.parallelize(pm.base_model.model, m, plan)
+    losses = _train(pm, torch.optim.SGD(_trainable(pm), lr=LR), _hf_step)
+    out = compare(losses, sw.full_state_dict(pm.base_model.model))
+    out["split"] = sorted(dict(plan))
+    out["b_shape"] = tuple(pm.base_model.model.model.layers[0].mlp.up_proj.lora_B["default"].weight.shape)
+    return out

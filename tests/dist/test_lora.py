@@ -73,3 +73,11 @@ def test_gpt_fused_qkv_lora_under_tp(worlds, sequence_parallel):
     for out in worlds.get(2).run(lc.check_gpt_tp, sequence_parallel):
         assert out["n_adapters"] == 2 * 4 * 2 and out["adapters_moved"] > 1e-3
         assert out["loss_err"] < TOL and out["adapter_err"] < TOL and out["base_same"], out
+
+
+def test_peft_model_under_sw_auto(worlds):
+    # sw.auto's plan names the LoRA layers' inner linears; the adapters still follow their base layers' split
+    for out in worlds.get(2).run(lc.check_peft_auto):
+        _same_as_peft(out)
+        assert out["b_shape"] == (24, 4)  # up_proj (48 out) column-split: B's rows halved
+        assert any(k.endswith("up_proj.base_layer") for k in out["split"]), out["split"]
