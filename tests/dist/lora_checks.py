@@ -138,20 +138,24 @@ def check_peft_dp() -> dict:
     m = mesh(dp=2)
     pm = peft_model()
     dp = sw.DataParallel(pm, m, axis="dp")
-    half = BATCH // 2
-    c0 = m.coord("dp")
+    with CommCounter() as c:
+        losses = _train(dp, torch.optim.SGD(_trainable(pm), lr=LR), _dp_hf_step(m))
+    out = compare(losses, {k: v for k, v in pm.state_dict().items()})
+    out["reduced_bytes"] = c.bytes("all_reduce")
+    out["adapter_bytes"] = sum(p.numel() * 4 for p in _trainable(pm))
+    return out
+
+
+def _dp_hf_step(m: sw.Mesh):
+    """A step on this dp rank's half of the batch (the model's own loss); returns the loss averaged over dp."""
+    half, c0 = BATCH // 2, m.coord("dp")
 
     def step(model, ids):
         local = ids[c0 * half:(c0 + 1) * half]
         loss = model(input_ids=local, labels=local).loss
         loss.backward()
         return _global_mean(loss.detach(), m, "dp")
-    with CommCounter() as c:
-        losses = _train(dp, torch.optim.SGD(_trainable(pm), lr=LR), step)
-    out = compare(losses, {k: v for k, v in pm.state_dict().items()})
-    out["reduced_bytes"] = c.bytes("all_reduce")
-    out["adapter_bytes"] = sum(p.numel() * 4 for p in _trainable(pm))
-    return out
+    return step
 
 
 def _global_mean(x: torch.Tensor, m: sw.Mesh, axis: str) -> torch.Tensor:
@@ -166,15 +170,7 @@ def check_peft_zero3() -> dict:
     pm = peft_model()
     zm, opt = sw.zero(pm, m, stage=3, optimizer=functools.partial(torch.optim.SGD, lr=LR),
                       units=[[f"base_model.model.model.layers.{i}"] for i in range(2)])
-    half = BATCH // 2
-    c0 = m.coord("dp")
-
-    def step(model, ids):
-        local = ids[c0 * half:(c0 + 1) * half]
-        loss = model(input_ids=local, labels=local).loss
-        loss.backward()
-        return _global_mean(loss.detach(), m, "dp")
-    losses = _train(zm, opt, step)
+    losses = _train(zm, opt, _dp_hf_step(m))
     return compare(losses, sw.full_state_dict(zm))
 
 
