@@ -48,26 +48,11 @@ def test_verify_equals_one_process(tmp_path: Path, args: list[str], mesh: str):
     assert "OK: 3 steps agree" in proc.stdout and "DIFFERS" not in proc.stdout
 
 
-# -- a prepared dataset: validation and loss-masked data (the fixture and plain-torch reference of test_train_data)
+# -- a prepared dataset: validation and loss-masked data (data, sft_one: the session fixtures of tests/e2e/conftest.py,
+# shared with test_train_data: its datasets and its one-process run on the loss-masked one)
 
-try:
-    from tests.e2e.test_train_data import SMALL as DATA_SMALL
-    from tests.e2e.test_train_data import _evals, _reference_val_loss, data  # noqa: F401 (data: the fixture)
-except pytest.skip.Exception:  # no tokenizers (``pip install shardwise[data]``): these skip, the rest runs
-    @pytest.fixture
-    def data() -> Path:
-        pytest.skip("shardwise prepare needs tokenizers")
-
-
-def _train_pair(data: Path, dataset: str, prefix: str) -> dict[str, tuple[dict, list, str]]:
-    """One process and cp 2 on ``dataset`` (4 steps, evaluation at steps 2 and 4): losses, evals, stdout."""
-    out = {}
-    for name, layout in ((f"{prefix}-one", ["--parallel.nproc", "1"]),
-                         (f"{prefix}-cp2", ["--parallel.nproc", "2", "--parallel.cp", "2"])):
-        proc = cli(data, "train", "--data.path", dataset, *DATA_SMALL, *layout, "--train.name", name)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[name] = (losses(data / "runs" / name), _evals(data / "runs" / name), proc.stdout)
-    return out
+from tests.e2e.prepared_runs import SMALL as DATA_SMALL  # noqa: E402
+from tests.e2e.prepared_runs import evals as _evals, reference_val_loss as _reference_val_loss, train_run  # noqa: E402
 
 
 def test_validation_loss_with_cp_equals_plain_torch(data: Path):
@@ -90,9 +75,9 @@ def test_validation_loss_with_cp_equals_plain_torch(data: Path):
     assert (data / "cp-plots" / "loss.png") in plot_run(run, data / "cp-plots")  # plot reads a cp run as any
 
 
-def test_loss_masked_data_with_cp_trains_like_one_process(data: Path):
-    runs = _train_pair(data, "sft", "sftcp")
-    (one, one_evals, _), (cp, cp_evals, _) = runs["sftcp-one"], runs["sftcp-cp2"]
+def test_loss_masked_data_with_cp_trains_like_one_process(data: Path, sft_one: tuple[dict, list, str]):
+    (one, one_evals, _) = sft_one
+    (cp, cp_evals, _) = train_run(data, "sft", "sftcp-cp2", ["--parallel.nproc", "2", "--parallel.cp", "2"])
     assert cp == pytest.approx(one, rel=1e-5)
     assert [e["val_loss"] for e in cp_evals] == pytest.approx([e["val_loss"] for e in one_evals], rel=1e-5)
     assert cp_evals[-1]["val_tokens"] == one_evals[-1]["val_tokens"]  # the same counted (response) tokens

@@ -8,66 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
-from tests.e2e.runs import cli, losses
+from tests.e2e.runs import cli
 
 pytest.importorskip("tokenizers")
 
-from shardwise.cli.export import consolidate  # noqa: E402
-from shardwise.runtime.config import load_config  # noqa: E402
-from shardwise.runtime.model_build import build_model  # noqa: E402
-from shardwise.data.prepared import open_prepared  # noqa: E402
 from shardwise.data.toy_tokenizer import train_bpe  # noqa: E402
+from tests.e2e.prepared_runs import G, K, SMALL, T, train_run  # noqa: E402
+from tests.e2e.prepared_runs import evals as _evals, reference_val_loss as _reference_val_loss  # noqa: E402
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
-         "phi chi psi omega").split()
-G, T, K = 8, 32, 2
-SMALL = ["--model.vocab_size", "512", "--model.block_size", str(T), "--model.n_layer", "2", "--data.global_batch",
-         str(G), "--parallel.micro_batch", "2", "--train.steps", "4", "--train.eval_every", "2",
-         "--train.eval_batches", str(K), "--optimizer.warmup_steps", "0", "--train.log_every", "1"]
-
-
-def _doc(i: int) -> str:
-    return " ".join(WORDS[(i * 7 + j * j) % len(WORDS)] for j in range(40 + i % 13)) + ".\n"
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 120-document corpus, a 400-token BPE, the prepared dataset (10 % validation) and an SFT dataset."""
-    root = tmp_path_factory.mktemp("data")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(120):
-        (corpus / f"{i:03d}.txt").write_text(_doc(i) * 3)
-    tok = train_bpe(sorted(corpus.glob("*.txt")), 400, root / "tok")
-    proc = cli(root, "prepare", "corpus", "--tokenizer", str(tok), "--out", "ds", "--val-fraction", "0.1")
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.dumps({"prompt": _doc(i)[:60], "response": _doc(i + 1)}) for i in range(120)]
-    (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    proc = cli(root, "prepare", "chats.jsonl", "--sft", "--tokenizer", str(tok), "--out", "sft",
-                "--val-fraction", "0.1")
-    assert proc.returncode == 0, proc.stderr
-    return root
-
-
-def _evals(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == "eval"]
-
-
-def _reference_val_loss(run: Path, dataset: Path) -> float:
-    """Plain torch: the final checkpoint's weights, the first K·G validation windows in order, mean CE per token."""
-    cfg = load_config(path=run / "config.json")
-    model = build_model(cfg.model)
-    state, _ = consolidate(run)
-    model.load_state_dict(state)
-    stream = open_prepared(dataset).val.tokens
-    rows = torch.stack([stream.read(i * T, i * T + T + 1) for i in range(K * G)])
-    with torch.no_grad():
-        logits = model(rows[:, :-1])
-    return float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1)))
+# data: the session fixture of tests/e2e/conftest.py (a corpus, its BPE, the prepared ``ds`` and ``sft``), shared
+# with test_train_cp; sft_one: the one-process run on ``sft`` both modules compare against.
 
 
 @pytest.mark.parametrize("layout", [["--parallel.nproc", "1"], ["--parallel.nproc", "2"],
@@ -92,13 +43,9 @@ def test_validation_loss_equals_plain_torch(data: Path, layout: list[str], reque
         assert (data / "plots" / "loss.png") in pngs and (data / "plots" / "loss.png").stat().st_size > 0
 
 
-def test_loss_masked_data_trains_alike_in_two_layouts(data: Path):
-    runs = {}
-    for name, layout in (("sft1", ["--parallel.nproc", "1"]), ("sftpp", ["--parallel.nproc", "2", "--parallel.pp", "2"])):
-        proc = cli(data, "train", "--data.path", "sft", *SMALL, *layout, "--train.name", name)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        runs[name] = (losses(data / "runs" / name), _evals(data / "runs" / name))
-    (one, one_evals), (pp, pp_evals) = runs["sft1"], runs["sftpp"]
+def test_loss_masked_data_trains_alike_in_two_layouts(data: Path, sft_one: tuple[dict, list, str]):
+    (one, one_evals, _) = sft_one
+    (pp, pp_evals, _) = train_run(data, "sft", "sftpp", ["--parallel.nproc", "2", "--parallel.pp", "2"])
     assert one == pytest.approx(pp, rel=1e-5)
     assert [e["val_loss"] for e in one_evals] == pytest.approx([e["val_loss"] for e in pp_evals], rel=1e-5)
     # only response tokens count: fewer counted than the K·G·T targets of the batches
