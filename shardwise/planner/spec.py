@@ -86,6 +86,9 @@ class ModelSpec:
         if self.meta.get("cp", 1) != 1:
             whole = replace(self, meta={k: v for k, v in self.meta.items() if k != "cp"})
             return whole.with_seq_len(seq_len).for_cp(self.meta["cp"])
+        if "documents" in self.meta:
+            whole = replace(self, meta={k: v for k, v in self.meta.items() if k != "documents"})
+            return whole.with_seq_len(seq_len).with_documents(self.meta["documents"])
         if "adapters" in self.meta:
             plain = replace(self, layers=tuple(replace(x, params=x.frozen, frozen=0) for x in self.layers),
                             meta={k: v for k, v in self.meta.items() if k != "adapters"})
@@ -110,6 +113,28 @@ class ModelSpec:
         layers = [replace(layer, params=layer.params + int(adapters.get(layer.name, 0)), frozen=layer.params)
                   for layer in self.layers]
         return replace(self, layers=tuple(layers), meta={**self.meta, "adapters": dict(adapters)})
+
+    def with_documents(self, doc_len: float) -> "ModelSpec":
+        """The model trained on packed documents of ``doc_len`` tokens that attend only within themselves
+        (``data.document_mask``; ``documents.py``): each attention core sees ``min(keys, doc_len)`` keys, the
+        unfused cores' kept scores shrink alike. Kept through ``with_seq_len``; apply before ``for_cp``."""
+        if isinstance(doc_len, bool) or not isinstance(doc_len, (int, float)) or not doc_len >= 1:
+            raise ValueError(f"with_documents needs the documents' length in tokens, a number >= 1, got "
+                             f"{doc_len!r}; e.g. the training split's tokens / documents")
+        if self.meta.get("cp", 1) != 1:
+            raise ValueError(f"model spec {self.name!r} is the view of one of cp = {self.meta['cp']} ranks; take "
+                             f"with_documents of the whole model, then for_cp")
+        if "documents" in self.meta:
+            if self.meta["documents"] == doc_len:
+                return self
+            raise ValueError(f"model spec {self.name!r} already prices documents of {self.meta['documents']} "
+                             f"tokens; take with_documents({doc_len}) of the model without documents")
+        from .documents import document_layers
+
+        dropout = bool(self.meta.get("args", {}).get("dropout", False))
+        layers = document_layers(self.layers, seq_len=self.seq_len, doc_len=doc_len,
+                                 flash=self.attention == "flash", dropout=dropout)
+        return replace(self, layers=layers, meta={**self.meta, "documents": doc_len})
 
     # -- constructors ------------------------------------------------------------------------------------
     @staticmethod
@@ -200,7 +225,8 @@ class ModelSpec:
 
     def for_cp(self, cp: int) -> "ModelSpec":
         """The model as one of ``cp`` context-parallel ranks runs it (``context.cp_local``: per-token work and
-        activations / cp, attention rows / cp against all keys); ``seq_len`` stays the whole sequence. Itself
+        activations / cp, attention rows / cp against all keys; with documents against their documents' keys,
+        ``documents.cp_document_layers``); ``seq_len`` stays the whole sequence. Itself
         for cp = 1 or when it already is that rank's view; ``ValueError`` when 2·cp does not divide the sequence."""
         done = self.meta.get("cp", 1)
         if cp == done:
@@ -212,8 +238,11 @@ class ModelSpec:
             raise ValueError(f"cp = {cp} needs the sequence length divisible by 2·cp = {2 * cp} (2 chunks per cp "
                              f"rank), got {self.seq_len}; use a cp whose 2·cp divides {self.seq_len}")
         from .context import cp_local
+        from .documents import cp_document_layers
 
-        return replace(self, layers=cp_local(self.layers, cp), meta={**self.meta, "cp": cp})
+        local = (cp_document_layers(self.layers, cp) if self.meta.get("documents", self.seq_len) < self.seq_len
+                 else cp_local(self.layers, cp))
+        return replace(self, layers=local, meta={**self.meta, "cp": cp})
 
     def rename(self, name: str) -> "ModelSpec":
         return replace(self, name=name)

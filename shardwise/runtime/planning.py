@@ -18,7 +18,7 @@ from .config import REPLICABLE, Config, replicable, validate
 from .config_defaults import search_batch
 from .config_ranges import check_context_parallel
 from .model_build import model_spec, planner_split_names, train_split_names, with_adapters
-from .prediction import moe_hf_spec
+from .prediction import moe_hf_spec, with_documents
 
 __all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
 
@@ -179,7 +179,8 @@ def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, A
     if not hasattr(cfg.parallel, "ep"):
         pins.setdefault("ep", 1)  # a config without parallel.ep runs no expert parallelism
     cfg = search_batch(cfg, devices, pins)  # a global batch left unset: config_defaults.search_batch
-    result = search(with_adapters(moe_hf_spec(cfg.model) or model_spec(cfg.model), cfg), hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
+    spec = with_documents(with_adapters(moe_hf_spec(cfg.model) or model_spec(cfg.model), cfg), cfg)
+    result = search(spec, hw, devices=devices, global_batch=cfg.data.global_batch, pins=pins,
                     memory_margin=memory_margin, top=top)
     # module pins run as parallel.replicate (train's names); a pin train cannot run is refused there
     layers = {layer: module for module, layer in names.items()}

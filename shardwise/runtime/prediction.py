@@ -18,7 +18,7 @@ from ..planner.overhead import TINY_BLOCK, autocast_factor, with_launch_cost
 from .config import Config
 from .model_build import planner_split_names
 
-__all__ = ["plan_from_config", "gpt_spec", "moe_hf_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware",
+__all__ = ["plan_from_config", "gpt_spec", "with_documents", "moe_hf_spec", "local_calibration", "resolve_hardware", "quick_probe_hardware",
            "quick_probe_measurements", "probed_hardware", "launch_hardware", "predict_launch", "prediction_record",
            "prediction_line"]
 
@@ -317,9 +317,37 @@ def gpt_spec(cfg: Config) -> ModelSpec:
     from .config import replicable, replicated_modules
     from .model_build import model_spec, with_adapters
 
-    spec = with_adapters(moe_hf_spec(cfg.model) or model_spec(cfg.model), cfg)
+    spec = with_documents(with_adapters(moe_hf_spec(cfg.model) or model_spec(cfg.model), cfg), cfg)
     whole = replicated_modules(cfg)
     return spec.replicate(sorted(replicable(cfg.model)[name] for name in whole)) if whole else spec
+
+
+def with_documents(spec: ModelSpec, cfg: Config) -> ModelSpec:
+    """``spec`` as the run trains it under ``data.document_mask``, resolved as the trainer does
+    (``documents.document_eos``) from the prepared dataset's index (no shard read): documents of the train split's
+    mean length (tokens / documents) cut at the rows' edges (``planner.documents.row_document_length``). ``spec``
+    itself when masking is off, the data is not a prepared dataset (``check_data`` names a problem) or its index
+    counts no documents."""
+    from types import SimpleNamespace
+
+    from ..data.prepared import open_prepared
+    from ..planner.documents import row_document_length
+    from .documents import document_eos
+
+    path, fmt = cfg.data.path, cfg.data.format
+    prepared = fmt == "prepared" or (fmt == "auto" and bool(path) and Path(path).is_dir())
+    if cfg.data.document_mask == "false" or not prepared:
+        return spec
+    try:
+        ds = open_prepared(path)
+    except (ValueError, OSError):
+        return spec
+    if document_eos(cfg, SimpleNamespace(masked=ds.sft, eos_id=ds.eos_id)) is None:  # type: ignore[arg-type]
+        return spec
+    tokens, documents = len(ds.train.tokens), ds.train.documents
+    if tokens < 1 or documents < 1:
+        return spec
+    return spec.with_documents(row_document_length(tokens / documents, spec.seq_len))
 
 
 def moe_hf_spec(m: Any) -> ModelSpec | None:
