@@ -95,13 +95,27 @@ def documents_from_tokens(idx: Tensor, eos_id: int, layout: Any = None) -> Docum
     return Documents(_positions(whole)[:, local], document_spans(whole), whole.size(1))
 
 
-@torch.compiler.disable  # data-dependent loop over documents: a compiled block runs it eagerly (one graph break)
+_EAGER: list[Callable[..., Tensor]] = []
+"""``torch.compiler.disable(document_attention)``, made on the first compiled call: decorating at import would
+import ``torch._dynamo`` in every process (~1 s and ~75 MiB) whether or not anything is compiled."""
+
+
 def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, *, scale: float | None = None,
                        dropout_p: float = 0.0, enable_gqa: bool = False) -> Tensor:
     """Causal attention of ``q`` (b, h, t, d) over ``k``, ``v`` (b, hkv, t, d) within each document of
     ``documents`` → (b, h, t, dv): equal to ``F.scaled_dot_product_attention(is_causal=True)`` run on every
     document alone. One SDPA call per (row, document); no (t, t) mask is built. Under a torch function mode
-    (``sw.context_parallel``) the mode decides (the ring attention with document masks)."""
+    (``sw.context_parallel``) the mode decides (the ring attention with document masks). A compiled block runs
+    it eagerly (a data-dependent loop over documents: one graph break)."""
+    if torch.compiler.is_compiling():
+        if not _EAGER:
+            _EAGER.append(torch.compiler.disable(_document_attention))
+        return _EAGER[0](q, k, v, documents, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    return _document_attention(q, k, v, documents, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
+def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, *, scale: float | None = None,
+                        dropout_p: float = 0.0, enable_gqa: bool = False) -> Tensor:
     if has_torch_function_variadic(q, k, v):
         return handle_torch_function(document_attention, (q, k, v), q, k, v, documents, scale=scale,
                                      dropout_p=dropout_p, enable_gqa=enable_gqa)
