@@ -50,6 +50,10 @@ def _train(root: Path, name: str, base: str, *extra: str) -> Path:
     return run
 
 
+SHARED = {"llama": "one", "llama-tp2": "tp2", "llama-zero3": "zero3"}
+"""Runs of the session's ``lora_runs`` (``lora_runs.py``: the same targets, trained once for this module and
+test_train_lora.py) standing in for this module's own."""
+
 RUNS = {"llama": ("llama", *LORA, "--lora.targets", "q_proj,v_proj,down_proj"),
         "llama-nofrozen": ("llama", *LORA, "--lora.targets", "q_proj,v_proj,down_proj", "--train.save_frozen", "false"),
         "gpt2": ("gpt2", *LORA, "--lora.targets", "qkv,fc"),
@@ -88,15 +92,19 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_peft_adapter_and_merged_model_give_the_runs_logits(root: Path, name: str) -> None:
+def test_peft_adapter_and_merged_model_give_the_runs_logits(root: Path, lora_runs, name: str) -> None:
     base_dir, *flags = RUNS[name]
-    run = _train(root, name, base_dir, *flags)
+    if name in SHARED:
+        run, base = lora_runs.run(SHARED[name]), lora_runs.dirs["llama"]
+    else:
+        run, base = _train(root, name, base_dir, *flags), root / base_dir
     want = _run_logits(run)
     adapter, merged = root / f"adapter-{name}", root / f"merged-{name}"
     for fmt, out, extra in (("peft", adapter, []), ("hf", merged, ["--merge-lora"])):
         proc = cli(root, "export", str(run), "--format", fmt, "--out", str(out), *extra)
         assert proc.returncode == 0, proc.stderr
-    base = transformers.AutoModelForCausalLM.from_pretrained(root / base_dir).float().eval()
+    pretrained = base
+    base = transformers.AutoModelForCausalLM.from_pretrained(pretrained).float().eval()
     with torch.no_grad():
         plain = base(input_ids=IDS).logits
         loaded = peft.PeftModel.from_pretrained(base, adapter).eval()
@@ -104,15 +112,15 @@ def test_peft_adapter_and_merged_model_give_the_runs_logits(root: Path, name: st
         _close(transformers.AutoModelForCausalLM.from_pretrained(merged).float().eval()(input_ids=IDS).logits, want)
     assert not torch.allclose(plain, want, atol=1e-4)  # the trained adapters change the model
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str(root / base_dir) and config["r"] == 4
+    assert config["base_model_name_or_path"] == str(pretrained) and config["r"] == 4
     assert config["fan_in_fan_out"] is (name == "gpt2")
     assert config["target_modules"] == (["c_attn", "c_fc"] if name == "gpt2" else ["down_proj", "q_proj", "v_proj"])
 
 
-def test_safetensors_keeps_the_runs_keys(root: Path) -> None:
+def test_safetensors_keeps_the_runs_keys(root: Path, lora_runs) -> None:
     from safetensors.torch import load_file
 
-    run = _train(root, "llama", *RUNS["llama"])
+    run = lora_runs.run("one")
     proc = cli(root, "export", str(run), "--out", str(root / "lora.safetensors"))
     assert proc.returncode == 0, proc.stderr
     from safetensors import safe_open
@@ -131,8 +139,8 @@ def _refused(root: Path, *args: str) -> str:
     return lines[0]
 
 
-def test_lora_and_non_lora_runs_refuse_the_wrong_export(root: Path) -> None:
-    lora = _train(root, "llama", *RUNS["llama"])
+def test_lora_and_non_lora_runs_refuse_the_wrong_export(root: Path, lora_runs) -> None:
+    lora = lora_runs.run("one")
     plain = _train(root, "plain", "llama")
     out = str(root / "refused")
     assert "holds LoRA adapters; pass --merge-lora" in _refused(root, str(lora), "--format", "hf", "--out", out)
@@ -143,7 +151,7 @@ def test_lora_and_non_lora_runs_refuse_the_wrong_export(root: Path) -> None:
     assert not Path(out).exists()
 
 
-def test_checkpoints_that_cannot_be_exported_are_named(root: Path) -> None:
+def test_checkpoints_that_cannot_be_exported_are_named(root: Path, lora_runs) -> None:
     """Saved states the commands cannot produce today (edited in memory): each refusal names its cause."""
     from shardwise.checkpoint.export_view import ExportView, checkpoint_adapter
     from shardwise.checkpoint.sharded import Checkpoint
@@ -153,7 +161,7 @@ def test_checkpoints_that_cannot_be_exported_are_named(root: Path) -> None:
     with pytest.raises(ValueError, match="its frozen base was not saved .* is not there to read it from"):
         ExportView(ckpt)
     checkpoint_adapter(ckpt)  # the adapters alone need no base
-    ckpt = Checkpoint(_train(root, "llama", *RUNS["llama"]))
+    ckpt = Checkpoint(lora_runs.run("one"))
     ckpt.state["aliases"] = {"model.layers.0.self_attn.q_proj.base_layer.weight": "model.embed_tokens.weight"}
     with pytest.raises(ValueError, match="is tied to 'model.embed_tokens.weight'; merging its adapter"):
         ExportView(ckpt, merge_lora=True)

@@ -2,8 +2,8 @@
 losses in every layout, leaves the pretrained base bit-identical, starts from a PEFT adapter directory with peft's
 own first loss, resumes in another layout, and refuses bad settings in one line before launching.
 
-The data is a text whose every training window is the same (a block_size-periodic stream), so the batch of step 1
-is known without reproducing the sampler.
+The pretrained directory, the adapter and the layouts' runs are the session's (``lora_runs.py``), shared with
+``test_export_peft.py``.
 """
 
 from __future__ import annotations
@@ -15,51 +15,27 @@ import pytest
 import torch
 
 from shardwise.cli.export import consolidate
+from tests.e2e.lora_runs import BLOCK, PATTERN, TRAIN, LoraRuns, train
 from tests.e2e.runs import cli, losses, resume_in_layout
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-BLOCK = 16
-PATTERN = bytes((7 * i + 3) % 26 + 97 for i in range(BLOCK))
-TARGETS = "q_proj,v_proj,down_proj"
-TRAIN = ["--model.block_size", str(BLOCK), "--train.steps", "6", "--train.ckpt_every", "3", "--optimizer.lr", "1e-2",
-         "--data.global_batch", "4", "--parallel.micro_batch", "1", "--train.memory_check", "false",
-         "--lora.r", "4", "--lora.alpha", "8", "--lora.targets", TARGETS]
-LAYOUTS = {"one": ["--parallel.nproc", "1"],
-           "tp2": ["--parallel.nproc", "2", "--parallel.tp", "2"],
-           "zero3": ["--parallel.nproc", "2", "--parallel.zero_stage", "3"],
-           "pp2": ["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.micro_batch", "2",
-                   "--parallel.pp_microbatches", "2"]}
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False))
-    llama.save_pretrained(root / "llama")
-    torch.manual_seed(1)  # an adapter with B drawn (not zero): the adapted model differs from the base
-    adapted = peft.get_peft_model(llama, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS.split(","),
-                                                         init_lora_weights=False))
-    adapted.save_pretrained(root / "adapter")
-    (root / "data.txt").write_bytes(PATTERN * 200)
-    return {"llama": root / "llama", "adapter": root / "adapter", "data": root / "data.txt", "root": root}
+def dirs(lora_runs: LoraRuns) -> dict[str, Path]:
+    return lora_runs.dirs
 
 
 def _train(dirs: dict[str, Path], name: str, *extra: str) -> Path:
-    proc = cli(dirs["root"], "train", "--model.pretrained", str(dirs["llama"]), "--data.path", str(dirs["data"]),
-               "--train.name", name, *TRAIN, *extra)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return dirs["root"] / "runs" / name
+    return train(dirs, name, *extra)
 
 
 @pytest.fixture(scope="module")
-def one(dirs) -> Path:
-    return _train(dirs, "one", *LAYOUTS["one"])
+def one(lora_runs: LoraRuns) -> Path:
+    return lora_runs.run("one")
 
 
 def test_one_process_trains_the_adapters_only(dirs, one):
@@ -76,8 +52,8 @@ def test_one_process_trains_the_adapters_only(dirs, one):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "zero3", "pp2"])
-def test_every_layout_trains_like_one_process(dirs, one, layout):
-    got, want = losses(_train(dirs, layout, *LAYOUTS[layout])), losses(one)
+def test_every_layout_trains_like_one_process(lora_runs, one, layout):
+    got, want = losses(lora_runs.run(layout)), losses(one)
     assert sorted(got) == sorted(want)
     for step in want:
         assert math.isclose(got[step], want[step], rel_tol=1e-5), (layout, step, got[step], want[step])
