@@ -216,7 +216,8 @@ class Block(nn.Module):
         self.mlp = MoE(config.moe_settings()) if moe else MLP(config)
 
     def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), documents)
+        h = self.ln_1(x)  # the attention is called with one input unless documents are masked (module hooks that
+        x = x + (self.attn(h) if documents is None else self.attn(h, documents))  # count inputs: torch's TP)
         return x + self.mlp(self.ln_2(x))
 
     def decode(self, x: Tensor, cache: KVCache, layer: int) -> Tensor:

@@ -223,7 +223,8 @@ class DecoderLayer(nn.Module):
         self.mlp = moe_block(c) if c.is_moe_layer(i) else MLP(c)
 
     def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), documents)
+        h = self.input_layernorm(x)  # one input unless documents are masked (hooks that count inputs: torch's TP)
+        x = x + (self.self_attn(h) if documents is None else self.self_attn(h, documents))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int) -> Tensor:
