@@ -165,13 +165,7 @@ def check_pipeline_zero3_bf16(root: str) -> dict[str, Any]:
                            loss_fn=lambda out, y: lm_loss(out.float(), y), mixed_precision=sw.MixedPrecision())
     pipe = build()
     opt = pipe.build_optimizer(fc.ADAMW)
-    losses = []
-    for s in range(fc.STEPS):
-        losses.append(pipe.step(*fc.batch(s)))
-        opt.step()
-        opt.zero_grad()
-    full = sw.full_state_dict(pipe)
-    out = fc.compare(losses, full)
+    full, out = _trained(pipe, opt)
     z = pipe.zero3
     slim = _save(Path(root), 1, pipe, opt, m, slim=True)
     again = build()
@@ -184,6 +178,17 @@ def check_pipeline_zero3_bf16(root: str) -> dict[str, Any]:
                held_between=sum(q.numel() for q in pipe.parameters() if not q.requires_grad),
                reloaded=all(torch.equal(v, full[k]) for k, v in sw.full_state_dict(again).items()))
     return out
+
+
+def _trained(pipe: Any, opt: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``fc.STEPS`` steps of ``pipe``; its full state and the comparison with one process."""
+    losses = []
+    for s in range(fc.STEPS):
+        losses.append(pipe.step(*fc.batch(s)))
+        opt.step()
+        opt.zero_grad()
+    full = sw.full_state_dict(pipe)
+    return full, fc.compare(losses, full)
 
 
 def check_pipeline_zero3_tp(root: str) -> dict[str, Any]:
@@ -203,13 +208,7 @@ def check_pipeline_zero3_tp(root: str) -> dict[str, Any]:
                            loss_fn=functools.partial(vocab_parallel_cross_entropy, mesh=m, axis="tp"))
     pipe = build(0)
     opt = pipe.build_optimizer(fc.ADAMW)
-    losses = []
-    for s in range(fc.STEPS):
-        losses.append(pipe.step(*fc.batch(s)))
-        opt.step()
-        opt.zero_grad()
-    full = sw.full_state_dict(pipe)
-    out = fc.compare(losses, full)
+    full, out = _trained(pipe, opt)
     z = pipe.zero3
     ckpt = _save(Path(root), 1, pipe, opt, m, slim=False)
     again = build(1)
