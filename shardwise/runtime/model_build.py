@@ -155,8 +155,8 @@ def model_spec(m: ModelConfig) -> Any:
                            **moe)
 
 
-def trainable_params(cfg: Any) -> int | None:
-    """Trainable elements of a LoRA run's model (its adapters, counted on the meta model); None without LoRA."""
+def _lora_meta_model(cfg: Any) -> nn.Module | None:
+    """The run's model on the meta device with its LoRA applied (the base frozen); None without LoRA."""
     from .lora_setup import lora_config
 
     lc = lora_config(cfg.lora, 0) if hasattr(cfg, "lora") else None
@@ -166,28 +166,32 @@ def trainable_params(cfg: Any) -> int | None:
 
     model = meta_model(cfg.model)
     apply_lora(model, lc)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model
+
+
+def _trainable(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def trainable_params(cfg: Any) -> int | None:
+    """Trainable elements of a LoRA run's model (its adapters, counted on the meta model); None without LoRA."""
+    model = _lora_meta_model(cfg)
+    return None if model is None else _trainable(model)
 
 
 def with_adapters(spec: Any, cfg: Any) -> Any:
     """``spec`` with the run's LoRA (``[lora]``): its base frozen and each layer's adapter elements added
     (``ModelSpec.with_adapters``), counted on the meta model; ``spec`` itself without LoRA."""
-    from .lora_setup import lora_config
-
-    lc = lora_config(cfg.lora, 0) if hasattr(cfg, "lora") else None
-    if lc is None:
+    model = _lora_meta_model(cfg)
+    if model is None:
         return spec
-    from ..models.lora import apply_lora
-
-    model = meta_model(cfg.model)
-    apply_lora(model, lc)
     modules = dict(model.named_modules())
     counts: dict[str, int] = {}
     for layer in spec.layers:
         module = modules.get(train_split_names(cfg.model, (layer.name,))[0])
         if module is not None:
-            counts[layer.name] = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    left = sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(counts.values())
+            counts[layer.name] = _trainable(module)
+    left = _trainable(model) - sum(counts.values())
     if left > 0:  # adapters outside the planner's layers (an adapted LM head): priced with the last layer
         counts[spec.layers[-1].name] = counts.get(spec.layers[-1].name, 0) + left
     return spec.with_adapters(counts)
