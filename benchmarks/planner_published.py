@@ -1,4 +1,4 @@
-"""The planner against the published tables (pure: nothing runs but the planner; seconds).
+"""The planner against every published and measured table (pure: nothing runs but the planner; about a minute).
 
     python benchmarks/planner_published.py [--search] [--markdown FILE] [--json FILE]
 
@@ -8,7 +8,8 @@ al. 2022 Table 5 and Narayanan et al. 2021 Table 2, all on the ``a100-80g-sxm`` 
 without ``Layout.async_tp``) on ``h100-80g-sxm`` (``benchmarks/planner/published_report.py``,
 ``benchmarks/planner/published_llama3.py``, ``benchmarks/planner/published_mcore.py``). ``--search``: also the layout search on Megatron-LM Table 1 against
 the paper's layouts, and the search time (``benchmarks/planner/search_published.py``); ``--search-only``: that
-alone. Writes the tables of ``benchmarks/RESULTS.md``.
+alone. Starts with the one check (``benchmarks/planner/check_report.py``): every table in sample and held out
+(leave-one-table-out), the fitted constants and the error bands. Writes the tables of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ def main(args: argparse.Namespace) -> int:
     lines: list[str] = []
     data: dict[str, Any] = {}
     if not args.search_only:
+        from benchmarks.planner.check_report import check, check_lines
+
+        result = check()
         lines, data = published_tables()
+        lines = check_lines(result) + [""] + lines
+        data["check"] = {"in_sample": result["in_sample"], "held_out": result["held_out"], "how": result["how"],
+                         "refit": result["refit"], "bands": [[*k, *v] for k, v in result["bands"].items()]}
     if args.search or args.search_only:
         from benchmarks.planner.search_published import published_search_lines, search_published, search_speed
 

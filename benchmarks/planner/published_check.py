@@ -1,64 +1,183 @@
-"""One check over every published table the planner is compared with: each table's rows as (row, signed relative
-error of the predicted throughput or time), the tables that are not graded with the reason, and a summary of
-median and max |error| per table. ``tests/unit/test_planner_tables.py`` holds every graded table to a recorded
-bound, so a change that improves one table and degrades another fails naming the table and the row.
+"""One check over every table the planner is compared with — published and measured: each table's rows as
+(row, signed relative error, layout family), the tables that are not graded with the reason, a summary of median
+and max |error| per table, and the error bands (``shardwise.planner.error_band``) the rows give per hardware class
+and layout family. ``tests/unit/test_planner_tables.py`` holds every graded table to a recorded bound, so a change
+that improves one table and degrades another fails naming the table and the row.
 
-Conventions are each table's own (``published_report.py``): Megatron-LM Table 1 and Narayanan Table 2 in TF/s per
-GPU (model FLOPs), Korthikanti Table 5 in iteration time, Llama 3 Table 4 in TF/s per GPU (causal attention halved),
-Megatron-Core weak scaling in TF/s per GPU (attention in full), ZeRO Table 1 in model-state GB.
+Conventions are each table's own (``published_report.py``, ``measured_check.py``): Megatron-LM Table 1 and
+Narayanan Table 2 in TF/s per GPU (model FLOPs), Korthikanti Table 5 in iteration time, Llama 3 Table 4 in TF/s per
+GPU (causal attention halved), Megatron-Core weak scaling in TF/s per GPU (attention in full), the MoE rows in
+tokens/s per GPU, ZeRO Table 1 in model-state GB, the measured tables in step seconds or peak bytes per rank.
+Errors are predicted / published − 1 (throughput, time and memory alike: + is optimistic for throughput,
+pessimistic for time and memory).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-__all__ = ["table_errors", "UNGRADED", "summary_lines"]
+__all__ = ["Row", "Table", "TABLES", "UNGRADED", "all_errors", "summary_lines", "family"]
+
+
+class Row(NamedTuple):
+    name: str
+    error: float
+    family: str
+
+
+@dataclass(frozen=True)
+class Table:
+    hardware: str
+    """The hardware class its predictions run on (``error_band.hardware_class``'s vocabulary; "any": none)."""
+    metric: str
+    """``time`` (step time or throughput) or ``memory``."""
+    source: str
+
+
+_PUB, _OURS = "published", "measured here"
+TABLES = {
+    "megatron-table1": Table("A100", "time", f"{_PUB}: Narayanan et al. 2021, Table 1"),
+    "korthikanti-table5": Table("A100", "time", f"{_PUB}: Korthikanti et al. 2022, Table 5"),
+    "narayanan-table2-ptdp": Table("A100", "time", f"{_PUB}: Narayanan et al. 2021, Table 2 (PTD-P)"),
+    "narayanan-table2-zero3": Table("A100", "time", f"{_PUB}: Narayanan et al. 2021, Table 2 (ZeRO-3)"),
+    "llama3-table4": Table("H100/H200", "time", f"{_PUB}: Dubey et al. 2024, Table 4"),
+    "mcore-weak-scaling": Table("H100/H200", "time", f"{_PUB}: Megatron-Core r0.8.0 README"),
+    "moe-bridge-bf16": Table("H100/H200", "time", f"{_PUB}: Megatron-Bridge performance summary, BF16 rows"),
+    "moe-fp8": Table("H100/H200", "time", f"{_PUB}: Megatron-Bridge FP8 rows, DeepSeek-V3 report"),
+    "zero-table1-memory": Table("any", "memory", f"{_PUB}: Rajbhandari et al. 2019, Table 1"),
+    "h200-calibrated": Table("calibrated GPU", "time", f"{_OURS}: one H200, its calibration"),
+    "h200-quick-probe": Table("probed GPU", "time", f"{_OURS}: one H200, three quick probes"),
+    "cpu-calibrated": Table("calibrated CPU", "time", f"{_OURS}: 2-core CPU, 2 and 4 ranks, calibrated"),
+    "cpu-memory": Table("calibrated CPU", "memory", f"{_OURS}: 2-core CPU, whole-run peak per rank"),
+}
+"""Every table of the check, with its hardware class, metric and source."""
 
 UNGRADED = {
     "narayanan-table2-zero3": "ZeRO-3 without model parallelism: the published step times imply 20-36 GB/s of bus "
                               "bandwidth per GPU, unoverlapped, where the preset's inter-node link is 180 GB/s; the "
                               "planner prices the preset (errors +38 % to +367 %): not a planner row until the "
                               "bandwidth the run achieved is known",
+    "moe-fp8": "FP8 GEMMs (Qwen3, DeepSeek-V3) and DualPipe (DeepSeek-V3): the planner has neither and prices them at "
+               "the bf16 peak with exposed all-to-alls, so these rows measure the missing features, not the model",
 }
 """Tables shown but held to no bound, with the reason."""
 
 
-def table_errors(data: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    """``{table: [(row, error)]}`` from ``published_report.published_tables()``'s data (``error`` = predicted /
-    published − 1 for throughput, the same for time)."""
+def family(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
+    """The layout family of a row: context parallel, experts, pipeline, tensor parallel, or data parallel / ZeRO
+    (the first that applies, as ``shardwise.planner.error_band.layout_family`` names them)."""
+    if cp > 1:
+        return "context parallel"
+    if ep > 1:
+        return "experts"
+    if pp > 1:
+        return "pipeline"
+    return "tensor parallel" if tp > 1 else "data parallel / ZeRO"
+
+
+def _megatron() -> dict[str, list[Row]]:
+    from .published import MEGATRON_TABLE1, megatron_prediction
+
+    rows = []
+    for r in MEGATRON_TABLE1:
+        rows.append(Row(f"{r.params_b}B", megatron_prediction(r).tflops_per_device / r.tflops - 1, family(r.tp, r.pp)))
+    return {"megatron-table1": rows}
+
+
+def _korthikanti() -> dict[str, list[Row]]:
+    from .published_report import korthikanti_table
+
+    return {"korthikanti-table5": [Row(f"{r['model']} {r['method']} {r['gpus']} GPUs", r["error"],
+                                       family(8, 1 if r["model"] == "22B" else 2)) for r in korthikanti_table()[1]]}
+
+
+def _narayanan() -> dict[str, list[Row]]:
+    from .published_report import narayanan_table2
+
+    data = narayanan_table2()[1]
+    return {"narayanan-table2-ptdp": [Row(f"{r['params_b']}B {r['gpus']} GPUs", r["error"], family(8, 2))
+                                      for r in data if r["scheme"] == "PTD-P"],
+            "narayanan-table2-zero3": [Row(f"{r['params_b']}B {r['gpus']} GPUs {r['runtime']}", r["error"], family())
+                                       for r in data if r["scheme"] == "ZeRO-3"]}
+
+
+def _llama3() -> dict[str, list[Row]]:
+    from .published_llama3 import llama3_table
+
+    return {"llama3-table4": [Row(f"{r['gpus']} GPUs cp {r['cp']}", r["error"], family(r["tp"], r["pp"], r["cp"]))
+                              for r in llama3_table()[1]]}
+
+
+def _mcore() -> dict[str, list[Row]]:
+    from .published_mcore import mcore_table
+
+    return {"mcore-weak-scaling": [Row(f"{r['params_b']}B tp {r['tp']} pp {r['pp']}", r["error"],
+                                       family(r["tp"], r["pp"])) for r in mcore_table()[1]]}
+
+
+def _moe() -> dict[str, list[Row]]:
+    from benchmarks.planner_moe_published import rows
+
+    out: dict[str, list[Row]] = {"moe-bridge-bf16": [], "moe-fp8": []}
+    for r in rows():
+        name = f"{r['model']} gbs {r['gbs']} ({r['precision']})"
+        out["moe-bridge-bf16" if r["comparable"] else "moe-fp8"].append(
+            Row(name, r["ratio"] - 1, family(r["tp"], r["pp"], 1, max(r["ep"], 2))))
+    return out
+
+
+def _zero() -> dict[str, list[Row]]:
     from shardwise.planner.memory import model_state_bytes
 
     from .published import ZERO_TABLE1
 
-    out: dict[str, list[tuple[str, float]]] = {
-        "megatron-table1": [(f"{r['params_b']}B", r["error"]) for r in data["megatron"]],
-        "korthikanti-table5": [(f"{r['model']} {r['method']} {r['gpus']} GPUs", r["error"])
-                               for r in data["korthikanti"]],
-        "narayanan-table2-ptdp": [(f"{r['params_b']}B {r['gpus']} GPUs", r["error"])
-                                  for r in data["narayanan_table2"] if r["scheme"] == "PTD-P"],
-        "narayanan-table2-zero3": [(f"{r['params_b']}B {r['gpus']} GPUs {r['runtime']}", r["error"])
-                                   for r in data["narayanan_table2"] if r["scheme"] == "ZeRO-3"],
-        "llama3-table4": [(f"{r['gpus']} GPUs cp {r['cp']}", r["error"]) for r in data["llama3"]],
-        "mcore-weak-scaling": [(f"{r['params_b']}B tp {r['tp']} pp {r['pp']}", r["error"])
-                               for r in data["megatron_core"]],
-    }
-    zero = []
+    rows = []
     for stage, gb in ZERO_TABLE1["gb"].items():
         got = model_state_bytes(ZERO_TABLE1["params"], precision="bf16-mixed", zero_stage=stage, dp=ZERO_TABLE1["dp"])
-        zero.append((f"stage {stage}", got.total / 1e9 / gb - 1))
-    out["zero-table1-memory"] = zero
-    return out
+        rows.append(Row(f"stage {stage}", got.total / 1e9 / gb - 1, family()))
+    return {"zero-table1-memory": rows}
 
 
-def summary_lines(errors: dict[str, list[tuple[str, float]]]) -> list[str]:
-    """A markdown table: per table, rows, median and max |error| (and its row), graded or the reason not."""
-    lines = ["| table | rows | median abs error | max abs error | worst row | graded |", "|---|---|---|---|---|---|"]
+def _measured() -> dict[str, list[Row]]:
+    from .measured_check import measured_tables
+
+    return {k: [Row(*r) for r in v] for k, v in measured_tables(family).items()}
+
+
+_PRODUCERS = (_megatron, _korthikanti, _narayanan, _llama3, _mcore, _moe, _zero, _measured)
+_PRODUCES = {_megatron: ("megatron-table1",), _korthikanti: ("korthikanti-table5",),
+             _narayanan: ("narayanan-table2-ptdp", "narayanan-table2-zero3"), _llama3: ("llama3-table4",),
+             _mcore: ("mcore-weak-scaling",), _moe: ("moe-bridge-bf16", "moe-fp8"), _zero: ("zero-table1-memory",),
+             _measured: ("h200-calibrated", "h200-quick-probe", "cpu-calibrated", "cpu-memory")}
+
+
+def all_errors(tables: list[str] | None = None) -> dict[str, list[Row]]:
+    """``{table: rows}`` of ``tables`` (default: every table of ``TABLES``), in ``TABLES``' order; seconds, the
+    planner only."""
+    want = set(TABLES if tables is None else tables)
+    out: dict[str, list[Row]] = {}
+    for produce in _PRODUCERS:
+        if want & set(_PRODUCES[produce]):
+            out.update(produce())
+    return {t: out[t] for t in TABLES if t in want}
+
+
+def summary_lines(errors: dict[str, list[Row]], held_out: dict[str, list[Row]] | None = None) -> list[str]:
+    """A markdown table: per table, rows, median and max |error| in sample (and held out, where given), the worst
+    row, graded or the reason not."""
+    held_out = held_out or errors
+    lines = ["| table | hardware | metric | rows | median abs error | max abs error | held-out median / max | "
+             "worst row | graded |", "|---|---|---|---|---|---|---|---|---|"]
     for table, rows in errors.items():
-        worst = max(rows, key=lambda r: abs(r[1]))
-        med = statistics.median(abs(e) for _, e in rows)
+        info = TABLES[table]
+        worst = max(rows, key=lambda r: abs(r.error))
+        med = statistics.median(abs(r.error) for r in rows)
+        ho = held_out.get(table, rows)
+        ho_text = f"{statistics.median(abs(r.error) for r in ho):.1%} / {max(abs(r.error) for r in ho):.1%}"
         graded = "no (see below)" if table in UNGRADED else "yes"
-        lines.append(f"| {table} | {len(rows)} | {med:.1%} | {abs(worst[1]):.1%} | {worst[0]} ({worst[1]:+.1%}) | "
-                     f"{graded} |")
+        lines.append(f"| {table} | {info.hardware} | {info.metric} | {len(rows)} | {med:.1%} | {abs(worst.error):.1%} "
+                     f"| {ho_text} | {worst.name} ({worst.error:+.1%}) | {graded} |")
     lines += [""] + [f"Not graded: {t}: {why}." for t, why in UNGRADED.items()]
     return lines

@@ -54,11 +54,7 @@ def published_tables() -> tuple[list[str], dict[str, Any]]:
     mcore, mcore_rows = mcore_table()
     data = {"megatron": rows, "gpt3_days": days, "korthikanti": korthikanti, "narayanan_table2": narayanan,
             "llama3": llama3_rows, "megatron_core": mcore_rows}
-    from .published_check import summary_lines, table_errors
-
-    summary = ["Every table (published_check.py; tests/unit/test_planner_tables.py holds each graded one to a bound):",
-               "", *summary_lines(table_errors(data)), ""]
-    return summary + lines + [""] + more + [""] + table2 + [""] + llama3 + [""] + mcore, data
+    return lines + [""] + more + [""] + table2 + [""] + llama3 + [""] + mcore, data
 
 
 def korthikanti_table() -> tuple[list[str], list[dict[str, Any]]]:

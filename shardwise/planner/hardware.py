@@ -98,6 +98,11 @@ class Hardware:
     """What full activation checkpointing adds to a block's backward, in forwards of the block: measured by the
     probe as (checkpointed forward + backward − forward − backward) / forward (1: no probe, a recomputed
     forward costs one forward)."""
+    sustained_fraction: float = 1.0
+    """The share of its kernels' published throughput (``gemm_curve``, the attention tables) the device sustains
+    through a long training run — clocks under the power limit, kernels around the GEMMs that the model does not
+    list. The one constant fitted to published tables (leave-one-table-out, ``docs/planner.md``); 1 on calibrated
+    machines, whose GEMMs and block were measured in place."""
 
     def __post_init__(self) -> None:
         missing = [d for d in _DTYPES if d not in self.peak_flops]
@@ -109,6 +114,8 @@ class Hardware:
                              f"devices_per_node >= 1, got {self.memory_bytes!r}, {self.memory_bandwidth_Bps!r} and "
                              f"{self.devices_per_node!r}; fix the preset or regenerate the calibration with "
                              f"`shardwise calibrate --out FILE`")
+        if not 0 < self.sustained_fraction <= 1:
+            raise ValueError(f"Hardware {self.name!r}: sustained_fraction must be in (0, 1], got {self.sustained_fraction!r}")
         if not self.gemm_curve or any(not (d > 0 and 0 < e <= 1) for d, e in self.gemm_curve):
             raise ValueError(f"Hardware {self.name!r}: gemm_curve needs (d > 0, 0 < efficiency <= 1) points, "
                              f"got {self.gemm_curve}")
@@ -181,6 +188,9 @@ class Hardware:
             return _nearest_efficiency(self.gemm_points_bf16, m, n, k)
         if self.gemm_points:
             return _nearest_efficiency(self.gemm_points, m, n, k)
+        return self.sustained_fraction * self._curve_efficiency(m, n, k)
+
+    def _curve_efficiency(self, m: float, n: float, k: float) -> float:
         d = max(m * n * k, 1.0) ** (1.0 / 3.0)
         pts = sorted(self.gemm_curve)
         if d <= pts[0][0]:
