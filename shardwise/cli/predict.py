@@ -8,7 +8,9 @@ The flags are ``shardwise train``'s (``--preset``, ``--config``, ``--section.fie
 way except for what only a launch on this machine needs; ``parallel.nproc`` is the device count. With
 pp > 1, ``parallel.micro_batch`` is one pipeline micro-batch (Megatron's reading; see
 ``plan_from_config`` in ``shardwise/runtime/prediction.py``). A plan that does not fit in memory is not an
-error: ``fits`` is false and the largest memory term is named. Bad input: one error line, exit code 2.
+error: ``fits`` is false and the largest memory term is named. The step time comes with its error band
+(``shardwise.planner.error_band``: the planner's errors on published and measured rows of the same hardware class
+and layout family). Bad input: one error line, exit code 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_arguments", "add_hardware_arguments", "hardware_for", "main", "run_prediction"]
+__all__ = ["add_arguments", "add_hardware_arguments", "hardware_for", "main", "run_prediction", "step_time_text"]
 
 
 def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,12 +94,26 @@ def main(args: argparse.Namespace) -> int:
         print(f"shardwise predict: error: {message}", file=sys.stderr)
         return 2
     if args.json:
+        from ..planner import error_band
+
+        band = error_band(hw, pred.plan)
         out = {**pred.to_json(), "devices": cfg.parallel.nproc, "global_batch": cfg.data.global_batch,
-               "seq_len": cfg.model.block_size}
+               "seq_len": cfg.model.block_size, "error_band": band.to_json() if band is not None else None}
         print(json.dumps(out))
     else:
         _print_tables(cfg, hw, pred)
     return 0
+
+
+def step_time_text(hw: Any, pred: Any) -> str:
+    """``"1.43 s, typically within ±5.5 % (worst …)"``: the step time with the error band of its hardware class and
+    layout family (``shardwise.planner.error_band``); the bare time where nothing is known about the class."""
+    from ..planner import error_band
+
+    band = error_band(hw, pred.plan)
+    if band is None:
+        return f"{pred.step_time_s:.3g} s (no published or measured rows of this hardware: error unknown)"
+    return band.describe(pred.step_time_s)
 
 
 def _summary_rows(cfg: Any, hw: Any, pred: Any) -> list[tuple[str, str]]:
@@ -113,7 +129,7 @@ def _summary_rows(cfg: Any, hw: Any, pred: Any) -> list[tuple[str, str]]:
                  f"({format_bytes(getattr(mem, mem.largest))})")
     return [("devices", f"{cfg.parallel.nproc} × {hw.name} ({hw.devices_per_node} per node)"),
             ("model", f"{pred.params_text()} parameters"), ("plan", plan.describe()), ("global batch", batch),
-            ("step time", f"{pred.step_time_s:.4g} s (dominant: {pred.dominant})"),
+            ("step time", f"{step_time_text(hw, pred)}; dominant: {pred.dominant}"),
             ("tokens/s", f"{pred.tokens_per_s:,.0f}"), ("TF/s per device", f"{pred.tflops_per_device:.1f}"),
             ("MFU", f"{pred.mfu:.1%}"), ("fits", fits + f" (pipeline rank {mem.rank})")]
 

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from ..planner import Hardware, Layout
+from ..planner.error_band import ranked
 from ..planner.search import SearchResult, search
 from .config import REPLICABLE, Config, replicable, validate
 from .config_defaults import search_batch
@@ -20,7 +21,8 @@ from .config_ranges import check_context_parallel
 from .model_build import model_spec, planner_split_names, train_split_names, with_adapters
 from .prediction import moe_hf_spec, with_documents
 
-__all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS"]
+__all__ = ["config_from_plan", "pins_from_flags", "parse_pin", "parse_pins", "plan_config", "apply_plan", "PIN_FIELDS",
+           "RECOMMEND_POOL"]
 
 PIN_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch", "grad_accum", "pp_schedule", "pp_chunks",
               "pp_microbatches", "pp_split", "activation_checkpointing", "replicate", "async_tp")
@@ -165,6 +167,12 @@ def pins_from_flags(pairs: Mapping[str, Any]) -> dict[str, Any]:
     return pins
 
 
+RECOMMEND_POOL = 8
+"""Plans ``shardwise train --parallel.auto`` and ``shardwise plan`` search for and recommend among
+(``planner.error_band.ranked``: the simplest of the fastest and those tied with it): both see the same plans, so
+both recommend the same one."""
+
+
 def plan_config(cfg: Config, hw: Hardware, *, devices: int, pins: Mapping[str, Any], top: int = 3,
                 memory_margin: float = 0.1) -> tuple[SearchResult, list[dict[str, Any]]]:
     """Search the layouts of ``cfg``'s model on ``devices`` devices of ``hw`` (``cfg.train.precision``
@@ -201,8 +209,9 @@ def apply_plan(cfg: Config, fields: Mapping[str, Any], nproc: int) -> Config:
 
 
 def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: int) -> tuple[Config, list[str]]:
-    """``shardwise train --parallel.auto true``: the planner's fastest plan that train runs, for ``nproc`` local
-    ranks (the ``parallel.calibration`` file, else this machine's calibration, else a quick probe), with the
+    """``shardwise train --parallel.auto true``: the plan ``shardwise plan`` recommends (the simplest of the
+    fastest and those tied with it inside its error band, ``planner.error_band.ranked``), or the next that train
+    runs, for ``nproc`` local ranks (the ``parallel.calibration`` file, else this machine's calibration, else a quick probe), with the
     ``parallel.*`` fields in ``given`` as pins. Returns the validated config and the lines to print (the
     choice and the runner-up). ``ValueError`` when nothing fits or every plan is refused."""
     from ..planner.search import NoFeasiblePlan
@@ -223,11 +232,13 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
         pins["cp"] = 1
     cfg = search_batch(cfg, nproc, pins)  # the global batch every searched layout and the chosen one share
     try:
-        result, fields = plan_config(cfg, hw, devices=nproc, pins=pins, top=8)
+        result, fields = plan_config(cfg, hw, devices=nproc, pins=pins, top=RECOMMEND_POOL)
     except NoFeasiblePlan as exc:
         raise ValueError(f"parallel.auto: {exc}") from None
     refused: list[str] = []
-    for i, (pred, f) in enumerate(zip(result, fields)):
+    order = ranked(result.predictions, hw)  # shardwise plan's recommendation first (ties: the simplest)
+    for n, i in enumerate(order):
+        pred, f = result[i], fields[i]
         try:
             chosen = apply_plan(cfg, f, nproc)
         except ValueError as exc:  # a layout the planner knows but train refuses: take the next one
@@ -236,8 +247,8 @@ def auto_layout(cfg: Config, given: Mapping[str, Any], *, device: str, nproc: in
         lines = [f"shardwise train: parallel.auto chose {pred.plan.describe()} — predicted {pred.step_time_s:.3g} "
                  f"s/step, {format_bytes(pred.memory.total)} per rank ({result.candidates} layouts searched in "
                  f"{result.search_s:.2f} s; hardware: {where})"]
-        if i + 1 < len(result):
-            other = result[i + 1]
+        if n + 1 < len(order):
+            other = result[order[n + 1]]
             lines.append(f"shardwise train: runner-up {other.plan.describe()} — predicted {other.step_time_s:.3g} "
                          f"s/step ({other.step_time_s / pred.step_time_s - 1:+.1%})")
         lines += [f"shardwise train: skipped {r}" for r in refused]
