@@ -1,13 +1,13 @@
 """Llama 3 405B pre-training (Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv 2407.21783, Table 4): two
 context-parallel-free rows and the context-parallel row, on the ``h100-80g-sxm`` preset (pure, seconds).
 
-What was checked against a public source and what was not (``SOURCE_NOTE``): the GPUs, TP, CP, PP, tokens per
-batch and TF/s per GPU of the three rows match the table as shown in Pavan Balaji's SC'24 talk (reproduced at
-glennklockwood.com/garden/llama-3.1); the model's 126 layers, width 16,384, 128 heads and 8 KV heads match
-public model cards, the 128,256-token vocabulary the Llama 3 tokenizer's config. DP, sequence length, batch
-size per DP and MFU were not found in a readable copy of the table: DP is GPUs / (TP · CP · PP), and the
-sequence length and batch size per DP reproduce the 16M tokens per batch (64 × 32 × 8,192, 128 × 16 × 8,192,
-8 × 16 × 131,072 ≈ 16.8M); the FFN width 53,248 is the public model config's (not confirmed here).
+What was checked against a public source: the paper's text (its arXiv HTML rendering, §3.3.2 and Table 4) gives
+GPUs, TP, CP, PP, DP, sequence length, batch size per DP, tokens per batch, TF/s per GPU and BF16 MFU for the
+three rows; GPUs, TP, CP, PP, tokens and TF/s also match Pavan Balaji's SC'24 slide (reproduced at
+glennklockwood.com/garden/llama-3.1). The CP row's DP reads 4 in the paper, which contradicts its own GPUs and
+tokens (8 · 16 · 16 · 4 = 8,192 GPUs, not 16,384; 4 · 16 · 131,072 = 8.4M tokens, not 16M): DP = GPUs / (TP · CP ·
+PP) = 8 is used, which reproduces both. The model's 126 layers, width 16,384, 128 heads, 8 KV heads and FFN
+53,248 are the paper's Table 3, the 128,256-token vocabulary the Llama 3 tokenizer's config.
 
 The table's TF/s are model FLOPs (430 / 989 = 43 %, its MFU column): recomputation not counted, causal
 attention counted as the half a fused kernel computes. ``model_tflops`` counts them that way from the spec
@@ -71,10 +71,9 @@ LLAMA3_TABLE4 = (
 LLAMA3_405B = dict(n_layer=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab_size=128256)
 """Llama 3 405B (the paper's Table 3): layers, model width, attention heads, key/value heads, FFN width, vocab."""
 
-SOURCE_NOTE = ("GPUs, TP, CP, PP, tokens per batch and TF/s per GPU checked against a public reproduction of the "
-               "table (Balaji, SC'24); DP, sequence length, batch per DP and MFU not found in a readable copy: DP = "
-               "GPUs / (TP·CP·PP), sequence and batch reproduce the 16M tokens per batch; FFN 53,248 from the public "
-               "model config (not confirmed here).")
+SOURCE_NOTE = ("every column checked against the paper's Table 4 (arXiv HTML rendering) and GPUs, TP, CP, PP, tokens "
+               "and TF/s against Balaji's SC'24 slide; the CP row's DP reads 4 in the paper, inconsistent with its "
+               "16,384 GPUs and 16M tokens: DP = GPUs / (TP·CP·PP) = 8 is used.")
 
 
 def llama3_spec(seq: int) -> ModelSpec:
@@ -131,4 +130,6 @@ def llama3_table() -> tuple[list[str], list[dict[str, Any]]]:
                  "halved, as the table's MFU column implies. Attention is a fused IO-aware kernel (FlashAttention, "
                  "2024): its FLOPs at the per-head GEMM efficiency with O(s·h) memory traffic, never the s × s "
                  "scores; the 2021–2022 tables above keep unfused attention (scores through memory).")
-    return lines, rows
+    from .published_memory import llama3_memory_lines  # imports this module: here, not at the top
+
+    return lines + [""] + llama3_memory_lines(), rows
