@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .hardware import Hardware
+from .kernels import attention_efficiency
 from .plan import Layout
 from .layers import Gemm, Layer
 from .moe import moe_comm
@@ -88,24 +89,34 @@ def io_aware_attention(flash: bool, hw: Hardware) -> bool:
 def _fused_core(cores: list[tuple[Gemm, float, float, float, float]], hw: Hardware, dtype: str, eb: int,
                 ) -> tuple[float, float]:
     """``(forward, backward)`` seconds of the attention cores ``cores`` (``(gemm, m, n, k, batch)`` at the rank's
-    shape) as IO-aware fused kernels: the tiles' FLOPs at the GEMM efficiency of the per-head products, the
-    causal half skipped; memory traffic ``O(s·h)`` — Q, K (with the scores GEMM), V, O (with the context
-    GEMM) once per block pass and the fp32 log-sum-exp per query row — never the ``s × s`` scores. One launch
-    forward; backward recomputes the scores in tiles (2.5× the forward FLOPs: five tile GEMMs to two), moves
-    twice the forward traffic (Q, K, V, O, dO read; dQ, dK, dV written) in two launches (the dO·O row sums,
+    shape) as IO-aware fused kernels, the causal half skipped. FLOPs in the FlashAttention papers' convention
+    (``kernels`` module doc): forward the two tile products, backward 2.5× them (it recomputes the scores: five
+    tile products to two). Their rate: the device's published kernel throughput by head dimension, keys per
+    sequence, mask and direction (``Hardware.attention_table``, bf16), else the GEMM efficiency of the per-head
+    products both ways. Memory traffic ``O(s·h)`` — Q, K (with the scores GEMM), V, O (with the context GEMM)
+    once per block pass and the fp32 log-sum-exp per query row — never the ``s × s`` scores; backward moves
+    twice that (Q, K, V, O, dO read; dQ, dK, dV written). One launch forward; two backward (the dO·O row sums,
     the main kernel)."""
-    compute = io = 0.0
+    fwd = bwd = io = 0.0
     kernels = 0
+    table = bool(hw.attention_table) and dtype == "bf16"
     for g, m, n, k, batch in cores:
-        scale = 0.5 if g.causal else 1.0
-        compute += 2.0 * m * n * k * batch * scale / (hw.peak_flops[dtype] * hw.gemm_efficiency(m, n, k, dtype))
+        flops = 2.0 * m * n * k * batch * (0.5 if g.causal else 1.0)
+        peak = hw.peak_flops[dtype]
+        if table:
+            # scores: (queries × hd) @ (hd × keys); context: (queries × keys) @ (keys × hd)
+            hd, keys = (n, k) if g.name == "context" else (k, n)
+            fwd += flops / (peak * attention_efficiency(hw, hd, keys, g.causal, "fwd"))
+            bwd += 2.5 * flops / (peak * attention_efficiency(hw, hd, keys, g.causal, "bwd"))
+        else:
+            one = flops / (peak * hw.gemm_efficiency(m, n, k, dtype))
+            fwd, bwd = fwd + one, bwd + 2.5 * one
         if g.name == "context":  # (s × keys) @ (keys × hd): V read, O written
             io += eb * (k * n + m * n) * batch
         else:  # scores (s × hd) @ (hd × keys): Q, K read, the log-sum-exp written
             io += eb * (m * k + k * n) * batch + 4.0 * m * batch
             kernels += 1
-    fwd = hw.kernel_time(compute, io, kernels)
-    return fwd, hw.kernel_time(2.5 * compute, 2.0 * io, 2 * kernels)
+    return hw.kernel_time(fwd, io, kernels), hw.kernel_time(bwd, 2.0 * io, 2 * kernels)
 
 
 def _gemms(layer: Layer, plan: Layout, hw: Hardware, flash: bool) -> tuple[float, float, float, float, float, float]:
@@ -172,6 +183,21 @@ def layer_time(layer: Layer, plan: Layout, hw: Hardware, *, flash: bool, tp_per_
     return _layer_time(layer, plan, hw, flash, tp_per_node)
 
 
+# Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py), bytes per logit
+# element: forward casts the bf16 logits to fp32 (read 2, write 4), takes the row max (read 4), subtracts it in
+# place (read + write 8), exponentiates in place (8), sums (read 4) and divides in place into the softmax it keeps
+# (8): 38; backward scales the kept softmax by the loss gradient in place (8) and casts it to bf16 for the logits
+# GEMM (read 4, write 2): 14. In fp32 the two casts are gone. shardwise's own (parallel/tensor) makes the same
+# forward passes and one more in backward. Launches: six forward, two backward.
+_LOSS_LAUNCHES = (6, 2)
+
+
+def _loss_passes(plan: Layout) -> tuple[float, float]:
+    """Bytes moved per fp32 logit element by the loss, ``(forward, backward)`` (see ``_LOSS_LAUNCHES``)."""
+    cast = 0.0 if plan.precision == "fp32" else 6.0
+    return 32.0 + cast, 8.0 + cast
+
+
 def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_node: int) -> LayerTime:
     if layer.replicated and plan.tp > 1:
         # every tp rank runs the whole layer; its FLOPs count once for the model (per device: 1/tp of them)
@@ -183,6 +209,11 @@ def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_no
     ew_bytes = (rep + layer.ew_tp / t) * b * act_bytes(plan)
     f_ew = hw.memory_time(ew_bytes, layer.ops)
     b_ew = hw.memory_time(2 * ew_bytes, 2 * layer.ops)
+    if layer.kind == "head" and layer.act_fp32:
+        # the loss over the vocabulary: its fp32 logits (``act_fp32``, split by tp) priced pass by pass
+        loss_f, loss_b = _loss_passes(plan)
+        f_ew += hw.memory_time(loss_f * layer.act_fp32 / t * b, _LOSS_LAUNCHES[0])
+        b_ew += hw.memory_time(loss_b * layer.act_fp32 / t * b, _LOSS_LAUNCHES[1])
     tp_one = 0.0
     if t > 1 and layer.tp_allreduces:
         nbytes = layer.hidden * b * act_bytes(plan)

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from ..comm.calibration import Calibration
 from .calibrated import hardware_fields
+from .kernels import ATTENTION_TABLES
 from .link import Link
 
 __all__ = ["Link", "Hardware", "PRESETS"]
@@ -104,6 +105,11 @@ class Hardware:
     list. The one constant fitted to published tables (leave-one-table-out, ``docs/planner.md``); 1 on calibrated
     machines, whose GEMMs and block were measured in place."""
 
+    attention_table: str = ""
+    """The published throughput of the fused attention kernel this device runs (a name in
+    ``kernels.ATTENTION_TABLES``, by head dimension, sequence, mask and direction); ``""``: priced at the GEMM
+    efficiency of its per-head products (calibrated machines, CPU ranks, presets without a published table)."""
+
     def __post_init__(self) -> None:
         missing = [d for d in _DTYPES if d not in self.peak_flops]
         if missing or any(not v > 0 for v in self.peak_flops.values()):
@@ -116,6 +122,9 @@ class Hardware:
                              f"`shardwise calibrate --out FILE`")
         if not 0 < self.sustained_fraction <= 1:
             raise ValueError(f"Hardware {self.name!r}: sustained_fraction must be in (0, 1], got {self.sustained_fraction!r}")
+        if self.attention_table and self.attention_table not in ATTENTION_TABLES:
+            raise ValueError(f"Hardware {self.name!r}: unknown attention_table {self.attention_table!r}; choose one "
+                             f"of {sorted(ATTENTION_TABLES)} or \"\" (the per-head-GEMM proxy)")
         if not self.gemm_curve or any(not (d > 0 and 0 < e <= 1) for d, e in self.gemm_curve):
             raise ValueError(f"Hardware {self.name!r}: gemm_curve needs (d > 0, 0 < efficiency <= 1) points, "
                              f"got {self.gemm_curve}")
@@ -296,9 +305,15 @@ def _preset_key(name: str) -> str | None:
 # (50 GB/s per GPU). Achieved all-reduce bus bandwidth within a node: A100 ≈ 230 GB/s, H100 ≈ 370 GB/s
 # (nccl-tests issues #149, #212, maintainers' figures). Inter-node: 90 % of the NIC line rate. Memory
 # bandwidth: 85 % of the HBM peak, a typical STREAM-like figure for large elementwise kernels.
-# The GEMM curve (same shape for both) is the one set of efficiency constants the model has; see
-# ``docs/planner.md`` for how its top value was fitted and on what.
+# The A100's GEMM curve was set from typical cuBLAS bf16 results on an A100 (``docs/planner.md``). The H100's is
+# measured: XLA's cuBLAS bf16 GEMM table for sm_90 (openxla/xla, xla/service/gpu/model/matmul_interpolator_data.h,
+# "NVIDIA H100"), the shapes with m, n >= 1024 and k >= 2048: 1024x1024x2048 350 TF/s, 1024x2048x2048 524,
+# 2048^3 632, 4096^3 783 (of 989). Hopper's larger tiles leave more of its 132 SMs idle on a mid-sized GEMM, so it
+# fills later than the A100 (0.64 against 0.74 at 2048^3). The H200 is the H100's chip.
 _GEMM_CURVE = ((128.0, 0.20), (512.0, 0.55), (1024.0, 0.68), (2048.0, 0.74), (8192.0, 0.78))
+_GEMM_CURVE_H100 = ((1290.0, 0.354), (1625.0, 0.530), (2048.0, 0.639), (4096.0, 0.792))
+# Fused attention on Hopper: cuDNN's published throughput (FlashAttention-3 paper, Figs. 5-6; ``kernels.py``), the
+# kernel Transformer Engine's FusedAttention runs, as Megatron-Core does; the A100 keeps the per-head-GEMM proxy.
 
 PRESETS: dict[str, Hardware] = {
     "a100-80g-sxm": Hardware(
@@ -311,8 +326,9 @@ PRESETS: dict[str, Hardware] = {
         name="h100-80g-sxm", peak_flops={"fp32": 67e12, "bf16": 989e12}, memory_bytes=80e9,
         memory_bandwidth_Bps=0.85 * 3.35e12, devices_per_node=8,
         intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
-        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
-        source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests"),
+        gemm_curve=_GEMM_CURVE_H100, op_overhead_s=4e-6, p2p_alpha_s=2e-5, attention_table="h100-cudnn",
+        source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests; XLA sm_90 GEMM table; "
+               "FlashAttention-3 Figs. 5-6 (cuDNN)"),
 }
 # H200 SXM: the H100's chip with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet; the same dense BF16/FP32 rates
 # and NVLink 900 GB/s); HGX H200 nodes carry the DGX H100's 8 x NDR 400 Gb/s, so every other number is the H100's.
