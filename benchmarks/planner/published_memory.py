@@ -212,5 +212,7 @@ def llama3_memory_lines() -> list[str]:
                  "1F1B floor alone (126 blocks of one micro-batch) is over 80 GB at the planner's per-block bytes "
                  "(40.3·s·b·h/t: GQA q/k/v, the SDPA output and its contiguous copy, SwiGLU's gate, up, SiLU and "
                  "product, four norm/GEMM inputs; Korthikanti's 34 for a GPT block), so no documented schedule "
-                 "change fits these layouts without smaller per-layer activations.")
+                 "change fits these layouts without smaller per-layer activations. The head's fp32 logits (8,192 · "
+                 "128,256 / 8 · 4 B = 0.49 GiB per micro-batch and sequence of 8K tokens) sit on the last pipeline "
+                 "rank, not the most loaded one.")
     return lines

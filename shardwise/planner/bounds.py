@@ -14,10 +14,10 @@ import math
 from typing import Any, NamedTuple, Sequence
 
 from .hardware import Hardware
-from .memory import frozen_local, local_params, rank_memory, rank_parts, runtime_bytes
+from .memory import frozen_local, local_params, rank_memory, rank_parts, runtime_bytes, stage_activation_bytes
 from .moe import expert_local, optimizer_elements
-from .pipeline_cost import (bound_of_terms, first_rank_in_flight, flush_lower_bound, flush_terms, split_at,
-                            split_stages)
+from .pipeline_cost import (bound_of_terms, first_forwards, first_rank_in_flight, flush_lower_bound, flush_terms,
+                            split_at, split_stages)
 from .plan import Layout
 from .step_extras import fused_optimizer, optimizer_time
 from .dp_comm import dp_comm
@@ -142,12 +142,18 @@ def memory_bounds(spec: ModelSpec, plans: Sequence[Layout], opt: Option, hw: Har
     m, pp = opt.m, plan.pp
     fewest = 1 if pp == 1 else m * opt.chunks if opt.schedule == "gpipe" else min(m * opt.chunks, pp)
     held = first_rank_in_flight(opt.schedule, pp, m, opt.chunks)
+    # by chunk: rank 0's first forwards in the schedule's order (what it holds before its first backward, a moment
+    # ``predict``'s by-chunk peak, ``held_bytes``, is never below); gpipe holds every forward
+    counts = {sets: ((m,) * opt.chunks if opt.schedule == "gpipe" and pp > 1 else
+                     first_forwards(pp, opt.chunks, sets)) for sets in (held, fewest)}
     parts_key = ("mem_parts", plan.tp, pp, opt.chunks, opt.sid, plan.micro_batch, plan.activation_checkpointing,
                  plan.sequence_parallel, plan.precision, plan.ep)
     memo = cache.get(parts_key)
-    if memo is None:  # rank 0's parts, and its totals by (ZeRO stage, dp, sets held)
-        memo = cache[parts_key] = (rank_parts(rank_layers[0], [stages[s] for s in ranks[0]], plan), {})
-    parts, totals = memo
+    if memo is None:  # rank 0's parts and its chunks' bytes, and its totals by (ZeRO stage, dp, sets held)
+        chunks0 = [stages[s] for s in ranks[0]]
+        memo = cache[parts_key] = (rank_parts(rank_layers[0], chunks0, plan), stage_activation_bytes(chunks0, plan),
+                                   {})
+    parts, chunk_bytes, totals = memo
     out = []
     for plan in plans:
         pair = []
@@ -155,9 +161,10 @@ def memory_bounds(spec: ModelSpec, plans: Sequence[Layout], opt: Option, hw: Har
             key = (plan.zero_stage, plan.zero_group, sets, plan.grad_accum, plan.optimizer)
             total = totals.get(key)
             if total is None:
+                bytes_held = sum(c * b for c, b in zip(counts[sets], chunk_bytes)) if pp > 1 else None
                 total = totals[key] = rank_memory(rank_layers[0], [stages[s] for s in ranks[0]], sets, plan,
                                                   hw.memory_bytes, bucket_cap=_bucket_cap(plan), parts=parts,
-                                                  runtime=runtime_bytes(hw.kind)).total
+                                                  runtime=runtime_bytes(hw.kind), held=bytes_held).total
             pair.append(total)
         out.append((pair[0], pair[1]))
     return out

@@ -12,8 +12,9 @@ Terms (bytes on one rank; Ψ = the rank's local parameter elements after tensor 
                (a tied embedding is one unit, held while it is used, so it is at most that largest unit)
 ``casts``      bf16 autocast only: the 2-byte copies of the weights its GEMMs read, kept for backward (2·Ψ; under
                ZeRO-3 those of the two gathered units)
-``activations`` what the schedule keeps for backward: in-flight micro-batches × one chunk's saved bytes (the
-               planner's per-layer model, with the layout's recomputation), plus one layer's recomputed set
+``activations`` what the schedule keeps for backward: the saved bytes of the sets it holds at its peak, chunk by
+               chunk in its order (``pipeline_cost.held_bytes``; the planner's per-layer model, with the layout's
+               recomputation), plus one layer's recomputed set
 ``logits``     the fp32 logits of one micro-batch (the loss's input and its gradient)
 ``comm``       communication buffers the code holds besides the above: ZeRO-2, the bucket filling and
                ``MAX_IN_FLIGHT`` buckets reducing; ZeRO-3, the same count of units' flat gradients (either at most
@@ -37,7 +38,7 @@ from .context import local_spec
 from .hardware import PRESETS, Hardware
 from .layers import Layer
 from .compute import act_bytes
-from .memory import _PER_ELEMENT, _apart, frozen_local, rank_parts, rank_states, step_grad_bytes
+from .memory import _PER_ELEMENT, _apart, frozen_local, held_by_rank, rank_parts, rank_states, step_grad_bytes
 from .plan import Layout
 from .spec import ModelSpec
 
@@ -88,10 +89,12 @@ class Floor:
 
 
 def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Layout, *,
-               bucket_bytes: float = 25 * 2**20, boundary: float = 0.0, rank: int = 0) -> Floor:
+               bucket_bytes: float = 25 * 2**20, boundary: float = 0.0, rank: int = 0,
+               held: float | None = None) -> Floor:
     """The floor of one pipeline rank holding ``layers`` (its chunks' in ``chunk_layers``) with ``in_flight``
     chunk activation sets kept at the peak (the schedule simulator's count). ``bucket_bytes``: ZeRO-2's bucket
-    cap; ``boundary``: bytes of one activation message between stages (0 without a pipeline)."""
+    cap; ``boundary``: bytes of one activation message between stages (0 without a pipeline); ``held``: the
+    bytes of the sets at the peak, by chunk (``memory.held_by_rank``), else ``in_flight`` × the mean chunk's."""
     n, per_chunk, transient, biggest, loss, _, _, experts = rank_parts(layers, chunk_layers, plan)
     frozen = frozen_local(layers, plan.tp, plan.ep)  # a frozen base: parameter bytes only
     states = rank_states(n, experts, frozen, plan)  # routed experts shard over their own group
@@ -113,7 +116,7 @@ def rank_floor(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
         comm = min(n * g_bytes, (1 + MAX_IN_FLIGHT) * biggest * g_bytes)
     if plan.pp > 1:
         comm += 2 * boundary
-    activations = in_flight * per_chunk + transient
+    activations = (in_flight * per_chunk if held is None else held) + transient
     return Floor(params=states.params, grads=states.grads, optimizer=states.optimizer, gathered=gathered,
                  casts=casts, activations=activations, logits=loss, comm=comm, apart=_apart(plan, activations, states.grads),
                  rank=rank, step=step_grad_bytes(states, plan.precision, plan.optimizer))
@@ -138,12 +141,12 @@ def layout_floor(spec: ModelSpec, plan: Layout, *, global_batch: int, hardware: 
     in_flight = _flush(plan, costs, stages, hw, blocking=False, cache=None).in_flight if plan.pp > 1 else [1]
     ranks = [[s for s in range(len(stages)) if s % plan.pp == r] for r in range(plan.pp)]
     boundary = plan.micro_batch * spec.seq_len * spec.hidden * act_bytes(plan) / (plan.tp if plan.sequence_parallel else 1)
-    out = []
+    out, held = [], held_by_rank(stages, plan)
     for r, owned in enumerate(ranks):
         chunk_layers = [stages[s] for s in owned]
         layers = [layer for chunk in chunk_layers for layer in chunk]
         out.append(rank_floor(layers, chunk_layers, int(in_flight[r]), plan, bucket_bytes=bucket_bytes,
-                              boundary=boundary, rank=r))
+                              boundary=boundary, rank=r, held=held[r]))
     return out
 
 

@@ -34,7 +34,8 @@ from .layers import Layer
 from .moe import expert_local
 
 __all__ = ["StateBytes", "model_state_bytes", "step_grad_bytes", "layer_activation_bytes", "MemoryBreakdown", "largest_tensor",
-           "construction_bytes", "runtime_bytes", "rank_states", "frozen_local", "CPU_RUNTIME_BYTES", "optimizer_bytes_per_element"]
+           "construction_bytes", "runtime_bytes", "rank_states", "frozen_local", "CPU_RUNTIME_BYTES", "optimizer_bytes_per_element",
+           "stage_activation_bytes", "held_by_rank"]
 
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
 
@@ -145,6 +146,23 @@ def layer_activation_bytes(layer: Layer, plan: Layout) -> tuple[float, float]:
     return kept, full - kept
 
 
+def stage_activation_bytes(stage_layers: Sequence[Sequence[Layer]], plan: Layout) -> list[float]:
+    """Kept bytes of one micro-batch through each stage (``layer_activation_bytes`` summed over its layers): what
+    a forward of that stage adds to the stash (``pipeline_cost.held_bytes``)."""
+    return [sum(layer_activation_bytes(layer, plan)[0] for layer in stage) for stage in stage_layers]
+
+
+def held_by_rank(stages: Sequence[Sequence[Layer]], plan: Layout) -> list[float | None]:
+    """Per pipeline rank of a resolved ``plan`` cut into ``stages``, the activation bytes its schedule holds at the
+    peak (``pipeline_cost.held_bytes``); ``[None]`` without a pipeline (one set, ``rank_memory``'s default)."""
+    if plan.pp == 1:
+        return [None]
+    from .pipeline_cost import held_bytes  # the schedules' module, only where a pipeline is priced
+
+    return list(held_bytes(plan.schedule, plan.pp, plan.microbatches, plan.chunks,
+                           stage_activation_bytes(stages, plan)))
+
+
 def _gemm_outputs(layer: Layer, t: int) -> float:
     """Elements per sequence the weight GEMMs of ``layer`` write on one tensor-parallel rank (a column split
     writes ``n / t`` columns, a head split ``batch / t`` products; a row split writes the whole output, partial
@@ -229,11 +247,13 @@ def runtime_bytes(kind: str) -> float:
 
 def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]], in_flight: int, plan: Layout,
                 capacity: float, *, bucket_cap: float, rank: int = 0,
-                parts: "RankParts | None" = None, runtime: float = 0.0) -> MemoryBreakdown:
+                parts: "RankParts | None" = None, runtime: float = 0.0, held: float | None = None) -> MemoryBreakdown:
     """Memory of one pipeline rank holding ``layers`` (its chunks' layers in ``chunk_layers``), with
     ``in_flight`` chunk activation sets held at the peak (the schedule simulator's count), and gradient buckets of
     ``bucket_cap`` bytes at most. ``parts``: ``rank_parts(layers, chunk_layers, plan)`` when the caller has it
-    (they do not depend on dp, ZeRO or what is in flight: the search reuses them)."""
+    (they do not depend on dp, ZeRO or what is in flight: the search reuses them). ``held``: the bytes of the sets
+    held at the peak where the caller knows them by chunk (``pipeline_cost.held_bytes``); else ``in_flight`` × the
+    mean chunk's, exact when the rank's chunks keep the same bytes."""
     n, per_chunk, transient, biggest, loss, whole, split, experts = parts or rank_parts(layers, chunk_layers, plan)
     # ZeRO shards over every rank that holds the same parameters: dp × cp (``Layout.zero_group``); a rank's
     # routed experts over the dp × cp / ep ranks that hold the same experts (``Layout.expert_group``)
@@ -247,7 +267,7 @@ def rank_memory(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]]
     persistent = plan.zero_stage == 1 or (plan.zero_stage == 0 and plan.zero_group > 1 and plan.pp == 1)
     kept = states.params + (states.grads if persistent else 0.0)
     construction = construction_bytes(kept, in_flight=sliced, precision=plan.precision)
-    activations = in_flight * per_chunk + transient
+    activations = (in_flight * per_chunk if held is None else held) + transient
     grad_bytes = _PER_ELEMENT[plan.precision][1]
     n_grad = n - frozen  # elements with a gradient
     buffers = min(bucket_cap, n_grad * grad_bytes)  # buckets hold at most all the gradients
@@ -297,7 +317,7 @@ def rank_parts(layers: Sequence[Layer], chunk_layers: Sequence[Sequence[Layer]],
                                                      if layer.tied in names else 0)
             for layer in layers)
     experts = sum(expert_local(layer, plan.tp, plan.ep) for layer in layers)
-    per_chunk = [sum(layer_activation_bytes(layer, plan)[0] for layer in chunk) for chunk in chunk_layers]
+    per_chunk = stage_activation_bytes(chunk_layers, plan)
     transient = max((layer_activation_bytes(layer, plan)[1] for layer in layers), default=0.0)
     biggest = max((local_params(layer, plan.tp, plan.ep) for layer in layers), default=0.0)
     loss = max((layer.act_fp32 / (1 if layer.replicated else plan.tp) * plan.micro_batch * 4 for layer in layers),

@@ -23,7 +23,7 @@ from .flush_sim import fast_simulate
 from .layers import Layer
 
 __all__ = ["split_stages", "split_at", "Flush", "simulate_flush", "flush_lower_bound", "flush_terms", "bound_of_terms",
-           "first_rank_in_flight"]
+           "first_rank_in_flight", "held_bytes", "first_forwards"]
 
 
 def split_stages(layers: Sequence[Layer], stages: int, weights: Sequence[float] | None = None) -> list[list[Layer]]:
@@ -166,6 +166,58 @@ def first_rank_in_flight(schedule: str, p: int, m: int, chunks: int) -> int:
         return min(2 * p - 1, k)  # 2p - 1 warm-up forwards; each steady B W F frees one set and takes one
     total = k * chunks  # interleaved: Megatron's warm-up, then one forward before the first backward
     return total if k == p else min(2 * (p - 1) + (chunks - 1) * p + 1, total)
+
+
+def first_forwards(p: int, chunks: int, count: int) -> tuple[int, ...]:
+    """How many of pipeline rank 0's first ``count`` forwards each of its chunks runs, in Megatron's interleaved
+    order (micro-batches in groups of ``p`` per chunk: forward ``i`` runs chunk ``(i mod p·chunks) // p``; one
+    chunk: all of them). Before its first backward, rank 0 holds exactly these sets: the memory bounds count them
+    by chunk (``bounds.memory_bounds``) without building the schedule."""
+    if chunks == 1:
+        return (count,)
+    out = [0] * chunks
+    for i in range(count):
+        out[(i % (p * chunks)) // p] += 1
+    return tuple(out)
+
+
+_HELD_CACHE: dict[tuple, tuple[float, ...]] = {}
+
+
+def held_bytes(schedule: str, p: int, m: int, chunks: int, stage_bytes: Sequence[float]) -> tuple[float, ...]:
+    """Per pipeline rank, the most activation bytes it holds at once in a flush: a forward of stage ``s`` adds
+    ``stage_bytes[s]`` (one micro-batch's kept activations of that stage), the action that frees them (backward,
+    or the weight gradient where backward is split) drops them. Which sets are live together is the schedule's
+    order, so chunks of unequal size — an embedding-only or a head-only chunk, whose fp32 logits can outweigh a
+    block — count as they are, not as the peak count × their mean (Megatron's interleaved order on p = 2, V = 2,
+    m = 4 holds 3 sets of chunk 0 and 2 of chunk 1 at its peak count, but 4 + 1 a moment later). Over
+    ``simulate_flush``'s flush of ``min(m, 4p)`` micro-batches (a longer steady state holds no more); gpipe holds
+    every forward of the flush."""
+    n = p * chunks
+    if len(stage_bytes) != n:
+        raise ValueError(f"held_bytes needs one entry per stage (pp × chunks = {n}), got {len(stage_bytes)}")
+    if p == 1 or schedule == "gpipe":
+        return tuple((1 if p == 1 else m) * float(sum(stage_bytes[r::p])) for r in range(p))
+    k = min(m, _CAP * p)
+    key = (schedule, p, k, chunks, tuple(stage_bytes))
+    hit = _HELD_CACHE.get(key)
+    if hit is None:
+        sched = _schedule(schedule, p, k, chunks)
+        freeing = "W" if getattr(sched, "split_backward", False) else "B"
+        peaks = []
+        for acts in sched.ranks:  # type: ignore[attr-defined]
+            held = peak = 0.0
+            for a in acts:
+                if a.kind == "F":
+                    held += stage_bytes[a.stage]
+                    peak = max(peak, held)
+                elif a.kind == freeing:
+                    held -= stage_bytes[a.stage]
+            peaks.append(peak)
+        if len(_HELD_CACHE) > 256:
+            _HELD_CACHE.clear()
+        hit = _HELD_CACHE[key] = tuple(peaks)
+    return hit
 
 
 _SCHEDULE_CACHE: dict[tuple[str, int, int, int], object] = {}

@@ -19,7 +19,7 @@ from .builders import gpt_layers
 from .compute import LayerTime, act_bytes, layer_time
 from .context import local_spec, with_ring
 from .hardware import Hardware
-from .memory import MemoryBreakdown, frozen_local, local_params, rank_memory, runtime_bytes
+from .memory import MemoryBreakdown, frozen_local, held_by_rank, local_params, rank_memory, runtime_bytes
 from .overhead import autocast_factor, with_launch_cost
 from .pipeline_cost import Flush, simulate_flush, split_at, split_stages
 from .plan import Layout
@@ -334,11 +334,12 @@ def _assemble(spec: ModelSpec, plan: Layout, hw: Hardware, stages: list[list[Any
     model_flops = 3 * fwd * micro_batches
     hw_flops = (3 * fwd + recompute) * micro_batches
     peak = hw.peak_flops["fp32" if plan.precision == "fp32" else "bf16"]
-    memories = []
+    memories, held = [], held_by_rank(stages, plan)
     for i in range(plan.pp):
         chunk_layers = [stages[s] for s in ranks[i]]
         memories.append(rank_memory(rank_layers[i], chunk_layers, flush.in_flight[i], plan, hw.memory_bytes,
-                                    bucket_cap=_bucket_cap(plan), rank=i, runtime=runtime_bytes(hw.kind)))
+                                    bucket_cap=_bucket_cap(plan), rank=i, runtime=runtime_bytes(hw.kind),
+                                    held=held[i]))
     memory = max(memories, key=lambda mb: mb.total)
     stage_rows = [{"stage": s, "layers": [layer.name for layer in stages[s]], "F_s": sum(c.F for c in costs[s]),
                    "B_s": sum(c.B for c in costs[s]), "W_s": sum(c.W for c in costs[s])} for s in range(len(stages))]
