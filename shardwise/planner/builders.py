@@ -54,9 +54,8 @@ def gpt_layers(*, n_layer: int, h: int, a: int, v: int, s: int, positions: int, 
         act_tp=(13.0 if attention == "flash" else 12.0) * sh, act_attn=core_kept, hidden=sh, tp_allreduces=2,
         largest=4 * h * h)  # fc and its projection
     blocks = [Layer(f"blocks.{i}", "block", **block_kwargs) for i in range(n_layer)]
-    # the loss's passes over the s × v logits are priced from act_fp32 (compute._loss_passes), not ew_tp
     head = Layer("ln_f", "head", params=(2 * h if bias else h) + v * h, tp_params=v * h,
-                 gemms=(Gemm("lm_head", s, h, v, "col"),), ew_rep=2.0 * sh, ops=4,
+                 gemms=(Gemm("lm_head", s, h, v, "col"),), ew_rep=2.0 * sh, ew_tp=4.0 * s * v, ops=4,
                  act_rep=2.0 * sh, act_fp32=float(s * v), hidden=sh, tp_allreduces=1,
                  tied="wte" if tie else "", shared=v * h if tie else 0, largest=v * h)
     return (embed, *blocks, head)
@@ -87,6 +86,6 @@ def llama_layers(*, n_layer: int, h: int, a: int, kv: int, f: int, v: int, s: in
         act_attn=core_kept, hidden=sh, tp_allreduces=2, largest=max(h * h, h * kvw, h * f))  # q/o, k/v, MLP
     blocks = [Layer(f"layers.{i}", "block", **block_kwargs) for i in range(n_layer)]
     head = Layer("norm", "head", params=h + v * h, tp_params=v * h, gemms=(Gemm("lm_head", s, h, v, "col"),),
-                 ew_rep=6.0 * sh, ops=6, act_rep=2.0 * sh, act_fp32=float(s * v), hidden=sh,
+                 ew_rep=6.0 * sh, ew_tp=4.0 * s * v, ops=6, act_rep=2.0 * sh, act_fp32=float(s * v), hidden=sh,
                  tp_allreduces=1, tied="embed_tokens" if tie else "", shared=v * h if tie else 0, largest=v * h)
     return (embed, *blocks, head)

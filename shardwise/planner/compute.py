@@ -183,21 +183,6 @@ def layer_time(layer: Layer, plan: Layout, hw: Hardware, *, flash: bool, tp_per_
     return _layer_time(layer, plan, hw, flash, tp_per_node)
 
 
-# Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py), bytes per logit
-# element: forward casts the bf16 logits to fp32 (read 2, write 4), takes the row max (read 4), subtracts it in
-# place (read + write 8), exponentiates in place (8), sums (read 4) and divides in place into the softmax it keeps
-# (8): 38; backward scales the kept softmax by the loss gradient in place (8) and casts it to bf16 for the logits
-# GEMM (read 4, write 2): 14. In fp32 the two casts are gone. shardwise's own (parallel/tensor) makes the same
-# forward passes and one more in backward. Launches: six forward, two backward.
-_LOSS_LAUNCHES = (6, 2)
-
-
-def _loss_passes(plan: Layout) -> tuple[float, float]:
-    """Bytes moved per fp32 logit element by the loss, ``(forward, backward)`` (see ``_LOSS_LAUNCHES``)."""
-    cast = 0.0 if plan.precision == "fp32" else 6.0
-    return 32.0 + cast, 8.0 + cast
-
-
 def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_node: int) -> LayerTime:
     if layer.replicated and plan.tp > 1:
         # every tp rank runs the whole layer; its FLOPs count once for the model (per device: 1/tp of them)
@@ -209,11 +194,6 @@ def _layer_time(layer: Layer, plan: Layout, hw: Hardware, flash: bool, tp_per_no
     ew_bytes = (rep + layer.ew_tp / t) * b * act_bytes(plan)
     f_ew = hw.memory_time(ew_bytes, layer.ops)
     b_ew = hw.memory_time(2 * ew_bytes, 2 * layer.ops)
-    if layer.kind == "head" and layer.act_fp32:
-        # the loss over the vocabulary: its fp32 logits (``act_fp32``, split by tp) priced pass by pass
-        loss_f, loss_b = _loss_passes(plan)
-        f_ew += hw.memory_time(loss_f * layer.act_fp32 / t * b, _LOSS_LAUNCHES[0])
-        b_ew += hw.memory_time(loss_b * layer.act_fp32 / t * b, _LOSS_LAUNCHES[1])
     tp_one = 0.0
     if t > 1 and layer.tp_allreduces:
         nbytes = layer.hidden * b * act_bytes(plan)

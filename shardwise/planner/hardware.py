@@ -334,4 +334,5 @@ PRESETS: dict[str, Hardware] = {
 # and NVLink 900 GB/s); HGX H200 nodes carry the DGX H100's 8 x NDR 400 Gb/s, so every other number is the H100's.
 PRESETS["h200-141g-sxm"] = replace(
     PRESETS["h100-80g-sxm"], name="h200-141g-sxm", memory_bytes=141e9, memory_bandwidth_Bps=0.85 * 4.8e12,
-    source="NVIDIA H200 SXM datasheet; HGX H200 8x NDR 400 Gb/s; nccl-tests (H100 figures, same NVLink)")
+    source="NVIDIA H200 SXM datasheet; HGX H200 8x NDR 400 Gb/s; nccl-tests (H100 figures, same NVLink); the H100's "
+           "chip: XLA sm_90 GEMM table, FlashAttention-3 Figs. 5-6 (cuDNN)")

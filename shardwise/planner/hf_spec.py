@@ -159,7 +159,7 @@ def hf_layers(shape: HFShape, *, s: int, attention: str = "flash", imbalance: fl
         blocks.append(block(f"layers.{i}", common, _attention(shape, s, shape.windows[i], attention), mlp, hidden=sh,
                             tp_allreduces=2))
     head = Layer("norm", "head", params=h + v * h, tp_params=v * h, gemms=(Gemm("lm_head", s, h, v, "col"),),
-        ew_rep=6.0 * sh, ops=6, act_rep=2.0 * sh, act_fp32=float(s * v),
+        ew_rep=6.0 * sh, ew_tp=4.0 * s * v, ops=6, act_rep=2.0 * sh, act_fp32=float(s * v),
         hidden=sh, tp_allreduces=1, tied="embed_tokens" if shape.tie else "", shared=v * h if shape.tie else 0,
         largest=v * h)
     return (embed, *blocks, head)
