@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-only", action="store_true", help="only the layout search (no published tables)")
     parser.add_argument("--markdown", default=None, metavar="FILE", help="also write the tables as markdown")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--write-bands", action="store_true",
+                        help="rewrite shardwise/planner/error_band.py's BANDS with the check's held-out bands")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -43,6 +45,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks.planner.check_report import check, check_lines
 
         result = check()
+        if args.write_bands:
+            from benchmarks.planner.check_report import write_bands
+
+            print(f"wrote the error bands to {write_bands(result)}", file=sys.stderr)
         lines, data = published_tables()
         lines = check_lines(result) + [""] + lines
         data["check"] = {"in_sample": result["in_sample"], "held_out": result["held_out"], "how": result["how"],

@@ -10,7 +10,7 @@ from typing import Any
 
 from .published_check import TABLES, UNGRADED, Row, summary_lines
 
-__all__ = ["bands", "check", "check_lines"]
+__all__ = ["bands", "check", "check_lines", "write_bands"]
 
 Band = tuple[float, float, int, str]
 
@@ -69,3 +69,26 @@ def check_lines(result: dict[str, Any] | None = None) -> list[str]:
     for (hw, fam), (typical, worst, n, tables) in result["bands"].items():
         lines.append(f"| {hw} | {fam} | ±{typical:.1%} | ±{worst:.1%} | {n} | {tables} |")
     return lines
+
+
+def write_bands(result: dict[str, Any], path: str | None = None) -> str:
+    """Rewrite the ``BANDS`` literal of ``shardwise/planner/error_band.py`` (or ``path``) with ``result``'s bands;
+    returns the path. ``python benchmarks/planner_published.py --write-bands`` runs it after a change to the model
+    (``tests/unit/test_planner_tables.py`` fails until the shipped bands are the check's)."""
+    from pathlib import Path
+
+    import importlib
+
+    # the module, not ``shardwise.planner.error_band`` the function the package exports under the same name
+    module = importlib.import_module("shardwise.planner.error_band")
+    target = Path(path or str(module.__file__))
+    text = target.read_text()
+    head = "BANDS: dict[tuple[str, str], tuple[float, float, int, str]] = {\n"
+    start = text.index(head) + len(head)
+    end = text.index("\n}\n", start)
+    body = []
+    for (hw, fam), (typical, worst, n, tables) in result["bands"].items():
+        key = "ANY_LAYOUT" if fam == "any layout" else f'"{fam}"'
+        body.append(f'    ("{hw}", {key}): ({typical!r}, {worst!r}, {n}, "{tables}"),')
+    target.write_text(text[:start] + "\n".join(body) + text[end:])
+    return str(target)

@@ -47,6 +47,9 @@ TABLES = {
     "moe-bridge-bf16": Table("H100/H200", "time", f"{_PUB}: Megatron-Bridge performance summary, BF16 rows"),
     "moe-fp8": Table("H100/H200", "time", f"{_PUB}: Megatron-Bridge FP8 rows, DeepSeek-V3 report"),
     "zero-table1-memory": Table("any", "memory", f"{_PUB}: Rajbhandari et al. 2019, Table 1"),
+    "korthikanti-activations": Table("any", "memory", f"{_PUB}: Korthikanti et al. 2022, Table 2 formulas"),
+    "korthikanti-activations-selective": Table("any", "memory", f"{_PUB}: Korthikanti et al. 2022, Table 2, "
+                                                                "selective recomputation"),
     "h200-calibrated": Table("calibrated GPU", "time", f"{_OURS}: one H200, its calibration"),
     "h200-quick-probe": Table("probed GPU", "time", f"{_OURS}: one H200, three quick probes"),
     "cpu-calibrated": Table("calibrated CPU", "time", f"{_OURS}: 2-core CPU, 2 and 4 ranks, calibrated"),
@@ -59,6 +62,9 @@ UNGRADED = {
                               "bandwidth per GPU, unoverlapped, where the preset's inter-node link is 180 GB/s; the "
                               "planner prices the preset (errors +38 % to +367 %): not a planner row until the "
                               "bandwidth the run achieved is known",
+    "korthikanti-activations-selective": "the paper's selective recomputation recomputes only the attention core; "
+                                         "shardwise's keeps the block input and the weight GEMMs' outputs and "
+                                         "recomputes the rest: a different technique, so different bytes",
     "moe-fp8": "FP8 GEMMs (Qwen3, DeepSeek-V3) and DualPipe (DeepSeek-V3): the planner has neither and prices them at "
                "the bf16 peak with exposed all-to-alls, so these rows measure the missing features, not the model",
 }
@@ -140,16 +146,27 @@ def _zero() -> dict[str, list[Row]]:
     return {"zero-table1-memory": rows}
 
 
+def _activations() -> dict[str, list[Row]]:
+    from .published_memory import activation_memory_table
+
+    out: dict[str, list[Row]] = {"korthikanti-activations": [], "korthikanti-activations-selective": []}
+    for r in activation_memory_table():
+        key = "korthikanti-activations" if r.graded else "korthikanti-activations-selective"
+        out[key].append(Row(f"{r.model} {r.technique}", r.error, family(1 if r.technique == "none" else 8)))
+    return out
+
+
 def _measured() -> dict[str, list[Row]]:
     from .measured_check import measured_tables
 
     return {k: [Row(*r) for r in v] for k, v in measured_tables(family).items()}
 
 
-_PRODUCERS = (_megatron, _korthikanti, _narayanan, _llama3, _mcore, _moe, _zero, _measured)
+_PRODUCERS = (_megatron, _korthikanti, _narayanan, _llama3, _mcore, _moe, _zero, _activations, _measured)
 _PRODUCES = {_megatron: ("megatron-table1",), _korthikanti: ("korthikanti-table5",),
              _narayanan: ("narayanan-table2-ptdp", "narayanan-table2-zero3"), _llama3: ("llama3-table4",),
              _mcore: ("mcore-weak-scaling",), _moe: ("moe-bridge-bf16", "moe-fp8"), _zero: ("zero-table1-memory",),
+             _activations: ("korthikanti-activations", "korthikanti-activations-selective"),
              _measured: ("h200-calibrated", "h200-quick-probe", "cpu-calibrated", "cpu-memory")}
 
 

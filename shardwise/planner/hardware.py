@@ -320,14 +320,14 @@ PRESETS: dict[str, Hardware] = {
         name="a100-80g-sxm", peak_flops={"fp32": 19.5e12, "bf16": 312e12}, memory_bytes=80e9,
         memory_bandwidth_Bps=0.85 * 2.039e12, devices_per_node=8,
         intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=230e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=22.5e9),
-        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5,
+        gemm_curve=_GEMM_CURVE, op_overhead_s=4e-6, p2p_alpha_s=2e-5, sustained_fraction=0.92,
         source="NVIDIA A100 80GB SXM datasheet; Selene interconnect (Narayanan et al. 2021 §5); nccl-tests"),
     "h100-80g-sxm": Hardware(
         name="h100-80g-sxm", peak_flops={"fp32": 67e12, "bf16": 989e12}, memory_bytes=80e9,
         memory_bandwidth_Bps=0.85 * 3.35e12, devices_per_node=8,
         intra=Link(alpha_s=2e-6, bus_bandwidth_Bps=370e9), inter=Link(alpha_s=5e-6, bus_bandwidth_Bps=45e9),
         gemm_curve=_GEMM_CURVE_H100, op_overhead_s=4e-6, p2p_alpha_s=2e-5, attention_table="h100-cudnn",
-        source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests; XLA sm_90 GEMM table; "
+        sustained_fraction=0.92, source="NVIDIA H100 SXM datasheet; DGX H100 8x NDR 400 Gb/s; nccl-tests; XLA sm_90 GEMM table; "
                "FlashAttention-3 Figs. 5-6 (cuDNN)"),
 }
 # H200 SXM: the H100's chip with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet; the same dense BF16/FP32 rates

@@ -22,19 +22,21 @@ from benchmarks.planner.published_check import TABLES, UNGRADED, Row
 
 # table: (max |error|, median |error|) in sample, then held out; recorded + 0.5 point
 BOUNDS = {
-    "megatron-table1": ((0.098, 0.059), (0.082, 0.061)),
-    "korthikanti-table5": ((0.040, 0.015), (0.137, 0.101)),
-    "narayanan-table2-ptdp": ((0.111, 0.087), (0.111, 0.087)),
-    "llama3-table4": ((0.126, 0.038), (0.108, 0.076)),
-    "mcore-weak-scaling": ((0.492, 0.136), (0.469, 0.121)),
-    "moe-bridge-bf16": ((0.786, 0.681), (0.669, 0.570)),
-    "zero-table1-memory": ((0.008, 0.006), (0.008, 0.006)),
-    "h200-calibrated": ((0.163, 0.023), (0.163, 0.023)),
-    "h200-quick-probe": ((0.283, 0.129), (0.283, 0.129)),
-    "cpu-calibrated": ((0.146, 0.059), (0.146, 0.059)),
-    "cpu-memory": ((0.116, 0.052), (0.116, 0.052)),
+    "megatron-table1": ((0.097, 0.029), (0.083, 0.061)),
+    "korthikanti-table5": ((0.116, 0.082), (0.138, 0.101)),
+    "narayanan-table2-ptdp": ((0.047, 0.024), (0.111, 0.088)),
+    "llama3-table4": ((0.199, 0.084), (0.230, 0.116)),
+    "mcore-weak-scaling": ((0.340, 0.073), (0.362, 0.092)),
+    "moe-bridge-bf16": ((0.590, 0.522), (0.590, 0.522)),
+    "zero-table1-memory": ((0.008, 0.007), (0.008, 0.007)),
+    "korthikanti-activations": ((0.006, 0.005), (0.006, 0.005)),
+    "h200-calibrated": ((0.164, 0.024), (0.164, 0.024)),
+    "h200-quick-probe": ((0.284, 0.129), (0.284, 0.129)),
+    "cpu-calibrated": ((0.146, 0.060), (0.146, 0.060)),
+    "cpu-memory": ((0.117, 0.052), (0.117, 0.052)),
 }
-MISSES_GOAL = {"mcore-weak-scaling", "moe-bridge-bf16", "h200-calibrated", "h200-quick-probe"}
+MISSES_GOAL = {"korthikanti-table5", "narayanan-table2-ptdp", "llama3-table4", "mcore-weak-scaling", "moe-bridge-bf16",
+               "h200-calibrated", "h200-quick-probe"}
 """Graded tables not yet within the goal (named in docs/planner.md with the reason)."""
 
 
@@ -93,12 +95,15 @@ def test_nothing_is_fitted_to_the_row_it_is_judged_by(result):
 
 
 def test_fit_picks_the_grid_value_that_minimises_the_objective():
-    # two fake tables whose errors are linear in the constant: the minimum of the mean median |log| is found
+    # fake tables whose errors are linear in the constant: one table alone has a unique best grid value; two
+    # tables pulling apart leave a flat optimum, broken towards the prior
     c = FITTED[0]
-    grid = {v: {"a": [Row("r", 1.1 * v - 1, "f")], "b": [Row("r", 0.9 * v - 1, "f")]} for v in c.grid}
-    best = fit(c, grid, ["a", "b"])
-    assert best == min(c.grid, key=lambda v: abs(math.log(1.1 * v)) + abs(math.log(0.9 * v)))
-    assert objective(grid[best], ["a"]) == pytest.approx(abs(math.log1p(1.1 * best - 1)))
+    grid = {v: {"a": [Row("r", 1.1 * v - 1, "f")], "b": [Row("r", 0.8 * v - 1, "f")]} for v in c.grid}
+    assert fit(c, grid, ["a"]) == min(c.grid, key=lambda v: abs(math.log(1.1 * v)))
+    assert fit(c, grid, ["a"]) == 0.90
+    assert objective(grid[0.9], ["a"]) == pytest.approx(abs(math.log(0.99)))
+    # |log 1.1v| + |log 0.8v| is log(1.375) for every v in [1/1.1, 1/0.8]: the grid's values there tie
+    assert fit(c, grid, ["a", "b"]) == c.prior
     assert fit(c, grid, []) == c.prior
 
 
