@@ -134,12 +134,17 @@ def _pct(x: float) -> str:
     return f"{x * 100:.1f} %" if x < 0.0995 else f"{x * 100:.0f} %"
 
 
+MIN_ROWS = 3
+"""Rows a family's band needs to be quoted: fewer (one or two published rows) say little about a distribution, so
+the class's rows of any layout are quoted instead."""
+
+
 def error_band(hw: Hardware, plan: Layout) -> ErrorBand | None:
-    """The band of ``plan`` on ``hw`` from ``BANDS``: its class and family, else its class's ``ANY_LAYOUT``
-    fallback, else None (nothing is known about the class)."""
+    """The band of ``plan`` on ``hw`` from ``BANDS``: its class and family where that rests on ``MIN_ROWS`` rows or
+    more, else its class's ``ANY_LAYOUT`` band, else None (nothing is known about the class)."""
     cls, family = hardware_class(hw), layout_family(plan)
     for key in ((cls, family), (cls, ANY_LAYOUT)):
-        if key in BANDS:
+        if key in BANDS and (BANDS[key][2] >= MIN_ROWS or key[1] == ANY_LAYOUT):
             typical, worst, rows, tables = BANDS[key]
             return ErrorBand(typical, worst, rows, cls, key[1], tables, BANDS_HELD_OUT)
     return None

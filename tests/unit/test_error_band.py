@@ -77,6 +77,18 @@ def test_a_band_falls_back_to_its_class_then_to_nothing(monkeypatch: pytest.Monk
     assert tie_tolerance(A100, Layout(dp=2)) == TIE  # no band: the search's own resolution
 
 
+def test_a_family_of_fewer_than_three_rows_is_quoted_its_classs_band(monkeypatch: pytest.MonkeyPatch):
+    h100 = Hardware.preset("h100-80g-sxm")
+    bands = {("H100/H200", "data parallel / ZeRO"): (0.30, 0.30, 2, "t"),
+             ("H100/H200", "pipeline"): (0.05, 0.09, 3, "t"), ("H100/H200", ANY_LAYOUT): (0.10, 0.30, 5, "t")}
+    monkeypatch.setattr(mod, "BANDS", bands)
+    assert mod.MIN_ROWS == 3
+    dp = error_band(h100, Layout(dp=8))
+    assert dp is not None and (dp.family, dp.typical, dp.rows) == (ANY_LAYOUT, 0.10, 5)
+    pp = error_band(h100, Layout(dp=2, pp=4, microbatches=8))
+    assert pp is not None and (pp.family, pp.typical, pp.rows) == ("pipeline", 0.05, 3)
+
+
 def test_describe_says_the_time_the_spread_and_where_it_comes_from():
     band = ErrorBand(0.08, 0.15, 12, "A100", "pipeline", "megatron-table1, korthikanti-table5", held_out=True)
     assert band.describe(1.4321) == ("1.43 s, typically within ±8.0 % (worst ±15 %, 12 held-out rows of published "
