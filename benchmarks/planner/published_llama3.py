@@ -132,7 +132,7 @@ def llama3_table() -> tuple[list[str], list[dict[str, Any]]]:
                  "s × s scores; the 2021–2022 tables above keep unfused attention (scores through memory).")
     from .published_memory import llama3_memory_lines  # imports this module: here, not at the top
 
-    return lines + ["", *chunk_lines(), ""] + llama3_memory_lines(), rows
+    return lines + [""] + llama3_memory_lines(), rows
 
 
 def chunk_lines(chunks: tuple[int, ...] = (2, 4, 8)) -> list[str]:

@@ -46,9 +46,10 @@ def published_tables() -> tuple[list[str], dict[str, Any]]:
     lines.insert(0, f"Megatron-LM Table 1: max |error| {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
     more, korthikanti = korthikanti_table()
     table2, narayanan = narayanan_table2()
-    from .published_llama3 import llama3_table
+    from .published_llama3 import chunk_lines, llama3_table
 
     llama3, llama3_rows = llama3_table()
+    llama3 += ["", *chunk_lines()]
     from .published_mcore import mcore_table
 
     mcore, mcore_rows = mcore_table()
