@@ -27,7 +27,7 @@ from shardwise.runtime.prediction import gpt_spec, plan_from_config, probed_hard
 BENCH = Path(__file__).resolve().parent
 
 
-def _errors(hw: Hardware, rows: list[dict], global_batch: int | None = None) -> dict[str, float]:
+def layout_errors(hw: Hardware, rows: list[dict], global_batch: int | None = None) -> dict[str, float]:
     flags = dict(SINGLE_LAYOUTS)
     out = {}
     for row in rows:
@@ -47,15 +47,28 @@ def _line(name: str, errors: dict[str, float]) -> str:
             + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()))
 
 
-def main() -> int:
+def calibrated_rows() -> dict[str, float]:
+    """Each stored layout's error with the H200's calibration."""
     rows = json.loads((BENCH / "single_device_h200.json").read_text())["single_device"]
-    print(_line("H200 calibration", _errors(Hardware.load(BENCH / "hardware_h200_1gpu.json"), rows)))
+    return layout_errors(Hardware.load(BENCH / "hardware_h200_1gpu.json"), rows)
+
+
+def probe_rows() -> list[dict[str, float]]:
+    """Each stored layout's error with each quick probe's hardware (one dict per probe)."""
     probes = json.loads((BENCH / "quick_probe_h200.json").read_text())
-    for i, run in enumerate(probes["quick_probe_runs"], 1):
+    out = []
+    for run in probes["quick_probe_runs"]:
         measured = {k: v for k, v in run.items() if k not in ("wall_s",)}
         measured["rows"] = [tuple(r) for r in measured["rows"]]
         measured["bf16_rows"] = [tuple(r) for r in measured["bf16_rows"]]
-        print(_line(f"quick probe {i}", _errors(probed_hardware(**measured), probes["single_device"], 16)))
+        out.append(layout_errors(probed_hardware(**measured), probes["single_device"], 16))
+    return out
+
+
+def main() -> int:
+    print(_line("H200 calibration", calibrated_rows()))
+    for i, errors in enumerate(probe_rows(), 1):
+        print(_line(f"quick probe {i}", errors))
     return 0
 
 

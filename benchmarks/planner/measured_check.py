@@ -26,31 +26,16 @@ __all__ = ["measured_tables", "h200_calibrated", "h200_quick_probe", "cpu_calibr
 Family = Callable[..., str]
 
 
-def _h200_rows(hw: Any, rows: list[dict[str, Any]], global_batch: int | None = None) -> list[tuple[str, float]]:
-    from benchmarks.planner_rescore_h200 import _errors
-
-    return list(_errors(hw, rows, global_batch).items())
-
-
 def h200_calibrated() -> list[tuple[str, float]]:
-    from shardwise.planner import Hardware
+    from benchmarks.planner_rescore_h200 import calibrated_rows
 
-    rows = json.loads((BENCH / "single_device_h200.json").read_text())["single_device"]
-    return _h200_rows(Hardware.load(BENCH / "hardware_h200_1gpu.json"), rows)
+    return list(calibrated_rows().items())
 
 
 def h200_quick_probe() -> list[tuple[str, float]]:
-    from shardwise.runtime.prediction import probed_hardware
+    from benchmarks.planner_rescore_h200 import probe_rows
 
-    probes = json.loads((BENCH / "quick_probe_h200.json").read_text())
-    out = []
-    for i, run in enumerate(probes["quick_probe_runs"], 1):
-        measured = {k: v for k, v in run.items() if k != "wall_s"}
-        measured["rows"] = [tuple(r) for r in measured["rows"]]
-        measured["bf16_rows"] = [tuple(r) for r in measured["bf16_rows"]]
-        out += [(f"probe {i}: {name}", e)
-                for name, e in _h200_rows(probed_hardware(**measured), probes["single_device"], 16)]
-    return out
+    return [(f"probe {i}: {name}", e) for i, errors in enumerate(probe_rows(), 1) for name, e in errors.items()]
 
 
 def cpu_calibrated() -> list[tuple[str, float, dict[str, int]]]:

@@ -72,15 +72,12 @@ UNGRADED = {
 
 
 def family(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
-    """The layout family of a row: context parallel, experts, pipeline, tensor parallel, or data parallel / ZeRO
-    (the first that applies, as ``shardwise.planner.error_band.layout_family`` names them)."""
-    if cp > 1:
-        return "context parallel"
-    if ep > 1:
-        return "experts"
-    if pp > 1:
-        return "pipeline"
-    return "tensor parallel" if tp > 1 else "data parallel / ZeRO"
+    """The layout family of a row (``shardwise.planner.error_band.layout_family`` of its axes; dp only carries
+    the experts)."""
+    from shardwise.planner.error_band import layout_family
+    from shardwise.planner.plan import Layout
+
+    return layout_family(Layout(dp=ep, tp=tp, pp=pp, cp=cp, ep=ep))
 
 
 def _megatron() -> dict[str, list[Row]]:
