@@ -119,3 +119,22 @@ def test_the_bands_users_see_are_the_checks(result):
     for key, (typical, worst, n, tables) in result["bands"].items():
         assert BANDS[key][:3] == pytest.approx((typical, worst, n), abs=0.0015), key
         assert BANDS[key][3] == tables, key
+
+
+def test_write_bands_rewrites_only_the_bands_literal(result, tmp_path):
+    import ast
+    import importlib
+
+    from benchmarks.planner.check_report import write_bands
+
+    source = importlib.import_module("shardwise.planner.error_band").__file__
+    copy = tmp_path / "error_band.py"
+    text = open(source).read()
+    copy.write_text(text.replace('("A100", ANY_LAYOUT): (', '("A100", ANY_LAYOUT): (9.0 + ', 1))  # a stale band
+    assert write_bands(result, str(copy)) == str(copy)
+    written = copy.read_text()
+    assert written == text  # the check's bands are the shipped ones (test above): the stale one is gone, nothing else moved
+    tree = ast.parse(written)
+    literal = next(n.value for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+                   and getattr(n.target, "id", "") == "BANDS")
+    assert len(literal.keys) == len(result["bands"])
